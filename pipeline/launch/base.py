@@ -1,0 +1,111 @@
+"""Launcher and Run: start a JobPlan somewhere, then watch, wait for and cancel it.
+
+A `Launcher` turns a validated `JobPlan` into running tasks (`LocalLauncher`: local processes;
+`SlurmLauncher`: one heterogeneous Slurm job) and returns a `Run`. Both write the same run-directory
+layout, so everything after the launch reads files, not launcher internals:
+
+    RUN/launch/plan.json        the plan of the latest launch
+    RUN/launch/launches.jsonl   one line per launch: launcher, time, job id (its line count = next launch index)
+    RUN/logs/<role>.<rank>.out  stdout+stderr of every task, appended across attempts
+    RUN/results/<role>.<rank>.json  the task's outcome (see pipeline.launch.task)
+    RUN/rendezvous/attempt-<n>/     rendezvous files (see pipeline.launch.rendezvous)
+
+Invariants: `Run.wait` never blocks past its timeout; when it returns, every task of the plan
+succeeded (results by role and rank); otherwise it raises `TaskFailed` naming the first failed
+task with the tail of its log, or `TimeoutError` naming the run's state.
+"""
+from __future__ import annotations
+
+import json
+import time
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, Dict, List
+
+from pipeline.launch.plan import JobPlan
+from pipeline.launch.task import PLAN_FILE, log_path, result_path
+
+LAUNCHES_FILE = "launch/launches.jsonl"
+
+
+class TaskFailed(RuntimeError):
+    """A task of the run failed (its entry raised, or it died without a result)."""
+
+
+def log_tail(run_dir: Path, role: str, rank: int, lines: int = 20) -> str:
+    path = log_path(run_dir, role, rank)
+    if not path.exists():
+        return f"(no log at {path})"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+class Run(ABC):
+    """A launched plan."""
+
+    def __init__(self, plan: JobPlan, run_dir: Path, launch_index: int) -> None:
+        self.plan = plan
+        self.run_dir = Path(run_dir)
+        self.launch_index = launch_index
+
+    @abstractmethod
+    def state(self) -> str:
+        """Launcher state of the run, Slurm-style: PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, ..."""
+
+    @abstractmethod
+    def done(self) -> bool:
+        """True once no task of the run can still be running."""
+
+    @abstractmethod
+    def cancel(self) -> None:
+        """Stop every task of the run."""
+
+    def read_results(self) -> Dict[str, List[Dict[str, Any]]]:
+        """role -> the result records present, by rank (None where a task wrote none)."""
+        out: Dict[str, List[Any]] = {}
+        for role, rank in self.plan.task_layout():
+            path = result_path(self.run_dir, role, rank)
+            out.setdefault(role, []).append(json.loads(path.read_text()) if path.exists() else None)
+        return out
+
+    def wait(self, timeout_s: float, poll_s: float = 0.5) -> Dict[str, List[Any]]:
+        """Wait until the run is done; role -> entry return values by rank, or raise naming the failure."""
+        deadline = time.monotonic() + timeout_s
+        while not self.done():
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"run in {self.run_dir} not done after {timeout_s:g} s (state {self.state()})")
+            time.sleep(poll_s)
+        records = self.read_results()
+        for role, rank in self.plan.task_layout():
+            record = records[role][rank]
+            if record is None or not record["ok"]:
+                why = record["error"].strip().splitlines()[-1] if record else f"no result (run state {self.state()})"
+                raise TaskFailed(f"task {role}.{rank} failed: {why}\n--- {log_path(self.run_dir, role, rank)}:\n"
+                                 f"{log_tail(self.run_dir, role, rank)}")
+        return {role: [r["result"] for r in rs] for role, rs in records.items()}
+
+
+class Launcher(ABC):
+    """Starts a JobPlan in a run directory."""
+
+    name = "abstract"
+
+    def launch(self, plan: JobPlan, run_dir: Path | str) -> Run:
+        plan.validate()
+        run_dir = Path(run_dir).absolute()
+        self.check(plan)
+        (run_dir / "launch").mkdir(parents=True, exist_ok=True)
+        launches = run_dir / LAUNCHES_FILE
+        launch_index = len(launches.read_text().splitlines()) if launches.exists() else 0
+        (run_dir / PLAN_FILE).write_text(plan.to_json())
+        run = self._start(plan, run_dir, launch_index)
+        with open(launches, "a") as f:
+            f.write(json.dumps({"launcher": self.name, "time": time.time(), "launch_index": launch_index,
+                                "job_id": getattr(run, "job_id", None)}) + "\n")
+        return run
+
+    def check(self, plan: JobPlan) -> None:
+        """Raise LaunchError if this launcher cannot run the plan (before anything starts)."""
+
+    @abstractmethod
+    def _start(self, plan: JobPlan, run_dir: Path, launch_index: int) -> Run:
+        """Start every task; return without waiting for them."""

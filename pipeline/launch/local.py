@@ -1,0 +1,78 @@
+"""LocalLauncher: every task of the plan as a local process (laptop, CI, no Slurm).
+
+Each task is `python -m pipeline.launch.task RUN_DIR LAUNCH_INDEX` with TOKENFLOW_GLOBAL_RANK set,
+so it runs exactly the dispatcher the Slurm tasks run (same logs, results, rendezvous). Resource
+fields of the plan (nodes, CPUs, memory, partition, ...) are not enforced locally; the task count
+(nodes * tasks_per_node per component) is.
+
+Invariant: a run never outlives a failure silently: once any task exits non-zero, `done()` stops
+the remaining tasks (SIGTERM, then SIGKILL after `kill_grace_s`), so `wait` reports the failure
+instead of hanging on peers waiting for the dead task.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List
+
+from pipeline.launch.base import Launcher, Run
+from pipeline.launch.plan import JobPlan
+
+
+class LocalRun(Run):
+    def __init__(self, plan: JobPlan, run_dir: Path, launch_index: int, procs: List[subprocess.Popen],
+                 kill_grace_s: float) -> None:
+        super().__init__(plan, run_dir, launch_index)
+        self.procs = procs
+        self.kill_grace_s = kill_grace_s
+        self._cancelled = False
+
+    def state(self) -> str:
+        codes = [p.poll() for p in self.procs]
+        if self._cancelled:
+            return "CANCELLED"
+        if any(c not in (None, 0) for c in codes):
+            return "FAILED"
+        return "COMPLETED" if all(c == 0 for c in codes) else "RUNNING"
+
+    def done(self) -> bool:
+        codes = [p.poll() for p in self.procs]
+        if any(c not in (None, 0) for c in codes) and any(c is None for c in codes):
+            self._stop()
+            return True
+        return all(c is not None for c in codes)
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._stop()
+
+    def _stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + self.kill_grace_s
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)
+
+
+class LocalLauncher(Launcher):
+    name = "local"
+
+    def __init__(self, kill_grace_s: float = 10.0) -> None:
+        self.kill_grace_s = kill_grace_s
+
+    def _start(self, plan: JobPlan, run_dir: Path, launch_index: int) -> LocalRun:
+        procs = []
+        for global_rank, _ in enumerate(plan.task_layout()):
+            env = {**os.environ, **plan.env, "TOKENFLOW_GLOBAL_RANK": str(global_rank)}
+            procs.append(subprocess.Popen(
+                [sys.executable, "-u", "-m", "pipeline.launch.task", str(run_dir), str(launch_index)],
+                env=env, stdin=subprocess.DEVNULL, start_new_session=True))
+        return LocalRun(plan, run_dir, launch_index, procs, self.kill_grace_s)

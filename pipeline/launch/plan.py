@@ -1,0 +1,105 @@
+"""The job plan: which components (roles) a run has and what each one needs.
+
+A `JobPlan` is an ordered mapping of component name -> `ComponentSpec`. The order matters: on
+Slurm, component k of the plan is component k of ONE heterogeneous job, and `SLURM_PROCID`
+numbers the tasks component after component.
+
+Invariants kept here (checked by `JobPlan.validate`, before anything is started):
+- component names are roles: lower-case identifiers (`[a-z][a-z0-9_]*`), unique, at least one;
+- every count is positive (GPUs may be 0), `mem_gb > 0`, `time_min > 0`;
+- `entry` is "package.module:function"; the function is called once per task as
+  `function(task)` with a `pipeline.launch.task.TaskInfo` (role, rank in role, run dir, attempt, ...).
+
+Worked example: components trainer (nodes=2, tasks_per_node=1) then generator (nodes=1,
+tasks_per_node=2) give 4 tasks; SLURM_PROCID 0,1 are trainer ranks 0,1 and SLURM_PROCID 2,3 are
+generator ranks 0,1 (`JobPlan.task_layout()` returns exactly this list).
+
+Plans are JSON-serialisable (`to_json` / `from_json`): the launcher stores the plan it ran as
+`RUN/launch/plan.json`, and the local launcher's tasks read it from there.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+_ROLE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+_ENTRY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class LaunchError(RuntimeError):
+    """A run cannot be launched (bad plan, resources the cluster cannot give, sbatch refusal)."""
+
+
+@dataclass
+class ComponentSpec:
+    """Resources and entry point of one component (one role) of a run."""
+
+    entry: str = ""  # "package.module:function" called as function(task: TaskInfo) in every task
+    nodes: int = 1  # nodes of this component
+    tasks_per_node: int = 1  # processes per node (ranks of the role = nodes * tasks_per_node)
+    cpus_per_task: int = 1  # CPUs reserved per process
+    gpus_per_node: int = 0  # GPUs per node (Slurm --gpus-per-node); 0 asks for none
+    mem_gb: float = 1.0  # memory per node in GiB (Slurm --mem)
+    partition: Optional[str] = None  # Slurm partition; None = the cluster's default partition
+    account: Optional[str] = None  # Slurm account to charge; None = the user's default
+    time_min: int = 60  # wall-clock limit in minutes (Slurm --time)
+    extra_sbatch: List[str] = field(default_factory=list)  # raw sbatch options for this component, e.g. "--constraint=h100"
+
+    @property
+    def num_tasks(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
+@dataclass
+class JobPlan:
+    """Every component of a run, in heterogeneous-job order, plus what all tasks share."""
+
+    name: str = "tokenflow"  # Slurm job name
+    components: Dict[str, ComponentSpec] = field(default_factory=dict)  # role -> resources, in launch order
+    env: Dict[str, str] = field(default_factory=dict)  # environment variables set in every task
+    config: Dict[str, Any] = field(default_factory=dict)  # JSON-able payload every task receives as task.config
+    mpi: Optional[str] = None  # srun --mpi plugin (e.g. "pmix") so that mpi4py works in the tasks; None = no MPI
+    max_requeues: int = 3  # how many times a timed-out/preempted job is requeued (submitit max_num_timeout)
+    signal_delay_s: int = 90  # seconds before the time limit at which Slurm sends the checkpoint signal
+
+    def validate(self) -> None:
+        """Raise LaunchError naming every problem of the plan itself (no cluster needed)."""
+        problems = []
+        if not self.components:
+            problems.append("the plan has no components")
+        for role, spec in self.components.items():
+            if not _ROLE_NAME.match(role):
+                problems.append(f"component name {role!r} is not a role name ([a-z][a-z0-9_]*)")
+            if not _ENTRY.match(spec.entry or ""):
+                problems.append(f"{role}: entry {spec.entry!r} is not 'package.module:function'")
+            for name in ("nodes", "tasks_per_node", "cpus_per_task", "time_min"):
+                value = getattr(spec, name)
+                if not isinstance(value, int) or value < 1:
+                    problems.append(f"{role}: {name}={value!r} must be an integer >= 1")
+            if not isinstance(spec.gpus_per_node, int) or spec.gpus_per_node < 0:
+                problems.append(f"{role}: gpus_per_node={spec.gpus_per_node!r} must be an integer >= 0")
+            if not spec.mem_gb > 0:
+                problems.append(f"{role}: mem_gb={spec.mem_gb!r} must be > 0")
+            for line in spec.extra_sbatch:
+                if not line.startswith("-"):
+                    problems.append(f"{role}: extra sbatch option {line!r} must start with '-'")
+        if self.max_requeues < 0:
+            problems.append(f"max_requeues={self.max_requeues} must be >= 0")
+        if problems:
+            raise LaunchError("invalid job plan: " + "; ".join(problems))
+
+    def task_layout(self) -> List[Tuple[str, int]]:
+        """(role, rank in role) of every task, indexed by global rank (SLURM_PROCID order)."""
+        return [(role, rank) for role, spec in self.components.items() for rank in range(spec.num_tasks)]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> "JobPlan":
+        raw = json.loads(text)
+        components = {role: ComponentSpec(**spec) for role, spec in raw.pop("components").items()}
+        return cls(components=components, **raw)

@@ -1,0 +1,58 @@
+"""The probe role: checks where tasks landed, that roles find each other, and MPI, without a model.
+
+Point any component's `entry` at "pipeline.launch.probe:probe" to check a cluster before a real run
+(the launch tests do exactly this). Behaviour comes from `task.config["probe"]` (all optional):
+    rendezvous: bool   rank 0 of every role publishes {"role", "node", "port"} under its role name,
+                       every task waits (timeout_s) for every role's entry and reports what it read
+    mpi: bool          the task joins MPI (launched with srun --mpi=pmix) and global rank 0
+                       broadcasts a token; the report holds MPI rank/size and the token received
+    hold_s: float      on attempts below `hold_until_attempt` (default 1) wait up to hold_s
+                       seconds for the stop signal or a requeue (for preemption tests): return
+                       when stopped (as a role returns after checkpointing), fail if never
+    fail_role: str     tasks of this role raise (for failure-handling tests)
+    timeout_s: float   rendezvous timeout (default 60)
+Each task writes its report to RUN/probe/<role>.<rank>.attempt-<n>.json and returns it, e.g.
+    {"role": "generator", "rank": 1, "node": "node3", "attempt": 0, "peers": {"trainer": {...}}, ...}
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Any, Dict
+
+from pipeline.launch.rendezvous import free_port, mpi_broadcast, mpi_world
+from pipeline.launch.task import TaskInfo
+
+
+def probe(task: TaskInfo) -> Dict[str, Any]:
+    options = task.config.get("probe", {})
+    timeout_s = float(options.get("timeout_s", 60))
+    report: Dict[str, Any] = {
+        "role": task.role, "rank": task.rank, "role_size": task.role_size, "global_rank": task.global_rank,
+        "world_size": task.world_size, "node": task.node, "host": socket.gethostname(), "pid": os.getpid(),
+        "attempt": task.attempt, "resumed": task.resumed, "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "het_size": os.environ.get("SLURM_HET_SIZE")}
+    print(f"probe {task.role}.{task.rank} on {task.node} attempt {task.attempt}", flush=True)
+    if options.get("rendezvous"):
+        if task.rank == 0:
+            task.rendezvous.publish(task.role, {"role": task.role, "node": task.node, "port": free_port()})
+        report["peers"] = {role: task.rendezvous.wait(role, timeout_s) for role in task.roles}
+    if options.get("mpi"):
+        comm = mpi_world()
+        if comm is None:
+            raise RuntimeError("probe.mpi is set but the task was not launched under MPI (no PMIx/PMI rank)")
+        token = {"from_node": task.node, "time": time.time()} if comm.Get_rank() == 0 else None
+        report["mpi"] = {"rank": comm.Get_rank(), "size": comm.Get_size(), "token": mpi_broadcast(comm, token)}
+    if options.get("fail_role") == task.role:
+        raise RuntimeError(f"probe: role {task.role} was told to fail")
+    out = task.run_dir / "probe" / f"{task.role}.{task.rank}.attempt-{task.attempt}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report))
+    if task.attempt < int(options.get("hold_until_attempt", 1)) and options.get("hold_s"):
+        if not task.stop_requested.wait(float(options["hold_s"])):
+            raise RuntimeError(f"probe: held {options['hold_s']} s on attempt {task.attempt} and was not stopped")
+        report["stop_requested"] = True  # a real role would checkpoint here, then return
+        out.write_text(json.dumps(report))
+    return report

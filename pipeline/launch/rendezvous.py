@@ -1,0 +1,106 @@
+"""Rendezvous through the run directory (and, where the tasks run under MPI, through mpi4py).
+
+Each role publishes what others need to reach it (address, ports, a run secret) as a small JSON
+file; others wait for it with a timeout. Files live in `RUN/rendezvous/attempt-<n>/<key>.json`, so
+a requeued job (attempt n+1) never reads an address left behind by the attempt before it.
+
+Invariants:
+- a published file is complete or absent: written to a temporary name, fsynced, then renamed;
+- `wait` never blocks longer than its timeout and its error names the missing key and the keys
+  that were present;
+- the MPI path (`mpi_broadcast`) is optional: mpi4py is imported only when called, and the payload
+  crosses MPI as UTF-8 JSON bytes (no pickle).
+
+Example: the orchestrator (trainer rank 0's node) calls
+`Rendezvous(run_dir, attempt).publish("orchestrator", {"host": "node1", "port": 5555})`; each
+generator calls `.wait("orchestrator", timeout_s=120)` and gets that dict.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+_KEY = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+class RendezvousTimeout(TimeoutError):
+    """A rendezvous key did not appear in time."""
+
+
+class Rendezvous:
+    """Publish/wait key -> JSON dict for one attempt of one run."""
+
+    def __init__(self, run_dir: os.PathLike | str, attempt: int) -> None:
+        self.directory = Path(run_dir) / "rendezvous" / f"attempt-{attempt}"
+
+    def _path(self, key: str) -> Path:
+        if not _KEY.match(key):
+            raise ValueError(f"rendezvous key {key!r} must match {_KEY.pattern}")
+        return self.directory / f"{key}.json"
+
+    def publish(self, key: str, info: Dict[str, Any]) -> Path:
+        """Atomically write `info` under `key`; overwriting an earlier value of the same attempt is allowed."""
+        path = self._path(key)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(info, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return path
+
+    def get(self, key: str) -> Optional[Dict[str, Any]]:
+        """The published value of `key`, or None if it is not there yet."""
+        try:
+            with open(self._path(key)) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return None
+
+    def wait(self, key: str, timeout_s: float, poll_s: float = 0.05) -> Dict[str, Any]:
+        """Block until `key` is published (at most timeout_s seconds)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            value = self.get(key)
+            if value is not None:
+                return value
+            if time.monotonic() >= deadline:
+                present = sorted(p.stem for p in self.directory.glob("*.json")) if self.directory.exists() else []
+                raise RendezvousTimeout(
+                    f"rendezvous key {key!r} not published in {self.directory} within {timeout_s:g} s "
+                    f"(present: {present or 'nothing'})")
+            time.sleep(poll_s)
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port that was free a moment ago on this host (for a role to bind and publish)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def mpi_world() -> Optional[Any]:
+    """mpi4py's COMM_WORLD if the process was launched under MPI (PMIx/mpirun) with >1 rank, else None."""
+    if not any(k in os.environ for k in ("PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK")):
+        return None
+    from mpi4py import MPI  # optional dependency (extra "mpi"); imported only under an MPI launcher
+
+    return MPI.COMM_WORLD
+
+
+def mpi_broadcast(comm: Any, info: Optional[Dict[str, Any]], root: int = 0) -> Dict[str, Any]:
+    """Broadcast the root's JSON dict to every rank of `comm` (as bytes, no pickle); returns it on all ranks."""
+    import numpy as np
+
+    payload = json.dumps(info).encode() if comm.Get_rank() == root else b""
+    size = np.array([len(payload)], dtype=np.int64)
+    comm.Bcast(size, root=root)
+    buf = np.frombuffer(payload, dtype=np.uint8).copy() if comm.Get_rank() == root else np.empty(int(size[0]), np.uint8)
+    comm.Bcast(buf, root=root)
+    return json.loads(buf.tobytes().decode())

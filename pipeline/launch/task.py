@@ -1,0 +1,197 @@
+"""What runs inside every task: find my role, set up logs, call the role's entry function.
+
+The same dispatcher serves both launchers:
+- on Slurm, `RoleDispatcher` is the callable submitit runs in each task of the heterogeneous job;
+  the task's global rank is `SLURM_PROCID`, numbered component after component, so with the plan's
+  layout [(trainer,0), (trainer,1), (generator,0)] SLURM_PROCID=2 is generator rank 0. The
+  component sizes Slurm reports (`SLURM_HET_SIZE`, `SLURM_NTASKS_HET_GROUP_k`) must match the plan,
+  otherwise the task refuses to start and says which component differs;
+- locally, `python -m pipeline.launch.task RUN_DIR GLOBAL_RANK` (started by LocalLauncher) reads
+  `RUN/launch/plan.json`.
+
+Invariants:
+- each task's stdout and stderr (file descriptors 1 and 2, so child processes too) go to
+  `RUN/logs/<role>.<rank>.out`, appended, one header line per attempt;
+- each task writes `RUN/results/<role>.<rank>.json` ({"ok", "attempt", "result" | "error"})
+  when its entry returns or raises; a stale file from an earlier attempt is removed at start;
+- `attempt` counts the starts of this run: launches before this one in the same run directory plus
+  Slurm requeues of this job (`SLURM_RESTART_COUNT`); `resumed` is `attempt > 0`;
+- the checkpoint signal (submitit's USR2: preemption or time limit) sets `task.stop_requested`
+  before submitit checkpoints the dispatcher and requeues the job (rank 0 only, as submitit does).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Mapping, Tuple
+
+from pipeline.launch.plan import JobPlan, LaunchError
+from pipeline.launch.rendezvous import Rendezvous
+
+PLAN_FILE = "launch/plan.json"
+
+
+@dataclass
+class TaskInfo:
+    """Everything a role's entry function learns about the task it runs in."""
+
+    role: str  # the component this task belongs to
+    rank: int  # rank within the role, 0 .. role_size-1
+    role_size: int  # tasks of this role
+    roles: Dict[str, int]  # every role of the run -> its task count, in launch order
+    global_rank: int  # rank over all components (SLURM_PROCID order)
+    world_size: int  # tasks over all components
+    run_dir: Path  # the run directory (shared by every task)
+    attempt: int  # 0 on the first start of the run, +1 per relaunch or requeue
+    node: str  # Slurm node name (SLURMD_NODENAME) or the host name locally
+    config: Dict[str, Any]  # JobPlan.config
+    stop_requested: threading.Event = field(default_factory=threading.Event)  # set on preemption / time limit
+
+    @property
+    def resumed(self) -> bool:
+        return self.attempt > 0
+
+    @property
+    def rendezvous(self) -> Rendezvous:
+        return Rendezvous(self.run_dir, self.attempt)
+
+
+def log_path(run_dir: Path, role: str, rank: int) -> Path:
+    return Path(run_dir) / "logs" / f"{role}.{rank}.out"
+
+
+def result_path(run_dir: Path, role: str, rank: int) -> Path:
+    return Path(run_dir) / "results" / f"{role}.{rank}.json"
+
+
+def locate(plan: JobPlan, environ: Mapping[str, str]) -> Tuple[int, str, int]:
+    """(global rank, role, rank in role) of this task, from the launcher's environment."""
+    layout = plan.task_layout()
+    if "TOKENFLOW_GLOBAL_RANK" in environ:
+        global_rank = int(environ["TOKENFLOW_GLOBAL_RANK"])
+    elif "SLURM_PROCID" in environ:
+        global_rank = int(environ["SLURM_PROCID"])
+        het_size = int(environ.get("SLURM_HET_SIZE", "1"))
+        if het_size != len(plan.components):
+            raise LaunchError(f"the Slurm job has {het_size} het component(s) but the plan has "
+                              f"{len(plan.components)} ({', '.join(plan.components)})")
+        if het_size > 1:
+            for k, (role, spec) in enumerate(plan.components.items()):
+                got = int(environ.get(f"SLURM_NTASKS_HET_GROUP_{k}", "-1"))
+                if got != spec.num_tasks:
+                    raise LaunchError(f"het component {k} ({role}) has {got} tasks in Slurm, "
+                                      f"the plan asks for {spec.num_tasks}")
+    else:
+        raise LaunchError("not started by a launcher: neither TOKENFLOW_GLOBAL_RANK nor SLURM_PROCID is set")
+    if not 0 <= global_rank < len(layout):
+        raise LaunchError(f"global rank {global_rank} is outside the plan's {len(layout)} tasks")
+    role, rank = layout[global_rank]
+    return global_rank, role, rank
+
+
+def resolve_entry(entry: str) -> Callable[[TaskInfo], Any]:
+    module_name, _, func_name = entry.partition(":")
+    func = getattr(importlib.import_module(module_name), func_name, None)
+    if not callable(func):
+        raise LaunchError(f"entry {entry!r}: {module_name} has no callable {func_name!r}")
+    return func
+
+
+def _redirect_output(path: Path, header: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.write(fd, header.encode())
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _write_result(path: Path, record: Dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(record, default=str))
+    os.replace(tmp, path)
+
+
+def _chain_stop_signal(event: threading.Event) -> None:
+    """Set `event` on submitit's checkpoint signal, then run the handler that was installed."""
+    signum = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), signal.SIGUSR2)
+    previous = signal.getsignal(signum)
+
+    def handler(sig, frame):
+        event.set()
+        if callable(previous):
+            previous(sig, frame)
+
+    signal.signal(signum, handler)
+
+
+def run_task(plan: JobPlan, run_dir: Path, launch_index: int, environ: Mapping[str, str]) -> Any:
+    """Run this task's role entry; returns what the entry returned."""
+    run_dir = Path(run_dir)
+    global_rank, role, rank = locate(plan, environ)
+    attempt = launch_index + int(environ.get("SLURM_RESTART_COUNT", "0"))
+    node = environ.get("SLURMD_NODENAME") or socket.gethostname()
+    _redirect_output(log_path(run_dir, role, rank),
+                     f"=== {role}.{rank} attempt {attempt} global_rank {global_rank} on {node} "
+                     f"pid {os.getpid()} at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
+    result_file = result_path(run_dir, role, rank)
+    result_file.parent.mkdir(parents=True, exist_ok=True)
+    result_file.unlink(missing_ok=True)
+    os.environ.update(plan.env)
+    task = TaskInfo(role=role, rank=rank, role_size=plan.components[role].num_tasks,
+                    roles={r: spec.num_tasks for r, spec in plan.components.items()}, global_rank=global_rank,
+                    world_size=len(plan.task_layout()), run_dir=run_dir, attempt=attempt, node=node,
+                    config=plan.config)
+    if threading.current_thread() is threading.main_thread():
+        _chain_stop_signal(task.stop_requested)
+    try:
+        value = resolve_entry(plan.components[role].entry)(task)
+    except BaseException as exc:
+        if not isinstance(exc, SystemExit):  # SystemExit = submitit's requeue exit, not a failure
+            _write_result(result_file, {"ok": False, "attempt": attempt, "node": node,
+                                        "error": traceback.format_exc()})
+            traceback.print_exc()
+        raise
+    _write_result(result_file, {"ok": True, "attempt": attempt, "node": node, "result": value})
+    sys.stdout.flush()
+    return value
+
+
+class RoleDispatcher:
+    """The callable submitit runs in every task of the Slurm job (checkpointable: requeue re-runs it)."""
+
+    def __init__(self, plan: JobPlan, run_dir: Path, launch_index: int) -> None:
+        self.plan = plan
+        self.run_dir = Path(run_dir)
+        self.launch_index = launch_index
+
+    def __call__(self) -> Any:
+        return run_task(self.plan, self.run_dir, self.launch_index, os.environ)
+
+    def checkpoint(self) -> Any:
+        """submitit protocol: the job is requeued and this same dispatcher is called again."""
+        from submitit.helpers import DelayedSubmission
+
+        return DelayedSubmission(self)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Local task entry: python -m pipeline.launch.task RUN_DIR LAUNCH_INDEX (rank in TOKENFLOW_GLOBAL_RANK)."""
+    run_dir, launch_index = (argv or sys.argv[1:])[:2]
+    plan = JobPlan.from_json((Path(run_dir) / PLAN_FILE).read_text())
+    run_task(plan, Path(run_dir), int(launch_index), os.environ)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""Reader API of the rollout log: the segments of a run, read as one log of global rows.
+
+Invariants:
+
+- global row r of the log is local row ``r - first_row`` of the segment whose range holds it; each
+  segment's ``first_row`` attribute was fixed by its writer from what earlier segments held, so a
+  skipped (damaged) segment leaves a gap of unreadable rows rather than shifting later rows;
+- a damaged segment (not HDF5, truncated, unopenable) is skipped with a `LogDamageWarning` naming it
+  and listed in ``problems``; a foreign HDF5 file, a newer layout version, or segments that disagree
+  on run id or record schema raise instead (reading on would mislead). ``strict=True`` raises on
+  damage too. If no segment is readable, the first segment's error is raised;
+- nothing is ever written: a live writer's log is read in SWMR mode and ``refresh()`` shows newly
+  flushed data (and segments started since).
+
+Step records: each ``append_steps`` call of the writer is one record (one ``step_meta`` row and
+``n_samples`` ``steps`` rows). When a step number is recorded more than once (a resume re-ran it
+from a checkpoint), the later record wins in ``resume_state`` and in step filters.
+Example: records (step 3: rows [0, 1]), (step 4: rows [2]), after a resume (step 4: rows [2, 5])
+-> step_rows = {3: [0, 1], 4: [2, 5]}, consumed_rows = [0, 1, 2, 5], last_step = 4.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from pipeline.log_format import (
+    GROUP_COLUMNS, STEP_COLUMNS, STEP_META_COLUMNS, CorruptSegmentError, GroupOutcome, LogError,
+    LogDamageWarning, NotHDF5Error, SchemaMismatchError, resolve_log_path)
+from pipeline.log_segment import Segment
+from pipeline.record import RecordSchema, SampleBatch
+
+_MERGE_GAP = 64  # rows read as one range when requested rows are at most this far apart
+
+
+@dataclass
+class ResumeState:
+    """What an orchestrator needs from the log to restart a run."""
+    num_samples: int
+    """Next global row id (rows below it exist, except rows lost to damage)."""
+    stored: dict[str, np.ndarray]
+    """Groups with outcome STORED: group_id, attempt, first_row, n_samples, min_version (by group
+    id); those later evicted from the buffer are also in ``resolved[EVICTED_STALE]``."""
+    resolved: dict[GroupOutcome, np.ndarray]
+    """Group ids of every resolved group, by outcome."""
+    counts: dict[str, int]
+    """Number of resolved groups by outcome name (lower case)."""
+    max_group_id: int
+    """Largest group id in the groups table or among stored samples; -1 if none."""
+    duplicate_groups: int
+    """Resolving group rows (all but EVICTED_STALE, which follows a group's STORED row) whose
+    group id was already resolved earlier in the log (0 in a correct run)."""
+    step_rows: dict[int, np.ndarray]
+    """Step -> global rows it consumed (the latest record of each step)."""
+    consumed_rows: np.ndarray
+    """Sorted unique rows consumed by the steps of ``step_rows``."""
+    last_step: int
+    """Largest recorded step; -1 if none."""
+    last_trainer_version: int
+    """trainer_version of the latest record of ``last_step``; -1 if none."""
+    problems: list[str] = field(default_factory=list)
+
+
+class RolloutLog:
+    """The readable segments of one run's rollout log (see module docstring)."""
+
+    def __init__(self, segments: list[Segment], problems: list[str], note: str | None = None):
+        self.segments = segments
+        self.problems = problems
+        self.note = note
+        self._skipped: set[Path] = set()
+        first = segments[0]
+        self.schema: RecordSchema = first.schema
+        self.run_id: str = first.run_id
+        for s in segments[1:]:
+            _check_same_run(first, s)
+
+    @classmethod
+    def open(cls, path, strict: bool = False) -> "RolloutLog":
+        """Open the log at a run dir, log dir or segment file (see `resolve_log_path`)."""
+        paths, note = resolve_log_path(path)
+        segments, errors = open_segments(paths, strict)
+        if not segments:
+            if len(errors) == 1:
+                raise errors[0]
+            raise CorruptSegmentError("no readable segment: " + "; ".join(map(str, errors)))
+        log = cls(segments, [str(e) for e in errors], note)
+        log._skipped = {p for p in paths if p not in {s.path for s in segments}}
+        return log
+
+    def __enter__(self) -> "RolloutLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for s in self.segments:
+            s.close()
+
+    @property
+    def meta(self) -> dict:
+        """The ``meta`` given by the latest writer."""
+        return self.segments[-1].meta
+
+    @property
+    def num_samples(self) -> int:
+        """Next global row id (rows lost to a damaged segment count, but cannot be read)."""
+        return max(s.first_row + s.num_rows for s in self.segments)
+
+    @property
+    def num_readable(self) -> int:
+        return sum(s.num_rows for s in self.segments)
+
+    def refresh(self) -> None:
+        """Show what a live writer flushed since opening, including segments it started."""
+        self.segments[-1].refresh()
+        known = {s.path for s in self.segments} | self._skipped
+        paths, _ = resolve_log_path(self.segments[-1].path)
+        fresh = [p for p in paths if p not in known]
+        if fresh:
+            segs, errors = open_segments(fresh, strict=False)
+            for s in segs:
+                _check_same_run(self.segments[0], s)
+            self.segments += segs
+            self.problems += [str(e) for e in errors]
+            self._skipped |= set(fresh) - {s.path for s in segs}
+
+    # -- samples --------------------------------------------------------------------------------
+    def _locate(self, rows: np.ndarray) -> Iterator[tuple[Segment, np.ndarray]]:
+        """(segment, sorted local rows) for sorted global rows; raises on rows no segment holds."""
+        taken = 0
+        for s in self.segments:
+            lo = np.searchsorted(rows, s.first_row, side="left")
+            hi = np.searchsorted(rows, s.first_row + s.num_rows, side="left")
+            if hi > lo:
+                taken += hi - lo
+                yield s, rows[lo:hi] - s.first_row
+        if taken != len(rows):
+            held = np.zeros(len(rows), dtype=bool)
+            for s in self.segments:
+                held |= (rows >= s.first_row) & (rows < s.first_row + s.num_rows)
+            bad = rows[~held]
+            raise LogError(f"rows {bad[:10].tolist()} ({len(bad)} in all) are not in the readable "
+                           f"log (0..{self.num_samples - 1}; problems: {self.problems or 'none'})")
+
+    def read(self, rows: Iterable[int] | np.ndarray) -> SampleBatch:
+        """The given global rows, in the given order (repeats allowed)."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        uniq, inverse = np.unique(rows, return_inverse=True)
+        parts = []
+        for seg, local in self._locate(uniq):
+            breaks = np.flatnonzero(np.diff(local) > _MERGE_GAP) + 1
+            for run in np.split(local, breaks):
+                a, b = int(run[0]), int(run[-1]) + 1
+                batch = seg.read_range(a, b)
+                parts.append(batch if len(run) == b - a else batch.take(run - a))
+        out = SampleBatch.concat(parts) if parts else SampleBatch.empty(self.schema)
+        same = len(rows) == len(uniq) and np.array_equal(rows, uniq)
+        return out if same else out.take(inverse)
+
+    def iter_batches(self, batch_size: int = 1024, min_version: int | None = None,
+                     max_version: int | None = None,
+                     steps: Iterable[int] | None = None) -> Iterator[SampleBatch]:
+        """Samples in row order (or, with ``steps``, in step order), in batches of at most
+        ``batch_size``; version bounds apply to each sample's oldest token version (inclusive)."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+
+        def keep(batch: SampleBatch) -> SampleBatch:
+            if min_version is None and max_version is None:
+                return batch
+            v = batch.min_versions()
+            mask = np.ones(len(v), dtype=bool)
+            if min_version is not None:
+                mask &= v >= min_version
+            if max_version is not None:
+                mask &= v <= max_version
+            return batch if mask.all() else batch.take(np.flatnonzero(mask))
+
+        if steps is not None:
+            step_rows = self.resume_state().step_rows
+            chosen = [step_rows[s] for s in sorted(set(int(s) for s in steps)) if s in step_rows]
+            rows = np.concatenate(chosen) if chosen else np.zeros(0, np.int64)
+            for i in range(0, len(rows), batch_size):
+                batch = keep(self.read(rows[i:i + batch_size]))
+                if len(batch):
+                    yield batch
+            return
+        for seg in self.segments:
+            for a in range(0, seg.num_rows, batch_size):
+                batch = keep(seg.read_range(a, min(a + batch_size, seg.num_rows)))
+                if len(batch):
+                    yield batch
+
+    def column(self, name: str) -> np.ndarray:
+        """One committed column over all readable segments, e.g. ``samples/reward`` (row order)."""
+        return np.concatenate([s.read_column(name) for s in self.segments])
+
+    def rows(self) -> np.ndarray:
+        """Global row id of every readable sample, in the order of `column('samples/...')`."""
+        return np.concatenate([np.arange(s.first_row, s.first_row + s.num_rows, dtype=np.int64)
+                               for s in self.segments])
+
+    def min_versions(self) -> np.ndarray:
+        """Oldest token version of every readable sample (row order)."""
+        return np.concatenate([s.min_versions() for s in self.segments])
+
+    # -- tables --------------------------------------------------------------------------------
+    def groups(self) -> dict[str, np.ndarray]:
+        return {c: self.column(f"groups/{c}") for c in GROUP_COLUMNS}
+
+    def steps(self) -> dict[str, np.ndarray]:
+        return {c: self.column(f"steps/{c}") for c in STEP_COLUMNS}
+
+    def step_meta(self) -> dict[str, np.ndarray]:
+        return {c: self.column(f"step_meta/{c}") for c in STEP_META_COLUMNS}
+
+    def step_records(self) -> list[tuple[int, int, np.ndarray]]:
+        """(step, trainer_version, rows) of every step record, in log order."""
+        out = []
+        for seg in self.segments:
+            meta = seg.read_table("step_meta", ("step", "trainer_version", "n_samples"))
+            rows = seg.read_column("steps/row")
+            ends = np.cumsum(meta["n_samples"], dtype=np.int64)
+            if len(ends) and ends[-1] != len(rows):
+                raise CorruptSegmentError(f"{seg.path}: step_meta counts {int(ends[-1])} step rows "
+                                          f"but steps holds {len(rows)}")
+            starts = ends - meta["n_samples"]
+            for s, v, a, b in zip(meta["step"], meta["trainer_version"], starts, ends):
+                out.append((int(s), int(v), rows[a:b]))
+        return out
+
+    def resume_state(self) -> ResumeState:
+        g = self.groups()
+        resolving = g["group_id"][g["outcome"] != GroupOutcome.EVICTED_STALE]
+        duplicates = len(resolving) - len(np.unique(resolving))
+        stored_mask = g["outcome"] == GroupOutcome.STORED
+        stored_idx = np.flatnonzero(stored_mask)
+        stored_idx = stored_idx[np.unique(g["group_id"][stored_idx], return_index=True)[1]]
+        stored = {c: g[c][stored_idx] for c in ("group_id", "attempt", "first_row", "n_samples",
+                                                "min_version")}
+        resolved = {o: np.unique(g["group_id"][g["outcome"] == o]) for o in GroupOutcome}
+        sample_groups = self.column("samples/group_id")
+        max_gid = max([-1] + [int(a.max()) for a in (g["group_id"], sample_groups) if len(a)])
+        step_rows: dict[int, np.ndarray] = {}
+        versions: dict[int, int] = {}
+        for step, version, rows in self.step_records():
+            step_rows[step], versions[step] = rows, version
+        consumed = (np.unique(np.concatenate(list(step_rows.values()))) if step_rows
+                    else np.zeros(0, np.int64))
+        last = max(step_rows, default=-1)
+        return ResumeState(
+            num_samples=self.num_samples, stored=stored, resolved=resolved,
+            counts={o.name.lower(): int((g["outcome"] == o).sum()) for o in GroupOutcome},
+            max_group_id=max_gid, duplicate_groups=int(duplicates), step_rows=step_rows,
+            consumed_rows=consumed, last_step=last, last_trainer_version=versions.get(last, -1),
+            problems=list(self.problems))
+
+
+def open_segments(paths: list[Path], strict: bool) -> tuple[list[Segment], list[LogError]]:
+    """Open segments in order; damaged ones are skipped (warned, returned) unless ``strict``."""
+    segments, errors = [], []
+    for p in paths:
+        try:
+            segments.append(Segment.open(p))
+        except (NotHDF5Error, CorruptSegmentError) as e:
+            if strict:
+                for s in segments:
+                    s.close()
+                raise
+            errors.append(e)
+            warnings.warn(f"skipping damaged rollout log segment: {e}", LogDamageWarning,
+                          stacklevel=3)
+        except LogError:
+            for s in segments:
+                s.close()
+            raise
+    return segments, errors
+
+
+def _check_same_run(first: Segment, other: Segment) -> None:
+    if other.run_id != first.run_id:
+        raise SchemaMismatchError(f"{other.path} belongs to run {other.run_id!r}, "
+                                  f"{first.path} to run {first.run_id!r}")
+    if other.schema != first.schema:
+        raise SchemaMismatchError(f"{other.path} has record schema {other.schema}, "
+                                  f"{first.path} has {first.schema}")

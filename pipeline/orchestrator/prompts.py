@@ -1,0 +1,97 @@
+"""Prompt sources: which prompt a group id gets, tokenized once.
+
+Invariants:
+- the prompt of a group is a pure function of (source, seed, group id): group g takes position g of
+  a stream that walks seeded permutations of the dataset, epoch after epoch. The cursor is thus just
+  the next group id, and a re-issued or resumed group gets exactly the prompt it had before;
+- each prompt is tokenized once (DESIGN §6) and cached; generators and the trainer receive ids.
+
+Worked example: 3 prompts, seed 7: epoch 0 might be the permutation [2, 0, 1] and epoch 1 [1, 2, 0],
+so groups 0..5 get prompts 2, 0, 1, 1, 2, 0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    prompt_id: int
+    token_ids: np.ndarray
+    """int32 prompt token ids (chat template applied if the task uses one)."""
+    answer: Any = None
+    """What the verifier compares against (task-specific); never sent to generators."""
+
+
+class PromptSource:
+    """Base class: a finite, indexable prompt dataset walked in seeded epochs."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def load(self, prompt_id: int) -> PromptItem:
+        """Tokenized prompt ``prompt_id`` (called at most once per prompt thanks to the cache)."""
+        raise NotImplementedError
+
+    def prompt_id_for_group(self, group_id: int) -> int:
+        n = len(self)
+        epoch, pos = divmod(group_id, n)
+        return int(_permutation(self.seed, epoch, n)[pos])
+
+    def for_group(self, group_id: int) -> PromptItem:
+        return self._cached(self.prompt_id_for_group(group_id))
+
+    @lru_cache(maxsize=65536)
+    def _cached(self, prompt_id: int) -> PromptItem:
+        return self.load(prompt_id)
+
+
+@lru_cache(maxsize=8)
+def _permutation(seed: int, epoch: int, n: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+class SyntheticPromptSource(PromptSource):
+    """Random token-id prompts: a data-plane load for tests and benchmarks (no tokenizer)."""
+
+    def __init__(self, n_prompts: int = 1000, vocab_size: int = 1000, min_len: int = 8,
+                 max_len: int = 64, seed: int = 0):
+        super().__init__(seed)
+        self.n, self.vocab, self.min_len, self.max_len = n_prompts, vocab_size, min_len, max_len
+
+    def __len__(self) -> int:
+        return self.n
+
+    def load(self, prompt_id: int) -> PromptItem:
+        rng = np.random.default_rng([self.seed, 1 << 20, prompt_id])
+        n = int(rng.integers(self.min_len, self.max_len + 1))
+        ids = rng.integers(0, self.vocab, n, dtype=np.int32)
+        return PromptItem(prompt_id, ids, answer=int(ids[-1]))
+
+
+class TextPromptSource(PromptSource):
+    """Prompts given as (text or chat messages, answer), tokenized by an encode function."""
+
+    def __init__(self, items: Sequence[tuple[Any, Any]], encode: Callable[[Any], Sequence[int]],
+                 seed: int = 0):
+        super().__init__(seed)
+        if not items:
+            raise ValueError("the prompt dataset is empty")
+        self.items, self.encode = items, encode
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def load(self, prompt_id: int) -> PromptItem:
+        prompt, answer = self.items[prompt_id]
+        ids = np.asarray(self.encode(prompt), dtype=np.int32)
+        if ids.size == 0:
+            raise ValueError(f"prompt {prompt_id} tokenizes to nothing")
+        return PromptItem(prompt_id, ids, answer)

@@ -1,0 +1,63 @@
+"""Rebuild the orchestrator's state from the run's rollout log (DESIGN §6 resume).
+
+Invariants:
+- resolved groups (any outcome) are never issued again; unresolved ids below the cursor are;
+- the buffer gets back exactly the stored groups that no recorded step consumed and that were not
+  evicted as stale, oldest first, as spilled rows (read back from the log when a step takes them);
+- the step record (step -> rows, DP ranks) is restored so a trainer asking again for a recorded
+  step receives the same samples.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.log_format import GroupOutcome, LogNotFoundError
+from pipeline.log_reader import RolloutLog
+from pipeline.orchestrator.buffer import BufferedGroup
+
+
+@dataclass
+class RestoredState:
+    resolved: list[int] = field(default_factory=list)
+    attempts: dict[int, int] = field(default_factory=dict)
+    buffered: list[BufferedGroup] = field(default_factory=list)
+    step_rows: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    last_trainer_version: int = 0
+    outcome_counts: dict[str, int] = field(default_factory=dict)
+
+
+def restore_from_log(log_dir: Path) -> RestoredState:
+    try:
+        log = RolloutLog.open(log_dir)
+    except LogNotFoundError:
+        return RestoredState()
+    with log:
+        rs = log.resume_state()
+        groups = log.groups()
+        steps = log.steps()
+        state = RestoredState()
+        state.resolved = [int(g) for g in np.unique(groups["group_id"])]
+        state.attempts = {int(g): int(a) for g, a in zip(groups["group_id"], groups["attempt"])}
+        state.outcome_counts = {f"restored_{k}": v for k, v in rs.counts.items() if v}
+        evicted = set(rs.resolved[GroupOutcome.EVICTED_STALE].tolist())
+        consumed = rs.consumed_rows
+        st = rs.stored
+        order = np.argsort(st["first_row"], kind="stable")
+        all_rows = log.rows()
+        tokens = log.column("samples/prompt_len").astype(np.int64) + log.column("samples/completion_len")
+        for i in order:
+            gid, first, n = int(st["group_id"][i]), int(st["first_row"][i]), int(st["n_samples"][i])
+            rows = np.arange(first, first + n, dtype=np.int64)
+            if gid in evicted or np.isin(rows, consumed).any():
+                continue
+            n_tokens = int(tokens[np.searchsorted(all_rows, rows)].sum())
+            state.buffered.append(BufferedGroup(gid, int(st["attempt"][i]), rows,
+                                                int(st["min_version"][i]), n_tokens, None))
+        rank_of = dict(zip(steps["row"].tolist(), steps["dp_rank"].tolist()))
+        for step, rows in rs.step_rows.items():
+            state.step_rows[step] = (rows, np.array([rank_of[int(r)] for r in rows], np.int16))
+        state.last_trainer_version = max(0, rs.last_trainer_version)
+        return state

@@ -1,0 +1,360 @@
+"""The orchestrator process: admission, leases, scoring, the buffer and its durable log.
+
+One single-threaded event loop owns all state (scoring runs in a thread pool and reports back to
+the loop). Per turn it: receives and handles every waiting message; expires leases; resolves
+scored groups (filter, staleness, store); flushes the rollout log once and only then acknowledges
+the results that flush covers; grants work within the admission bound; serves a waiting step
+batch; writes metrics.
+
+Invariants (DESIGN §4, §6):
+- each admitted group is resolved once: stored, filtered or dropped (by reason); a result is
+  acknowledged only after the flush that covers its resolution;
+- a group is stored only if ``trainer_version - min_version <= max_staleness``, checked when it is
+  scored, while it waits in the buffer and again when a step takes it;
+- a step's batch is recorded in the log (which samples, which DP rank) and flushed before the
+  trainer sees it; asking again for a recorded step returns the same samples;
+- restarting on the same run directory rebuilds everything from the log: resolved groups, the
+  cursor, kept counts, the buffer (stored and not consumed), the step record. Groups leased but
+  not stored before the crash are re-issued; nothing stored is stored again.
+"""
+from __future__ import annotations
+
+import logging
+import resource
+import signal
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from pipeline.metrics import MetricsWriter
+from pipeline.orchestrator.admission import Admission
+from pipeline.orchestrator.batching import group_advantages, split_by_tokens
+from pipeline.orchestrator.buffer import BufferedGroup, RolloutBuffer
+from pipeline.orchestrator.config import OrchestratorConfig
+from pipeline.orchestrator.links import (batch_arrays, batch_from_arrays, read_rendezvous,
+                                         request_seed, write_rendezvous)
+from pipeline.orchestrator.prompts import PromptSource
+from pipeline.orchestrator.scoring import GROUP_FILTERS, AsyncScoring, Scorer
+from pipeline.record import RecordError, RecordSchema, SampleBatch
+from pipeline.rollout_log import GroupOutcome, RolloutLogWriter
+from pipeline.orchestrator.restore import restore_from_log
+from pipeline.transport import MessageServer, TransportConfig, TransportError, load_or_create_secret
+from pipeline.wire import Message
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Generator:
+    granted: int = 0
+    credit: int = 0
+
+
+class Orchestrator:
+    def __init__(self, run_dir: Path, cfg: OrchestratorConfig, prompts: PromptSource,
+                 scorer: Scorer, schema: RecordSchema, run_id: str = "run"):
+        cfg.validate()
+        self.run_dir, self.cfg, self.prompts, self.schema = Path(run_dir), cfg, prompts, schema
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.staleness = cfg.staleness_limit()
+        self.group_filter = GROUP_FILTERS[cfg.group_filter]
+        self.admission = Admission(cfg.groups_per_step, cfg.max_async, cfg.lease_timeout_s)
+        self.counts: Counter[str] = Counter()
+        log_dir = self.run_dir / "rollouts"
+        state = restore_from_log(log_dir)
+        self.writer = RolloutLogWriter(log_dir, schema, run_id,
+                                       {"group_size": cfg.group_size, "seed": cfg.seed})
+        self.buffer = RolloutBuffer(cfg.memory_token_budget, self.writer.read_samples)
+        self.step_rows: dict[int, tuple[np.ndarray, np.ndarray]] = state.step_rows
+        self.trainer_version = state.last_trainer_version
+        self.admission.restore(state.resolved, len(state.buffered), state.attempts)
+        for g in state.buffered:
+            self.buffer.add(g)
+        self.counts.update(state.outcome_counts)
+        self.scoring = AsyncScoring(scorer, cfg.scorer_threads)
+        self.server = _bind(self.run_dir, cfg.transport)
+        self.epoch = uuid.uuid4().hex[:12]
+        write_rendezvous(self.run_dir, {"address": self.server.address, "epoch": self.epoch})
+        self.metrics = MetricsWriter(self.run_dir, "orchestrator")
+        self.generators: dict[bytes, _Generator] = {}
+        self.waiting_batch: dict[bytes, tuple[int, int]] = {}
+        self.to_ack: list[tuple[bytes, int, int, str]] = []
+        self.group_rows: list[tuple] = []  # resolutions waiting for the next flush
+        self._stale_checked_for = -1
+        self.stopping = False
+        self._last_flush = self._last_metrics = time.monotonic()
+        self._ingested_tokens = 0
+        self._write_metrics(time.monotonic())
+        log.info("orchestrator epoch %s at %s (restored %d resolved groups, %d buffered, %d steps)",
+                 self.epoch, self.server.address, len(state.resolved), len(state.buffered),
+                 len(self.step_rows))
+
+    # -- loop -----------------------------------------------------------------------------
+    def run(self, duration_s: float | None = None) -> None:
+        """Serve until SIGTERM/SIGINT (or for ``duration_s``), then flush and close."""
+        end = None if duration_s is None else time.monotonic() + duration_s
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: setattr(self, "stopping", True))
+        try:
+            while not self.stopping and (end is None or time.monotonic() < end):
+                self.turn()
+        finally:
+            self.close()
+
+    def turn(self) -> None:
+        # Sleep in the socket poll, but never past the flush that pending acknowledgements await.
+        poll_s = self.cfg.flush_interval_s if self.to_ack else 0.05
+        got = self.server.recv(poll_s)
+        while got is not None:
+            self.handle(*got)
+            got = self.server.recv(0)
+        now = time.monotonic()
+        for lease in self.admission.expire(time.time()):
+            self.counts["lease_expired"] += 1
+        self._resolve_scored()
+        if self.to_ack and (now - self._last_flush >= self.cfg.flush_interval_s or len(self.to_ack) > 64):
+            self._flush_and_ack()
+        self._grant_work()
+        self._serve_batches()
+        if now - self._last_metrics >= self.cfg.metrics_interval_s:
+            self._write_metrics(now)
+
+    def handle(self, peer: bytes, msg: Message) -> None:
+        try:
+            handler = {"hello": self._on_hello, "want": self._on_want, "result": self._on_result,
+                       "get_batch": self._on_get_batch, "version": self._on_version}[msg.kind]
+        except KeyError:
+            self.counts["unknown_kind"] += 1
+            return
+        try:
+            handler(peer, msg)
+        except (KeyError, TypeError, ValueError) as exc:  # well-signed but nonsensical content
+            self.counts["bad_request"] += 1
+            log.warning("bad %s from %r: %s", msg.kind, peer, exc)
+
+    # -- generators ------------------------------------------------------------------------
+    def _on_hello(self, peer: bytes, msg: Message) -> None:
+        if peer in self.generators:  # the generator restarted: its leases will never come back
+            self.counts["leases_released"] += self.admission.release_holder(peer)
+        self.generators[peer] = _Generator()
+
+    def _on_want(self, peer: bytes, msg: Message) -> None:
+        self._set_credit(peer, msg.meta)
+
+    def _set_credit(self, peer: bytes, credit: dict) -> None:
+        gen = self.generators.setdefault(peer, _Generator())
+        received = int(credit["received"]) if credit.get("epoch") == self.epoch else 0
+        gen.credit = max(0, int(credit["free"]) - (gen.granted - received))
+
+    def _grant_work(self) -> None:
+        """One group at a time to each generator with credit in turn, so none is starved."""
+        now = time.time()
+        grants: dict[bytes, tuple[list, list]] = {}
+        progress = True
+        while progress:
+            progress = False
+            for peer, gen in self.generators.items():
+                if gen.credit <= 0:
+                    continue
+                lease = self.admission.issue(peer, now)
+                if lease is None:
+                    break
+                prompt = self.prompts.for_group(lease.group_id)
+                items, prompts = grants.setdefault(peer, ([], []))
+                items.append([lease.group_id, lease.attempt, prompt.prompt_id, self.cfg.group_size,
+                              request_seed(self.cfg.seed, lease.group_id, 0, lease.attempt)])
+                prompts.append(prompt.token_ids)
+                gen.credit -= 1
+                gen.granted += 1
+                progress = True
+        for peer, (items, prompts) in grants.items():
+            self.server.send(peer, "work", {"epoch": self.epoch, "version": self.admission.version,
+                                            "items": items},
+                             {"prompt_ids": np.concatenate(prompts),
+                              "prompt_len": np.array([len(p) for p in prompts], np.int32)})
+
+    def _on_result(self, peer: bytes, msg: Message) -> None:
+        gid, attempt = int(msg.meta["group_id"]), int(msg.meta["attempt"])
+        if "credit" in msg.meta:
+            self._set_credit(peer, msg.meta["credit"])
+        verdict = self.admission.classify_result(gid)
+        if verdict != "accept":
+            self.counts[verdict] += 1
+            if verdict == "unleased" or gid in self.admission.resolved:
+                self.to_ack.append((peer, gid, attempt, verdict))
+            return
+        try:
+            batch = batch_from_arrays(msg.arrays, self.schema)
+            self._check_group(batch, gid, attempt)
+        except RecordError as exc:
+            self.counts["invalid_result"] += 1
+            log.warning("invalid result for group %d from %r: %s", gid, peer, exc)
+            self.to_ack.append((peer, gid, attempt, "invalid"))
+            return
+        self.admission.accept(gid)
+        self._ingested_tokens += batch.num_tokens
+        self.scoring.submit((gid, attempt, peer), batch, self.prompts.for_group(gid))
+
+    def _check_group(self, batch: SampleBatch, gid: int, attempt: int) -> None:
+        c = batch.columns
+        if len(batch) != self.cfg.group_size:
+            raise RecordError(f"{len(batch)} samples, group size is {self.cfg.group_size}")
+        if (c["group_id"] != gid).any() or (c["attempt"] != attempt).any():
+            raise RecordError("samples carry another group id or attempt than the message")
+        if not np.array_equal(np.sort(c["sample_index"]), np.arange(len(batch))):
+            raise RecordError("sample indices are not 0..G-1")
+        prompt = self.prompts.for_group(gid)
+        if (c["prompt_id"] != prompt.prompt_id).any():
+            raise RecordError(f"prompt id differs from the group's prompt {prompt.prompt_id}")
+        if ((c["prompt_len"] != len(prompt.token_ids)).any()
+                or not np.array_equal(c["prompt_ids"].reshape(len(batch), -1),
+                                      np.broadcast_to(prompt.token_ids, (len(batch), len(prompt.token_ids))))):
+            raise RecordError("prompt tokens differ from the issued prompt")
+
+    # -- resolution ------------------------------------------------------------------------
+    def _resolve_scored(self) -> None:
+        for (gid, attempt, peer), group, rewards, err in self.scoring.completed():
+            if err is not None:
+                log.warning("scoring group %d failed: %s", gid, err)
+                self._resolve(gid, attempt, GroupOutcome.DROPPED_INVALID, None, peer, "score_error")
+                continue
+            group = _with_rewards(group, rewards)
+            if not self.group_filter(rewards):
+                self._resolve(gid, attempt, GroupOutcome.FILTERED, group, peer, "filtered")
+            elif self.trainer_version - int(group.min_versions().min()) > self.staleness:
+                self._resolve(gid, attempt, GroupOutcome.DROPPED_STALE, group, peer, "dropped_stale")
+            else:
+                self._resolve(gid, attempt, GroupOutcome.STORED, group, peer, "stored")
+
+    def _resolve(self, gid: int, attempt: int, outcome: GroupOutcome, group: SampleBatch | None,
+                 peer: bytes, reason: str) -> None:
+        kept = outcome == GroupOutcome.STORED
+        first_row, n, min_v = -1, 0, -1
+        if group is not None:
+            n, min_v = len(group), int(group.min_versions().min())
+        if kept:
+            rows = self.writer.append_samples(group)
+            first_row = int(rows[0])
+            self.buffer.add(BufferedGroup(gid, attempt, rows, min_v, group.num_tokens, group))
+        self.group_rows.append((gid, attempt, outcome, first_row, n, min_v, time.time()))
+        self.admission.resolve(gid, kept)
+        self.counts[reason] += 1
+        self.to_ack.append((peer, gid, attempt, reason))
+
+    def _flush(self) -> None:
+        """Write the pending group resolutions and make everything appended durable."""
+        if self.group_rows:
+            self.writer.append_groups(*map(np.array, zip(*self.group_rows)))
+            self.group_rows.clear()
+        self.writer.flush()
+
+    def _flush_and_ack(self) -> None:
+        self._flush()
+        self._last_flush = time.monotonic()
+        by_peer: dict[bytes, list] = {}
+        for peer, gid, attempt, outcome in self.to_ack:
+            by_peer.setdefault(peer, []).append([gid, attempt, outcome])
+        for peer, groups in by_peer.items():
+            self.server.send(peer, "ack", {"groups": groups})
+        self.to_ack.clear()
+
+    # -- trainer ---------------------------------------------------------------------------
+    def _on_version(self, peer: bytes, msg: Message) -> None:
+        self.admission.version = int(msg.meta["version"])
+
+    def _on_get_batch(self, peer: bytes, msg: Message) -> None:
+        step, dp_size = int(msg.meta["step"]), int(msg.meta["dp_size"])
+        self.admission.version = int(msg.meta["version"])
+        if step in self.step_rows:
+            rows, ranks = self.step_rows[step]
+            self._send_batch(peer, step, self.writer.read_samples(rows), ranks)
+        else:
+            self.trainer_version = max(self.trainer_version, step)
+            self.waiting_batch[peer] = (step, dp_size)
+
+    def _drop_stale_buffered(self) -> None:
+        for g in self.buffer.drop_stale(self.trainer_version, self.staleness):
+            self.admission.unkeep()
+            self.counts["dropped_stale_buffered"] += 1
+            self.group_rows.append((g.group_id, g.attempt, GroupOutcome.EVICTED_STALE,
+                                    int(g.rows[0]), len(g.rows), g.min_version, time.time()))
+
+    def _serve_batches(self) -> None:
+        if self.trainer_version != self._stale_checked_for:  # staleness only grows with it
+            self._drop_stale_buffered()
+            self._stale_checked_for = self.trainer_version
+        for peer, (step, dp_size) in list(self.waiting_batch.items()):
+            if step != (max(self.step_rows) + 1 if self.step_rows else 0):
+                log.warning("trainer asked for step %d; next unrecorded step differs", step)
+            if len(self.buffer) < self.cfg.groups_per_step:
+                return
+            groups = self.buffer.take(self.cfg.groups_per_step)
+            batch = SampleBatch.concat([g.batch for g in groups])
+            rows = np.concatenate([g.rows for g in groups])
+            lengths = batch.columns["prompt_len"] + batch.columns["completion_len"]
+            ranks = split_by_tokens(lengths, dp_size)
+            self.writer.append_steps(step, rows, ranks, self.trainer_version, time.time())
+            self._flush()
+            self.step_rows[step] = (rows, ranks)
+            del self.waiting_batch[peer]
+            self._send_batch(peer, step, batch, ranks)
+
+    def _send_batch(self, peer: bytes, step: int, batch: SampleBatch, ranks: np.ndarray) -> None:
+        adv = group_advantages(batch.columns["reward"], batch.columns["group_id"],
+                               self.cfg.advantage_std_scale)
+        arrays = batch_arrays(batch)
+        arrays.update(dp_rank=ranks, advantages=adv)
+        self.server.send(peer, "batch", {"step": step, "trainer_version": self.trainer_version}, arrays)
+        self.counts["steps_served"] += 1
+
+    # -- metrics and shutdown -----------------------------------------------------------------
+    def _write_metrics(self, now: float) -> None:
+        dt = now - self._last_metrics
+        a = self.admission
+        self.metrics.log(
+            "orchestrator", generators=len(self.generators), admitted=a.next_group_id, kept=a.kept, in_flight=a.in_flight,
+            bound=a.bound, version=a.version, trainer_version=self.trainer_version,
+            buffer_groups=len(self.buffer), buffer_spilled=self.buffer.spilled,
+            buffer_memory_tokens=self.buffer.memory_tokens, leases=len(a.leases),
+            reissued=a.reissued_total, cpu_s=_cpu_seconds(), ingest_tokens_per_s=self._ingested_tokens / max(dt, 1e-9),
+            **{f"count_{k}": v for k, v in self.counts.items()},
+            **{f"frames_dropped_{k}": v for k, v in self.server.dropped.items()})
+        self._ingested_tokens = 0
+        self._last_metrics = now
+
+    def close(self) -> None:
+        self._resolve_scored()
+        self._flush_and_ack()
+        self._write_metrics(time.monotonic())
+        self.scoring.close()
+        self.writer.close()
+        self.server.close()
+        self.metrics.close()
+
+
+def _cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _bind(run_dir: Path, cfg: TransportConfig) -> MessageServer:
+    """Listen where the previous incarnation listened if possible, so peers reconnect by themselves."""
+    key = load_or_create_secret(run_dir)
+    if cfg.port == 0:
+        try:
+            prev = int(read_rendezvous(run_dir, 0.0)["address"].rsplit(":", 1)[1])
+            return MessageServer(key, replace(cfg, port=prev))
+        except (TransportError, ValueError, KeyError, zmq.ZMQError):
+            pass
+    return MessageServer(key, cfg)
+
+
+def _with_rewards(batch: SampleBatch, rewards: np.ndarray) -> SampleBatch:
+    cols = dict(batch.columns)
+    cols["reward"] = rewards.astype(np.float32)
+    return SampleBatch(cols, batch.schema, validate=False)

@@ -1,0 +1,380 @@
+"""The rollout record: one sample of a prompt group, and its columnar batch form.
+
+Invariants this module keeps (checked on construction, raising `RecordError` naming the field):
+
+- every per-token array of a sample has exactly one entry per completion token: ``logprobs``,
+  ``versions`` and each optional per-token field the run's `RecordSchema` enables;
+- ``versions`` (the policy version that produced each token) are non-negative and never decrease
+  along a completion (weights only move forward while a sequence is generated);
+- token ids are non-negative, behaviour logprobs are finite and ``<= LOGPROB_MAX``;
+- an optional per-token field is present if and only if the schema enables it, so every sample of a
+  run has the same fields (the HDF5 log creates every enabled dataset up front: SWMR forbids new
+  datasets later).
+
+`SampleBatch` is the same data for N samples as flat columns: one array per scalar field (length N)
+and ragged per-token fields concatenated with per-sample lengths. Worked example, two samples with
+prompts of 3 and 2 tokens and completions of 2 and 4 tokens::
+
+    prompt_len     = [3, 2]            prompt_ids     = [p0 p1 p2 | q0 q1]          (5 = 3 + 2)
+    completion_len = [2, 4]            completion_ids = [a0 a1 | b0 b1 b2 b3]       (6 = 2 + 4)
+                                       logprobs, versions: same offsets as completion_ids
+
+Row i's completion is ``completion_ids[c_off[i] : c_off[i] + completion_len[i]]`` with
+``c_off = [0, 2]``. This layout is shared by the wire codec and the HDF5 log, so a batch crosses
+the network and lands on disk without per-sample conversion.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+#: Behaviour logprobs must be <= this (0 up to float32 rounding of the engine's log-softmax).
+LOGPROB_MAX = 1e-3
+
+#: Finish reasons, stored as their index (uint8).
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+
+
+class RecordError(ValueError):
+    """A rollout record (or batch of them) violates the record's invariants."""
+
+
+@dataclass(frozen=True)
+class RecordSchema:
+    """Which optional per-token fields a run records. Fixed by the run's config for its whole life."""
+
+    token_rewards: bool = False
+    """A float32 reward per completion token (process rewards), besides the scalar reward."""
+    teacher_logprobs: bool = False
+    """A float32 teacher logprob per completion token (on-policy distillation)."""
+    routed_experts: tuple[int, int] | None = None
+    """(moe_layers, top_k): the experts each token was routed to at generation (routing replay)."""
+    sampling_mask_k: int | None = None
+    """Width k of the per-token list of token ids the sampler kept (top-k/top-p), padded with -1."""
+
+    def token_fields(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+        """Per-completion-token fields of this schema: name -> (dtype, trailing shape)."""
+        out: dict[str, tuple[np.dtype, tuple[int, ...]]] = {
+            "completion_ids": (np.dtype(np.int32), ()),
+            "logprobs": (np.dtype(np.float32), ()),
+            "versions": (np.dtype(np.int32), ()),
+        }
+        if self.token_rewards:
+            out["token_rewards"] = (np.dtype(np.float32), ())
+        if self.teacher_logprobs:
+            out["teacher_logprobs"] = (np.dtype(np.float32), ())
+        if self.routed_experts is not None:
+            out["routed_experts"] = (np.dtype(np.int16), tuple(self.routed_experts))
+        if self.sampling_mask_k is not None:
+            out["sampling_mask"] = (np.dtype(np.int32), (int(self.sampling_mask_k),))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "token_rewards": self.token_rewards,
+            "teacher_logprobs": self.teacher_logprobs,
+            "routed_experts": list(self.routed_experts) if self.routed_experts else None,
+            "sampling_mask_k": self.sampling_mask_k,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "RecordSchema":
+        unknown = set(d) - {f.name for f in fields(cls)}
+        if unknown:
+            raise RecordError(f"record schema has unknown fields {sorted(unknown)}")
+        re = d.get("routed_experts")
+        return cls(
+            token_rewards=bool(d.get("token_rewards", False)),
+            teacher_logprobs=bool(d.get("teacher_logprobs", False)),
+            routed_experts=(int(re[0]), int(re[1])) if re else None,
+            sampling_mask_k=None if d.get("sampling_mask_k") is None else int(d["sampling_mask_k"]),
+        )
+
+
+#: Scalar (one value per sample) columns of a SampleBatch and their dtypes.
+SCALAR_COLUMNS: dict[str, np.dtype] = {
+    "group_id": np.dtype(np.int64),
+    "sample_index": np.dtype(np.int32),
+    "prompt_id": np.dtype(np.int64),
+    "attempt": np.dtype(np.int32),
+    "finish_reason": np.dtype(np.uint8),
+    "reward": np.dtype(np.float32),
+    "generator_id": np.dtype(np.int32),
+    "t_start": np.dtype(np.float64),
+    "t_end": np.dtype(np.float64),
+    "prompt_len": np.dtype(np.int32),
+    "completion_len": np.dtype(np.int32),
+}
+#: The ragged prompt column (per prompt token).
+PROMPT_COLUMN = ("prompt_ids", np.dtype(np.int32))
+
+
+def _as(name: str, value: Any, dtype: np.dtype, ndim: int) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.dtype != dtype:
+        if arr.size and not np.can_cast(arr.dtype, dtype, casting="same_kind"):
+            raise RecordError(f"{name}: dtype {arr.dtype} cannot be stored as {dtype}")
+        arr = arr.astype(dtype)
+    if arr.ndim != ndim:
+        raise RecordError(f"{name}: expected {ndim}-d array, got shape {arr.shape}")
+    return arr
+
+
+@dataclass
+class RolloutSample:
+    """One completion of a prompt group, with everything the trainer and the log need."""
+
+    group_id: int
+    """Admission-ordered id of the prompt group (unique within a run)."""
+    sample_index: int
+    """Index of this sample within its group, 0..G-1."""
+    prompt_id: int
+    """Id of the prompt in the run's prompt source."""
+    attempt: int
+    """How many times the group was issued before this one (a lease that timed out is re-issued)."""
+    prompt_ids: np.ndarray
+    """int32 prompt token ids as tokenized once by the orchestrator."""
+    completion_ids: np.ndarray
+    """int32 generated token ids (EOS included when generation stopped on it)."""
+    logprobs: np.ndarray
+    """float32 behaviour logprob of each completion token under the policy that sampled it."""
+    versions: np.ndarray
+    """int32 policy version that produced each completion token."""
+    finish_reason: str
+    """One of FINISH_REASONS."""
+    reward: float = math.nan
+    """Scalar reward; NaN until scored."""
+    generator_id: int = 0
+    """Which generator produced the sample."""
+    t_start: float = 0.0
+    """Wall-clock time (unix seconds) the request started."""
+    t_end: float = 0.0
+    """Wall-clock time (unix seconds) the request finished."""
+    token_rewards: np.ndarray | None = None
+    teacher_logprobs: np.ndarray | None = None
+    routed_experts: np.ndarray | None = None
+    sampling_mask: np.ndarray | None = None
+    schema: RecordSchema = field(default_factory=RecordSchema, repr=False)
+    """The run's schema, which decides which optional fields must be present."""
+
+    def __post_init__(self) -> None:
+        for name in ("group_id", "sample_index", "prompt_id", "attempt", "generator_id"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or v < 0:
+                raise RecordError(f"{name} must be a non-negative integer, got {v!r}")
+            setattr(self, name, int(v))
+        if self.finish_reason not in FINISH_REASONS:
+            raise RecordError(f"finish_reason {self.finish_reason!r} is not one of {FINISH_REASONS}")
+        self.prompt_ids = _as("prompt_ids", self.prompt_ids, PROMPT_COLUMN[1], 1)
+        if len(self.prompt_ids) == 0:
+            raise RecordError("prompt_ids is empty")
+        n = None
+        for name, (dtype, trail) in self.schema.token_fields().items():
+            arr = getattr(self, name)
+            if arr is None:
+                raise RecordError(f"{name} is required by the run's record schema but missing")
+            arr = _as(name, arr, dtype, 1 + len(trail))
+            if arr.shape[1:] != trail:
+                raise RecordError(f"{name}: per-token shape {arr.shape[1:]} != schema's {trail}")
+            if n is None:
+                n = len(arr)
+            elif len(arr) != n:
+                raise RecordError(f"{name} has {len(arr)} entries for {n} completion tokens")
+            setattr(self, name, arr)
+        for name in ("token_rewards", "teacher_logprobs", "routed_experts", "sampling_mask"):
+            if name not in self.schema.token_fields() and getattr(self, name) is not None:
+                raise RecordError(f"{name} is given but the run's record schema does not enable it")
+        if n == 0:
+            raise RecordError("completion is empty")
+        self.reward = float(self.reward)
+        self.t_start, self.t_end = float(self.t_start), float(self.t_end)
+        check_token_values(self.prompt_ids, self.completion_ids, self.logprobs, self.versions,
+                           np.array([n]))
+
+    @property
+    def min_version(self) -> int:
+        return int(self.versions[0])
+
+
+def check_token_values(prompt_ids: np.ndarray, completion_ids: np.ndarray, logprobs: np.ndarray,
+                       versions: np.ndarray, completion_len: np.ndarray) -> None:
+    """Vectorised bounds checks shared by single samples and batches (see module invariants)."""
+    if prompt_ids.size and prompt_ids.min() < 0:
+        raise RecordError("prompt_ids holds a negative token id")
+    if completion_ids.size and completion_ids.min() < 0:
+        raise RecordError("completion_ids holds a negative token id")
+    if logprobs.size:
+        if not np.isfinite(logprobs).all():
+            raise RecordError("logprobs holds NaN or infinite values")
+        if logprobs.max() > LOGPROB_MAX:
+            raise RecordError(f"logprobs holds a positive value {float(logprobs.max()):.4g}")
+    if versions.size:
+        if versions.min() < 0:
+            raise RecordError("versions holds a negative policy version")
+        # Non-decreasing within each sample: a decrease is only allowed where a new sample starts.
+        drops = np.flatnonzero(np.diff(versions) < 0) + 1
+        if drops.size:
+            starts = np.cumsum(completion_len)[:-1]
+            if not np.isin(drops, starts).all():
+                raise RecordError("versions decrease within a completion")
+
+
+class SampleBatch:
+    """N samples as flat columns (see the module docstring for the layout).
+
+    ``columns`` maps every scalar column, ``prompt_ids`` and every per-token field of ``schema``
+    to a numpy array. Arrays may be read-only views of network frames or HDF5 reads.
+    """
+
+    __slots__ = ("columns", "schema", "_p_off", "_c_off")
+
+    def __init__(self, columns: Mapping[str, np.ndarray], schema: RecordSchema,
+                 validate: bool = True):
+        self.columns = dict(columns)
+        self.schema = schema
+        if validate:
+            self.validate()
+        self._p_off = _offsets(self.columns["prompt_len"])
+        self._c_off = _offsets(self.columns["completion_len"])
+
+    # -- construction ---------------------------------------------------------------------
+    @classmethod
+    def from_samples(cls, samples: Sequence[RolloutSample], schema: RecordSchema) -> "SampleBatch":
+        cols: dict[str, np.ndarray] = {}
+        for name, dtype in SCALAR_COLUMNS.items():
+            if name == "finish_reason":
+                vals = [FINISH_REASONS.index(s.finish_reason) for s in samples]
+            elif name == "prompt_len":
+                vals = [len(s.prompt_ids) for s in samples]
+            elif name == "completion_len":
+                vals = [len(s.completion_ids) for s in samples]
+            else:
+                vals = [getattr(s, name) for s in samples]
+            cols[name] = np.asarray(vals, dtype=dtype)
+        cols["prompt_ids"] = _concat([s.prompt_ids for s in samples], PROMPT_COLUMN[1], ())
+        for name, (dtype, trail) in schema.token_fields().items():
+            for s in samples:
+                if s.schema != schema:
+                    raise RecordError(f"sample of group {s.group_id} was built for another schema")
+            cols[name] = _concat([getattr(s, name) for s in samples], dtype, trail)
+        return cls(cols, schema, validate=False)
+
+    @classmethod
+    def empty(cls, schema: RecordSchema) -> "SampleBatch":
+        return cls.from_samples([], schema)
+
+    @classmethod
+    def concat(cls, batches: Sequence["SampleBatch"]) -> "SampleBatch":
+        if not batches:
+            raise RecordError("cannot concatenate zero batches")
+        schema = batches[0].schema
+        if any(b.schema != schema for b in batches):
+            raise RecordError("cannot concatenate batches of different record schemas")
+        cols = {k: np.concatenate([b.columns[k] for b in batches]) for k in batches[0].columns}
+        return cls(cols, schema, validate=False)
+
+    # -- checks -----------------------------------------------------------------------------
+    def column_names(self) -> list[str]:
+        return list(SCALAR_COLUMNS) + [PROMPT_COLUMN[0]] + list(self.schema.token_fields())
+
+    def validate(self) -> None:
+        """Check dtypes, shapes, lengths and value bounds of every column (vectorised)."""
+        expected = set(self.column_names())
+        got = set(self.columns)
+        if got != expected:
+            missing, extra = sorted(expected - got), sorted(got - expected)
+            raise RecordError(f"batch columns differ from the schema: missing {missing}, extra {extra}")
+        n = len(self.columns["group_id"])
+        for name, dtype in SCALAR_COLUMNS.items():
+            a = self.columns[name]
+            if a.dtype != dtype or a.shape != (n,):
+                raise RecordError(f"column {name}: expected {dtype}[{n}], got {a.dtype}{list(a.shape)}")
+        plen, clen = self.columns["prompt_len"], self.columns["completion_len"]
+        if n and (plen.min() < 1 or clen.min() < 1):
+            raise RecordError("a sample has an empty prompt or completion")
+        for name in ("group_id", "sample_index", "prompt_id", "attempt", "generator_id"):
+            if n and self.columns[name].min() < 0:
+                raise RecordError(f"column {name} holds a negative id")
+        if n and self.columns["finish_reason"].max() >= len(FINISH_REASONS):
+            raise RecordError("column finish_reason holds an unknown code")
+        total_p, total_c = int(plen.sum()), int(clen.sum())
+        a = self.columns["prompt_ids"]
+        if a.dtype != PROMPT_COLUMN[1] or a.shape != (total_p,):
+            raise RecordError(f"column prompt_ids: expected int32[{total_p}], got {a.dtype}{list(a.shape)}")
+        for name, (dtype, trail) in self.schema.token_fields().items():
+            a = self.columns[name]
+            if a.dtype != dtype or a.shape != (total_c, *trail):
+                raise RecordError(f"column {name}: expected {dtype}{[total_c, *trail]}, "
+                                  f"got {a.dtype}{list(a.shape)}")
+        check_token_values(self.columns["prompt_ids"], self.columns["completion_ids"],
+                           self.columns["logprobs"], self.columns["versions"], clen)
+
+    # -- access -------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.columns["group_id"])
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus completion tokens of all samples."""
+        return int(self.columns["prompt_len"].sum() + self.columns["completion_len"].sum())
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return int(self.columns["completion_len"].sum())
+
+    def min_versions(self) -> np.ndarray:
+        """Oldest token version of each sample (versions never decrease, so the first token's)."""
+        return self.columns["versions"][self._c_off[:-1]] if len(self) else np.zeros(0, np.int32)
+
+    def take(self, rows: Sequence[int] | np.ndarray) -> "SampleBatch":
+        """A new batch holding the given rows, in the given order."""
+        rows = np.asarray(rows, dtype=np.int64)
+        cols = {name: self.columns[name][rows] for name in SCALAR_COLUMNS}
+        cols["prompt_ids"] = _gather(self.columns["prompt_ids"], self._p_off, rows)
+        for name in self.schema.token_fields():
+            cols[name] = _gather(self.columns[name], self._c_off, rows)
+        return SampleBatch(cols, self.schema, validate=False)
+
+    def prompt(self, i: int) -> np.ndarray:
+        return self.columns["prompt_ids"][self._p_off[i]:self._p_off[i + 1]]
+
+    def tokens(self, name: str, i: int) -> np.ndarray:
+        return self.columns[name][self._c_off[i]:self._c_off[i + 1]]
+
+    def sample(self, i: int) -> RolloutSample:
+        c = self.columns
+        kw = {name: self.tokens(name, i) for name in self.schema.token_fields()}
+        return RolloutSample(
+            group_id=int(c["group_id"][i]), sample_index=int(c["sample_index"][i]),
+            prompt_id=int(c["prompt_id"][i]), attempt=int(c["attempt"][i]),
+            prompt_ids=self.prompt(i), finish_reason=FINISH_REASONS[int(c["finish_reason"][i])],
+            reward=float(c["reward"][i]), generator_id=int(c["generator_id"][i]),
+            t_start=float(c["t_start"][i]), t_end=float(c["t_end"][i]), schema=self.schema, **kw)
+
+    def __iter__(self) -> Iterator[RolloutSample]:
+        return (self.sample(i) for i in range(len(self)))
+
+
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    off = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=off[1:])
+    return off
+
+
+def _concat(arrays: list[np.ndarray], dtype: np.dtype, trail: tuple[int, ...]) -> np.ndarray:
+    if not arrays:
+        return np.zeros((0, *trail), dtype=dtype)
+    return np.concatenate(arrays).astype(dtype, copy=False)
+
+
+def _gather(flat: np.ndarray, off: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    if len(rows) == 0:
+        return flat[:0].copy()
+    starts, ends = off[rows], off[rows + 1]
+    lens = ends - starts
+    # Index of every element to take: for each row, starts[r] .. ends[r]-1.
+    idx = np.repeat(starts - np.concatenate(([0], np.cumsum(lens)[:-1])), lens) + np.arange(lens.sum())
+    return flat[idx]

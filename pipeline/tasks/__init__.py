@@ -1,0 +1,33 @@
+"""Tasks: prompt sources with exact verifiers (see pipeline.tasks.base for the interface's invariants)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.tasks.addition import AdditionTask
+from pipeline.tasks.base import Prompt, Task
+from pipeline.tasks.jsonl import JsonlTask
+
+
+@dataclass
+class TaskConfig:
+    """Which task a run trains on."""
+
+    name: str = "addition"  # "addition" (built-in synthetic task) or "jsonl" (users' prompt/answer file)
+    digits: int = 2  # addition: operands have at most this many digits
+    path: str | None = None  # jsonl: the prompt/answer file
+    eval_path: str | None = None  # jsonl: optional separate held-out file (else a fixed split of `path`)
+    eval_size: int = 200  # size of the held-out set (jsonl: at most a fifth of the rows)
+
+
+def make_task(cfg: TaskConfig) -> Task:
+    """The Task a TaskConfig describes."""
+    if cfg.name == "addition":
+        return AdditionTask(digits=cfg.digits, eval_size=cfg.eval_size)
+    if cfg.name == "jsonl":
+        if not cfg.path:
+            raise ValueError("task.name=jsonl needs task.path=<file.jsonl>")
+        return JsonlTask(cfg.path, eval_path=cfg.eval_path, eval_size=cfg.eval_size)
+    raise ValueError(f"unknown task {cfg.name!r} (known: addition, jsonl)")
+
+
+__all__ = ["AdditionTask", "JsonlTask", "Prompt", "Task", "TaskConfig", "make_task"]

@@ -1,0 +1,333 @@
+"""The trainer engine: megatron-core model + loss + optimizer, one instance per rank.
+
+Invariants:
+- Every rank of the world constructs a ``Trainer`` and calls the same methods in the same order
+  (they are collectives). ``samples`` passed to ``logprobs``/``train_step`` are the samples of
+  this rank's data-parallel rank; TP ranks of one DP rank receive the same list.
+- Gradients are the gradient of ONE loss for the whole global batch: each token's loss is divided
+  by the global token count (all-reduced over DP before the first micro-batch), megatron DDP sums
+  gradients over DP (``calculate_per_token_loss=True``), so any DP/TP/EP layout and any
+  micro-batch split give the same update (up to float rounding).
+- Ranks run the same number of micro-batches (padded with token-free dummies) because MoE
+  expert-parallel dispatch is a collective in every forward.
+- Checkpoints (``save``/``load``) hold this rank's parameter shards, optimizer moments and RNG
+  states as safetensors plus a JSON of scalars; they restore exactly, for the same layout.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .layout import PaddedLayout, TrainSample
+from .loss import LossConfig, group_advantages, policy_loss
+from .model import ParallelConfig
+
+
+@dataclass
+class TrainerConfig:
+    """Trainer hyper-parameters and layout."""
+
+    model_dir: str = ""  # HF checkpoint directory to start from
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # TP / EP / ETP layout
+    loss: LossConfig = field(default_factory=LossConfig)  # policy-loss hyper-parameters
+    lr: float = 1e-6  # learning rate (constant)
+    weight_decay: float = 0.0  # AdamW weight decay
+    adam_betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
+    adam_eps: float = 1e-8  # AdamW epsilon
+    grad_clip: float = 1.0  # clip the global gradient norm to this (0: off)
+    micro_batch_tokens: int = 4096  # padded tokens per micro-batch
+    mini_batches: int = 1  # optimizer steps per train_step (each on a slice of the samples)
+    recompute_proximal: bool = False  # decoupled PPO: recompute old-policy logprobs before the update
+    temperature: float = 1.0  # sampling temperature the generator used (logits are divided by it)
+    seed: int = 1234  # seed of model-parallel RNG states
+    optimizer: str = "auto"  # "torch" (AdamW, CPU) | "megatron" (distributed, CUDA) | "auto"
+    timeout_s: float = 600.0  # timeout of every collective
+
+
+class Trainer:
+    def __init__(self, cfg: TrainerConfig, rank: int | None = None, world_size: int | None = None,
+                 init_method: str | None = None):
+        import torch
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        from megatron_patches import apply_cpu_patches
+
+        from .model import build_gpt_model, load_hf_config, load_hf_weights
+
+        self.cfg = cfg
+        self.cuda = torch.cuda.is_available()
+        apply_cpu_patches()
+        if not torch.distributed.is_initialized():
+            rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+            world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+            if self.cuda:
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+            torch.distributed.init_process_group(
+                "nccl" if self.cuda else "gloo", init_method=init_method or "env://", rank=rank,
+                world_size=world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        p = cfg.parallel
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=p.tp, expert_model_parallel_size=p.ep,
+            expert_tensor_parallel_size=p.etp,
+            distributed_timeout_minutes=max(1, int(cfg.timeout_s // 60)))
+        model_parallel_cuda_manual_seed(cfg.seed)
+        self.hf_config = load_hf_config(cfg.model_dir)
+        model = build_gpt_model(self.hf_config, p)
+        load_hf_weights(model, self.hf_config, cfg.model_dir)
+        self.optimizer_kind = cfg.optimizer if cfg.optimizer != "auto" else (
+            "megatron" if self.cuda else "torch")
+        self.model = self._wrap_ddp(model)
+        self.optimizer = self._make_optimizer()
+        self.ref_model = None
+        if cfg.loss.kl_coef:
+            self.ref_model = build_gpt_model(self.hf_config, p)
+            load_hf_weights(self.ref_model, self.hf_config, cfg.model_dir)
+            self.ref_model.requires_grad_(False)
+        sp = self.model.module.config.sequence_parallel
+        self.layout = PaddedLayout(cfg.micro_batch_tokens, pad_multiple=p.tp if sp else 1,
+                                   device="cuda" if self.cuda else "cpu")
+        self.dp_group = ps.get_data_parallel_group()
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.steps = 0
+
+    # ---------------------------------------------------------------- construction helpers
+    def _wrap_ddp(self, model):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=self.optimizer_kind == "megatron")
+        return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+
+    def _make_optimizer(self):
+        import torch
+
+        c = self.cfg
+        if self.optimizer_kind == "torch":
+            return torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=c.adam_betas,
+                                     eps=c.adam_eps, weight_decay=c.weight_decay)
+        if self.optimizer_kind != "megatron":
+            raise ValueError(f"optimizer must be 'torch', 'megatron' or 'auto', got {c.optimizer!r}")
+        if not self.cuda:
+            raise ValueError("optimizer='megatron' needs CUDA (it allocates on device='cuda')")
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        config = OptimizerConfig(
+            optimizer="adam", lr=c.lr, weight_decay=c.weight_decay, adam_beta1=c.adam_betas[0],
+            adam_beta2=c.adam_betas[1], adam_eps=c.adam_eps, clip_grad=c.grad_clip,
+            bf16=c.parallel.params_dtype == "bfloat16", params_dtype=self.model.module.config.params_dtype,
+            use_distributed_optimizer=True)
+        return get_megatron_optimizer(config, [self.model])
+
+    # ---------------------------------------------------------------- collectives
+    def _all_reduce(self, values, group, op=None):
+        import torch
+
+        t = torch.as_tensor(values, dtype=torch.float64, device=self.layout.device).clone()
+        torch.distributed.all_reduce(t, op=op or torch.distributed.ReduceOp.SUM, group=group)
+        return t
+
+    def _equalised(self, micro_batches):
+        """Pad the micro-batch list with dummies to the maximum count over the world."""
+        import torch
+
+        most = int(self._all_reduce([len(micro_batches)], None, torch.distributed.ReduceOp.MAX)[0])
+        return micro_batches + [self.layout.dummy() for _ in range(most - len(micro_batches))]
+
+    # ---------------------------------------------------------------- forward
+    def _token_logprobs(self, model, mb, want_entropy=False):
+        """``[rows, S]`` logprobs of the labels (and entropies, no grad) under ``model``."""
+        import torch
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        logits = model(mb.input_ids, mb.position_ids, mb.attention_mask,
+                       packed_seq_params=mb.packed_seq_params)
+        logits = logits.float() / self.cfg.temperature
+        entropy = None
+        if want_entropy:
+            with torch.no_grad():
+                entropy = self._vocab_parallel_entropy(logits)
+        return -vocab_parallel_cross_entropy(logits, mb.labels), entropy
+
+    def _vocab_parallel_entropy(self, logits):
+        import torch
+
+        top = logits.max(dim=-1, keepdim=True).values
+        torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=self.tp_group)
+        z = logits - top
+        e = z.exp()
+        stats = torch.stack([e.sum(-1), (e * z).sum(-1)])
+        torch.distributed.all_reduce(stats, group=self.tp_group)
+        return stats[0].log() - stats[1] / stats[0]
+
+    def logprobs(self, samples: Sequence[TrainSample], reference: bool = False) -> list[np.ndarray]:
+        """Per-completion-token logprobs of ``samples`` under the current (or reference) policy."""
+        import torch
+
+        model = self.ref_model if reference else self.model
+        if model is None:
+            raise ValueError("no reference model: set loss.kl_coef > 0 to build one")
+        out: list[np.ndarray | None] = [None] * len(samples)
+        model.eval()
+        with torch.no_grad():
+            for mb in self._equalised(self.layout.micro_batches(samples)):
+                values, _ = self._token_logprobs(model, mb)
+                real = [i for i in mb.sample_index if i >= 0]
+                for i, arr in zip(real, self.layout.gather(mb, values)):
+                    out[i] = arr
+        model.train()
+        return out
+
+    # ---------------------------------------------------------------- training
+    def _fill_missing_advantages(self, samples):
+        """Samples without an advantage get GRPO advantages over the GLOBAL batch's groups."""
+        import torch
+
+        missing = [s.advantage is None for s in samples]
+        counts = self._all_reduce([sum(missing)], None)
+        if counts[0] == 0:
+            return
+        dp = torch.distributed.get_world_size(self.dp_group)
+        longest = int(self._all_reduce([len(samples)], self.dp_group, torch.distributed.ReduceOp.MAX)[0])
+        mine = torch.full((longest, 3), float("nan"), dtype=torch.float64)
+        for i, s in enumerate(samples):
+            mine[i] = torch.tensor([s.reward, s.group_id, 1.0 if s.advantage is None else 0.0])
+        gathered = [torch.empty_like(mine) for _ in range(dp)]
+        torch.distributed.all_gather(gathered, mine.to(self.layout.device), group=self.dp_group)
+        table = torch.cat([g.cpu() for g in gathered])
+        rank = torch.distributed.get_rank(self.dp_group)
+        valid = ~torch.isnan(table[:, 0]) & (table[:, 2] == 1.0)
+        adv = torch.full((len(table),), float("nan"), dtype=torch.float32)
+        adv[valid] = group_advantages(table[valid, 0], table[valid, 1].long(),
+                                      std_norm=self.cfg.loss.advantage_std_norm)
+        for i, s in enumerate(samples):
+            if s.advantage is None:
+                s.advantage = float(adv[rank * longest + i])
+
+    def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        """One update (``mini_batches`` optimizer steps) on this DP rank's samples; metrics are
+        global (identical on every rank)."""
+        start = time.perf_counter()
+        self._fill_missing_advantages(samples)
+        if self.cfg.recompute_proximal:
+            proximal = self.logprobs(samples)
+        ref = self.logprobs(samples, reference=True) if self.ref_model is not None else None
+        chunks = np.array_split(np.arange(len(samples)), self.cfg.mini_batches)
+        totals: dict[str, float] = {}
+        for chunk in chunks:
+            part = [samples[i] for i in chunk]
+            extra = {}
+            if self.cfg.recompute_proximal:
+                extra["proximal"] = [proximal[i] for i in chunk]
+            if ref is not None:
+                extra["ref"] = [ref[i] for i in chunk]
+            for k, v in self._optimizer_step(part, extra).items():
+                totals[k] = totals.get(k, 0.0) + v / len(chunks)
+        self.steps += 1
+        totals["step_time_s"] = time.perf_counter() - start
+        totals["tokens_per_s"] = totals["tokens"] * len(chunks) / totals["step_time_s"]
+        return totals
+
+    def _optimizer_step(self, samples, extra) -> dict[str, float]:
+        import torch
+        from megatron.core.distributed import finalize_model_grads
+
+        cfg = self.cfg
+        micro_batches = self._equalised(self.layout.micro_batches(samples))
+        local_rows = len(samples)
+        local_tokens = sum(len(s.completion_ids) for s in samples)
+        tokens, rows = self._all_reduce([local_tokens, local_rows], self.dp_group).tolist()
+        if tokens == 0:
+            raise ValueError("the global batch has no completion tokens")
+        normaliser = tokens if cfg.loss.aggregation == "token" else rows
+        self.model.zero_grad_buffer()
+        if self.optimizer_kind == "torch":
+            self.optimizer.zero_grad(set_to_none=True)
+        sums = torch.zeros(7, dtype=torch.float64)
+        for mb in micro_batches:
+            logp, entropy = self._token_logprobs(self.model, mb, want_entropy=True)
+            loss, m = policy_loss(
+                logp, mb.extras["behaviour"], mb.extras["advantage"], mb.loss_mask, normaliser,
+                cfg.loss,
+                proximal_logprobs=self.layout.scatter(mb, extra["proximal"]) if "proximal" in extra else None,
+                ref_logprobs=self.layout.scatter(mb, extra["ref"]) if "ref" in extra else None)
+            loss.backward()
+            sums += torch.stack([loss.detach().double().cpu(), m["clipped"].cpu(), m["tis_clipped"].cpu(),
+                                 m["kl"].cpu(), m["ratio"].cpu(),
+                                 (entropy * mb.loss_mask).sum().double().cpu(), m["tokens"].cpu()]).double()
+        finalize_model_grads([self.model])
+        grad_norm = self._apply_update()
+        loss_sum, clipped, tis_clipped, kl, ratio, entropy_sum, tok = \
+            self._all_reduce(sums, self.dp_group).tolist()
+        return {"loss": loss_sum, "clip_fraction": clipped / tok, "tis_clip_fraction": tis_clipped / tok,
+                "kl": kl / tok, "ratio_mean": ratio / tok, "entropy": entropy_sum / tok,
+                "grad_norm": grad_norm, "tokens": tok}
+
+    def _apply_update(self) -> float:
+        import torch
+
+        if self.optimizer_kind == "megatron":
+            _, grad_norm, _ = self.optimizer.step()
+            return float(grad_norm or 0.0)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = p.main_grad.to(p.dtype)
+        grad_norm = self.grad_norm()
+        if self.cfg.grad_clip and grad_norm > self.cfg.grad_clip:
+            scale = self.cfg.grad_clip / (grad_norm + 1e-6)
+            for p in params:
+                p.grad.mul_(scale)
+        self.optimizer.step()
+        return grad_norm
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the gradient: each distinct parameter element counted once."""
+        from megatron.core import parallel_state as ps
+
+        dense, expert = 0.0, 0.0
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        etp_rank = ps.get_expert_tensor_parallel_rank()
+        for p in self.model.parameters():
+            sq = float(p.main_grad.double().pow(2).sum())
+            is_sharded = getattr(p, "tensor_model_parallel", False)
+            if not getattr(p, "allreduce", True):  # expert parameter: distinct per EP rank
+                expert += sq if (is_sharded or etp_rank == 0) else 0.0
+            else:
+                dense += sq if (is_sharded or tp_rank == 0) else 0.0
+        dense = float(self._all_reduce([dense], self.tp_group)[0])
+        if self.model.module.config.num_moe_experts:
+            expert = float(self._all_reduce([expert], ps.get_expert_tensor_and_model_parallel_group())[0])
+        return (dense + expert) ** 0.5
+
+    # ---------------------------------------------------------------- export / checkpoints
+    def export_hf(self, out_dir: str | Path) -> Path | None:
+        """Write an HF checkpoint of the current weights (collective; rank 0 writes)."""
+        from .model import export_hf_checkpoint
+
+        return export_hf_checkpoint(self.model, self.hf_config, out_dir, self.cfg.model_dir)
+
+    def save(self, directory: str | Path) -> None:
+        from .checkpoint import save_rank_state
+
+        save_rank_state(self, Path(directory))
+
+    def load(self, directory: str | Path) -> None:
+        from .checkpoint import load_rank_state
+
+        load_rank_state(self, Path(directory))
+
+    def close(self) -> None:
+        import torch
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+

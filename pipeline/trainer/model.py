@@ -1,0 +1,404 @@
+"""Build a megatron-core GPTModel from a Hugging Face config and convert weights both ways.
+
+Invariants:
+- Supported HF families: ``qwen3`` (dense), ``qwen3_moe`` (every layer MoE, no shared experts),
+  ``qwen2`` and ``llama`` (dense, no QK norm, default RoPE only). Anything else raises
+  ``ValueError`` naming the model type.
+- The HF side is always the on-disk / on-the-wire layout: per-expert names
+  (``model.layers.L.mlp.experts.E.gate_proj.weight``), ``[out, in]`` matrices, HF shapes.
+- Megatron side (local spec): ``linear_qkv`` rows are grouped per KV group:
+  ``[q(g,0..q_per_group-1), k(g), v(g)]`` for g = 0..groups-1, each ``head_dim`` rows; ``linear_fc1``
+  rows are ``[gate; up]``; under TP each rank holds ``[gate_r; up_r]`` and a contiguous block of
+  KV groups. Example: 4 query heads, 2 KV heads, head_dim 16, TP 2 -> rank r holds group r:
+  rows ``[q(2r), q(2r+1), k(r), v(r)]`` = 64 rows.
+- Experts: EP rank r holds global experts ``r*n_local .. r*n_local+n_local-1`` as
+  ``local_experts.j``; expert TP (ETP) shards them like the dense MLP.
+- ``iter_hf_weights`` is a collective: every rank must exhaust it; only world rank 0 receives
+  items (full HF tensors, gathered over TP, ETP and EP).
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2", "llama")
+
+
+@dataclass
+class ParallelConfig:
+    """Model-parallel layout of the trainer."""
+
+    tp: int = 1  # tensor-parallel size
+    ep: int = 1  # expert-parallel size (MoE only; carved out of data parallelism)
+    etp: int = 1  # expert tensor-parallel size (MoE only)
+    sequence_parallel: bool | None = None  # None: on when tp > 1 and the model is MoE
+    moe_dispatcher: str = "alltoall"  # megatron token dispatcher; "allgather" only when tp*ep == 1
+    params_dtype: str = "float32"  # "float32" or "bfloat16"
+
+
+def load_hf_config(model_dir: str | Path):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model type {config.model_type!r} in {model_dir} is not supported; "
+                         f"supported: {SUPPORTED_MODEL_TYPES}")
+    return config
+
+
+def is_moe(hf_config) -> bool:
+    return hf_config.model_type == "qwen3_moe"
+
+
+def has_qk_norm(hf_config) -> bool:
+    return hf_config.model_type in ("qwen3", "qwen3_moe")
+
+
+def has_qkv_bias(hf_config) -> bool:
+    return hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
+
+
+def _rope_theta(hf_config) -> float:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if params.get("rope_type", "default") != "default":
+        raise ValueError(f"RoPE scaling {params.get('rope_type')!r} is not supported")
+    return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+
+
+def transformer_config(hf_config, parallel: ParallelConfig):
+    """The megatron ``TransformerConfig`` equivalent to ``hf_config`` (dropout off, no fusions)."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if hf_config.vocab_size % parallel.tp:
+        raise ValueError(f"vocab_size {hf_config.vocab_size} is not divisible by tp={parallel.tp}")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[parallel.params_dtype]
+    moe = is_moe(hf_config)
+    sequence_parallel = parallel.sequence_parallel
+    if sequence_parallel is None:
+        sequence_parallel = moe and parallel.tp > 1
+    kwargs = dict(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=hf_config.num_key_value_heads,
+        kv_channels=getattr(hf_config, "head_dim", None)
+        or hf_config.hidden_size // hf_config.num_attention_heads,
+        ffn_hidden_size=hf_config.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=has_qkv_bias(hf_config),
+        qk_layernorm=has_qk_norm(hf_config),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=parallel.tp,
+        sequence_parallel=sequence_parallel,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        calculate_per_token_loss=True,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+    if moe:
+        if parallel.moe_dispatcher != "alltoall" and parallel.ep * parallel.tp > 1:
+            raise ValueError(
+                f"moe_dispatcher={parallel.moe_dispatcher!r} with tp*ep > 1 needs identical "
+                "micro-batch shapes on every expert-parallel rank, which per-rank batches do not "
+                "have; use 'alltoall'")
+        if getattr(hf_config, "mlp_only_layers", None) or getattr(hf_config, "decoder_sparse_step", 1) != 1:
+            raise ValueError("qwen3_moe with dense layers (mlp_only_layers/decoder_sparse_step) "
+                             "is not supported")
+        kwargs.update(
+            num_moe_experts=hf_config.num_experts,
+            moe_router_topk=hf_config.num_experts_per_tok,
+            moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+            # HF: softmax over all experts, top-k, renormalise only if norm_topk_prob.
+            # megatron: pre_softmax -> softmax then top-k (no renormalisation);
+            #           otherwise top-k then softmax over the k (= renormalised).
+            moe_router_pre_softmax=not hf_config.norm_topk_prob,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type=parallel.moe_dispatcher,
+            moe_grouped_gemm=False,
+            moe_router_dtype="fp32",
+            expert_model_parallel_size=parallel.ep,
+            expert_tensor_parallel_size=parallel.etp,
+        )
+    elif parallel.ep != 1 or parallel.etp != 1:
+        raise ValueError(f"ep={parallel.ep}, etp={parallel.etp} given for dense model "
+                         f"{hf_config.model_type}; expert parallelism needs an MoE model")
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt_model(hf_config, parallel: ParallelConfig):
+    """A randomly initialised megatron ``GPTModel`` matching ``hf_config`` (load weights after)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = transformer_config(hf_config, parallel)
+    spec = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm,
+        normalization="RMSNorm")
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=hf_config.vocab_size,
+        max_sequence_length=hf_config.max_position_embeddings, pre_process=True,
+        post_process=True, share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+        position_embedding_type="rope", rotary_base=_rope_theta(hf_config), rotary_percent=1.0)
+    if not config.use_cpu_initialization:
+        model.cuda()
+    return model
+
+
+# ------------------------------------------------------------------------------------------
+# name mapping
+# ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Rule:
+    megatron: str  # megatron parameter name (without a DDP "module." prefix)
+    hf: tuple[str, ...]  # HF names feeding it (q,k,v for qkv; gate,up for glu)
+    kind: str  # "copy", "qkv" or "glu"
+    split_dim: int | None  # TP split dimension for "copy" (None: replicated)
+    expert: int | None = None  # global expert id for expert weights
+
+
+def _rules(hf_config, ep_rank: int, ep_size: int) -> list[_Rule]:
+    rules = [_Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "copy", 0)]
+    for i in range(hf_config.num_hidden_layers):
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        rules += [
+            _Rule(m + "self_attention.linear_qkv.weight",
+                  tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv", 0),
+            _Rule(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), "copy", 1),
+            _Rule(m + "input_layernorm.weight", (h + "input_layernorm.weight",), "copy", None),
+            _Rule(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "copy", None),
+        ]
+        if has_qk_norm(hf_config):
+            rules += [
+                _Rule(m + "self_attention.q_layernorm.weight", (h + "self_attn.q_norm.weight",), "copy", None),
+                _Rule(m + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",), "copy", None),
+            ]
+        if has_qkv_bias(hf_config):
+            rules.append(_Rule(m + "self_attention.linear_qkv.bias",
+                               tuple(h + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv", 0))
+        if is_moe(hf_config):
+            rules.append(_Rule(m + "mlp.router.weight", (h + "mlp.gate.weight",), "copy", None))
+            n_local = hf_config.num_experts // ep_size
+            for j in range(n_local):
+                e = ep_rank * n_local + j
+                x, he = m + f"mlp.experts.local_experts.{j}.", h + f"mlp.experts.{e}."
+                rules += [
+                    _Rule(x + "linear_fc1.weight", (he + "gate_proj.weight", he + "up_proj.weight"),
+                          "glu", 0, e),
+                    _Rule(x + "linear_fc2.weight", (he + "down_proj.weight",), "copy", 1, e),
+                ]
+        else:
+            rules += [
+                _Rule(m + "mlp.linear_fc1.weight",
+                      (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "glu", 0),
+                _Rule(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "copy", 1),
+            ]
+    rules.append(_Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None))
+    if not hf_config.tie_word_embeddings:
+        rules.append(_Rule("output_layer.weight", ("lm_head.weight",), "copy", 0))
+    return rules
+
+
+def _qkv_layout(hf_config):
+    groups = hf_config.num_key_value_heads
+    return groups, hf_config.num_attention_heads // groups
+
+
+def _merge_qkv(hf_config, q, k, v):
+    groups, per_group = _qkv_layout(hf_config)
+    tail = q.shape[1:]
+    q = q.reshape(groups, per_group, -1, *tail)
+    k = k.reshape(groups, 1, -1, *tail)
+    v = v.reshape(groups, 1, -1, *tail)
+    import torch
+
+    return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+
+
+def _split_qkv(hf_config, qkv):
+    groups, per_group = _qkv_layout(hf_config)
+    tail = qkv.shape[1:]
+    grouped = qkv.reshape(groups, per_group + 2, -1, *tail)
+    q = grouped[:, :per_group].reshape(-1, *tail)
+    k = grouped[:, per_group].reshape(-1, *tail)
+    v = grouped[:, per_group + 1].reshape(-1, *tail)
+    return q, k, v
+
+
+def _shard(full, dim, rank, size):
+    return full if dim is None or size == 1 else full.chunk(size, dim=dim)[rank]
+
+
+def _groups(rule: _Rule):
+    """(tp-like group, rank, size) that shards this parameter."""
+    from megatron.core import parallel_state as ps
+
+    if rule.expert is not None:
+        return (ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_rank(),
+                ps.get_expert_tensor_parallel_world_size())
+    return (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_world_size())
+
+
+def _ep_rank_size(hf_config):
+    from megatron.core import parallel_state as ps
+
+    if not is_moe(hf_config):
+        return 0, 1
+    return ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
+
+
+def unwrap(model):
+    """The GPTModel inside megatron DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def load_hf_weights(model, hf_config, model_dir: str | Path) -> None:
+    """Copy this rank's shard of every weight from the HF safetensors in ``model_dir``."""
+    import torch
+    from safetensors import safe_open
+
+    model = unwrap(model)
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    where = {name: h for h in handles for name in h.keys()}
+    params = dict(model.named_parameters())
+    ep_rank, ep_size = _ep_rank_size(hf_config)
+    expected = set(params)
+    for rule in _rules(hf_config, ep_rank, ep_size):
+        missing = [n for n in rule.hf if n not in where]
+        if missing:
+            raise KeyError(f"{model_dir} lacks tensors {missing} (needed for {rule.megatron})")
+        tensors = [where[n].get_tensor(n) for n in rule.hf]
+        _, rank, size = _groups(rule)
+        if rule.kind == "qkv":
+            shard = _shard(_merge_qkv(hf_config, *tensors), 0, rank, size)
+        elif rule.kind == "glu":
+            shard = torch.cat([_shard(t, 0, rank, size) for t in tensors], dim=0)
+        else:
+            shard = _shard(tensors[0], rule.split_dim, rank, size)
+        param = params[rule.megatron]
+        if param.shape != shard.shape:
+            raise ValueError(f"{rule.megatron}: shard shape {tuple(shard.shape)} from HF does not "
+                             f"match the model's {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(shard.to(param.dtype))
+        expected.discard(rule.megatron)
+    if expected:
+        raise KeyError(f"megatron parameters without an HF source: {sorted(expected)}")
+
+
+def _all_gather(tensor, group, size):
+    import torch
+
+    if size == 1:
+        return [tensor]
+    out = [torch.empty_like(tensor) for _ in range(size)]
+    torch.distributed.all_gather(out, tensor.contiguous(), group=group)
+    return out
+
+
+def iter_hf_weights(model, hf_config, grads: bool = False) -> Iterator[tuple[str, "torch.Tensor"]]:
+    """Yield ``(hf_name, full tensor)`` on world rank 0; a collective every rank must exhaust.
+
+    With ``grads=True`` yields gradients (``param.main_grad`` under megatron DDP, else
+    ``param.grad``) in the same layout, which tests use to compare parallel layouts.
+    """
+    import torch
+
+    model = unwrap(model)
+    params = dict(model.named_parameters())
+    ep_rank, ep_size = _ep_rank_size(hf_config)
+    is_root = torch.distributed.get_rank() == 0
+    from megatron.core import parallel_state as ps
+
+    ep_group = ps.get_expert_model_parallel_group() if ep_size > 1 else None
+    for rule in _rules(hf_config, ep_rank, ep_size):
+        param = params[rule.megatron]
+        value = param
+        if grads:
+            value = getattr(param, "main_grad", None)
+            if value is None:
+                value = param.grad if param.grad is not None else torch.zeros_like(param)
+        value = value.detach().to(torch.float32, copy=True)  # never a view of live memory
+        group, _, size = _groups(rule)
+        shards = _all_gather(value, group, size)
+        if rule.kind == "qkv":
+            full = [*_split_qkv(hf_config, torch.cat(shards, 0))]
+        elif rule.kind == "glu":
+            halves = [s.chunk(2, dim=0) for s in shards]
+            full = [torch.cat([h[0] for h in halves], 0), torch.cat([h[1] for h in halves], 0)]
+        else:
+            full = [shards[0] if rule.split_dim is None else torch.cat(shards, rule.split_dim)]
+        if rule.expert is not None and ep_size > 1:
+            per_rank = [_all_gather(t, ep_group, ep_size) for t in full]
+            n_local = hf_config.num_experts // ep_size
+            local = rule.expert - ep_rank * n_local
+            for r in range(ep_size):
+                names = [re.sub(r"experts\.\d+\.", f"experts.{r * n_local + local}.", n)
+                         for n in rule.hf]
+                if is_root:
+                    yield from zip(names, [t[r] for t in per_rank])
+        elif is_root:
+            yield from zip(rule.hf, full)
+
+
+def export_hf_checkpoint(model, hf_config, out_dir: str | Path,
+                         source_dir: str | Path | None = None) -> Path | None:
+    """Write a transformers/vLLM-loadable checkpoint (safetensors + config) on world rank 0.
+
+    Collective: call on every rank. Tokenizer and generation files are copied from
+    ``source_dir`` when given. Returns the directory on rank 0, None elsewhere.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {name: t.to(_hf_dtype(hf_config)).contiguous()
+               for name, t in iter_hf_weights(model, hf_config)}
+    if torch.distributed.get_rank() != 0:
+        return None
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    hf_config.save_pretrained(str(out))
+    if source_dir is not None:
+        for f in Path(source_dir).iterdir():
+            if f.is_file() and (f.name.startswith("tokenizer") or f.name in
+                                ("special_tokens_map.json", "generation_config.json",
+                                 "chat_template.jinja", "vocab.json", "merges.txt")):
+                shutil.copy2(f, out / f.name)
+    return out
+
+
+def _hf_dtype(hf_config):
+    import torch
+
+    name = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    if isinstance(name, torch.dtype):
+        return name
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(str(name), torch.float32)
+
+

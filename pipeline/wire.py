@@ -1,0 +1,137 @@
+"""Wire format: a msgpack header plus raw array frames, authenticated with the run's secret.
+
+A message on the wire is a ZeroMQ multipart message::
+
+    [ mac (32 bytes) | header (msgpack map) | frame 0 | frame 1 | ... ]
+
+The header holds ``kind`` (the message type), ``v`` (protocol version), free-form small values under
+``meta`` and, under ``arrays``, one ``[name, dtype, shape]`` triple per following frame. The MAC is
+HMAC-SHA256 over the length-prefixed header and frames, so a frame cannot be moved, cut or
+swapped without detection. Decoding creates numpy arrays that are read-only views of the received
+frames: no copy, and no pickle anywhere.
+
+Invariants:
+- `decode` either returns a `Message` whose arrays exactly match their declared dtype and shape, or
+  raises `FrameError` with a short machine-readable ``reason`` (``unauthenticated``, ``oversized``,
+  ``malformed``, ``bad_version``); it never raises anything else on bad input.
+- Only plain numeric dtypes in `ALLOWED_DTYPES` cross the wire (no object arrays).
+
+Worked example: a 64-sample batch of 1K-token completions carries ~64K tokens as int32 ids, float32
+logprobs and int32 versions: 3 frames of 256 KB plus the prompt and scalar columns; the header is
+a few hundred bytes, so hashing and framing cost is a few hundred microseconds per batch.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+MAC_BYTES = 32
+MAX_HEADER_BYTES = 64 * 1024
+MAX_FRAMES = 64
+ALLOWED_DTYPES = frozenset(
+    np.dtype(t).str for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32,
+                               np.int64, np.uint64, np.float16, np.float32, np.float64, np.bool_))
+
+
+_DTYPES = {s: np.dtype(s) for s in ALLOWED_DTYPES}
+
+
+class FrameError(ValueError):
+    """A received message was rejected; ``reason`` names the category for counting."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass
+class Message:
+    kind: str
+    meta: dict[str, Any] = field(default_factory=dict)
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def _mac(key: bytes, parts: Sequence[memoryview | bytes]) -> bytes:
+    h = hmac.new(key, digestmod=hashlib.sha256)  # OpenSSL; SHA-NI makes it ~2x BLAKE2b here
+    for p in parts:
+        h.update(len(p).to_bytes(8, "little"))
+        h.update(p)
+    return h.digest()
+
+
+def encode(key: bytes, kind: str, meta: Mapping[str, Any] | None = None,
+           arrays: Mapping[str, np.ndarray] | None = None) -> list[bytes | memoryview]:
+    """Frames of one message. Arrays are sent from their own memory (made contiguous if needed)."""
+    specs, frames = [], []
+    for name, arr in (arrays or {}).items():
+        arr = np.ascontiguousarray(arr)
+        if arr.dtype.str not in ALLOWED_DTYPES:
+            raise TypeError(f"array {name!r} has dtype {arr.dtype}, which cannot cross the wire")
+        specs.append([name, arr.dtype.str, list(arr.shape)])
+        frames.append(memoryview(arr).cast("B") if arr.size else b"")
+    header = msgpack.packb({"v": PROTOCOL_VERSION, "kind": kind, "meta": dict(meta or {}),
+                            "arrays": specs}, use_bin_type=True)
+    return [_mac(key, [header, *frames]), header, *frames]
+
+
+def decode(key: bytes, frames: Sequence[Any], max_bytes: int) -> Message:
+    """Authenticate and parse received frames (bytes, memoryviews or zmq.Frame objects)."""
+    views = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
+    if len(views) < 2:
+        raise FrameError("malformed", f"{len(views)} frame(s), need at least mac and header")
+    if len(views) > MAX_FRAMES + 2:
+        raise FrameError("malformed", f"{len(views)} frames exceed the limit of {MAX_FRAMES + 2}")
+    total = sum(v.nbytes for v in views)
+    if total > max_bytes:
+        raise FrameError("oversized", f"{total} bytes exceed the limit of {max_bytes}")
+    mac, header, body = views[0], views[1], views[2:]
+    if mac.nbytes != MAC_BYTES or not hmac.compare_digest(bytes(mac), _mac(key, [header, *body])):
+        raise FrameError("unauthenticated", "MAC does not match the run secret")
+    if header.nbytes > MAX_HEADER_BYTES:
+        raise FrameError("oversized", f"header of {header.nbytes} bytes")
+    try:
+        h = msgpack.unpackb(header, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0)
+    except Exception as exc:  # msgpack raises several types on garbage
+        raise FrameError("malformed", f"header is not msgpack ({type(exc).__name__})") from None
+    if not isinstance(h, dict):
+        raise FrameError("malformed", "header is not a map")
+    if h.get("v") != PROTOCOL_VERSION:
+        raise FrameError("bad_version", f"protocol version {h.get('v')!r}, expected {PROTOCOL_VERSION}")
+    kind, meta, specs = h.get("kind"), h.get("meta"), h.get("arrays")
+    if not isinstance(kind, str) or not isinstance(meta, dict) or not isinstance(specs, list):
+        raise FrameError("malformed", "header lacks kind/meta/arrays")
+    if len(specs) != len(body):
+        raise FrameError("malformed", f"header declares {len(specs)} arrays, message has {len(body)}")
+    arrays: dict[str, np.ndarray] = {}
+    for spec, view in zip(specs, body):
+        arrays.update([_array(spec, view)])
+    return Message(kind=kind, meta=meta, arrays=arrays)
+
+
+def _array(spec: Any, view: memoryview) -> tuple[str, np.ndarray]:
+    if (not isinstance(spec, list) or len(spec) != 3 or not isinstance(spec[0], str)
+            or not isinstance(spec[1], str) or not isinstance(spec[2], list)):
+        raise FrameError("malformed", f"bad array spec {str(spec)[:80]}")
+    name, dtype_str, shape = spec
+    dtype = _DTYPES.get(dtype_str)
+    if dtype is None:
+        raise FrameError("malformed", f"array {name!r}: dtype {dtype_str!r} not allowed")
+    count = 1
+    for d in shape:
+        if type(d) is not int or not 0 <= d < 2**40:
+            raise FrameError("malformed", f"array {name!r}: bad shape {shape}")
+        count *= d
+    if len(shape) > 4 or count * dtype.itemsize != view.nbytes:
+        raise FrameError("malformed", f"array {name!r}: {view.nbytes} bytes for shape {shape} {dtype}")
+    arr = np.frombuffer(view, dtype=dtype, count=count)
+    if len(shape) != 1:
+        arr = arr.reshape(shape)
+    arr.flags.writeable = False
+    return name, arr

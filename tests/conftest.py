@@ -1,0 +1,52 @@
+"""Shared pytest set-up: resource markers skip with a printed reason when the resource is absent."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+
+def _cuda_reason() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA device on this machine"
+    return None
+
+
+def _slurm_reason() -> str | None:
+    if shutil.which("sinfo") is None:
+        return "Slurm client tools (sinfo) are not installed; run slurm/cluster/start.sh"
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10)
+    except subprocess.TimeoutExpired:
+        return "sinfo timed out: slurmctld is not answering"
+    if out.returncode != 0:
+        return f"no reachable Slurm cluster (sinfo: {out.stderr.strip()[:200]})"
+    if not any(s.strip().startswith("idle") or s.strip().startswith("mix") or s.strip().startswith("alloc")
+               for s in out.stdout.splitlines()):
+        return f"Slurm answers but no node is usable (states: {out.stdout.split()})"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reasons = {}
+    for item in items:
+        for marker, probe in (("gpu", _cuda_reason), ("slurm", _slurm_reason)):
+            if marker in item.keywords:
+                if marker not in reasons:
+                    reasons[marker] = probe()
+                if reasons[marker]:
+                    item.add_marker(pytest.mark.skip(reason=f"[{marker}] {reasons[marker]}"))
+
+
+def pytest_report_header(config):
+    lines = []
+    for marker, probe in (("gpu", _cuda_reason), ("slurm", _slurm_reason)):
+        r = probe()
+        lines.append(f"{marker} tests: " + ("enabled" if r is None else f"SKIPPED ({r})"))
+    return lines

@@ -1,0 +1,129 @@
+"""The launch layer without Slurm: plans, role layout, rendezvous files, and LocalLauncher running the probe role."""
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from pipeline.launch import (ComponentSpec, JobPlan, LaunchError, LocalLauncher, Rendezvous, RendezvousTimeout,
+                             TaskFailed)
+from pipeline.launch.slurm import executor_parameters, fold_states
+from pipeline.launch.slurm_checks import SlurmNode, SlurmPartition, check_plan, parse_time_min
+from pipeline.launch.task import locate
+
+PROBE = "pipeline.launch.probe:probe"
+
+
+def toy_plan(**probe) -> JobPlan:
+    return JobPlan(name="toy", components={
+        "trainer": ComponentSpec(entry=PROBE, nodes=1, tasks_per_node=2),
+        "generator": ComponentSpec(entry=PROBE, nodes=2, tasks_per_node=1)},
+        config={"probe": {"timeout_s": 60, **probe}})
+
+
+def test_layout_numbers_tasks_component_after_component():
+    plan = toy_plan()
+    assert plan.task_layout() == [("trainer", 0), ("trainer", 1), ("generator", 0), ("generator", 1)]
+    env = {"SLURM_PROCID": "3", "SLURM_HET_SIZE": "2", "SLURM_NTASKS_HET_GROUP_0": "2", "SLURM_NTASKS_HET_GROUP_1": "2"}
+    assert locate(plan, env) == (3, "generator", 1)
+    with pytest.raises(LaunchError, match="het component 1 \\(generator\\) has 3 tasks"):
+        locate(plan, {**env, "SLURM_NTASKS_HET_GROUP_1": "3"})
+    with pytest.raises(LaunchError, match="2 \\(trainer, generator\\)"):
+        locate(plan, {"SLURM_PROCID": "0"})
+
+
+def test_plan_validation_names_each_problem():
+    plan = JobPlan(components={"Trainer": ComponentSpec(entry="nope", nodes=0, mem_gb=0)})
+    with pytest.raises(LaunchError) as err:
+        plan.validate()
+    text = str(err.value)
+    for needle in ("'Trainer' is not a role name", "entry 'nope'", "nodes=0", "mem_gb=0"):
+        assert needle in text
+    with pytest.raises(LaunchError, match="no components"):
+        JobPlan().validate()
+
+
+def test_plan_json_round_trip():
+    plan = toy_plan(rendezvous=True)
+    plan.components["generator"].extra_sbatch = ["--constraint=fast"]
+    assert JobPlan.from_json(plan.to_json()) == plan
+
+
+def test_sbatch_directives_for_het_components():
+    plan = toy_plan()
+    plan.components["generator"].partition = "gen"
+    plan.components["generator"].gpus_per_node = 2
+    params = executor_parameters(plan)
+    assert params["nodes"] == 1 and params["ntasks_per_node"] == 2
+    setup = params["setup"]
+    assert setup[0] == "#SBATCH hetjob"
+    assert "#SBATCH --nodes=2" in setup and "#SBATCH --partition=gen" in setup and "#SBATCH --gpus-per-node=2" in setup
+    assert "--het-group=0,1" in params["srun_args"]
+
+
+def test_fold_states_of_het_components():
+    assert fold_states(["COMPLETED", "RUNNING"]) == "RUNNING"
+    assert fold_states(["COMPLETED", "FAILED"]) == "FAILED"
+    assert fold_states(["CANCELLED by 0", "COMPLETED"]) == "CANCELLED by 0"
+    assert fold_states(["COMPLETED", "COMPLETED"]) == "COMPLETED"
+
+
+def test_cluster_checks_name_the_cause():
+    parts = {"debug": SlurmPartition("debug", True, True, max_time_min=90, max_nodes=None)}
+    nodes = [SlurmNode(f"n{i}", cpus=4, mem_mb=4000, gpus=0, state="IDLE", partitions=["debug"]) for i in range(3)]
+    check_plan(toy_plan(), parts, nodes)  # fits: 1 + 2 distinct nodes
+    cases = [("partition", "gpu", "partition 'gpu' does not exist (partitions: debug)"),
+             ("cpus_per_task", 3, "6 CPUs per node (2 tasks x 3 cpus) but the largest node of 'debug' has 4 CPUs"),
+             ("gpus_per_node", 1, "1 GPUs per node"),
+             ("mem_gb", 8.0, "8 GB memory per node"),
+             ("time_min", 120, "time_min=120 exceeds 'debug' MaxTime of 90 min"),
+             ("nodes", 3, "need 5 distinct nodes")]
+    for field, value, needle in cases:
+        plan = toy_plan()
+        setattr(plan.components["trainer"], field, value)
+        with pytest.raises(LaunchError) as err:
+            check_plan(plan, parts, nodes)
+        assert needle in str(err.value), (field, str(err.value))
+    assert parse_time_min("1-02:03:00") == 26 * 60 + 3 and parse_time_min("UNLIMITED") is None
+
+
+def test_rendezvous_publish_wait_and_timeout(tmp_path):
+    rv = Rendezvous(tmp_path, attempt=0)
+    threading.Timer(0.2, rv.publish, args=("orchestrator", {"port": 1234})).start()
+    assert rv.wait("orchestrator", timeout_s=10) == {"port": 1234}
+    assert Rendezvous(tmp_path, attempt=1).get("orchestrator") is None  # attempts never see each other
+    with pytest.raises(RendezvousTimeout, match="'generator' not published .* \\(present: \\['orchestrator'\\]"):
+        rv.wait("generator", timeout_s=0.2)
+    with pytest.raises(ValueError):
+        rv.publish("../escape", {})
+
+
+def test_local_launcher_runs_every_role_with_rendezvous(tmp_path):
+    run = LocalLauncher().launch(toy_plan(rendezvous=True), tmp_path / "run")
+    results = run.wait(timeout_s=120)
+    assert run.state() == "COMPLETED"
+    assert [r["rank"] for r in results["trainer"]] == [0, 1] and [r["rank"] for r in results["generator"]] == [0, 1]
+    assert {r["global_rank"] for rs in results.values() for r in rs} == {0, 1, 2, 3}
+    published = {role: json.loads((tmp_path / "run/rendezvous/attempt-0" / f"{role}.json").read_text())
+                 for role in ("trainer", "generator")}
+    for reports in results.values():
+        for report in reports:
+            assert report["peers"] == published and report["attempt"] == 0
+    for role, rank in run.plan.task_layout():
+        assert f"probe {role}.{rank}" in (tmp_path / "run/logs" / f"{role}.{rank}.out").read_text()
+    # the same command again on the same run directory is attempt 1
+    again = LocalLauncher().launch(toy_plan(), tmp_path / "run").wait(timeout_s=120)
+    assert {r["attempt"] for rs in again.values() for r in rs} == {1}
+    assert all(r["resumed"] for rs in again.values() for r in rs)
+
+
+def test_local_launcher_stops_the_run_when_a_role_fails(tmp_path):
+    # trainer fails; generators would otherwise wait for its rendezvous (60 s): the run must stop them.
+    plan = toy_plan(rendezvous=True, fail_role="trainer")
+    plan.config["probe"]["timeout_s"] = 300
+    plan.components["trainer"].tasks_per_node = 1
+    run = LocalLauncher(kill_grace_s=5).launch(plan, tmp_path / "run")
+    with pytest.raises(TaskFailed, match="trainer.0 failed: RuntimeError: probe: role trainer was told to fail"):
+        run.wait(timeout_s=120)
+    assert run.state() == "FAILED" and run.done()

@@ -1,0 +1,237 @@
+"""The orchestrator as a process: real ZeroMQ sockets, real HDF5 log, synthetic producers.
+
+Generators and the trainer here are `pipeline.loadgen` processes (the real engines are tested in
+their own files); everything between them is the production code path.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from pipeline import wire
+from pipeline.log_format import GroupOutcome
+from pipeline.log_reader import RolloutLog
+from pipeline.metrics import read_metrics
+from pipeline.orchestrator.links import read_rendezvous
+from pipeline.transport import load_or_create_secret
+
+PY = sys.executable
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def write_spec(run_dir: Path, **orch) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = {"group_size": 4, "groups_per_step": 4, "max_async": 1, "metrics_interval_s": 0.2,
+           "lease_timeout_s": 5.0}
+    cfg.update(orch)
+    (run_dir / "orchestrator.json").write_text(json.dumps(
+        {"orchestrator": cfg, "prompts": {"kind": "synthetic", "n_prompts": 40}, "run_id": "t"}))
+
+
+def start(args: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen([PY, "-m", *args], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            env=ENV)
+
+
+def start_orchestrator(run_dir: Path, tag: str = "0") -> subprocess.Popen:
+    rv = run_dir / "rendezvous" / "orchestrator.json"
+    before = rv.stat().st_mtime_ns if rv.exists() else None
+    p = start(["pipeline.orchestrator", str(run_dir)], run_dir / f"orch{tag}.log")
+    deadline = time.monotonic() + 30
+    while not (rv.exists() and rv.stat().st_mtime_ns != before):
+        assert p.poll() is None, (run_dir / f"orch{tag}.log").read_text()
+        assert time.monotonic() < deadline, "orchestrator did not publish its address"
+        time.sleep(0.05)
+    return p
+
+
+def start_generator(run_dir: Path, gid: int, duration: float = 120, **kw) -> subprocess.Popen:
+    extra = [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
+    return start(["pipeline.loadgen", "generator", str(run_dir), f"--id={gid}",
+                  f"--duration={duration}", *extra], run_dir / f"gen{gid}.log")
+
+
+def wait_for_generators(run_dir: Path, n: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = list(read_metrics(run_dir, "orchestrator"))
+        if m and m[-1]["generators"] >= n:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{n} generators did not connect within {timeout}s")
+
+
+def run_trainer(run_dir: Path, steps: int, start_step: int = 0, timeout: float = 60,
+                step_time: float = 0.0) -> list[dict]:
+    out = subprocess.run([PY, "-m", "pipeline.loadgen", "trainer", str(run_dir), f"--steps={steps}",
+                          f"--start-step={start_step}", f"--timeout={timeout}",
+                          f"--step-time={step_time}"],
+                         capture_output=True, text=True, env=ENV, timeout=timeout * 3)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])["steps"]
+
+
+def stop(*procs: subprocess.Popen, sig=signal.SIGTERM) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(sig)
+    for p in procs:
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def check_log_invariants(run_dir: Path, max_staleness: int) -> dict:
+    """Exactly-once storage, a consistent step record and the staleness bound, from the log."""
+    with RolloutLog.open(run_dir / "rollouts") as log:
+        g = log.groups()
+        stored = g["group_id"][g["outcome"] == GroupOutcome.STORED]
+        assert len(stored) == len(np.unique(stored)), "a group was stored twice"
+        sample_gids = log.column("samples/group_id")
+        assert len(sample_gids) == 4 * len(stored)
+        assert set(np.unique(sample_gids)) == set(stored.tolist())
+        # each recorded step: groups_per_step whole groups, within the staleness bound
+        mv = dict(zip(log.rows().tolist(), log.min_versions().tolist()))
+        records = log.step_records()
+        for step, tv, rows in records:
+            assert len(rows) == 16
+            stale = tv - min(mv[int(r)] for r in rows)
+            assert stale <= max_staleness, f"step {step}: staleness {stale}"
+        steps_rows = [r for _, _, r in records]
+        consumed = np.concatenate(steps_rows) if steps_rows else np.zeros(0)
+        last_by_step = {s: r for s, _, r in records}
+        flat = np.concatenate(list(last_by_step.values())) if last_by_step else np.zeros(0)
+        assert len(flat) == len(np.unique(flat)), "a sample was consumed by two steps"
+        versions = np.unique(np.concatenate([b.columns["versions"] for b in log.iter_batches()]))
+        return {"stored": stored, "resolved": g["group_id"], "steps": sorted(last_by_step),
+                "versions": versions, "consumed": consumed}
+
+
+def test_generators_and_trainer_run_through_the_orchestrator(tmp_path):
+    write_spec(tmp_path)
+    orch = start_orchestrator(tmp_path)
+    gens = [start_generator(tmp_path, i) for i in range(2)]
+    try:
+        wait_for_generators(tmp_path, 2)
+        steps = run_trainer(tmp_path, steps=8)
+    finally:
+        stop(*gens)
+        stop(orch)
+    assert [s["step"] for s in steps] == list(range(8))
+    assert all(s["n"] == 16 for s in steps)
+    # both generators got work (credits are granted round-robin)
+    outs = [json.loads((tmp_path / f"gen{i}.log").read_text().strip().splitlines()[-1]) for i in range(2)]
+    assert all(o["sent"] > 0 for o in outs), outs
+    inv = check_log_invariants(tmp_path, max_staleness=1)
+    assert inv["steps"] == list(range(8))
+    assert len(np.unique(inv["versions"])) >= 2
+    m = list(read_metrics(tmp_path, "orchestrator"))
+    assert m and m[-1]["count_stored"] == len(inv["stored"]) and m[-1]["count_steps_served"] == 8
+    assert all(r["kept"] + r["in_flight"] <= r["bound"] for r in m if r["version"] is not None)
+
+
+def test_kill_9_mid_stream_then_resume_loses_and_duplicates_nothing(tmp_path):
+    write_spec(tmp_path, lease_timeout_s=3.0)
+    orch = start_orchestrator(tmp_path, "0")
+    gens = [start_generator(tmp_path, i, min_len=200, max_len=400) for i in range(2)]
+    try:
+        run_trainer(tmp_path, steps=4)
+        orch.send_signal(signal.SIGKILL)  # mid-stream: generators keep sending
+        orch.wait()
+        time.sleep(0.5)
+        with RolloutLog.open(tmp_path / "rollouts") as log:
+            before = log.groups()["group_id"][log.groups()["outcome"] == GroupOutcome.STORED]
+        orch = start_orchestrator(tmp_path, "1")
+        # the trainer restarts from "checkpoint" 3: step 3 is re-served from the step record
+        again = run_trainer(tmp_path, steps=4, start_step=3)
+        assert again[0]["step"] == 3
+        orch.send_signal(signal.SIGKILL)
+        orch.wait()
+        orch = start_orchestrator(tmp_path, "2")
+        run_trainer(tmp_path, steps=9, start_step=4)
+        time.sleep(1.0)
+    finally:
+        stop(*gens)
+        stop(orch)
+    inv = check_log_invariants(tmp_path, max_staleness=1)
+    assert set(before.tolist()) <= set(inv["stored"].tolist())
+    assert inv["steps"] == list(range(9))
+    # No admitted group lost: an id below the largest resolved one that is not resolved must be
+    # one the last orchestrator still had in flight (it is re-issued on the next resume).
+    resolved = set(inv["resolved"].tolist())
+    gaps = set(range(max(resolved) + 1)) - resolved
+    last = list(read_metrics(tmp_path, "orchestrator"))[-1]
+    assert len(gaps) <= last["in_flight"], (gaps, last)
+    assert last.get("count_duplicate", 0) + last.get("count_unleased", 0) >= 0
+    with RolloutLog.open(tmp_path / "rollouts") as log:
+        assert len(log.segments) == 3  # one segment per orchestrator start
+
+
+def test_fuzzed_frames_are_dropped_and_the_run_goes_on(tmp_path):
+    write_spec(tmp_path)
+    orch = start_orchestrator(tmp_path)
+    gens = [start_generator(tmp_path, 0)]
+    key = load_or_create_secret(tmp_path)
+    addr = read_rendezvous(tmp_path, 5)["address"]
+    ctx = zmq.Context.instance()
+    rng = np.random.default_rng(0)
+    good = wire.encode(key, "result", {"group_id": 0, "attempt": 0},
+                       {"group_id": np.zeros(4, np.int64), "reward": np.zeros(4, np.float32)})
+    good = [bytes(f) for f in good]
+    sent = 0
+    try:
+        socks = []
+        for k in range(4):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 100000)
+            s.connect(addr)
+            socks.append(s)
+        for i in range(10_000):
+            r = rng.integers(0, 6)
+            if r == 0:  # random garbage frames
+                frames = [rng.bytes(int(rng.integers(0, 64))) for _ in range(int(rng.integers(1, 5)))]
+            elif r == 1:  # flipped bit in a good message
+                frames = list(good)
+                j = int(rng.integers(0, len(frames)))
+                b = bytearray(frames[j] or b"\x00")
+                b[int(rng.integers(0, len(b)))] ^= 1 << int(rng.integers(0, 8))
+                frames[j] = bytes(b)
+            elif r == 2:  # truncated or extra frames
+                frames = good[: int(rng.integers(1, len(good)))] + [b"x"] * int(rng.integers(0, 2))
+            elif r == 3:  # signed, but nonsense content for its kind
+                meta = {"group_id": int(rng.integers(-5, 5)), "attempt": "x"} if rng.random() < .5 else {}
+                kind = str(rng.choice(["result", "want", "get_batch", "hello", "nope"]))
+                frames = [bytes(f) for f in wire.encode(key, kind, meta, {})]
+            elif r == 4:  # signed result with an inconsistent batch
+                frames = good
+            else:  # a wrong key
+                frames = [bytes(f) for f in wire.encode(b"x" * 32, "want", {"free": 9}, {})]
+            socks[i % 4].send_multipart(frames)
+            sent += 1
+        steps = run_trainer(tmp_path, steps=4)
+        assert orch.poll() is None, "orchestrator died under fuzzing"
+        for s in socks:
+            s.close()
+    finally:
+        stop(*gens)
+        stop(orch)
+    assert len(steps) == 4
+    check_log_invariants(tmp_path, max_staleness=1)
+    last = list(read_metrics(tmp_path, "orchestrator"))[-1]
+    dropped = sum(v for k, v in last.items() if k.startswith("frames_dropped_"))
+    rejected = dropped + last.get("count_bad_request", 0) + last.get("count_unknown_kind", 0) \
+        + last.get("count_invalid_result", 0) + last.get("count_unleased", 0) \
+        + last.get("count_duplicate", 0)
+    assert rejected >= sent * 0.9, last

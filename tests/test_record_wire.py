@@ -1,0 +1,147 @@
+"""The rollout record and its wire codec: validation, round trips, authentication, bad frames."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from pipeline import wire
+from pipeline.record import (FINISH_REASONS, RecordError, RecordSchema, RolloutSample, SampleBatch)
+
+KEY = b"k" * 32
+
+
+@st.composite
+def schemas(draw):
+    return RecordSchema(
+        token_rewards=draw(st.booleans()), teacher_logprobs=draw(st.booleans()),
+        routed_experts=draw(st.one_of(st.none(), st.tuples(st.integers(1, 3), st.integers(1, 3)))),
+        sampling_mask_k=draw(st.one_of(st.none(), st.integers(1, 4))))
+
+
+@st.composite
+def samples(draw, schema):
+    n = draw(st.integers(1, 6))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    plen, clen = draw(st.integers(1, 20)), draw(st.integers(1, 30))
+    v0 = draw(st.integers(0, 5))
+    out = []
+    for i in range(n):
+        kw = {}
+        for name, (dtype, trail) in schema.token_fields().items():
+            if name in ("completion_ids", "logprobs", "versions"):
+                continue
+            kw[name] = rng.integers(0, 5, (clen, *trail)).astype(dtype)
+        out.append(RolloutSample(
+            group_id=7, sample_index=i, prompt_id=3, attempt=draw(st.integers(0, 3)),
+            prompt_ids=rng.integers(0, 1000, plen), completion_ids=rng.integers(0, 1000, clen),
+            logprobs=-rng.exponential(1.0, clen), versions=np.sort(rng.integers(v0, v0 + 3, clen)),
+            finish_reason=draw(st.sampled_from(FINISH_REASONS)), reward=float(rng.random()),
+            generator_id=2, t_start=1.5, t_end=2.5, schema=schema, **kw))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_batch_round_trips_through_the_wire(data):
+    schema = data.draw(schemas())
+    ss = data.draw(samples(schema))
+    batch = SampleBatch.from_samples(ss, schema)
+    frames = wire.encode(KEY, "result", {"group_id": 7}, batch.columns)
+    msg = wire.decode(KEY, [bytes(f) for f in frames], max_bytes=1 << 30)
+    got = SampleBatch(msg.arrays, schema)
+    assert msg.kind == "result" and msg.meta == {"group_id": 7}
+    for a, b in zip(ss, got):
+        for name in ("prompt_ids", *schema.token_fields()):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+        assert (a.group_id, a.sample_index, a.attempt, a.finish_reason) == \
+               (b.group_id, b.sample_index, b.attempt, b.finish_reason)
+        assert a.reward == pytest.approx(b.reward)
+    # take() reorders rows consistently
+    order = np.arange(len(batch))[::-1]
+    rev = batch.take(order)
+    for i, j in enumerate(order):
+        np.testing.assert_array_equal(rev.tokens("completion_ids", i), batch.tokens("completion_ids", j))
+
+
+def test_decoded_arrays_are_zero_copy_views():
+    arr = np.arange(1000, dtype=np.int32)
+    frames = [bytes(f) for f in wire.encode(KEY, "x", {}, {"a": arr})]
+    msg = wire.decode(KEY, frames, 1 << 20)
+    assert msg.arrays["a"].base is not None and not msg.arrays["a"].flags.writeable
+    np.testing.assert_array_equal(msg.arrays["a"], arr)
+
+
+def _sample(**kw):
+    base = dict(group_id=0, sample_index=0, prompt_id=0, attempt=0, prompt_ids=[1, 2],
+                completion_ids=[3, 4], logprobs=[-0.5, -0.1], versions=[0, 1], finish_reason="stop")
+    base.update(kw)
+    return RolloutSample(**base)
+
+
+@pytest.mark.parametrize("kw, needle", [
+    ({"logprobs": [-0.5]}, "logprobs has 1 entries"),
+    ({"versions": [1, 0]}, "decrease"),
+    ({"logprobs": [0.5, -1]}, "positive"),
+    ({"logprobs": [np.nan, -1]}, "NaN"),
+    ({"completion_ids": [-1, 2]}, "negative token"),
+    ({"finish_reason": "timeout"}, "finish_reason"),
+    ({"group_id": -1}, "group_id"),
+    ({"prompt_ids": []}, "prompt_ids is empty"),
+    ({"token_rewards": [0.0, 1.0]}, "does not enable"),
+    ({"completion_ids": [1.5, 2.5]}, "dtype"),
+])
+def test_invalid_samples_are_refused_with_the_field_named(kw, needle):
+    with pytest.raises(RecordError, match=needle):
+        _sample(**kw)
+
+
+def test_schema_fields_are_required():
+    schema = RecordSchema(teacher_logprobs=True)
+    with pytest.raises(RecordError, match="teacher_logprobs is required"):
+        _sample(schema=schema)
+    assert RecordSchema.from_dict(schema.to_dict()) == schema
+
+
+def test_batch_validation_catches_inconsistent_columns():
+    b = SampleBatch.from_samples([_sample(), _sample(sample_index=1)], RecordSchema())
+    cols = dict(b.columns)
+    cols["completion_len"] = np.array([2, 3], np.int32)
+    with pytest.raises(RecordError, match="completion_ids"):
+        SampleBatch(cols, RecordSchema())
+    cols = dict(b.columns)
+    del cols["versions"]
+    with pytest.raises(RecordError, match="missing \\['versions'\\]"):
+        SampleBatch(cols, RecordSchema())
+
+
+def test_tampered_or_foreign_frames_are_rejected_by_reason():
+    frames = [bytes(f) for f in wire.encode(KEY, "x", {"a": 1}, {"v": np.ones(4, np.float32)})]
+    bad_key = [bytes(f) for f in wire.encode(b"z" * 32, "x", {"a": 1}, {"v": np.ones(4, np.float32)})]
+    with pytest.raises(wire.FrameError) as e:
+        wire.decode(KEY, bad_key, 1 << 20)
+    assert e.value.reason == "unauthenticated"
+    tampered = list(frames)
+    tampered[2] = b"\x00" * len(frames[2])
+    with pytest.raises(wire.FrameError) as e:
+        wire.decode(KEY, tampered, 1 << 20)
+    assert e.value.reason == "unauthenticated"
+    with pytest.raises(wire.FrameError) as e:
+        wire.decode(KEY, frames, 10)
+    assert e.value.reason == "oversized"
+    with pytest.raises(wire.FrameError) as e:
+        wire.decode(KEY, frames[:1], 1 << 20)
+    assert e.value.reason == "malformed"
+
+
+def test_signed_but_inconsistent_array_specs_are_malformed():
+    import msgpack
+    header = msgpack.packb({"v": 1, "kind": "x", "meta": {}, "arrays": [["v", "<f4", [5]]]})
+    body = np.ones(4, np.float32).tobytes()
+    frames = [wire._mac(KEY, [header, body]), header, body]
+    with pytest.raises(wire.FrameError, match="16 bytes for shape"):
+        wire.decode(KEY, frames, 1 << 20)
+    header = msgpack.packb({"v": 1, "kind": "x", "meta": {}, "arrays": [["v", "|O", [2]]]})
+    frames = [wire._mac(KEY, [header, body]), header, body]
+    with pytest.raises(wire.FrameError, match="not allowed"):
+        wire.decode(KEY, frames, 1 << 20)

@@ -1,0 +1,135 @@
+"""The launch layer on the real single-machine Slurm cluster (slurm/cluster/start.sh): one heterogeneous
+job per run, rendezvous between components, MPI under PMIx, forced requeue, and refused requests."""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+
+from pipeline.launch import ComponentSpec, JobPlan, LaunchError, SlurmLauncher, TaskFailed
+
+pytestmark = pytest.mark.slurm
+PROBE = "pipeline.launch.probe:probe"
+
+
+def plan_of(components, **probe) -> JobPlan:
+    return JobPlan(name="tf-test", components={
+        role: ComponentSpec(entry=PROBE, mem_gb=0.5, time_min=5, **resources) for role, resources in components.items()},
+        config={"probe": {"timeout_s": 60, **probe}}, signal_delay_s=30)
+
+
+def wait_until(predicate, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not true after {timeout_s} s")
+        time.sleep(0.2)
+
+
+def test_cluster_answers_and_sacct_records_jobs():
+    nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=30).stdout.split("\n")
+    assert len([n for n in nodes if n.strip()]) >= 3, nodes
+    job_id = subprocess.run(["sbatch", "--parsable", "-o", "/dev/null", "--wrap", "exit 3"],
+                            capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+
+    def sacct_state():
+        out = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,ExitCode"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+        return out
+
+    wait_until(lambda: sacct_state().startswith("FAILED"), 60, f"sacct reports job {job_id} FAILED")
+    assert sacct_state() == "FAILED|3:0"
+
+
+def test_het_job_runs_every_role_on_its_own_nodes_with_rendezvous(tmp_path):
+    run = SlurmLauncher().launch(plan_of({"trainer": dict(nodes=1, tasks_per_node=2),
+                                          "generator": dict(nodes=2, tasks_per_node=1)}, rendezvous=True), tmp_path)
+    results = run.wait(timeout_s=90)
+    assert run.state() == "COMPLETED"
+    trainer, generator = results["trainer"], results["generator"]
+    assert [r["global_rank"] for r in trainer + generator] == [0, 1, 2, 3]
+    assert {r["slurm_job_id"] for r in trainer + generator} == {run.job_id}
+    assert {r["het_size"] for r in trainer + generator} == {"2"}
+    trainer_nodes, generator_nodes = {r["node"] for r in trainer}, {r["node"] for r in generator}
+    assert len(trainer_nodes) == 1 and len(generator_nodes) == 2 and not trainer_nodes & generator_nodes
+    published = {role: json.loads((tmp_path / "rendezvous/attempt-0" / f"{role}.json").read_text())
+                 for role in ("trainer", "generator")}
+    assert published["trainer"]["node"] in trainer_nodes and published["generator"]["node"] in generator_nodes
+    assert all(r["peers"] == published for r in trainer + generator)
+    for role, rank in run.plan.task_layout():
+        assert f"probe {role}.{rank} on " in (tmp_path / "logs" / f"{role}.{rank}.out").read_text()
+
+
+def test_mpi4py_world_spans_het_components_under_pmix(tmp_path):
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        pytest.skip("mpi4py is not importable: install the 'mpi' extra (mpi4py==4.1.*, needs Debian's libopenmpi-dev)")
+    plan = plan_of({"trainer": dict(nodes=1), "generator": dict(nodes=1)}, mpi=True)
+    plan.mpi = "pmix"
+    plan.env = {"OMPI_MCA_btl": "self,tcp"}
+    results = SlurmLauncher().launch(plan, tmp_path).wait(timeout_s=90)
+    reports = results["trainer"] + results["generator"]
+    assert [r["mpi"]["rank"] for r in reports] == [0, 1] and {r["mpi"]["size"] for r in reports} == {2}
+    tokens = [r["mpi"]["token"] for r in reports]
+    assert tokens[0] == tokens[1] and tokens[0]["from_node"] == results["trainer"][0]["node"]
+    assert results["trainer"][0]["node"] != results["generator"][0]["node"]
+
+
+def test_forced_requeue_runs_every_role_again_as_next_attempt(tmp_path):
+    # attempt 0 holds (as a long training would) until requeued; attempt 1 completes.
+    run = SlurmLauncher().launch(plan_of({"trainer": dict(nodes=1), "generator": dict(nodes=1)}, hold_s=150), tmp_path)
+    wait_until(lambda: len(list((tmp_path / "probe").glob("*.attempt-0.json"))) == 2, 60, "both roles on attempt 0")
+    run.requeue()
+    results = run.wait(timeout_s=120)
+    for role in ("trainer", "generator"):
+        assert results[role][0]["attempt"] == 1 and results[role][0]["resumed"] is True
+        log = (tmp_path / "logs" / f"{role}.0.out").read_text()
+        assert f"=== {role}.0 attempt 0" in log and f"=== {role}.0 attempt 1" in log
+    assert run.state() == "COMPLETED"
+
+
+def test_checkpoint_signal_stops_roles_and_requeues_through_submitit(tmp_path):
+    run = SlurmLauncher().launch(plan_of({"trainer": dict(nodes=1), "generator": dict(nodes=1)}, hold_s=150), tmp_path)
+    wait_until(lambda: len(list((tmp_path / "probe").glob("*.attempt-0.json"))) == 2, 60, "both roles on attempt 0")
+    run.preempt()
+    results = run.wait(timeout_s=120)
+    assert results["trainer"][0]["attempt"] == 1 and results["generator"][0]["attempt"] == 1
+    # rank 0 (trainer) checkpointed through RoleDispatcher.checkpoint() and requeued; the generator saw the stop
+    assert "Calling checkpoint method" in (tmp_path / "logs/trainer.0.out").read_text()
+    assert json.loads((tmp_path / "probe/generator.0.attempt-0.json").read_text())["stop_requested"] is True
+
+
+def test_a_failing_role_ends_the_job_instead_of_hanging(tmp_path):
+    # the generator would wait 300 s for the trainer's rendezvous; --kill-on-bad-exit ends the step at once.
+    plan = plan_of({"trainer": dict(nodes=1), "generator": dict(nodes=1)}, rendezvous=True, fail_role="trainer")
+    plan.config["probe"]["timeout_s"] = 300
+    run = SlurmLauncher().launch(plan, tmp_path)
+    with pytest.raises(TaskFailed, match="task trainer.0 failed: RuntimeError: probe: role trainer was told to fail"):
+        run.wait(timeout_s=90)
+    assert run.state().startswith(("FAILED", "CANCELLED"))
+
+
+def test_impossible_requests_are_refused_before_submission(tmp_path):
+    cases = [({"partition": "nosuchpartition"}, "trainer: partition 'nosuchpartition' does not exist (partitions: debug"),
+             ({"cpus_per_task": 64}, "trainer: 64 CPUs per node (1 tasks x 64 cpus) but the largest node of 'debug' has"),
+             ({"gpus_per_node": 1}, "trainer: 1 GPUs per node but the largest node of 'debug' has 0 GPUs"),
+             ({"mem_gb": 1000.0}, "trainer: 1000 GB memory per node"),
+             ({"nodes": 3}, "the components need 4 distinct nodes (trainer=3, generator=1)")]
+    for override, needle in cases:
+        with pytest.raises(LaunchError) as err:
+            plan = plan_of({"trainer": dict(nodes=1), "generator": dict(nodes=1)})
+            for key, value in override.items():
+                setattr(plan.components["trainer"], key, value)
+            SlurmLauncher().launch(plan, tmp_path / "refused")
+        assert needle in str(err.value), str(err.value)
+    assert not (tmp_path / "refused" / "submitit").exists()
+
+
+def test_sbatch_refusal_surfaces_its_message(tmp_path):
+    plan = plan_of({"trainer": dict(nodes=1), "generator": dict(nodes=1, extra_sbatch=["--constraint=nosuchfeature"])})
+    with pytest.raises(LaunchError, match="sbatch refused the job: .*Invalid feature specification"):
+        SlurmLauncher().launch(plan, tmp_path)
+

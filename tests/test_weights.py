@@ -1,0 +1,151 @@
+"""Packed weight buckets and the gloo weight channel between real processes."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from pipeline.weights.buckets import ALIGN, BucketError, BucketPlan, pack, unpack
+from pipeline.weights.group import TorchDistChannel, WeightSyncError
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool]
+
+
+def _random_tensor(shape, dtype, gen):
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=gen) > 0.5
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen).to(dtype)
+    return torch.randint(-100, 100, shape, generator=gen).to(dtype)
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes=st.lists(st.tuples(st.lists(st.integers(0, 40), min_size=0, max_size=3),
+                                 st.sampled_from(range(len(DTYPES)))), min_size=1, max_size=12),
+       bucket_bytes=st.integers(1, 3000), seed=st.integers(0, 2**31 - 1))
+def test_pack_unpack_round_trip(shapes, bucket_bytes, seed):
+    gen = torch.Generator().manual_seed(seed)
+    named = [(f"w{i}", _random_tensor(tuple(shape), DTYPES[d], gen)) for i, (shape, d) in enumerate(shapes)]
+    plan = BucketPlan.for_tensors(named, bucket_bytes)
+    assert plan.num_tensors == len(named)
+    for size, slots in zip(plan.sizes, plan.buckets):
+        assert slots, "no bucket is empty"
+        assert size <= bucket_bytes or len(slots) == 1, "only a lone tensor may exceed the bucket size"
+        assert all(s.offset % ALIGN == 0 for s in slots)
+    plan = BucketPlan.from_wire(plan.to_wire())  # the plan survives its wire form
+    got = []
+    for slots, bucket in zip(plan.buckets, pack(plan, named)):
+        for name, view in unpack(slots, bucket):
+            assert view.untyped_storage().data_ptr() == bucket.untyped_storage().data_ptr(), "unpack copied"
+            got.append((name, view))
+    assert [n for n, _ in got] == [n for n, _ in named]
+    for (_, a), (_, b) in zip(named, got):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b)
+
+
+def test_large_tensor_gets_its_own_bucket_and_bf16_fp32_mix():
+    named = [("a", torch.randn(100)), ("b", torch.randn(300).bfloat16()),
+             ("c", torch.randn(1000)), ("d", torch.randn(10))]
+    plan = BucketPlan.for_tensors(named, 2048)
+    assert [[s.name for s in b] for b in plan.buckets] == [["a", "b"], ["c"], ["d"]]
+    assert plan.buckets[0][1].offset == 448 and plan.sizes[1] == 4000
+    out = dict(kv for slots, buf in zip(plan.buckets, pack(plan, named)) for kv in unpack(slots, buf))
+    assert out["b"].dtype == torch.bfloat16 and torch.equal(out["b"], named[1][1])
+    assert torch.equal(out["c"], named[2][1])
+
+
+def test_pack_rejects_tensors_that_differ_from_the_plan():
+    plan = BucketPlan.for_tensors([("a", torch.zeros(4))], 1024)
+    with pytest.raises(BucketError, match="does not match"):
+        list(pack(plan, [("a", torch.zeros(5))]))
+    with pytest.raises(BucketError, match="not in the bucket plan"):
+        list(pack(plan, [("a", torch.zeros(4)), ("b", torch.zeros(1))]))
+    with pytest.raises(BucketError, match="twice"):
+        BucketPlan.for_tensors([("a", torch.zeros(1)), ("a", torch.zeros(1))], 1024)
+    with pytest.raises(BucketError, match="does not fit"):
+        BucketPlan.from_wire([[8, [["a", "float32", [4], 0]]]])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+SENDER = textwrap.dedent("""
+    import os, sys, torch
+    from pipeline.weights.group import TorchDistChannel
+    from pipeline.weights.buckets import BucketPlan, pack
+    port, die_after = int(sys.argv[1]), int(sys.argv[2])
+    ch = TorchDistChannel("127.0.0.1", port, 0, 2, timeout_s=20)
+    gen = torch.Generator().manual_seed(7)
+    named = [("big", torch.randn(5000, generator=gen)), ("bf", torch.randn(33, 7, generator=gen).bfloat16()),
+             ("i", torch.arange(10))]
+    for version in (3, 4):
+        plan = BucketPlan.for_tensors(named, 4096)
+        buckets = pack(plan, named)
+        if die_after >= 0:
+            def dying(bs):
+                for k, b in enumerate(bs):
+                    if k == die_after:
+                        os._exit(0)
+                    yield b
+            buckets = dying(buckets)
+        ch.send(version, plan, buckets)
+        named = [(n, t * 2 if t.dtype.is_floating_point else t + 1) for n, t in named]
+    ch.close()
+""")
+
+
+def _start_sender(port: int, die_after: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", SENDER, str(port), str(die_after)])
+
+
+def test_gloo_channel_carries_versions_between_processes():
+    port = _free_port()
+    proc = _start_sender(port, -1)
+    try:
+        ch = TorchDistChannel("127.0.0.1", port, 1, 2, timeout_s=20)
+        gen = torch.Generator().manual_seed(7)
+        expected = {"big": torch.randn(5000, generator=gen), "bf": torch.randn(33, 7, generator=gen).bfloat16(),
+                    "i": torch.arange(10)}
+        for version in (3, 4):
+            update = ch.receive()
+            assert update.version == version
+            assert len(update.plan.sizes) == 2, "the 20 kB tensor exceeds a 4 kB bucket and gets its own"
+            got = {n: t.clone() for n, t in update}
+            assert got.keys() == expected.keys()
+            for n in expected:
+                assert torch.equal(got[n], expected[n]), n
+            expected = {n: t * 2 if t.dtype.is_floating_point else t + 1 for n, t in expected.items()}
+        ch.close()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+
+
+def test_sender_dying_mid_broadcast_raises_within_timeout():
+    port = _free_port()
+    proc = _start_sender(port, 1)  # sends metadata and bucket 0, then dies before bucket 1
+    try:
+        ch = TorchDistChannel("127.0.0.1", port, 1, 2, timeout_s=10)
+        update = ch.receive()
+        # No hang: the error arrives (peer reset, or at the latest the 10 s timeout) and names the step.
+        with pytest.raises(WeightSyncError, match="bucket 1/2 of version 3"):
+            for _ in update:
+                pass
+        ch.close()
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_joining_a_group_nobody_hosts_fails_clearly():
+    with pytest.raises(WeightSyncError, match="could not join the weight group"):
+        TorchDistChannel("127.0.0.1", _free_port(), 1, 2, timeout_s=2)
