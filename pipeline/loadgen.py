@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.orchestrator.links import GeneratorLink, TrainerLink, WorkItem, request_seed
+from pipeline.orchestrator.links import EvalItem, GeneratorLink, TrainerLink, WorkItem, request_seed
 from pipeline.record import FINISH_REASONS, SCALAR_COLUMNS, RecordSchema, SampleBatch
 
 
@@ -66,6 +66,11 @@ def run_generator(run_dir: Path, generator_id: int, slots: int, min_len: int, ma
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     while time.monotonic() < end and not stopping:
         for item in link.poll(0.05):
+            if isinstance(item, EvalItem):
+                one = WorkItem(0, 0, 0, 1, item.index, item.prompt_ids, 0)
+                link.send_eval_result(item.step, np.array([item.index]),
+                                      synthetic_group(one, generator_id, schema, min_len, max_len))
+                continue
             link.send_result(item, synthetic_group(item, generator_id, schema, min_len, max_len))
             sent += 1
     link.close()
@@ -73,14 +78,23 @@ def run_generator(run_dir: Path, generator_id: int, slots: int, min_len: int, ma
 
 
 def run_trainer(run_dir: Path, steps: int, dp_size: int, step_time_s: float, schema: RecordSchema,
-                timeout_s: float, start_step: int = 0) -> dict:
+                timeout_s: float, start_step: int = 0, resume: bool = False,
+                eval_every: int = 0) -> dict:
     link = TrainerLink(run_dir, schema)
     version = start_step
+    if resume:
+        link.resume(start_step)
     link.report_version(version)
     record = []
     for step in range(start_step, steps):
-        batch, ranks, adv = link.get_batch(step, version, dp_size, timeout_s)
-        record.append({"step": step, "n": len(batch), "min_version": int(batch.min_versions().min())})
+        if eval_every and step % eval_every == 0:
+            link.request_eval(step, version)
+        shares = [link.get_batch(step, version, dp_size, timeout_s, dp_rank=r) for r in range(dp_size)]
+        batch = SampleBatch.concat([b for b, _, _ in shares])
+        assert all((ranks == r).all() for r, (_, ranks, _) in enumerate(shares))
+        record.append({"step": step, "n": len(batch), "min_version": int(batch.min_versions().min()),
+                       "max_version": int(batch.columns["versions"].max()),
+                       "rank_sizes": [len(b) for b, _, _ in shares]})
         time.sleep(step_time_s)
         version = step + 1  # the new weights are "loaded by every generator" at once here
         link.report_version(version)
@@ -99,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=10.0)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--start-step", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="tell the orchestrator the trainer restarted")
+    p.add_argument("--eval-every", type=int, default=0)
     p.add_argument("--dp-size", type=int, default=2)
     p.add_argument("--step-time", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=60.0)
@@ -108,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.role == "generator":
         out = run_generator(a.run_dir, a.id, a.slots, a.min_len, a.max_len, a.duration, schema)
     else:
-        out = run_trainer(a.run_dir, a.steps, a.dp_size, a.step_time, schema, a.timeout, a.start_step)
+        out = run_trainer(a.run_dir, a.steps, a.dp_size, a.step_time, schema, a.timeout, a.start_step,
+                          a.resume, a.eval_every)
     print(json.dumps(out), flush=True)
     return 0
 

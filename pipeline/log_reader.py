@@ -87,6 +87,7 @@ class RolloutLog:
             if len(errors) == 1:
                 raise errors[0]
             raise CorruptSegmentError("no readable segment: " + "; ".join(map(str, errors)))
+        warn_damaged(errors)
         log = cls(segments, [str(e) for e in errors], note)
         log._skipped = {p for p in paths if p not in {s.path for s in segments}}
         return log
@@ -123,6 +124,7 @@ class RolloutLog:
         fresh = [p for p in paths if p not in known]
         if fresh:
             segs, errors = open_segments(fresh, strict=False)
+            warn_damaged(errors)
             for s in segs:
                 _check_same_run(self.segments[0], s)
             self.segments += segs
@@ -262,7 +264,7 @@ class RolloutLog:
 
 
 def open_segments(paths: list[Path], strict: bool) -> tuple[list[Segment], list[LogError]]:
-    """Open segments in order; damaged ones are skipped (warned, returned) unless ``strict``."""
+    """Open segments in order; damaged ones are skipped (their errors returned) unless ``strict``."""
     segments, errors = [], []
     for p in paths:
         try:
@@ -273,13 +275,16 @@ def open_segments(paths: list[Path], strict: bool) -> tuple[list[Segment], list[
                     s.close()
                 raise
             errors.append(e)
-            warnings.warn(f"skipping damaged rollout log segment: {e}", LogDamageWarning,
-                          stacklevel=3)
         except LogError:
             for s in segments:
                 s.close()
             raise
     return segments, errors
+
+
+def warn_damaged(errors: list[LogError]) -> None:
+    for e in errors:
+        warnings.warn(f"skipping damaged rollout log segment: {e}", LogDamageWarning, stacklevel=3)
 
 
 def _check_same_run(first: Segment, other: Segment) -> None:

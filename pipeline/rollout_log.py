@@ -26,7 +26,6 @@ global row 140; ``append_samples`` of a 3-sample batch returns rows [140, 141, 1
 from __future__ import annotations
 
 import fcntl
-import logging
 import os
 from pathlib import Path
 from typing import Sequence
@@ -37,11 +36,10 @@ from pipeline.log_format import (
     GROUP_COLUMNS, STEP_COLUMNS, STEP_META_COLUMNS, SWMR_UNSAFE_FILESYSTEMS,
     TABLES, GroupOutcome, LogError, LogLockedError, SchemaMismatchError, UnsupportedFilesystemError,
     create_segment_file, dataset_layout, filesystem_type, list_segments, segment_attrs, segment_name)
-from pipeline.log_reader import RolloutLog, open_segments
+from pipeline.log_reader import RolloutLog, open_segments, warn_damaged
 from pipeline.log_segment import Segment
 from pipeline.record import PROMPT_COLUMN, SCALAR_COLUMNS, RecordSchema, SampleBatch
 
-log = logging.getLogger(__name__)
 
 ArrayLike = int | float | Sequence | np.ndarray
 
@@ -69,8 +67,7 @@ class RolloutLogWriter:
             for seg in prior:
                 _check_matches(seg, schema, run_id)
             self.problems = [str(e) for e in errors]
-            for p in self.problems:
-                log.warning("rollout log: tolerating a damaged segment: %s", p)
+            warn_damaged(errors)
             index = existing[-1][0] + 1 if existing else 0
             self.first_row = max((s.first_row + s.num_rows for s in prior), default=0)
             self.path = self.log_dir / segment_name(index)

@@ -86,6 +86,10 @@ def _start_sender(port, updates):
 def loop():
     lp = asyncio.new_event_loop()
     yield lp
+    pending = asyncio.all_tasks(lp)  # vLLM's output handlers of engines already shut down
+    for task in pending:
+        task.cancel()
+    lp.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
     lp.close()
 
 
@@ -161,14 +165,27 @@ def _update_mid_generation(loop, gen, mode, new_dir, new_version):
     old = (gen.config.interrupt, gen.config.ignore_eos, gen.config.max_tokens, gen.config.temperature)
     gen.config.interrupt, gen.config.ignore_eos, gen.config.max_tokens, gen.config.temperature = mode, True, 300, 0.0
 
+    async def watch_progress(started: asyncio.Event) -> None:
+        # A streamed request decoded in the same batches: once it has 60 tokens, so have the others.
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(max_tokens=300, ignore_eos=True, temperature=0.0, detokenize=False,
+                                output_kind=RequestOutputKind.DELTA)
+        n = 0
+        async for out in gen.engine.generate({"prompt_token_ids": PROMPTS[2]}, params, f"watch-{mode}"):
+            n += len(out.outputs[0].token_ids)
+            if n >= 60:
+                started.set()
+
     async def run():
-        t0 = loop.time()
-        await gen.generate_sample(_group(group_id=90), 0)  # how long a full generation takes here
-        duration = loop.time() - t0
+        started = asyncio.Event()
+        watcher = asyncio.ensure_future(watch_progress(started))
         task = asyncio.ensure_future(asyncio.gather(*(gen.generate_sample(_group(group_id=91 + i), 0)
                                                       for i in range(3))))
-        await asyncio.sleep(duration * 0.4)
+        await started.wait()
         await gen.update_weights(new_version, path=str(new_dir))
+        await watcher
         return await task
 
     try:

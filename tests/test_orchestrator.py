@@ -34,7 +34,8 @@ def write_spec(run_dir: Path, **orch) -> None:
            "lease_timeout_s": 5.0}
     cfg.update(orch)
     (run_dir / "orchestrator.json").write_text(json.dumps(
-        {"orchestrator": cfg, "prompts": {"kind": "synthetic", "n_prompts": 40}, "run_id": "t"}))
+        {"orchestrator": cfg, "prompts": {"kind": "synthetic", "n_prompts": 40}, "run_id": "t",
+         "eval_prompts": {"n_prompts": 10}}))
 
 
 def start(args: list[str], log: Path) -> subprocess.Popen:
@@ -71,10 +72,10 @@ def wait_for_generators(run_dir: Path, n: int, timeout: float = 60) -> None:
 
 
 def run_trainer(run_dir: Path, steps: int, start_step: int = 0, timeout: float = 60,
-                step_time: float = 0.0) -> list[dict]:
+                step_time: float = 0.0, *extra: str) -> list[dict]:
     out = subprocess.run([PY, "-m", "pipeline.loadgen", "trainer", str(run_dir), f"--steps={steps}",
                           f"--start-step={start_step}", f"--timeout={timeout}",
-                          f"--step-time={step_time}"],
+                          f"--step-time={step_time}", *extra],
                          capture_output=True, text=True, env=ENV, timeout=timeout * 3)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])["steps"]
@@ -137,7 +138,7 @@ def test_generators_and_trainer_run_through_the_orchestrator(tmp_path):
     assert inv["steps"] == list(range(8))
     assert len(np.unique(inv["versions"])) >= 2
     m = list(read_metrics(tmp_path, "orchestrator"))
-    assert m and m[-1]["count_stored"] == len(inv["stored"]) and m[-1]["count_steps_served"] == 8
+    assert m and m[-1]["count_stored"] == len(inv["stored"]) and m[-1]["count_steps_recorded"] == 8
     assert all(r["kept"] + r["in_flight"] <= r["bound"] for r in m if r["version"] is not None)
 
 
@@ -235,3 +236,30 @@ def test_fuzzed_frames_are_dropped_and_the_run_goes_on(tmp_path):
         + last.get("count_invalid_result", 0) + last.get("count_unleased", 0) \
         + last.get("count_duplicate", 0)
     assert rejected >= sent * 0.9, last
+
+
+def test_trainer_resume_rolls_back_later_steps_and_evals_run_through_generators(tmp_path):
+    write_spec(tmp_path, max_async=2)
+    orch = start_orchestrator(tmp_path)
+    gens = [start_generator(tmp_path, i) for i in range(2)]
+    try:
+        wait_for_generators(tmp_path, 2)
+        first = run_trainer(tmp_path, 6, 0, 60, 0.0, "--eval-every=3")
+        # the trainer "crashed" after its checkpoint at step 3: steps 3..5 are forgotten
+        second = run_trainer(tmp_path, 6, 3, 60, 0.0, "--resume")
+        time.sleep(0.5)
+    finally:
+        stop(*gens)
+        stop(orch)
+    assert [s["step"] for s in second] == [3, 4, 5]
+    for rec in first + second:
+        assert sum(rec["rank_sizes"]) == 16 and min(rec["rank_sizes"]) > 0
+    for rec in second:  # no token from weights the restarted trainer never had
+        assert rec["max_version"] <= rec["step"]
+    inv = check_log_invariants(tmp_path, max_staleness=2)
+    assert inv["steps"] == list(range(6))
+    last = list(read_metrics(tmp_path, "orchestrator"))[-1]
+    assert last["count_trainer_resumes"] == 1
+    evals = list(read_metrics(tmp_path, "eval"))
+    assert [e["step"] for e in evals] == [0, 3] and all(e["n"] == 10 for e in evals)
+    assert all(0.0 <= e["accuracy"] <= 1.0 for e in evals)

@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pipeline.trainer.oracle import hf_logprobs, make_samples, sharpened_checkpoint
+
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 240
 
@@ -26,62 +28,10 @@ LAYOUT_REL_TOL = 1e-4  # max |g_parallel - g_single| / max |g_single|, and loss
 
 
 # ----------------------------------------------------------------------------- shared helpers
-def make_samples(seed: int, n: int, vocab: int):
-    """Deterministic samples: groups of 4, rewards 0/1, behaviour logprobs filled in later."""
-    from pipeline.trainer.layout import TrainSample
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        p, c = int(rng.integers(3, 12)), int(rng.integers(2, 20))
-        out.append(TrainSample(rng.integers(3, vocab, p), rng.integers(3, vocab, c),
-                               np.zeros(c), reward=float(rng.integers(0, 2)), group_id=i // 4))
-    return out
-
-
 def perturb_behaviour(samples, logprobs, seed):
     rng = np.random.default_rng(seed)
     for s, lp in zip(samples, logprobs):
         s.behaviour_logprobs = (lp + rng.normal(0, 0.1, len(lp))).astype(np.float32)
-
-
-def sharpened_checkpoint(kind: str, out: Path) -> Path:
-    """The tiny HF model of ``kind`` with weights re-drawn at unit scale, so logprobs are far
-    from uniform (the 0.02-std init makes every model nearly the same)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from pipeline.models.tiny import ensure_tiny_model
-
-    if out.exists():
-        return out
-    model = AutoModelForCausalLM.from_pretrained(str(ensure_tiny_model(kind)), dtype=torch.float32)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-    model.save_pretrained(str(out))
-    return out
-
-
-def hf_logprobs(model_dir: Path, samples) -> list[np.ndarray]:
-    """Independent reference: transformers, one unpadded sequence at a time."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    out = []
-    with torch.no_grad():
-        for s in samples:
-            ids = torch.from_numpy(np.concatenate([s.prompt_ids, s.completion_ids]))[None]
-            logp = model(ids).logits[0].log_softmax(-1)
-            p = len(s.prompt_ids)
-            targets = ids[0, p:]
-            out.append(logp[p - 1:-1].gather(-1, targets[:, None])[:, 0].numpy())
-    return out
 
 
 def launch(scenario: str, world: int, outdir: Path, args: dict) -> None:
@@ -213,6 +163,24 @@ def scenario_checkpoint(outdir: Path, args: dict) -> None:
     trainer.close()
 
 
+def scenario_decoupled(outdir: Path, args: dict) -> None:
+    """Decoupled PPO (recomputed proximal policy), 2 mini-batches, KL to the reference model."""
+    trainer = _trainer(args, recompute_proximal=True, mini_batches=2)
+    samples = make_samples(args["seed"], args["n"], trainer.hf_config.vocab_size)
+    perturb_behaviour(samples, trainer.logprobs(samples), 2)
+    first = trainer.train_step(samples)
+    ref_now = trainer.logprobs(samples, reference=True)
+    for s in samples:
+        s.advantage = None
+    second = trainer.train_step(samples)
+    (outdir / "result.json").write_text(json.dumps({
+        "first": first, "second": second,
+        "reference_is_initial": bool(np.allclose(np.concatenate(ref_now),
+                                                 np.concatenate([s.behaviour_logprobs for s in samples]),
+                                                 atol=0.5))}))
+    trainer.close()
+
+
 # ----------------------------------------------------------------------------- tests
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
@@ -326,12 +294,28 @@ def test_parallel_layout_matches_single_rank(kind, parallel, checkpoints, tmp_pa
     grad_err = max(float((grads[k] - ref_grads[k]).abs().max()) for k in ref_grads) / scale
     loss_err = [abs(got[s]["loss"] - ref[s]["loss"]) / max(abs(ref[s]["loss"]), 1e-6)
                 for s in ("step1", "step2")]
+    norm_err = abs(got["step1"]["grad_norm"] - ref["step1"]["grad_norm"]) / ref["step1"]["grad_norm"]
     print(f"\n[{kind} {parallel}] rel grad err {grad_err:.2e}, rel loss err step1 {loss_err[0]:.2e} "
-          f"step2 {loss_err[1]:.2e}; tokens {ref['step1']['tokens']:.0f}, "
+          f"step2 {loss_err[1]:.2e}, grad norm {norm_err:.2e}; tokens {ref['step1']['tokens']:.0f}, "
           f"{ref['step1']['tokens_per_s']:.0f} tokens/s single rank")
     assert scale > 0 and ref["step1"]["tokens"] == got["step1"]["tokens"]
     assert grad_err < LAYOUT_REL_TOL
     assert max(loss_err) < LAYOUT_REL_TOL
+    assert norm_err < LAYOUT_REL_TOL, f"global grad norm differs: {norm_err:.2e}"
+
+
+@pytest.mark.engine
+def test_decoupled_ppo_with_kl_and_mini_batches(checkpoints, tmp_path):
+    args = {"model_dir": str(checkpoints["dense"]), "seed": 9, "n": 8,
+            "loss": {"kl_coef": 0.1, "tis_cap": 1.05}}
+    launch("decoupled", 1, tmp_path, args)
+    r = json.loads((tmp_path / "result.json").read_text())
+    first, second = r["first"], r["second"]
+    # behaviour = policy + N(0, 0.1) noise: some proximal/behaviour weights exceed the 1.05 cap
+    assert 0 < first["tis_clip_fraction"] < 1
+    # mini-batch 1 starts at the reference (KL 0), mini-batch 2 after one update (KL > 0)
+    assert 0 < first["kl"] < second["kl"]
+    assert r["reference_is_initial"]
 
 
 @pytest.mark.engine

@@ -134,7 +134,7 @@ class Generator:
     # -- generation ---------------------------------------------------------------------------
     async def _run(self, prompt_ids: Sequence[int], params) -> Any:
         final = None
-        async for out in self.engine.generate({"prompt_token_ids": list(prompt_ids)}, params,
+        async for out in self.engine.generate({"prompt_token_ids": [int(t) for t in prompt_ids]}, params,
                                               f"r{next(self._ids)}"):
             final = out
         return final.outputs[0]

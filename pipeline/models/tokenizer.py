@@ -39,16 +39,19 @@ _MATH_WORDS = (
     "The result equals plus minus times divided by fraction decimal percent of a number square root"
 )
 
-# Number of built-in task prompts (with their answers) in the training corpus.
-_CORPUS_PROMPTS = 4000
+# Number of prompts (with their answers) of each built-in task in the training corpus.
+_CORPUS_PROMPTS = 2000
 
 
 def builtin_corpus() -> list[str]:
     """The fixed training text: built-in task prompts and answers plus general math wording."""
     from pipeline.tasks.addition import AdditionTask
+    from pipeline.tasks.sorting import SortDigitsTask
 
-    stream = AdditionTask().train_prompts(seed=0)
-    lines = [f"user\n{p.text}\nassistant\n{p.answer}" for p in itertools.islice(stream, _CORPUS_PROMPTS)]
+    lines = []
+    for task in (SortDigitsTask(min_digits=3, max_digits=8), AdditionTask()):
+        stream = task.train_prompts(seed=0)
+        lines += [f"user\n{p.text}\nassistant\n{p.answer}" for p in itertools.islice(stream, _CORPUS_PROMPTS)]
     return lines + [_MATH_WORDS] * 8
 
 

@@ -1,7 +1,7 @@
 """``python -m pipeline.orchestrator RUN_DIR``: serve a run described by RUN_DIR/orchestrator.json.
 
 The file holds ``{"orchestrator": {...OrchestratorConfig...}, "prompts": {...}, "scorer": NAME,
-"schema": {...RecordSchema...}, "run_id": ...}``. The training launcher writes it; tests and
+"schema": {...RecordSchema...}, "run_id": ..., "eval_prompts": {...}}``. The training launcher writes it; tests and
 benchmarks write it directly. Prompt sources: ``{"kind": "synthetic", ...SyntheticPromptSource
 kwargs}``. Scorers: ``last_token`` (the synthetic task's verifier).
 """
@@ -30,10 +30,13 @@ def build(run_dir: Path) -> Orchestrator:
     if kind != "synthetic":
         raise ValueError(f"unknown prompt source kind {kind!r} in {run_dir / 'orchestrator.json'}")
     prompts = SyntheticPromptSource(seed=cfg.seed, **prompts_spec)
+    eval_spec = spec.get("eval_prompts")
+    eval_prompts = SyntheticPromptSource(seed=cfg.seed + 1, **eval_spec) if eval_spec else None
     scorers = {"last_token": VerifierScorer(last_token_verifier)}
     scorer = scorers[spec.get("scorer", "last_token")]
     schema = RecordSchema.from_dict(spec.get("schema", {}))
-    return Orchestrator(run_dir, cfg, prompts, scorer, schema, spec.get("run_id", run_dir.name))
+    return Orchestrator(run_dir, cfg, prompts, scorer, schema, spec.get("run_id", run_dir.name),
+                        eval_prompts=eval_prompts)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,7 +45,8 @@ class RolloutBuffer:
         self.memory_tokens = 0
         self.spilled_total = 0
 
-    def add(self, group: BufferedGroup) -> None:
+    def add(self, group: BufferedGroup, front: bool = False) -> None:
+        """Queue a group last (or first: a group returned by a rolled-back step)."""
         if group.group_id in self.groups:
             raise ValueError(f"group {group.group_id} is already buffered")
         if group.batch is not None and self.memory_tokens + group.num_tokens > self.budget:
@@ -54,6 +55,8 @@ class RolloutBuffer:
         if group.batch is not None:
             self.memory_tokens += group.num_tokens
         self.groups[group.group_id] = group
+        if front:
+            self.groups.move_to_end(group.group_id, last=False)
 
     def __len__(self) -> int:
         return len(self.groups)

@@ -16,6 +16,10 @@ kind            direction                  meta / arrays
 ``batch``       orchestrator -> trainer    step, trainer_version; arrays: SampleBatch columns,
                                            dp_rank, advantages
 ``version``     trainer -> orchestrator    version
+``resume``      trainer -> orchestrator    step (the trainer restarted from the checkpoint after it)
+``eval_request`` trainer -> orchestrator   step, version: run a held-out evaluation round
+``eval_work``   orchestrator -> generator  step, indices; arrays prompt_ids (flat), prompt_len
+``eval_result`` generator -> orchestrator  step; arrays: SampleBatch columns, eval_index
 ==============  =========================  ===================================================
 
 Credits are absolute and idempotent: a generator says how many slots are free and how many work
@@ -69,6 +73,14 @@ def read_rendezvous(run_dir: Path, timeout_s: float) -> dict:
             if time.monotonic() > deadline:
                 raise TransportError(f"no orchestrator address in {path} after {timeout_s:.0f}s") from None
             time.sleep(0.05)
+
+
+@dataclass
+class EvalItem:
+    step: int
+    index: int
+    """Index of the prompt in the held-out set."""
+    prompt_ids: np.ndarray
 
 
 @dataclass
@@ -142,7 +154,7 @@ class GeneratorLink(_Link):
         self.client.send("want", self.credit())
         self._last_want = time.monotonic()
 
-    def poll(self, timeout_s: float) -> list[WorkItem]:
+    def poll(self, timeout_s: float) -> list[WorkItem | EvalItem]:
         """Work granted within ``timeout_s``; handles acks, re-sends and periodic credit updates."""
         now = time.monotonic()
         if now - self._last_want > 1.0:
@@ -152,11 +164,17 @@ class GeneratorLink(_Link):
                 self.refresh_address()
                 self.client.send("result", {"group_id": key[0], "attempt": key[1]}, arrays)
                 self.unacked[key] = (now, arrays)
-        items: list[WorkItem] = []
+        items: list[WorkItem | EvalItem] = []
         deadline = now + timeout_s
         while True:
             msg = self.client.recv(max(0.0, deadline - time.monotonic()))
             if msg is None:
+                return items
+            if msg.kind == "eval_work":
+                ids, lens = msg.arrays["prompt_ids"], msg.arrays["prompt_len"]
+                off = np.concatenate(([0], np.cumsum(lens)))
+                items.extend(EvalItem(msg.meta["step"], idx, ids[off[j]:off[j + 1]])
+                             for j, idx in enumerate(msg.meta["indices"]))
                 return items
             if msg.kind == "work":
                 if msg.meta["epoch"] != self.epoch:
@@ -183,6 +201,12 @@ class GeneratorLink(_Link):
                                     "credit": self.credit()}, arrays)
 
 
+    def send_eval_result(self, step: int, indices: np.ndarray, batch: SampleBatch) -> None:
+        arrays = batch_arrays(batch)
+        arrays["eval_index"] = np.asarray(indices, np.int64)
+        self.client.send("eval_result", {"step": step}, arrays)
+
+
 class TrainerLink(_Link):
     """The trainer's connection: reports versions and pulls step batches."""
 
@@ -194,16 +218,26 @@ class TrainerLink(_Link):
     def report_version(self, version: int) -> None:
         self.client.send("version", {"version": version})
 
+    def resume(self, step: int) -> None:
+        """Tell the orchestrator the trainer restarted from the checkpoint taken after ``step`` steps."""
+        self.client.send("resume", {"step": step})
+
+    def request_eval(self, step: int, version: int) -> None:
+        self.client.send("eval_request", {"step": step, "version": version})
+
     def get_batch(self, step: int, version: int, dp_size: int, timeout_s: float,
+                  dp_rank: int | None = None,
                   retry_s: float = 2.0) -> tuple[SampleBatch, np.ndarray, np.ndarray]:
-        """The global batch of ``step``: (samples, dp rank of each, advantages).
+        """The batch of ``step`` (only ``dp_rank``'s share if given): (samples, dp rank of each,
+        whole-batch GRPO advantages).
 
         Re-asks every ``retry_s`` (the orchestrator may have restarted); raises TransportError
         after ``timeout_s`` without a batch.
         """
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            self.client.send("get_batch", {"step": step, "version": version, "dp_size": dp_size})
+            self.client.send("get_batch", {"step": step, "version": version, "dp_size": dp_size,
+                                           "dp_rank": dp_rank})
             until = min(deadline, time.monotonic() + retry_s)
             while time.monotonic() < until:
                 msg = self.client.recv(max(0.0, until - time.monotonic()))

@@ -36,6 +36,7 @@ from pipeline.orchestrator.admission import Admission
 from pipeline.orchestrator.batching import group_advantages, split_by_tokens
 from pipeline.orchestrator.buffer import BufferedGroup, RolloutBuffer
 from pipeline.orchestrator.config import OrchestratorConfig
+from pipeline.orchestrator.evaluation import Evaluator
 from pipeline.orchestrator.links import (batch_arrays, batch_from_arrays, read_rendezvous,
                                          request_seed, write_rendezvous)
 from pipeline.orchestrator.prompts import PromptSource
@@ -57,7 +58,8 @@ class _Generator:
 
 class Orchestrator:
     def __init__(self, run_dir: Path, cfg: OrchestratorConfig, prompts: PromptSource,
-                 scorer: Scorer, schema: RecordSchema, run_id: str = "run"):
+                 scorer: Scorer, schema: RecordSchema, run_id: str = "run",
+                 eval_prompts: PromptSource | None = None):
         cfg.validate()
         self.run_dir, self.cfg, self.prompts, self.schema = Path(run_dir), cfg, prompts, schema
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -77,12 +79,13 @@ class Orchestrator:
             self.buffer.add(g)
         self.counts.update(state.outcome_counts)
         self.scoring = AsyncScoring(scorer, cfg.scorer_threads)
+        self.evaluator = Evaluator(eval_prompts, scorer, schema) if eval_prompts else None
         self.server = _bind(self.run_dir, cfg.transport)
         self.epoch = uuid.uuid4().hex[:12]
         write_rendezvous(self.run_dir, {"address": self.server.address, "epoch": self.epoch})
         self.metrics = MetricsWriter(self.run_dir, "orchestrator")
         self.generators: dict[bytes, _Generator] = {}
-        self.waiting_batch: dict[bytes, tuple[int, int]] = {}
+        self.waiting_batch: dict[bytes, tuple[int, int, int | None]] = {}
         self.to_ack: list[tuple[bytes, int, int, str]] = []
         self.group_rows: list[tuple] = []  # resolutions waiting for the next flush
         self._stale_checked_for = -1
@@ -121,13 +124,17 @@ class Orchestrator:
             self._flush_and_ack()
         self._grant_work()
         self._serve_batches()
+        if self.evaluator is not None and self.evaluator.round is not None:
+            self._send_eval_work()
         if now - self._last_metrics >= self.cfg.metrics_interval_s:
             self._write_metrics(now)
 
     def handle(self, peer: bytes, msg: Message) -> None:
         try:
             handler = {"hello": self._on_hello, "want": self._on_want, "result": self._on_result,
-                       "get_batch": self._on_get_batch, "version": self._on_version}[msg.kind]
+                       "get_batch": self._on_get_batch, "version": self._on_version,
+                       "resume": self._on_resume, "eval_request": self._on_eval_request,
+                       "eval_result": self._on_eval_result}[msg.kind]
         except KeyError:
             self.counts["unknown_kind"] += 1
             return
@@ -269,13 +276,79 @@ class Orchestrator:
 
     def _on_get_batch(self, peer: bytes, msg: Message) -> None:
         step, dp_size = int(msg.meta["step"]), int(msg.meta["dp_size"])
+        dp_rank = msg.meta.get("dp_rank")
         self.admission.version = int(msg.meta["version"])
         if step in self.step_rows:
             rows, ranks = self.step_rows[step]
-            self._send_batch(peer, step, self.writer.read_samples(rows), ranks)
+            self._send_batch(peer, step, self.writer.read_samples(rows), ranks, dp_rank)
         else:
             self.trainer_version = max(self.trainer_version, step)
-            self.waiting_batch[peer] = (step, dp_size)
+            self.waiting_batch[peer] = (step, dp_size, dp_rank)
+
+    def _on_resume(self, peer: bytes, msg: Message) -> None:
+        """The trainer restarted from the checkpoint taken after ``step`` steps (DESIGN §6).
+
+        Steps recorded at or after it are forgotten; their groups go back to the front of the
+        buffer, except groups holding tokens of versions above ``step`` (weights that no longer
+        exist), which are dropped and counted.
+        """
+        k = int(msg.meta["step"])
+        later = sorted((s for s in self.step_rows if s >= k), reverse=True)
+        for s in later:
+            rows, _ = self.step_rows.pop(s)
+            batch = self.writer.read_samples(rows)
+            gids = batch.columns["group_id"]
+            for gid in list(dict.fromkeys(gids.tolist()))[::-1]:
+                sel = np.flatnonzero(gids == gid)
+                group = batch.take(sel)
+                if int(group.columns["versions"].max()) > k:
+                    self.admission.unkeep()
+                    self.counts["dropped_future_version"] += 1
+                    self.group_rows.append((gid, int(group.columns["attempt"][0]),
+                                            GroupOutcome.EVICTED_STALE, int(rows[sel[0]]), len(sel),
+                                            int(group.min_versions().min()), time.time()))
+                    continue
+                self.buffer.add(BufferedGroup(gid, int(group.columns["attempt"][0]), rows[sel],
+                                              int(group.min_versions().min()), group.num_tokens, group),
+                                front=True)
+        self.trainer_version = k
+        self.admission.version = min(self.admission.version or k, k)
+        self.waiting_batch = {p: w for p, w in self.waiting_batch.items() if w[0] < k}
+        self.counts["trainer_resumes"] += 1
+        log.info("trainer resumes at step %d: %d later step(s) returned to the buffer", k, len(later))
+
+    # -- evaluation --------------------------------------------------------------------------
+    def _on_eval_request(self, peer: bytes, msg: Message) -> None:
+        if self.evaluator is None:
+            self.counts["eval_unavailable"] += 1
+            return
+        self.evaluator.start(int(msg.meta["step"]), int(msg.meta["version"]))
+        self._send_eval_work()
+
+    def _send_eval_work(self) -> None:
+        ev = self.evaluator
+        if ev is None or ev.round is None:
+            return
+        for peer, indices in ev.assignments(list(self.generators)).items():
+            prompts = [ev.prompt(i).token_ids for i in indices]
+            self.server.send(peer, "eval_work", {"step": ev.round.step, "indices": indices},
+                             {"prompt_ids": np.concatenate(prompts),
+                              "prompt_len": np.array([len(p) for p in prompts], np.int32)})
+
+    def _on_eval_result(self, peer: bytes, msg: Message) -> None:
+        if self.evaluator is None:
+            return
+        arrays = dict(msg.arrays)
+        indices = arrays.pop("eval_index")
+        try:
+            batch = batch_from_arrays(arrays, self.schema)
+        except RecordError as exc:
+            self.counts["invalid_eval_result"] += 1
+            log.warning("invalid eval result from %r: %s", peer, exc)
+            return
+        summary = self.evaluator.record(int(msg.meta["step"]), indices, batch)
+        if summary is not None:
+            self.metrics.log("eval", **summary)
 
     def _drop_stale_buffered(self) -> None:
         for g in self.buffer.drop_stale(self.trainer_version, self.staleness):
@@ -288,11 +361,14 @@ class Orchestrator:
         if self.trainer_version != self._stale_checked_for:  # staleness only grows with it
             self._drop_stale_buffered()
             self._stale_checked_for = self.trainer_version
-        for peer, (step, dp_size) in list(self.waiting_batch.items()):
-            if step != (max(self.step_rows) + 1 if self.step_rows else 0):
-                log.warning("trainer asked for step %d; next unrecorded step differs", step)
+        for peer, (step, dp_size, dp_rank) in list(self.waiting_batch.items()):
+            if step in self.step_rows:  # another trainer rank asked first
+                del self.waiting_batch[peer]
+                rows, ranks = self.step_rows[step]
+                self._send_batch(peer, step, self.writer.read_samples(rows), ranks, dp_rank)
+                continue
             if len(self.buffer) < self.cfg.groups_per_step:
-                return
+                continue
             groups = self.buffer.take(self.cfg.groups_per_step)
             batch = SampleBatch.concat([g.batch for g in groups])
             rows = np.concatenate([g.rows for g in groups])
@@ -301,16 +377,22 @@ class Orchestrator:
             self.writer.append_steps(step, rows, ranks, self.trainer_version, time.time())
             self._flush()
             self.step_rows[step] = (rows, ranks)
+            self.counts["steps_recorded"] += 1
             del self.waiting_batch[peer]
-            self._send_batch(peer, step, batch, ranks)
+            self._send_batch(peer, step, batch, ranks, dp_rank)
 
-    def _send_batch(self, peer: bytes, step: int, batch: SampleBatch, ranks: np.ndarray) -> None:
+    def _send_batch(self, peer: bytes, step: int, batch: SampleBatch, ranks: np.ndarray,
+                    dp_rank: int | None) -> None:
+        """Send a step's samples (only ``dp_rank``'s share if given) with whole-batch advantages."""
         adv = group_advantages(batch.columns["reward"], batch.columns["group_id"],
                                self.cfg.advantage_std_scale)
+        if dp_rank is not None:
+            sel = np.flatnonzero(ranks == int(dp_rank))
+            batch, ranks, adv = batch.take(sel), ranks[sel], adv[sel]
         arrays = batch_arrays(batch)
         arrays.update(dp_rank=ranks, advantages=adv)
         self.server.send(peer, "batch", {"step": step, "trainer_version": self.trainer_version}, arrays)
-        self.counts["steps_served"] += 1
+        self.counts["batches_sent"] += 1
 
     # -- metrics and shutdown -----------------------------------------------------------------
     def _write_metrics(self, now: float) -> None:

@@ -36,7 +36,7 @@ def _generate(model, tokenizer, task: Task, prompts: Sequence[Prompt], *, do_sam
 
 
 def evaluate(model, tokenizer, task: Task, prompts: Sequence[Prompt], *, k: int = 8, temperature: float = 1.0,
-             max_new_tokens: int = 8, batch_size: int = 100, seed: int = 0) -> dict[str, float]:
+             max_new_tokens: int = 16, batch_size: int = 100, seed: int = 0) -> dict[str, float]:
     """{"greedy_accuracy", "pass_at_k", "sampled_accuracy"} of `model` on `prompts`."""
     import torch
 

@@ -27,7 +27,7 @@ def _layout(trainer) -> dict:
     import torch
 
     p = trainer.cfg.parallel
-    return {"world_size": torch.distributed.get_world_size(), "tp": p.tp, "ep": p.ep, "etp": p.etp}
+    return {"world_size": torch.distributed.get_world_size(), "tp": p.tp, "ep": p.ep, "etp": p.expert_tp}
 
 
 def _check_torch_optimizer(trainer) -> None:

@@ -75,7 +75,7 @@ class Trainer:
         p = cfg.parallel
         ps.initialize_model_parallel(
             tensor_model_parallel_size=p.tp, expert_model_parallel_size=p.ep,
-            expert_tensor_parallel_size=p.etp,
+            expert_tensor_parallel_size=p.expert_tp,
             distributed_timeout_minutes=max(1, int(cfg.timeout_s // 60)))
         model_parallel_cuda_manual_seed(cfg.seed)
         self.hf_config = load_hf_config(cfg.model_dir)
@@ -199,8 +199,9 @@ class Trainer:
         mine = torch.full((longest, 3), float("nan"), dtype=torch.float64)
         for i, s in enumerate(samples):
             mine[i] = torch.tensor([s.reward, s.group_id, 1.0 if s.advantage is None else 0.0])
+        mine = mine.to(self.layout.device)
         gathered = [torch.empty_like(mine) for _ in range(dp)]
-        torch.distributed.all_gather(gathered, mine.to(self.layout.device), group=self.dp_group)
+        torch.distributed.all_gather(gathered, mine, group=self.dp_group)
         table = torch.cat([g.cpu() for g in gathered])
         rank = torch.distributed.get_rank(self.dp_group)
         valid = ~torch.isnan(table[:, 0]) & (table[:, 2] == 1.0)

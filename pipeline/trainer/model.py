@@ -34,10 +34,15 @@ class ParallelConfig:
 
     tp: int = 1  # tensor-parallel size
     ep: int = 1  # expert-parallel size (MoE only; carved out of data parallelism)
-    etp: int = 1  # expert tensor-parallel size (MoE only)
+    etp: int | None = None  # expert tensor-parallel size (MoE only); None: = tp
     sequence_parallel: bool | None = None  # None: on when tp > 1 and the model is MoE
     moe_dispatcher: str = "alltoall"  # megatron token dispatcher; "allgather" only when tp*ep == 1
     params_dtype: str = "float32"  # "float32" or "bfloat16"
+
+    @property
+    def expert_tp(self) -> int:
+        """The expert tensor-parallel size in effect."""
+        return self.tp if self.etp is None else self.etp
 
 
 def load_hf_config(model_dir: str | Path):
@@ -79,6 +84,7 @@ def transformer_config(hf_config, parallel: ParallelConfig):
         raise ValueError(f"vocab_size {hf_config.vocab_size} is not divisible by tp={parallel.tp}")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[parallel.params_dtype]
     moe = is_moe(hf_config)
+    etp = parallel.expert_tp
     sequence_parallel = parallel.sequence_parallel
     if sequence_parallel is None:
         sequence_parallel = moe and parallel.tp > 1
@@ -119,6 +125,11 @@ def transformer_config(hf_config, parallel: ParallelConfig):
                 f"moe_dispatcher={parallel.moe_dispatcher!r} with tp*ep > 1 needs identical "
                 "micro-batch shapes on every expert-parallel rank, which per-rank batches do not "
                 "have; use 'alltoall'")
+        if parallel.ep == 1 and etp != parallel.tp:
+            # megatron-core 0.16.1 marks expert weights as expert-parallel only when ep > 1; with
+            # ep == 1 their gradients are reduced over the dense DP group, which misses the
+            # tensor-parallel ranks that saw other tokens when etp < tp.
+            raise ValueError(f"etp={etp} != tp={parallel.tp} needs ep > 1")
         if getattr(hf_config, "mlp_only_layers", None) or getattr(hf_config, "decoder_sparse_step", 1) != 1:
             raise ValueError("qwen3_moe with dense layers (mlp_only_layers/decoder_sparse_step) "
                              "is not supported")
@@ -136,9 +147,9 @@ def transformer_config(hf_config, parallel: ParallelConfig):
             moe_grouped_gemm=False,
             moe_router_dtype="fp32",
             expert_model_parallel_size=parallel.ep,
-            expert_tensor_parallel_size=parallel.etp,
+            expert_tensor_parallel_size=etp,
         )
-    elif parallel.ep != 1 or parallel.etp != 1:
+    elif parallel.ep != 1 or etp != parallel.tp:
         raise ValueError(f"ep={parallel.ep}, etp={parallel.etp} given for dense model "
                          f"{hf_config.model_type}; expert parallelism needs an MoE model")
     return TransformerConfig(**kwargs)
@@ -396,7 +407,7 @@ def export_hf_checkpoint(model, hf_config, out_dir: str | Path,
 def _hf_dtype(hf_config):
     import torch
 
-    name = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    name = getattr(hf_config, "dtype", None)
     if isinstance(name, torch.dtype):
         return name
     return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(str(name), torch.float32)

@@ -1,0 +1,43 @@
+"""The ``tokenflow`` console command: one subcommand per user action, each imported on demand.
+
+    tokenflow inspect PATH [--plot OUT.png] [--json]   summarise (and plot) a rollout log
+    tokenflow orchestrate RUN_DIR                       serve a run's orchestrator (a role process)
+
+Subcommands are thin: they parse arguments and call the module that does the work, so that
+``tokenflow --help`` never imports torch, vLLM or megatron-core.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+#: subcommand -> (module with ``main(argv) -> int``, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "inspect": ("pipeline.inspect_log", "summarise a rollout log: counts, rewards, staleness; --plot, --json"),
+    "orchestrate": ("pipeline.orchestrator.__main__", "run the orchestrator of RUN_DIR (role process)"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: tokenflow COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "tokenflow COMMAND --help shows a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"tokenflow: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

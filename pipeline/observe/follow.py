@@ -1,0 +1,44 @@
+"""Incremental reading of a run's metrics JSONL (the file grows while the run writes it)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pipeline.metrics import METRICS_FILE
+
+
+class MetricsFollower:
+    """Returns the records appended since the last call; a partial last line waits for its end."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / METRICS_FILE
+        self.offset = 0
+        self.latest: dict[tuple[str, Any], dict[str, Any]] = {}
+
+    def poll(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        out = []
+        for line in data[:end].splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            out.append(rec)
+            self.latest[(rec.get("kind"), rec.get("generator_id"))] = rec
+        return out
+
+    def last(self, kind: str) -> dict[str, Any] | None:
+        """The newest record of a kind (for generators: the newest of any generator)."""
+        recs = [r for (k, _), r in self.latest.items() if k == kind]
+        return max(recs, key=lambda r: r.get("t", 0)) if recs else None
+
+    def all_last(self, kind: str) -> list[dict[str, Any]]:
+        return [r for (k, _), r in self.latest.items() if k == kind]

@@ -1,0 +1,121 @@
+"""`tokenflow inspect`: the summary's values from a log whose contents the test knows."""
+from __future__ import annotations
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+
+from pipeline.inspect_log import main
+from pipeline.log_format import GroupOutcome, segment_name
+from pipeline.record import FINISH_REASONS, RecordSchema, SampleBatch
+from pipeline.rollout_log import RolloutLogWriter
+from rollout_data import make_batch
+
+SCHEMA = RecordSchema()
+
+
+@pytest.fixture
+def known_log(tmp_path):
+    """20 samples: 8 of version 0 (reward 0.25), 8 of version 1 (reward 0.75), 4 of version 2
+    (unscored). Step 0 at trainer version 1 consumes rows 0..7, step 1 at trainer version 2
+    consumes rows 8..11; rows 12..19 are not consumed yet."""
+    parts = [make_batch(SCHEMA, 1, 8, first_group=0, version=0, reward=0.25),
+             make_batch(SCHEMA, 2, 8, first_group=2, version=1, reward=0.75),
+             make_batch(SCHEMA, 3, 4, first_group=4, version=2, reward=float("nan"))]
+    log_dir = tmp_path / "run" / "rollouts"
+    with RolloutLogWriter(log_dir, SCHEMA, "known", {"group_size": 4}) as w:
+        for b in parts[:2]:
+            w.append_samples(b)
+        w.append_groups(np.arange(4), 0, GroupOutcome.STORED, np.arange(4) * 4, 4, [0, 0, 1, 1], 1.0)
+        w.append_groups([10, 11], 0, GroupOutcome.FILTERED, -1, 0, 0, 1.0)
+        w.append_steps(0, np.arange(8), 0, trainer_version=1, t=2.0)
+    with RolloutLogWriter(log_dir, SCHEMA, "known", {"group_size": 4}) as w:  # a second segment
+        w.append_samples(parts[2])
+        w.append_groups([4, 12], 0, [GroupOutcome.STORED, GroupOutcome.DROPPED_STALE], [16, -1],
+                        [4, 0], [2, 0], 3.0)
+        w.append_steps(1, np.arange(8, 12), [0, 1, 0, 1], trainer_version=2, t=4.0)
+    return tmp_path / "run", SampleBatch.concat(parts)
+
+
+def _run_json(capsys, *argv):
+    assert main([*map(str, argv), "--json"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1  # one JSON object, the only line on stdout
+    return json.loads(out)
+
+
+def test_json_summary_values(known_log, capsys):
+    run_dir, data = known_log
+    s = _run_json(capsys, run_dir)
+    c = data.columns
+    assert s["run_id"] == "known" and s["segments"] == 2 and s["problems"] == []
+    assert s["meta"] == {"group_size": 4} and s["record_schema"] == SCHEMA.to_dict()
+    assert s["samples"] == 20 and s["consumed_samples"] == 12 and s["lost_rows"] == 0
+    assert s["groups"] == {"total": 8, "stored": 5, "filtered": 2, "dropped_stale": 1,
+                           "dropped_invalid": 0, "evicted_stale": 0}
+    assert s["steps"] == 2 and s["last_step"] == 1
+    assert s["tokens"] == {"prompt": int(c["prompt_len"].sum()),
+                           "completion": int(c["completion_len"].sum()),
+                           "total": int(c["prompt_len"].sum() + c["completion_len"].sum())}
+    rv = s["reward_by_version"]
+    assert rv["0"] == {"samples": 8, "scored": 8, "mean": pytest.approx(0.25)}
+    assert rv["1"] == {"samples": 8, "scored": 8, "mean": pytest.approx(0.75)}
+    assert rv["2"] == {"samples": 4, "scored": 0, "mean": None}
+    assert s["reward"] == {"mean": pytest.approx(0.5), "scored": 16}
+    # consumed: rows 0..7 (v0 at trainer 1) and 8..11 (v1 at trainer 2) -> staleness 1;
+    # unconsumed vs the latest trainer version 2: rows 12..15 (v1) -> 1, rows 16..19 (v2) -> 0
+    st = s["staleness"]
+    assert st["consumed"] == {"1": 12} and st["unconsumed"] == {"0": 4, "1": 4}
+    assert st["all"] == {"0": 4, "1": 16} and st["latest_trainer_version"] == 2
+    for name in ("prompt_len", "completion_len"):
+        x = c[name]
+        assert s[name]["min"] == x.min() and s[name]["max"] == x.max()
+        assert s[name]["mean"] == pytest.approx(x.mean())
+        assert s[name]["p50"] == pytest.approx(np.percentile(x, 50))
+    assert sum(s["length_histogram"]["completion"]) == 20
+    counts = np.bincount(c["finish_reason"], minlength=len(FINISH_REASONS))
+    assert s["finish_reasons"] == dict(zip(FINISH_REASONS, counts.tolist()))
+
+
+def test_text_summary_and_plot(known_log, capsys, tmp_path):
+    run_dir, _ = known_log
+    png = tmp_path / "summary.png"
+    assert main([str(run_dir / "rollouts" / segment_name(0)), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "reading all 2 segments" in out
+    assert "samples       20" in out and "stored 5, filtered 2, dropped_stale 1" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+    img = matplotlib.image.imread(png)
+    assert img.shape[0] > 200 and img.shape[1] > 600 and img.std() > 0.01  # not a blank canvas
+
+
+def test_damaged_segment_is_reported_and_the_rest_summarised(known_log, capsys):
+    run_dir, data = known_log
+    seg1 = run_dir / "rollouts" / segment_name(1)
+    seg1.write_bytes(seg1.read_bytes()[:1000])
+    s = _run_json(capsys, run_dir)
+    assert s["samples"] == 16 and s["lost_rows"] == 0 and len(s["problems"]) == 1
+    assert segment_name(1) in capsys.readouterr().err or segment_name(1) in s["problems"][0]
+
+
+def test_bad_paths_exit_2_naming_the_problem(tmp_path, capsys):
+    junk = tmp_path / "junk.h5"
+    junk.write_bytes(b"definitely not hdf5" * 100)
+    foreign = tmp_path / "foreign.h5"
+    with h5py.File(foreign, "w") as f:
+        f["x"] = np.arange(3)
+    newer = tmp_path / "newer"
+    with RolloutLogWriter(newer / "rollouts", SCHEMA, "n", {}) as w:
+        w.append_samples(make_batch(SCHEMA, 0, 2))
+    with h5py.File(newer / "rollouts" / segment_name(0), "r+") as f:
+        f.attrs["tokenflow_schema_version"] = 5
+    for path, problem in ((tmp_path / "nope", "no such file"), (junk, "not an HDF5 file"),
+                          (foreign, "not a Tokenflow rollout log"), (newer, "version 5"),
+                          (tmp_path, "no rollout log here")):
+        assert main([str(path), "--json"]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and problem in captured.err and "error" in captured.err
+    assert main(["--no-such-flag", str(junk)]) == 2
