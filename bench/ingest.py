@@ -47,10 +47,14 @@ def _cpu() -> float:
 
 def run_orchestrator(groups: int, producers: int) -> dict:
     run = Path(tempfile.mkdtemp(prefix="tf-ingest-"))
-    (run / "orchestrator.json").write_text(json.dumps({
-        "orchestrator": {"group_size": GROUP, "groups_per_step": 1, "max_async": 10**6,
-                         "metrics_interval_s": 0.2, "memory_token_budget": 10**9},
-        "prompts": {"kind": "synthetic", "min_len": PROMPT, "max_len": PROMPT}, "run_id": "bench"}))
+    from pipeline.config import RunConfig, TokenflowConfig
+    from pipeline.orchestrator.config import OrchestratorConfig
+    from pipeline.roles.common import save_run_config
+    from pipeline.tasks import TaskConfig
+    save_run_config(run, TokenflowConfig(
+        run=RunConfig(name="bench", dir=str(run)), task=TaskConfig(name="synthetic"),
+        orchestrator=OrchestratorConfig(group_size=GROUP, groups_per_step=1, max_async=10**6,
+                                        metrics_interval_s=0.2, memory_token_budget=10**9)))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     orch = subprocess.Popen([sys.executable, "-m", "pipeline.orchestrator", str(run)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
@@ -85,7 +89,7 @@ def run_orchestrator(groups: int, producers: int) -> dict:
     # (excludes start-up and shutdown, which do not scale with tokens).
     m = [r for r in read_metrics(run, "orchestrator") if r.get("count_stored", 0) > 0]
     stored = m[-1]["count_stored"] - m[0]["count_stored"]
-    tokens = stored * GROUP * (COMPLETION + PROMPT)
+    tokens = m[-1]["ingested_tokens"] - m[0]["ingested_tokens"]
     return {"cpu_s": m[-1]["cpu_s"] - m[0]["cpu_s"], "tokens": tokens, "wall_s": wall,
             "groups": stored, "run_dir": str(run)}
 

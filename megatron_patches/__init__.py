@@ -14,14 +14,21 @@ On CPU, "the CUDA RNG" that megatron's RNG tracker forks is mapped onto torch's 
 generator: ``tracker.add(name, seed)`` stores a CPU generator state, and ``tracker.fork(name)``
 swaps the CPU generator to it and back, which is what dropout inside tensor-parallel regions needs.
 
+Patches (each function's docstring says what, why and the version):
+  always: moe_te_general_gemm
+  cpu:    cuda_current_device, cuda_streams, cuda_rng, default_causal_mask, moe_split_sizes,
+          torch_norm_sequence_parallel
+
 Example::
 
     from megatron_patches import apply_cpu_patches
-    applied = apply_cpu_patches()   # e.g. ['moe_te_general_gemm', 'cuda_current_device', ...]
+    applied = apply_cpu_patches()   # on CPU: all seven names above, in that order
     # now build megatron-core models with use_cpu_initialization=True and a gloo process group
 
 A later routing-replay patch (DESIGN §4, Keep Routing) registers itself in ``_PATCHES`` the same
-way; it is not CPU-specific and would go into the ``always`` group.
+way; it is not CPU-specific and would go into the ``always`` group (feature-detected, so it can
+serve the GPU path's newer megatron-core too). ``torch_norm_sequence_parallel`` would also be
+needed on a GPU without TransformerEngine for TP > 1 MoE; it stays CPU-only until checked there.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The ``tokenflow`` console command: one subcommand per user action, each imported on demand.
 
+    tokenflow train [OVERRIDES...]                      train (no arguments: the built-in demo)
     tokenflow inspect PATH [--plot OUT.png] [--json]   summarise (and plot) a rollout log
     tokenflow orchestrate RUN_DIR                       serve a run's orchestrator (a role process)
 
@@ -13,6 +14,7 @@ import sys
 
 #: subcommand -> (module with ``main(argv) -> int``, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("pipeline.train", "train a policy (no arguments: the built-in CPU demo); Hydra overrides, -m sweeps"),
     "inspect": ("pipeline.inspect_log", "summarise a rollout log: counts, rewards, staleness; --plot, --json"),
     "orchestrate": ("pipeline.orchestrator.__main__", "run the orchestrator of RUN_DIR (role process)"),
 }

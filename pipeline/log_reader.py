@@ -184,7 +184,7 @@ class RolloutLog:
             return batch if mask.all() else batch.take(np.flatnonzero(mask))
 
         if steps is not None:
-            step_rows = self.resume_state().step_rows
+            step_rows = self.step_rows()
             chosen = [step_rows[s] for s in sorted(set(int(s) for s in steps)) if s in step_rows]
             rows = np.concatenate(chosen) if chosen else np.zeros(0, np.int64)
             for i in range(0, len(rows), batch_size):
@@ -235,6 +235,10 @@ class RolloutLog:
             for s, v, a, b in zip(meta["step"], meta["trainer_version"], starts, ends):
                 out.append((int(s), int(v), rows[a:b]))
         return out
+
+    def step_rows(self) -> dict[int, np.ndarray]:
+        """Step -> global rows it consumed, from the latest record of each step."""
+        return {step: rows for step, _, rows in self.step_records()}
 
     def resume_state(self) -> ResumeState:
         g = self.groups()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +26,9 @@ from pipeline.log_format import (
 from pipeline.record import PROMPT_COLUMN, SCALAR_COLUMNS, RecordError, RecordSchema, SampleBatch
 
 _COMMIT_LOOKBACK = 8  # how many trailing commit rows to try when the last one is torn
+# A live (or killed mid-flush) SWMR writer's file may end up to this many bytes before the end
+# its superblock records (space allocated, not yet written); a larger gap means the file was cut.
+_SWMR_SLACK = 64 * 1024
 
 
 class Segment:
@@ -51,11 +53,26 @@ class Segment:
         path = Path(path)
         if not h5py.is_hdf5(path):
             raise NotHDF5Error(f"{path}: not an HDF5 file (no HDF5 signature)")
-        try:
-            f = h5py.File(path, "r", swmr=True)
-        except OSError as e:
-            raise CorruptSegmentError(f"{path}: HDF5 cannot open it ({e}); "
-                                      "if it was written without SWMR, `h5clear -s` may recover it")
+        shortfall = _shortfall(path)
+        truncated = CorruptSegmentError(f"{path}: truncated (the file ends {shortfall} bytes "
+                                        "before the end its HDF5 superblock records)")
+        try:  # a closed segment opens plainly: damage then fails fast instead of SWMR's retries
+            f = h5py.File(path, "r")
+        except OSError as plain_error:
+            live = "already open" in str(plain_error) or "lock" in str(plain_error)
+            if shortfall > (_SWMR_SLACK if live else 0):
+                raise truncated
+            if not live:
+                raise CorruptSegmentError(f"{path}: HDF5 cannot open it ({plain_error})")
+            try:  # a live writer's segment, or one whose writer was killed
+                f = h5py.File(path, "r", swmr=True)
+            except OSError as e:
+                raise CorruptSegmentError(f"{path}: HDF5 cannot open it ({e}); if it was written "
+                                          "without SWMR, `h5clear -s` may recover it")
+        else:
+            if shortfall:
+                f.close()
+                raise truncated
         try:
             if "tokenflow_schema_version" not in f.attrs:
                 raise ForeignFileError(f"{path}: an HDF5 file but not a Tokenflow rollout log "
@@ -64,7 +81,6 @@ class Segment:
             if version > SCHEMA_VERSION:
                 raise NewerSchemaError(f"{path}: written with log layout version {version}; this "
                                        f"Tokenflow reads versions <= {SCHEMA_VERSION} (upgrade it)")
-            _check_not_truncated(f, path)
             try:
                 return cls(f, path)
             except (KeyError, ValueError, OSError) as e:
@@ -174,14 +190,21 @@ class Segment:
         self.file.close()
 
 
-def _check_not_truncated(f, path: Path) -> None:
-    """A file shorter than the end of its allocated space was cut short (SWMR reads of the
-    missing part would silently return zeros). Re-checked once: a live writer's flush can
-    briefly leave the size behind the superblock's end address."""
-    for attempt in range(3):
-        size, eoa = os.path.getsize(path), f.id.get_filesize()
-        if size >= eoa:
-            return
-        time.sleep(0.05 * (attempt + 1))
-    raise CorruptSegmentError(f"{path}: truncated (the file has {size} bytes, its HDF5 "
-                              f"superblock says {eoa})")
+def _superblock_eof(path: Path) -> int | None:
+    """End-of-file address recorded in the HDF5 superblock at offset 0 (None if unknown)."""
+    with open(path, "rb") as fh:
+        head = fh.read(64)
+    if len(head) < 64 or head[:8] != b"\x89HDF\r\n\x1a\n":
+        return None
+    version = head[8]
+    size_of_offsets = head[13] if version < 2 else head[9]
+    at = {0: 24, 1: 28}.get(version, 12) + 2 * size_of_offsets
+    if size_of_offsets not in (4, 8) or at + size_of_offsets > len(head):
+        return None
+    return int.from_bytes(head[at:at + size_of_offsets], "little")
+
+
+def _shortfall(path: Path) -> int:
+    """Bytes missing between the file's size and the end its superblock records (0 if none)."""
+    eof = _superblock_eof(path)
+    return max(0, eof - os.path.getsize(path)) if eof is not None else 0

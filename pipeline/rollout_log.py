@@ -61,6 +61,7 @@ class RolloutLogWriter:
                 "clients do not see writes in order); put the run directory on a local disk, or "
                 "pass swmr=False (no live readers; a killed writer's segment then needs h5clear -s)")
         self._lock_fd = _take_lock(self.log_dir / "writer.lock")
+        prior: list[Segment] = []
         try:
             existing = list_segments(self.log_dir)
             prior, errors = open_segments([p for _, p in existing], strict=False)
@@ -77,6 +78,8 @@ class RolloutLogWriter:
                 stale.unlink(missing_ok=True)  # left by a writer killed while creating one
             self._file = _open_for_append(self.path, swmr)
         except BaseException:
+            for seg in prior:
+                seg.close()
             os.close(self._lock_fd)
             raise
         self._layout = dataset_layout(schema)
@@ -103,7 +106,8 @@ class RolloutLogWriter:
         return self.first_row + self._written["samples"] + self._pending_counts["samples"]
 
     def append_samples(self, batch: SampleBatch) -> np.ndarray:
-        """Buffer a batch of samples; returns their global row ids (int64)."""
+        """Buffer a batch of samples; returns their global row ids (int64). The batch's arrays
+        are kept by reference until `flush`: do not modify them in place before it."""
         self._check_open()
         if batch.schema != self.schema:
             raise SchemaMismatchError(f"batch has record schema {batch.schema}, the log {self.schema}")
@@ -188,18 +192,21 @@ class RolloutLogWriter:
                 self._capacity[name] = max(n0 + len(data), 2 * self._capacity[name], spec.chunk_rows)
                 dsid.set_extent((self._capacity[name], *spec.trail))
             _write_rows(dsid, n0, data)
-            parts.clear()
         self._file.flush()
         counts = {t: self._written[t] + self._pending_counts[t] for t in TABLES}
-        self._n_commits += 1
-        self._commits.id.set_extent((self._n_commits, 1 + len(TABLES)))
-        _write_rows(self._commits.id, self._n_commits - 1,
-                    np.array([[self._n_commits, *(counts[t] for t in TABLES)]], dtype=np.int64))
+        seq = self._n_commits + 1
+        self._commits.id.set_extent((seq, 1 + len(TABLES)))
+        _write_rows(self._commits.id, seq - 1,
+                    np.array([[seq, *(counts[t] for t in TABLES)]], dtype=np.int64))
         self._file.flush()
         if self.fsync:
             os.fsync(self._file.id.get_vfd_handle())
+        # Only now is the buffer dropped: a flush that raised (e.g. disk full) can be retried.
+        self._n_commits = seq
         self._written.update(counts)
         self._pending_counts.update(dict.fromkeys(TABLES, 0))
+        for parts in self._pending.values():
+            parts.clear()
 
     def read_samples(self, rows: ArrayLike) -> SampleBatch:
         """Samples at global ``rows`` (any segment, this one included; flushes first if needed)."""

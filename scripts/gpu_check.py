@@ -92,8 +92,6 @@ def check_model(kind: str, workdir: Path, quick: bool) -> dict:
         for s in big:
             s.behaviour_logprobs = np.full(len(s.completion_ids), -6.0, np.float32)
         trainer.train_step(big)  # warm-up
-        for s in big:
-            s.advantage = None
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -101,8 +99,6 @@ def check_model(kind: str, workdir: Path, quick: bool) -> dict:
         tokens = 0
         for _ in range(steps):
             tokens += trainer.train_step(big)["tokens"]
-            for s in big:
-                s.advantage = None
         if device == "cuda":
             torch.cuda.synchronize()
         tokens_per_s = tokens / (time.perf_counter() - start)

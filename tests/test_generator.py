@@ -290,17 +290,18 @@ def test_failed_update_leaves_the_engine_paused_and_a_rejoin_recovers(engine, lo
         pytest.skip("failure handling is model-independent; exercised on the dense engine only")
     port = _free_port()
     dying = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
-        import os, sys, torch
+        import os, sys
+        from safetensors.torch import load_file
         from pipeline.weights.group import TorchDistChannel
         from pipeline.weights.buckets import BucketPlan, pack
         ch = TorchDistChannel("127.0.0.1", int(sys.argv[1]), 0, 2, timeout_s=30)
-        named = [("model.embed_tokens.weight", torch.zeros(1000, 100)), ("lm_head.weight", torch.zeros(1000, 100))]
+        named = sorted(load_file(sys.argv[2]).items())
         plan = BucketPlan.for_tensors(named, 1 << 18)
         def die(bs):
             yield next(bs)
             os._exit(0)
         ch.send(99, plan, die(pack(plan, named)))
-    """), str(port)])
+    """), str(port), str(dirs[2] / "model.safetensors")])
     try:
         loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 2))
         with pytest.raises(WeightUpdateError, match="stays paused"):
@@ -312,11 +313,14 @@ def test_failed_update_leaves_the_engine_paused_and_a_rejoin_recovers(engine, lo
     port = _free_port()
     proc = _start_sender(port, [(gen.version + 1, str(dirs[1] / "model.safetensors"), False)])
     try:
-        loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 2, epoch=1))
+        loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 2))
         loop.run_until_complete(gen.update_weights())
         assert proc.wait(timeout=60) == 0
     finally:
         proc.kill()
     assert not loop.run_until_complete(gen.engine.is_paused())
+    recovered = _checksums(loop, gen), _outputs(loop, gen)
     s = loop.run_until_complete(gen.generate_sample(_group(), 0))
     assert (s.versions == gen.version).all()
+    loop.run_until_complete(gen.update_weights(gen.version + 1, path=str(dirs[1])))
+    assert (_checksums(loop, gen), _outputs(loop, gen)) == recovered, "the recovered weights are not version 1's"

@@ -22,6 +22,10 @@ from pipeline.log_format import GroupOutcome
 from pipeline.log_reader import RolloutLog
 from pipeline.metrics import read_metrics
 from pipeline.orchestrator.links import read_rendezvous
+from pipeline.config import RunConfig, TokenflowConfig
+from pipeline.orchestrator.config import OrchestratorConfig
+from pipeline.roles.common import save_run_config
+from pipeline.tasks import TaskConfig
 from pipeline.transport import load_or_create_secret
 
 PY = sys.executable
@@ -29,13 +33,15 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def write_spec(run_dir: Path, **orch) -> None:
+    """A run directory whose config asks for the synthetic data-plane task."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg = {"group_size": 4, "groups_per_step": 4, "max_async": 1, "metrics_interval_s": 0.2,
-           "lease_timeout_s": 5.0}
-    cfg.update(orch)
-    (run_dir / "orchestrator.json").write_text(json.dumps(
-        {"orchestrator": cfg, "prompts": {"kind": "synthetic", "n_prompts": 40}, "run_id": "t",
-         "eval_prompts": {"n_prompts": 10}}))
+    values = {"group_size": 4, "groups_per_step": 4, "max_async": 1, "metrics_interval_s": 0.2,
+              "lease_timeout_s": 5.0}
+    values.update(orch)
+    cfg = TokenflowConfig(run=RunConfig(name="t", dir=str(run_dir)),
+                          task=TaskConfig(name="synthetic", eval_size=10),
+                          orchestrator=OrchestratorConfig(**values))
+    save_run_config(run_dir, cfg)
 
 
 def start(args: list[str], log: Path) -> subprocess.Popen:

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from pipeline.log_format import (
-    GroupOutcome, LogError, LogLockedError, NewerSchemaError, SchemaMismatchError, filesystem_type,
+    CorruptSegmentError, GroupOutcome, LogError, LogLockedError, NewerSchemaError, SchemaMismatchError, filesystem_type,
     segment_name)
 from pipeline.log_reader import RolloutLog
 from pipeline.record import RecordSchema, SampleBatch
@@ -136,6 +136,10 @@ def test_kill9_writer_loses_no_flushed_row_and_next_writer_continues(tmp_path):
         assert len(state.stored["group_id"]) == 2 * (prior_rows // 8)
         np.testing.assert_array_equal(np.sort(log.read(state.stored["first_row"]).columns["group_id"]),
                                       np.sort(state.stored["group_id"]))
+    killed = (log_dir / segment_name(0)).read_bytes()  # a killed writer's file, then cut short
+    (tmp_path / "cut.h5").write_bytes(killed[:len(killed) // 2])
+    with pytest.raises(CorruptSegmentError, match="truncated"):
+        RolloutLog.open(tmp_path / "cut.h5")
 
 
 def test_live_reader_sees_each_flush_of_a_running_writer(tmp_path):

@@ -94,6 +94,7 @@ def test_forced_requeue_runs_every_role_again_as_next_attempt(tmp_path):
 def test_checkpoint_signal_stops_roles_and_requeues_through_submitit(tmp_path):
     run = SlurmLauncher().launch(plan_of({"trainer": dict(nodes=1), "generator": dict(nodes=1)}, hold_s=150), tmp_path)
     wait_until(lambda: len(list((tmp_path / "probe").glob("*.attempt-0.json"))) == 2, 60, "both roles on attempt 0")
+    time.sleep(1)  # both tasks are inside their hold
     run.preempt()
     results = run.wait(timeout_s=120)
     assert results["trainer"][0]["attempt"] == 1 and results["generator"][0]["attempt"] == 1
@@ -103,11 +104,12 @@ def test_checkpoint_signal_stops_roles_and_requeues_through_submitit(tmp_path):
 
 
 def test_a_failing_role_ends_the_job_instead_of_hanging(tmp_path):
-    # the generator would wait 300 s for the trainer's rendezvous; --kill-on-bad-exit ends the step at once.
-    plan = plan_of({"trainer": dict(nodes=1), "generator": dict(nodes=1)}, rendezvous=True, fail_role="trainer")
+    # the trainer would wait 300 s for the generator's rendezvous; --kill-on-bad-exit ends the step at once,
+    # and the error names the generator (the cause), not the trainer (killed with the step).
+    plan = plan_of({"trainer": dict(nodes=1), "generator": dict(nodes=1)}, rendezvous=True, fail_role="generator")
     plan.config["probe"]["timeout_s"] = 300
     run = SlurmLauncher().launch(plan, tmp_path)
-    with pytest.raises(TaskFailed, match="task trainer.0 failed: RuntimeError: probe: role trainer was told to fail"):
+    with pytest.raises(TaskFailed, match="task generator.0 failed: RuntimeError: probe: role generator was told to fail"):
         run.wait(timeout_s=90)
     assert run.state().startswith(("FAILED", "CANCELLED"))
 
@@ -133,3 +135,10 @@ def test_sbatch_refusal_surfaces_its_message(tmp_path):
     with pytest.raises(LaunchError, match="sbatch refused the job: .*Invalid feature specification"):
         SlurmLauncher().launch(plan, tmp_path)
 
+
+
+def test_single_component_plan_is_a_plain_job_over_two_nodes(tmp_path):
+    run = SlurmLauncher().launch(plan_of({"generator": dict(nodes=2, tasks_per_node=2)}), tmp_path)
+    reports = run.wait(timeout_s=90)["generator"]
+    assert [r["rank"] for r in reports] == [0, 1, 2, 3] and {r["het_size"] for r in reports} == {None}
+    assert len({r["node"] for r in reports}) == 2

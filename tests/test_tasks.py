@@ -9,29 +9,42 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.tasks import AdditionTask, JsonlTask, Prompt, TaskConfig, make_task
+from pipeline.tasks import AdditionTask, JsonlTask, Prompt, SortDigitsTask, TaskConfig, make_task
 from pipeline.tasks.math_answer import answers_match, extract_answer, parse_number
 
-# ---------------------------------------------------------------- built-in addition task
+# ---------------------------------------------------------------- built-in tasks
+
+BUILTIN = [pytest.param(SortDigitsTask, id="sort"), pytest.param(AdditionTask, id="addition")]
 
 
-def test_eval_set_is_fixed_distinct_and_disjoint_from_training():
-    a, b = AdditionTask(), AdditionTask()
+@pytest.mark.parametrize("cls", BUILTIN)
+def test_eval_set_is_fixed_distinct_and_disjoint_from_training(cls):
+    a, b = cls(), cls()
     evals = a.eval_prompts()
     assert evals == b.eval_prompts() and len(evals) == 200
-    assert len({p.text for p in evals}) == 200
     eval_texts = {p.text for p in evals}
+    assert len(eval_texts) == 200
     for seed in (0, 1, 12345):
         train = list(itertools.islice(a.train_prompts(seed), 20_000))
         assert not eval_texts & {p.text for p in train}
-    # the stream covers (almost) the whole non-held-out space, so disjointness is not luck
-    assert len({p.text for p in itertools.islice(a.train_prompts(0), 100_000)}) == 10_000 - 200
+    assert all(a.score(p, a.reference_completion(p)) == 1.0 for p in evals)
 
 
-def test_training_stream_is_deterministic_per_seed():
-    task = AdditionTask()
+def test_training_stream_skips_held_out_prompts_in_a_small_space():
+    # 1-digit addition has 100 pairs: the stream must cover the 90 training pairs and never the 10 held out
+    task = AdditionTask(digits=1, eval_size=10)
+    seen = {p.text for p in itertools.islice(task.train_prompts(0), 5_000)}
+    assert len(seen) == 90 and not seen & {p.text for p in task.eval_prompts()}
+    sort = SortDigitsTask(min_digits=2, max_digits=2, eval_size=10)
+    seen = {p.text for p in itertools.islice(sort.train_prompts(0), 5_000)}
+    assert len(seen) == 90 and not seen & {p.text for p in sort.eval_prompts()}
+
+
+@pytest.mark.parametrize("cls", BUILTIN)
+def test_training_stream_is_deterministic_per_seed(cls):
+    task = cls()
     first = [p.text for p in itertools.islice(task.train_prompts(3), 50)]
-    assert first == [p.text for p in itertools.islice(AdditionTask().train_prompts(3), 50)]
+    assert first == [p.text for p in itertools.islice(cls().train_prompts(3), 50)]
     assert first != [p.text for p in itertools.islice(task.train_prompts(4), 50)]
 
 
@@ -47,15 +60,33 @@ def test_addition_verifier_is_exact(a, b, guess):
         assert task.score(prompt, wrong) == 0.0
 
 
-def test_addition_rejects_bad_arguments():
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="0123456789", min_size=6, max_size=8), st.text(alphabet="0123456789 ", max_size=9))
+def test_sort_verifier_is_exact(digits, guess):
+    task = SortDigitsTask()
+    prompt = Prompt(uid=f"sort:{digits}", text=f"sort {digits}", answer="".join(sorted(digits)))
+    assert task.score(prompt, task.reference_completion(prompt)) == 1.0
+    assert task.score(prompt, f"\n{prompt.answer} <|im_end|>") == 1.0
+    assert task.score(prompt, guess) == (1.0 if guess.strip() == "".join(sorted(digits)) else 0.0)
+    for wrong in (" ".join(prompt.answer), prompt.answer[1:], prompt.answer + "0", f"sort {prompt.answer}"):
+        assert task.score(prompt, wrong) == 0.0
+    distractor = task.distractor_completion(prompt)
+    assert distractor is None if len(set(digits)) == 1 else task.score(prompt, distractor) == 0.0
+
+
+def test_builtin_tasks_reject_bad_arguments():
     with pytest.raises(ValueError, match="digits"):
         AdditionTask(digits=0)
     with pytest.raises(ValueError, match="eval_size"):
         AdditionTask(digits=1, eval_size=60)
+    with pytest.raises(ValueError, match="min_digits"):
+        SortDigitsTask(min_digits=5, max_digits=4)
+    with pytest.raises(ValueError, match="eval_size"):
+        SortDigitsTask(min_digits=2, max_digits=2, eval_size=11)
 
 
 def test_messages_are_one_user_turn():
-    task = AdditionTask()
+    task = SortDigitsTask()
     p = task.eval_prompts()[0]
     assert task.messages(p) == [{"role": "user", "content": p.text}]
 
@@ -157,7 +188,8 @@ def test_jsonl_separate_eval_file_removes_overlap(tmp_path):
 
 
 def test_make_task_errors():
-    assert isinstance(make_task(TaskConfig()), AdditionTask)
+    assert isinstance(make_task(TaskConfig()), SortDigitsTask)
+    assert isinstance(make_task(TaskConfig(name="addition")), AdditionTask)
     with pytest.raises(ValueError, match="task.path"):
         make_task(TaskConfig(name="jsonl"))
     with pytest.raises(ValueError, match="unknown task"):
@@ -167,18 +199,25 @@ def test_make_task_errors():
 # ---------------------------------------------------------------- warm start
 
 
-def test_warm_start_lowers_loss_and_is_cached(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_dense(tmp_path_factory):
+    from pipeline.models.tiny import ensure_tiny_model
+
+    return ensure_tiny_model("dense", root=tmp_path_factory.mktemp("models"))
+
+
+def test_warm_start_lowers_loss_and_is_cached(tmp_path, tiny_dense):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.models.tiny import ensure_tiny_model
     from pipeline.tasks.warmstart import WarmStartConfig, _batch, ensure_warm_start
 
     task = AdditionTask()
-    base = ensure_tiny_model("dense", root=tmp_path / "models")
+    base = tiny_dense
     cfg = WarmStartConfig(steps=25, batch_size=16)
     out = ensure_warm_start(base, task, cfg, root=tmp_path / "ws")
-    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        assert (out / name).is_file(), name
     mtime = (out / "model.safetensors").stat().st_mtime_ns
     assert ensure_warm_start(base, task, cfg, root=tmp_path / "ws") == out
     assert (out / "model.safetensors").stat().st_mtime_ns == mtime
@@ -192,3 +231,27 @@ def test_warm_start_lowers_loss_and_is_cached(tmp_path):
         losses = [AutoModelForCausalLM.from_pretrained(str(d))(input_ids=input_ids, attention_mask=attention,
                                                               labels=labels).loss.item() for d in (base, out)]
     assert losses[1] < losses[0] - 1.0, losses
+
+
+def test_noisy_warm_start_mixes_in_distractors_and_evaluation_is_consistent(tiny_dense):
+    import random
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.tasks.hf_eval import evaluate
+    from pipeline.tasks.warmstart import _batch
+
+    task = SortDigitsTask()
+    base = tiny_dense
+    tok = AutoTokenizer.from_pretrained(str(base))
+    prompts = list(itertools.islice(task.train_prompts(0), 400))
+    _, _, labels = _batch(tok, task, prompts, distractor_fraction=0.5, rng=random.Random(0))
+    targets = [tok.decode([t for t in row.tolist() if t >= 0], skip_special_tokens=True) for row in labels]
+    distracted = sum(t == task.distractor_completion(p) for t, p in zip(targets, prompts))
+    assert all(t in (p.answer, task.distractor_completion(p)) for t, p in zip(targets, prompts))
+    assert 150 < distracted < 250  # about half of 400
+
+    model = AutoModelForCausalLM.from_pretrained(str(base))
+    m = evaluate(model, tok, task, task.eval_prompts()[:16], k=2, batch_size=8)
+    assert m["k"] == 2 and m["greedy_accuracy"] == 0.0  # random weights never sort 6-8 digits
+    assert 0.0 <= m["sampled_accuracy"] <= m["pass_at_k"] <= 1.0

@@ -127,8 +127,6 @@ def scenario_layout(outdir: Path, args: dict) -> None:
         s.behaviour_logprobs = (lp + 0.1 * np.sign(np.sin(np.arange(len(lp)) + s.group_id))).astype(np.float32)
     m1 = trainer.train_step(mine)
     grads = dict(iter_hf_weights(trainer.model, trainer.hf_config, grads=True))
-    for s in mine:
-        s.advantage = None
     m2 = trainer.train_step(mine)
     if torch.distributed.get_rank() == 0:
         save_file({k: v.contiguous() for k, v in grads.items()}, str(outdir / "grads.safetensors"))
@@ -146,18 +144,15 @@ def scenario_checkpoint(outdir: Path, args: dict) -> None:
     trainer.train_step(samples)
     trainer.save(outdir / "ckpt")
     rng_draw = torch.rand(4)
-    for s in samples:
-        s.advantage = None
     m_direct = trainer.train_step(samples)
     w_direct = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.load(outdir / "ckpt")
     rng_equal = bool(torch.equal(torch.rand(4), rng_draw))
-    for s in samples:
-        s.advantage = None
     m_resumed = trainer.train_step(samples)
     w_diff = max(float((p.detach() - w_direct[n]).abs().max()) for n, p in trainer.model.named_parameters())
     keys = ["loss", "clip_fraction", "grad_norm", "kl", "entropy"]
     (outdir / "result.json").write_text(json.dumps({
+        "inputs_untouched": all(s.advantage is None for s in samples),
         "rng_equal": rng_equal, "weight_diff": w_diff,
         "metrics_direct": [m_direct[k] for k in keys], "metrics_resumed": [m_resumed[k] for k in keys]}))
     trainer.close()
@@ -170,8 +165,6 @@ def scenario_decoupled(outdir: Path, args: dict) -> None:
     perturb_behaviour(samples, trainer.logprobs(samples), 2)
     first = trainer.train_step(samples)
     ref_now = trainer.logprobs(samples, reference=True)
-    for s in samples:
-        s.advantage = None
     second = trainer.train_step(samples)
     (outdir / "result.json").write_text(json.dumps({
         "first": first, "second": second,
@@ -270,14 +263,25 @@ def test_logprobs_match_transformers_and_export_round_trips(kind, checkpoints, t
     assert moved > 10 * HF_LOGPROB_TOL, "the train step did not change the model"
 
 
-def _layout_run(tmp_path, name, model_dir, world, parallel):
-    args = {"model_dir": str(model_dir), "seed": 11, "n": 12, "parallel": parallel,
-            "micro_batch_tokens": 64}
-    launch("layout", world, tmp_path / name, args)
+def _layout_run(outdir, model_dir, world, parallel):
     from safetensors.torch import load_file
 
-    return (json.loads((tmp_path / name / "result.json").read_text()),
-            load_file(str(tmp_path / name / "grads.safetensors")))
+    args = {"model_dir": str(model_dir), "seed": 11, "n": 12, "parallel": parallel,
+            "micro_batch_tokens": 64}
+    launch("layout", world, outdir, args)
+    return json.loads((outdir / "result.json").read_text()), load_file(str(outdir / "grads.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def single_rank_runs(checkpoints, tmp_path_factory):
+    """The TP=1/EP=1 reference of each model, run once per module."""
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            cache[kind] = _layout_run(tmp_path_factory.mktemp(f"single-{kind}"), checkpoints[kind], 1, {})
+        return cache[kind]
+    return get
 
 
 @pytest.mark.engine
@@ -286,9 +290,9 @@ def _layout_run(tmp_path, name, model_dir, world, parallel):
     ("moe", {"ep": 2}),
     ("moe", {"tp": 2}),
 ], ids=["dense-tp2", "moe-ep2-alltoall", "moe-tp2-sp"])
-def test_parallel_layout_matches_single_rank(kind, parallel, checkpoints, tmp_path):
-    ref, ref_grads = _layout_run(tmp_path, "single", checkpoints[kind], 1, {})
-    got, grads = _layout_run(tmp_path, "parallel", checkpoints[kind], 2, parallel)
+def test_parallel_layout_matches_single_rank(kind, parallel, checkpoints, single_rank_runs, tmp_path):
+    ref, ref_grads = single_rank_runs(kind)
+    got, grads = _layout_run(tmp_path, checkpoints[kind], 2, parallel)
     assert set(grads) == set(ref_grads)
     scale = max(float(g.abs().max()) for g in ref_grads.values())
     grad_err = max(float((grads[k] - ref_grads[k]).abs().max()) for k in ref_grads) / scale
@@ -322,6 +326,7 @@ def test_decoupled_ppo_with_kl_and_mini_batches(checkpoints, tmp_path):
 def test_checkpoint_resume_is_exact(checkpoints, tmp_path):
     launch("checkpoint", 1, tmp_path, {"model_dir": str(checkpoints["moe"]), "seed": 5, "n": 8})
     result = json.loads((tmp_path / "result.json").read_text())
+    assert result["inputs_untouched"], "train_step changed the caller's samples"
     assert result["rng_equal"]
     assert result["weight_diff"] == 0.0
     assert result["metrics_resumed"] == result["metrics_direct"]

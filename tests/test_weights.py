@@ -149,3 +149,24 @@ def test_sender_dying_mid_broadcast_raises_within_timeout():
 def test_joining_a_group_nobody_hosts_fails_clearly():
     with pytest.raises(WeightSyncError, match="could not join the weight group"):
         TorchDistChannel("127.0.0.1", _free_port(), 1, 2, timeout_s=2)
+
+
+@pytest.mark.gpu
+def test_buckets_pack_and_unpack_on_cuda():
+    gen = torch.Generator().manual_seed(0)
+    named = [("a", torch.randn(1000, 33, generator=gen).bfloat16().cuda()), ("b", torch.randn(7, generator=gen).cuda()),
+             ("c", torch.randn(300_000, generator=gen).cuda())]
+    plan = BucketPlan.for_tensors(named, 1 << 20)
+    buckets = list(pack(plan, named))
+    assert all(b.is_cuda for b in buckets) and len(buckets) == 2
+    out = dict(kv for slots, b in zip(plan.buckets, buckets) for kv in unpack(slots, b))
+    for n, t in named:
+        assert out[n].is_cuda and torch.equal(out[n], t)
+
+
+@pytest.mark.gpu
+def test_nccl_channel_of_one_rank_sends_its_buckets():
+    ch = TorchDistChannel("127.0.0.1", _free_port(), 0, 1, timeout_s=60, backend="nccl")
+    plan = ch.send_tensors(1, [(f"w{i}", torch.randn(1024, device="cuda")) for i in range(4)], bucket_bytes=1 << 12)
+    assert len(plan.sizes) == 4
+    ch.close()

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
 EXTENSION = "pipeline.generator.worker_extension.WeightSyncExtension"
+_CPU_BATCHED_TOKENS = 4096  # tokens per engine step on CPU (prefills are never chunked there)
 _PAUSE_MODE = {"keep": "keep", "drain": "wait", "abort": "abort"}
 
 
@@ -67,16 +68,23 @@ class UpdateReport:
 def engine_args(config: GeneratorConfig, seed: int | None = None):
     """vLLM AsyncEngineArgs for `config` (also used by bench/generator.py for the bare baseline)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
 
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
-    if config.cpu_cores:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_cores
+    extra: dict[str, Any] = {}
+    if current_platform.is_cpu():
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
+        if config.cpu_cores:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_cores
+        # vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a seeded request's
+        # prefill is split across steps: every prompt is prefilled whole instead.
+        extra = {"enable_chunked_prefill": False,
+                 "max_num_batched_tokens": max(config.max_model_len, _CPU_BATCHED_TOKENS)}
     return AsyncEngineArgs(
         model=config.model, dtype=config.dtype, max_model_len=config.max_model_len,
         enforce_eager=config.enforce_eager, seed=config.seed if seed is None else seed,
         tensor_parallel_size=config.tensor_parallel_size, max_num_seqs=config.max_num_seqs,
         gpu_memory_utilization=config.gpu_memory_utilization, logprobs_mode=config.logprobs_mode,
-        enable_prefix_caching=True, worker_extension_cls=EXTENSION, disable_log_stats=True)
+        enable_prefix_caching=True, worker_extension_cls=EXTENSION, disable_log_stats=True, **extra)
 
 
 def sampling_params(config: GeneratorConfig, seed: int | None, max_tokens: int, greedy: bool = False):
@@ -98,6 +106,8 @@ def sampled_logprobs(output: Any) -> list[float]:
     if lp is None:
         raise RuntimeError("the engine returned no logprobs for a request that asked for them")
     if hasattr(lp, "start_indices"):  # FlatLogprobs: position i starts with the sampled token
+        if len(lp.logprobs) == len(output.token_ids):  # one entry per position: nothing else was asked
+            return lp.logprobs
         return [lp.logprobs[s] for s in lp.start_indices]
     return [pos[t].logprob for pos, t in zip(lp, output.token_ids)]
 
@@ -230,9 +240,11 @@ def _token_versions(output: Any) -> list[int]:
     spans = output.weight_versions
     if n and not spans:
         raise RuntimeError("the engine labelled no weight version on a finished request")
-    versions = [0] * n
-    for span in spans or ():
-        versions[span.start:span.end] = [int(span.version)] * (span.end - span.start)
     if spans and (spans[0].start != 0 or spans[-1].end != n):
         raise RuntimeError(f"weight-version spans {spans} do not cover the {n} tokens")
+    if len(spans or ()) == 1:
+        return [int(spans[0].version)] * n
+    versions: list[int] = []
+    for span in spans or ():
+        versions += [int(span.version)] * (span.end - span.start)
     return versions

@@ -44,14 +44,13 @@ class ExpertWriter:
         par = cfg.moe_parallel_config
         if par.use_ep and par.ep_size > 1:
             raise NotImplementedError(f"{name}: direct expert loading with expert parallelism > 1 is not supported")
-        self.tp_rank, self.tp_size = par.tp_rank, par.tp_size
+        self.tp_rank = par.tp_rank
         self.num_experts = cfg.num_local_experts
         w13, w2 = layer.w13_weight, layer.w2_weight
-        self.hidden = w13.shape[2]
         self.padded = w13.shape[1] // 2
         self.inter = cfg.intermediate_size_per_partition_unpadded or cfg.intermediate_size_per_partition
-        self.w13 = torch.zeros(tuple(w13.shape), dtype=w13.dtype)
-        self.w2 = torch.zeros(tuple(w2.shape), dtype=w2.dtype)
+        self.w13 = torch.zeros(tuple(w13.shape), dtype=w13.dtype, device=w13.device)
+        self.w2 = torch.zeros(tuple(w2.shape), dtype=w2.dtype, device=w2.device)
         self.pending = {(e, r) for e in range(self.num_experts) for r in ("gate", "up", "down")}
 
     def _rows(self, t: "torch.Tensor", dim: int) -> "torch.Tensor":
@@ -102,7 +101,10 @@ class ExpertWriter:
 def _cpu_prepack_isa(layer: Any) -> str | None | bool:
     """ISA of the CPU experts kernel the layer runs (str), None if it runs it without prepacking
     (zentorch), False if the layer runs another kernel."""
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM build without the CPU kernels
+        return False
 
     seen, frontier = set(), [getattr(layer, "quant_method", None)]
     for _ in range(4):  # the kernel object sits a few attributes below the quant method

@@ -75,12 +75,18 @@ class Run(ABC):
                 raise TimeoutError(f"run in {self.run_dir} not done after {timeout_s:g} s (state {self.state()})")
             time.sleep(poll_s)
         records = self.read_results()
-        for role, rank in self.plan.task_layout():
-            record = records[role][rank]
-            if record is None or not record["ok"]:
-                why = record["error"].strip().splitlines()[-1] if record else f"no result (run state {self.state()})"
-                raise TaskFailed(f"task {role}.{rank} failed: {why}\n--- {log_path(self.run_dir, role, rank)}:\n"
-                                 f"{log_tail(self.run_dir, role, rank)}")
+        tasks = self.plan.task_layout()
+        failed = [(role, rank) for role, rank in tasks if records[role][rank] and not records[role][rank]["ok"]]
+        missing = [(role, rank) for role, rank in tasks if records[role][rank] is None]
+        if failed:  # the tasks whose entry raised come first: the others may only be their victims
+            role, rank = failed[0]
+            why = records[role][rank]["error"].strip().splitlines()[-1]
+        elif missing:
+            role, rank = missing[0]
+            why = f"no result (run state {self.state()}; {len(missing)} task(s) without a result)"
+        if failed or missing:
+            raise TaskFailed(f"task {role}.{rank} failed: {why}\n--- {log_path(self.run_dir, role, rank)}:\n"
+                             f"{log_tail(self.run_dir, role, rank)}")
         return {role: [r["result"] for r in rs] for role, rs in records.items()}
 
 

@@ -6,12 +6,14 @@ fields of the plan (nodes, CPUs, memory, partition, ...) are not enforced locall
 (nodes * tasks_per_node per component) is.
 
 Invariant: a run never outlives a failure silently: once any task exits non-zero, `done()` stops
-the remaining tasks (SIGTERM, then SIGKILL after `kill_grace_s`), so `wait` reports the failure
-instead of hanging on peers waiting for the dead task.
+the remaining tasks (SIGTERM to each task's process group, so the processes it started stop too,
+then SIGKILL after `kill_grace_s`), so `wait` reports the failure instead of hanging on peers
+waiting for the dead task.
 """
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -50,16 +52,23 @@ class LocalRun(Run):
         self._stop()
 
     def _stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
+        # each task leads its own process group: signal the group so its children (engines) stop too
+        for p in self.procs:  # exited tasks too: children they left behind are still in the group
+            _signal_group(p, signal.SIGTERM)
         deadline = time.monotonic() + self.kill_grace_s
         for p in self.procs:
             try:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                p.kill()
+                _signal_group(p, signal.SIGKILL)
                 p.wait(timeout=10)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 class LocalLauncher(Launcher):
@@ -72,6 +81,7 @@ class LocalLauncher(Launcher):
         procs = []
         for global_rank, _ in enumerate(plan.task_layout()):
             env = {**os.environ, **plan.env, "TOKENFLOW_GLOBAL_RANK": str(global_rank)}
+            env.pop("SLURM_RESTART_COUNT", None)  # inside a Slurm job, local attempts are not Slurm's
             procs.append(subprocess.Popen(
                 [sys.executable, "-u", "-m", "pipeline.launch.task", str(run_dir), str(launch_index)],
                 env=env, stdin=subprocess.DEVNULL, start_new_session=True))

@@ -9,7 +9,7 @@ Point any component's `entry` at "pipeline.launch.probe:probe" to check a cluste
     hold_s: float      on attempts below `hold_until_attempt` (default 1) wait up to hold_s
                        seconds for the stop signal or a requeue (for preemption tests): return
                        when stopped (as a role returns after checkpointing), fail if never
-    fail_role: str     tasks of this role raise (for failure-handling tests)
+    fail_role: str     tasks of this role raise before the rendezvous (for failure-handling tests)
     timeout_s: float   rendezvous timeout (default 60)
 Each task writes its report to RUN/probe/<role>.<rank>.attempt-<n>.json and returns it, e.g.
     {"role": "generator", "rank": 1, "node": "node3", "attempt": 0, "peers": {"trainer": {...}}, ...}
@@ -35,6 +35,8 @@ def probe(task: TaskInfo) -> Dict[str, Any]:
         "attempt": task.attempt, "resumed": task.resumed, "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
         "het_size": os.environ.get("SLURM_HET_SIZE")}
     print(f"probe {task.role}.{task.rank} on {task.node} attempt {task.attempt}", flush=True)
+    if options.get("fail_role") == task.role:
+        raise RuntimeError(f"probe: role {task.role} was told to fail")
     if options.get("rendezvous"):
         if task.rank == 0:
             task.rendezvous.publish(task.role, {"role": task.role, "node": task.node, "port": free_port()})
@@ -45,8 +47,6 @@ def probe(task: TaskInfo) -> Dict[str, Any]:
             raise RuntimeError("probe.mpi is set but the task was not launched under MPI (no PMIx/PMI rank)")
         token = {"from_node": task.node, "time": time.time()} if comm.Get_rank() == 0 else None
         report["mpi"] = {"rank": comm.Get_rank(), "size": comm.Get_size(), "token": mpi_broadcast(comm, token)}
-    if options.get("fail_role") == task.role:
-        raise RuntimeError(f"probe: role {task.role} was told to fail")
     out = task.run_dir / "probe" / f"{task.role}.{task.rank}.attempt-{task.attempt}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report))

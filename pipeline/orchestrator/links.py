@@ -20,6 +20,10 @@ kind            direction                  meta / arrays
 ``eval_request`` trainer -> orchestrator   step, version: run a held-out evaluation round
 ``eval_work``   orchestrator -> generator  step, indices; arrays prompt_ids (flat), prompt_len
 ``eval_result`` generator -> orchestrator  step; arrays: SampleBatch columns, eval_index
+``weights``     trainer -> orchestrator    version: the trainer is about to broadcast it
+``update``      orchestrator -> generator  version: join the broadcast and load it
+``finish``      trainer -> orchestrator    the run is over: stop the generators, then exit
+``stop``        orchestrator -> generator  no more work will come: finish and exit
 ==============  =========================  ===================================================
 
 Credits are absolute and idempotent: a generator says how many slots are free and how many work
@@ -81,6 +85,13 @@ class EvalItem:
     index: int
     """Index of the prompt in the held-out set."""
     prompt_ids: np.ndarray
+
+
+@dataclass
+class Control:
+    """An instruction to the generator: ``update`` (load weights ``version``) or ``stop``."""
+    kind: str
+    version: int | None = None
 
 
 @dataclass
@@ -154,7 +165,7 @@ class GeneratorLink(_Link):
         self.client.send("want", self.credit())
         self._last_want = time.monotonic()
 
-    def poll(self, timeout_s: float) -> list[WorkItem | EvalItem]:
+    def poll(self, timeout_s: float) -> list[WorkItem | EvalItem | Control]:
         """Work granted within ``timeout_s``; handles acks, re-sends and periodic credit updates."""
         now = time.monotonic()
         if now - self._last_want > 1.0:
@@ -164,11 +175,14 @@ class GeneratorLink(_Link):
                 self.refresh_address()
                 self.client.send("result", {"group_id": key[0], "attempt": key[1]}, arrays)
                 self.unacked[key] = (now, arrays)
-        items: list[WorkItem | EvalItem] = []
+        items: list[WorkItem | EvalItem | Control] = []
         deadline = now + timeout_s
         while True:
             msg = self.client.recv(max(0.0, deadline - time.monotonic()))
             if msg is None:
+                return items
+            if msg.kind in ("update", "stop"):
+                items.append(Control(msg.kind, msg.meta.get("version")))
                 return items
             if msg.kind == "eval_work":
                 ids, lens = msg.arrays["prompt_ids"], msg.arrays["prompt_len"]
@@ -224,6 +238,13 @@ class TrainerLink(_Link):
 
     def request_eval(self, step: int, version: int) -> None:
         self.client.send("eval_request", {"step": step, "version": version})
+
+    def announce_weights(self, version: int) -> None:
+        """Ask every generator to join the broadcast of ``version`` that follows."""
+        self.client.send("weights", {"version": version})
+
+    def finish(self) -> None:
+        self.client.send("finish", {})
 
     def get_batch(self, step: int, version: int, dp_size: int, timeout_s: float,
                   dp_rank: int | None = None,

@@ -88,10 +88,11 @@ class Orchestrator:
         self.waiting_batch: dict[bytes, tuple[int, int, int | None]] = {}
         self.to_ack: list[tuple[bytes, int, int, str]] = []
         self.group_rows: list[tuple] = []  # resolutions waiting for the next flush
+        self.announced_version: int | None = None
         self._stale_checked_for = -1
         self.stopping = False
         self._last_flush = self._last_metrics = time.monotonic()
-        self._ingested_tokens = 0
+        self._ingested_tokens = self._ingested_total = 0
         self._write_metrics(time.monotonic())
         log.info("orchestrator epoch %s at %s (restored %d resolved groups, %d buffered, %d steps)",
                  self.epoch, self.server.address, len(state.resolved), len(state.buffered),
@@ -134,7 +135,8 @@ class Orchestrator:
             handler = {"hello": self._on_hello, "want": self._on_want, "result": self._on_result,
                        "get_batch": self._on_get_batch, "version": self._on_version,
                        "resume": self._on_resume, "eval_request": self._on_eval_request,
-                       "eval_result": self._on_eval_result}[msg.kind]
+                       "eval_result": self._on_eval_result, "weights": self._on_weights,
+                       "finish": self._on_finish}[msg.kind]
         except KeyError:
             self.counts["unknown_kind"] += 1
             return
@@ -149,6 +151,8 @@ class Orchestrator:
         if peer in self.generators:  # the generator restarted: its leases will never come back
             self.counts["leases_released"] += self.admission.release_holder(peer)
         self.generators[peer] = _Generator()
+        if self.announced_version is not None:  # a broadcast it must take part in may be under way
+            self.server.send(peer, "update", {"version": self.announced_version})
 
     def _on_want(self, peer: bytes, msg: Message) -> None:
         self._set_credit(peer, msg.meta)
@@ -205,6 +209,7 @@ class Orchestrator:
             return
         self.admission.accept(gid)
         self._ingested_tokens += batch.num_tokens
+        self._ingested_total += batch.num_tokens
         self.scoring.submit((gid, attempt, peer), batch, self.prompts.for_group(gid))
 
     def _check_group(self, batch: SampleBatch, gid: int, attempt: int) -> None:
@@ -312,10 +317,21 @@ class Orchestrator:
                                               int(group.min_versions().min()), group.num_tokens, group),
                                 front=True)
         self.trainer_version = k
-        self.admission.version = min(self.admission.version or k, k)
+        if self.admission.version is not None:  # else it opens once the trainer pushed weights
+            self.admission.version = min(self.admission.version, k)
         self.waiting_batch = {p: w for p, w in self.waiting_batch.items() if w[0] < k}
         self.counts["trainer_resumes"] += 1
         log.info("trainer resumes at step %d: %d later step(s) returned to the buffer", k, len(later))
+
+    def _on_weights(self, peer: bytes, msg: Message) -> None:
+        self.announced_version = int(msg.meta["version"])
+        for gen in self.generators:
+            self.server.send(gen, "update", {"version": self.announced_version})
+
+    def _on_finish(self, peer: bytes, msg: Message) -> None:
+        for gen in self.generators:
+            self.server.send(gen, "stop", {})
+        self.stopping = True
 
     # -- evaluation --------------------------------------------------------------------------
     def _on_eval_request(self, peer: bytes, msg: Message) -> None:
@@ -403,7 +419,8 @@ class Orchestrator:
             bound=a.bound, version=a.version, trainer_version=self.trainer_version,
             buffer_groups=len(self.buffer), buffer_spilled=self.buffer.spilled,
             buffer_memory_tokens=self.buffer.memory_tokens, leases=len(a.leases),
-            reissued=a.reissued_total, cpu_s=_cpu_seconds(), ingest_tokens_per_s=self._ingested_tokens / max(dt, 1e-9),
+            reissued=a.reissued_total, cpu_s=_cpu_seconds(), ingested_tokens=self._ingested_total,
+            ingest_tokens_per_s=self._ingested_tokens / max(dt, 1e-9),
             **{f"count_{k}": v for k, v in self.counts.items()},
             **{f"frames_dropped_{k}": v for k, v in self.server.dropped.items()})
         self._ingested_tokens = 0

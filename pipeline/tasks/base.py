@@ -10,6 +10,8 @@ Invariants every task keeps:
   orchestrator tokenizes once (DESIGN §6).
 - `reference_completion(prompt)` is the completion a perfect policy would write (used by the supervised
   warm-start); `score(prompt, reference_completion(prompt)) == 1.0`.
+- `distractor_completion(prompt)` is None or a plausible wrong completion (score 0.0) that a noisy
+  warm-start mixes into its demonstrations (pipeline.tasks.warmstart).
 """
 from __future__ import annotations
 
@@ -67,3 +69,7 @@ class Task(abc.ABC):
     def reference_completion(self, prompt: Prompt) -> str:
         """What a perfect policy answers (before the end-of-turn token)."""
         return prompt.answer
+
+    def distractor_completion(self, prompt: Prompt) -> str | None:
+        """A plausible but wrong completion for noisy demonstrations, or None when the task has none."""
+        return None

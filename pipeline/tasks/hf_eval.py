@@ -3,7 +3,8 @@
 Invariants:
 - Prompts are tokenized once with the chat template (generation prompt added), left-padded in batches.
 - Greedy accuracy = mean score of one greedy completion per prompt; pass@k = fraction of prompts with at
-  least one of k completions sampled at `temperature` scoring 1.0 (torch seeded by `seed`).
+  least one of k completions sampled at `temperature` (no top-k/top-p truncation) scoring 1.0 (torch seeded
+  by `seed`); sampled accuracy = mean score of those k samples.
 - Completions stop at the tokenizer's EOS token or after `max_new_tokens`; they are decoded without
   special tokens before scoring.
 """
@@ -25,9 +26,9 @@ def _generate(model, tokenizer, task: Task, prompts: Sequence[Prompt], *, do_sam
     for start in range(0, len(texts), batch_size):
         enc = tokenizer(texts[start:start + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
+            sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if do_sample else {}
             gen = model.generate(
-                **enc, do_sample=do_sample, temperature=temperature if do_sample else None, top_k=None if do_sample else None,
-                top_p=None, num_return_sequences=num_return, max_new_tokens=max_new_tokens,
+                **enc, **sampling, num_return_sequences=num_return, max_new_tokens=max_new_tokens,
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
             )
         decoded = tokenizer.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)

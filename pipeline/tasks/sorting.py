@@ -1,12 +1,12 @@
 """The built-in synthetic task: sort a string of digits in ascending order.
 
-Worked example (min_digits = max_digits = 5): the prompt text is "sort 93141", the reference answer
-"11349"; a completion scores 1.0 when, after stripping whitespace and a trailing "<|im_end|>", it is
-exactly "11349" ("1 1 3 4 9", "1349", "113490" score 0.0).
+Worked example: the prompt text is "sort 9314185", the reference answer "1134589"; a completion scores
+1.0 when, after stripping whitespace and a trailing "<|im_end|>", it is exactly "1134589" ("1 1 3 4 5 8 9",
+"134589", "11345890" score 0.0). Defaults: 6 to 8 digits.
 
 Invariants:
 - A prompt's digit string has a length in [min_digits, max_digits], each length equally likely, digits
-  uniform: 10**5 = 100 000 possible strings of length 5.
+  uniform: 10**6 + 10**7 + 10**8 possible strings by default.
 - The held-out set is `eval_size` distinct strings drawn with a fixed seed (EVAL_SEED) that no caller can
   change; training streams skip every held-out string, so train and eval never share a prompt.
 - `train_prompts(seed)` draws with `random.Random(seed)`: reproducible anywhere.
@@ -27,7 +27,7 @@ class SortDigitsTask(Task):
 
     name = "sort"
 
-    def __init__(self, min_digits: int = 5, max_digits: int = 5, eval_size: int = 200):
+    def __init__(self, min_digits: int = 6, max_digits: int = 8, eval_size: int = 200):
         if not 1 <= min_digits <= max_digits:
             raise ValueError(f"SortDigitsTask: need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
         space = sum(10**n for n in range(min_digits, max_digits + 1))
@@ -58,6 +58,11 @@ class SortDigitsTask(Task):
 
     def eval_prompts(self) -> list[Prompt]:
         return [self._prompt(d) for d in self._eval]
+
+    def distractor_completion(self, prompt: Prompt) -> str | None:
+        """The digits in descending order (wrong unless all digits are equal)."""
+        wrong = prompt.answer[::-1]
+        return wrong if wrong != prompt.answer else None
 
     def score(self, prompt: Prompt, completion_text: str) -> float:
         return 1.0 if strip_completion(completion_text) == prompt.answer else 0.0

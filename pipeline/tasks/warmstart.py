@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ class WarmStartConfig:
     lr: float = 3e-3  # AdamW peak learning rate (linear warm-up over 10% of steps, then linear decay)
     weight_decay: float = 0.0  # AdamW weight decay
     seed: int = 0  # torch seed and training-prompt stream seed
+    distractor_fraction: float = 0.0  # share of demonstrations replaced by task.distractor_completion
     threads: int = 1  # torch intra-op threads while training (restored afterwards)
 
 
@@ -63,13 +65,16 @@ def warm_start_key(base_dir: Path, task: Task, cfg: WarmStartConfig) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def _batch(tokenizer, task: Task, prompts):
+def _batch(tokenizer, task: Task, prompts, distractor_fraction: float = 0.0, rng: random.Random | None = None):
     import torch
 
     rows, labels = [], []
     for p in prompts:
         prompt_ids = tokenizer.apply_chat_template(task.messages(p), add_generation_prompt=True)["input_ids"]
-        completion_ids = tokenizer.encode(task.reference_completion(p), add_special_tokens=False)
+        completion = task.reference_completion(p)
+        if distractor_fraction > 0 and rng.random() < distractor_fraction:
+            completion = task.distractor_completion(p) or completion
+        completion_ids = tokenizer.encode(completion, add_special_tokens=False)
         completion_ids.append(tokenizer.eos_token_id)
         rows.append(prompt_ids + completion_ids)
         labels.append([-100] * len(prompt_ids) + completion_ids)
@@ -100,9 +105,11 @@ def train_warm_start(base_dir: Path, task: Task, cfg: WarmStartConfig, out_dir: 
             schedule = torch.optim.lr_scheduler.LambdaLR(
                 optimizer, lambda s: min((s + 1) / warmup, max(0.0, (cfg.steps - s) / max(1, cfg.steps - warmup))))
             stream = task.train_prompts(cfg.seed)
+            noise_rng = random.Random(cfg.seed)
             loss_value = float("nan")
             for _ in range(cfg.steps):
-                input_ids, attention, labels = _batch(tokenizer, task, itertools.islice(stream, cfg.batch_size))
+                input_ids, attention, labels = _batch(tokenizer, task, itertools.islice(stream, cfg.batch_size),
+                                                      cfg.distractor_fraction, noise_rng)
                 loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -111,11 +118,8 @@ def train_warm_start(base_dir: Path, task: Task, cfg: WarmStartConfig, out_dir: 
                 optimizer.zero_grad(set_to_none=True)
                 loss_value = loss.item()
         model.eval()
-        model.save_pretrained(str(out_dir))
+        model.save_pretrained(str(out_dir))  # also writes the base's generation_config.json
         tokenizer.save_pretrained(str(out_dir))
-        for extra in ("generation_config.json",):
-            if (base_dir / extra).is_file():
-                (out_dir / extra).write_bytes((base_dir / extra).read_bytes())
         stats = {"steps": cfg.steps, "final_loss": loss_value, "seconds": time.perf_counter() - t0}
         (out_dir / "warmstart.json").write_text(json.dumps({"config": asdict(cfg), "task": task.name,
                                                            "base": str(base_dir), **stats}, indent=1))
@@ -143,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.models.tiny import ensure_tiny_model
-    from pipeline.tasks.addition import AdditionTask
+    from pipeline.tasks import TaskConfig, make_task
     from pipeline.tasks.hf_eval import evaluate
 
     ap = argparse.ArgumentParser(description=main.__doc__)
@@ -151,18 +155,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=WarmStartConfig.steps)
     ap.add_argument("--lr", type=float, default=WarmStartConfig.lr)
     ap.add_argument("--batch-size", type=int, default=WarmStartConfig.batch_size)
+    ap.add_argument("--distractor-fraction", type=float, default=WarmStartConfig.distractor_fraction)
+    ap.add_argument("--task", default=TaskConfig.name, choices=["sort", "addition"])
     ap.add_argument("--k", type=int, default=8)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    task = AdditionTask()
-    cfg = WarmStartConfig(steps=args.steps, lr=args.lr, batch_size=args.batch_size)
+    task = make_task(TaskConfig(name=args.task))
+    cfg = WarmStartConfig(steps=args.steps, lr=args.lr, batch_size=args.batch_size,
+                          distractor_fraction=args.distractor_fraction)
     with tempfile.TemporaryDirectory() as tmp:
         stats = train_warm_start(ensure_tiny_model(args.kind), task, cfg, Path(tmp))
         model = AutoModelForCausalLM.from_pretrained(tmp).eval()
         tokenizer = AutoTokenizer.from_pretrained(tmp)
         t = time.perf_counter()
         metrics = evaluate(model, tokenizer, task, task.eval_prompts(), k=args.k)
-    print(json.dumps({"kind": args.kind, **asdict(cfg), **stats, **metrics,
+    print(json.dumps({"kind": args.kind, "task": args.task, **asdict(cfg), **stats, **metrics,
                       "eval_seconds": time.perf_counter() - t}))
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -186,37 +186,36 @@ class Trainer:
         return out
 
     # ---------------------------------------------------------------- training
-    def _fill_missing_advantages(self, samples):
-        """Samples without an advantage get GRPO advantages over the GLOBAL batch's groups."""
+    def _with_advantages(self, samples) -> list[TrainSample]:
+        """Copies of ``samples`` where a missing advantage is the GRPO advantage over the GLOBAL
+        batch's groups (rewards and group ids are all-gathered over DP); inputs are not changed."""
         import torch
 
         missing = [s.advantage is None for s in samples]
-        counts = self._all_reduce([sum(missing)], None)
-        if counts[0] == 0:
-            return
+        if self._all_reduce([sum(missing)], None)[0] == 0:
+            return list(samples)
         dp = torch.distributed.get_world_size(self.dp_group)
         longest = int(self._all_reduce([len(samples)], self.dp_group, torch.distributed.ReduceOp.MAX)[0])
         mine = torch.full((longest, 3), float("nan"), dtype=torch.float64)
         for i, s in enumerate(samples):
-            mine[i] = torch.tensor([s.reward, s.group_id, 1.0 if s.advantage is None else 0.0])
+            mine[i] = torch.tensor([s.reward, s.group_id, float(missing[i])])
         mine = mine.to(self.layout.device)
         gathered = [torch.empty_like(mine) for _ in range(dp)]
         torch.distributed.all_gather(gathered, mine, group=self.dp_group)
         table = torch.cat([g.cpu() for g in gathered])
-        rank = torch.distributed.get_rank(self.dp_group)
+        offset = torch.distributed.get_rank(self.dp_group) * longest
         valid = ~torch.isnan(table[:, 0]) & (table[:, 2] == 1.0)
         adv = torch.full((len(table),), float("nan"), dtype=torch.float32)
         adv[valid] = group_advantages(table[valid, 0], table[valid, 1].long(),
                                       std_norm=self.cfg.loss.advantage_std_norm)
-        for i, s in enumerate(samples):
-            if s.advantage is None:
-                s.advantage = float(adv[rank * longest + i])
+        return [replace(s, advantage=float(adv[offset + i])) if missing[i] else s
+                for i, s in enumerate(samples)]
 
     def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
         """One update (``mini_batches`` optimizer steps) on this DP rank's samples; metrics are
         global (identical on every rank)."""
         start = time.perf_counter()
-        self._fill_missing_advantages(samples)
+        samples = self._with_advantages(samples)
         if self.cfg.recompute_proximal:
             proximal = self.logprobs(samples)
         ref = self.logprobs(samples, reference=True) if self.ref_model is not None else None
@@ -229,11 +228,11 @@ class Trainer:
                 extra["proximal"] = [proximal[i] for i in chunk]
             if ref is not None:
                 extra["ref"] = [ref[i] for i in chunk]
-            for k, v in self._optimizer_step(part, extra).items():
-                totals[k] = totals.get(k, 0.0) + v / len(chunks)
+            for k, v in self._optimizer_step(part, extra).items():  # tokens: sum, others: mean
+                totals[k] = totals.get(k, 0.0) + (v if k == "tokens" else v / len(chunks))
         self.steps += 1
         totals["step_time_s"] = time.perf_counter() - start
-        totals["tokens_per_s"] = totals["tokens"] * len(chunks) / totals["step_time_s"]
+        totals["tokens_per_s"] = totals["tokens"] / totals["step_time_s"]
         return totals
 
     def _optimizer_step(self, samples, extra) -> dict[str, float]:
@@ -249,8 +248,7 @@ class Trainer:
             raise ValueError("the global batch has no completion tokens")
         normaliser = tokens if cfg.loss.aggregation == "token" else rows
         self.model.zero_grad_buffer()
-        if self.optimizer_kind == "torch":
-            self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
         sums = torch.zeros(7, dtype=torch.float64)
         for mb in micro_batches:
             logp, entropy = self._token_logprobs(self.model, mb, want_entropy=True)

@@ -51,6 +51,9 @@ class ReceivedWeights:
 class WeightChannel(abc.ABC):
     """Carries versioned weight updates from one sender to many receivers."""
 
+    device: "torch.device | None" = None
+    """Where buckets must live to be sent (None: wherever the tensors are)."""
+
     @abc.abstractmethod
     def send(self, version: int, plan: BucketPlan, buckets: Iterable["torch.Tensor"]) -> None:
         """Send `plan` with `version`, then each bucket (flat uint8 tensors matching the plan)."""
@@ -70,8 +73,6 @@ class WeightChannel(abc.ABC):
         plan = BucketPlan.for_tensors(named, bucket_bytes)
         self.send(version, plan, pack(plan, named, device=self.device))
         return plan
-
-    device: "torch.device"
 
 
 class TorchDistChannel(WeightChannel):

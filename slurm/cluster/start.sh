@@ -15,7 +15,7 @@
 # foreign slurm.conf is moved aside to slurm.conf.before-tokenflow).
 set -euo pipefail
 
-T0=$(date +%s.%N)
+T0=$(date +%s%N)
 STATE=${TOKENFLOW_SLURM_STATE:-/var/tmp/tokenflow-slurm}
 NODES=${TOKENFLOW_SLURM_NODES:-3}
 NODE_CPUS=${TOKENFLOW_SLURM_NODE_CPUS:-4}
@@ -29,7 +29,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 
 die() { echo "start.sh: ERROR: $*" >&2; exit 1; }
 log() { echo "start.sh: $*"; }
-elapsed() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$T0" "$(date +%s.%N)"; }
+elapsed() { local ms=$(( ($(date +%s%N) - T0) / 1000000 )); printf '%d.%d' $((ms / 1000)) $((ms % 1000 / 100)); }
 tail_logs() {
   command -v sinfo >/dev/null && { echo "---- sinfo -N"; sinfo -N -o '%N %T %E' 2>&1; } >&2
   for f in "$STATE"/log/*.log; do [ -f "$f" ] && { echo "---- tail $f"; tail -n 15 "$f"; }; done >&2
@@ -44,7 +44,10 @@ NODE_RANGE="node[1-$NODES]"; [ "$NODES" = 1 ] && NODE_RANGE=node1
 nodes_ready() { [ "$(sinfo -h -N -t idle,mix,alloc -o %N 2>/dev/null | sort -u | wc -l)" -ge "$NODES" ]; }
 if [ -s "$STATE/pids" ] && command -v sinfo >/dev/null; then
   alive=1
-  while read -r name pid; do kill -0 "$pid" 2>/dev/null || { alive=0; log "$name (pid $pid) is gone"; }; done < "$STATE/pids"
+  while read -r name pid; do
+    want=${name%%.*}; [ "$want" = mariadb ] && want=mariadbd
+    [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$want" ] || { alive=0; log "$name (pid $pid) is gone"; }
+  done < "$STATE/pids"
   if [ "$alive" = 1 ] && nodes_ready; then
     log "cluster already running ($(sinfo -h -o '%P %D %T' | paste -sd' ')); nothing to do ($(elapsed) s)"
     exit 0
@@ -71,8 +74,6 @@ if [ ${#missing[@]} -gt 0 ]; then
   [ "$made_policy" = 1 ] && rm -f /usr/sbin/policy-rc.d
   log "packages installed ($(elapsed) s)"
 fi
-# Stop any system daemons a package may have started anyway (we run our own, on private paths).
-for d in slurmctld slurmd slurmdbd; do pgrep -x "$d" >/dev/null && [ ! -f "$STATE/pids" ] && log "warning: a foreign $d is running"; done
 
 # ---------------------------------------------------------------- layout and config
 mkdir -p "$STATE"/{log,run,ctld,etc,mysql}

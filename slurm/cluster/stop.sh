@@ -14,10 +14,14 @@ if scontrol ping >/dev/null 2>&1; then
   fi
 fi
 
+is_ours() {  # is_ours NAME PID: the PID still runs the recorded daemon (a stale file after a reboot must not kill others)
+  local want=${1%%.*}; [ "$want" = mariadb ] && want=mariadbd
+  [ "$(cat "/proc/$2/comm" 2>/dev/null)" = "$want" ]
+}
 stop_phase() {  # stop_phase NAME_REGEX: TERM every recorded daemon whose name matches, wait, KILL leftovers
   local names=() pids=() name pid i
   while read -r name pid; do
-    [[ "$name" =~ $1 ]] && kill -0 "$pid" 2>/dev/null && { names+=("$name"); pids+=("$pid"); kill -TERM "$pid"; }
+    [[ "$name" =~ $1 ]] && is_ours "$name" "$pid" && { names+=("$name"); pids+=("$pid"); kill -TERM "$pid"; }
   done < "$STATE/pids"
   for _ in $(seq 1 150); do
     local alive=0

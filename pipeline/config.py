@@ -1,0 +1,150 @@
+"""The run's typed configuration, registered as Hydra structured configs.
+
+`TokenflowConfig` is the root; each section is the dataclass of the module that consumes it, so
+each field is documented once, next to the code that reads it. YAML config groups under
+``configs/`` (model, task, algo, cluster, experiment) only choose values.
+
+Invariants:
+- a run directory's ``config.yaml`` is the resolved config it started with; a resume refuses a
+  config that differs in a field that changes the rollout log's schema or the meaning of its
+  contents (`SCHEMA_FIELDS`), and says which field;
+- the config is validated before any process starts (`validate`), each error naming its field.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.generator.config import GeneratorConfig
+from pipeline.launch.plan import ComponentSpec
+from pipeline.orchestrator.config import OrchestratorConfig
+from pipeline.record import RecordSchema
+from pipeline.tasks import TaskConfig
+from pipeline.trainer.engine import TrainerConfig
+
+
+@dataclass
+class RunConfig:
+    """What one run does and where it lives."""
+
+    name: str = "demo"
+    """Run name; the run directory is runs/<name> (sweeps: runs/<name>-sweep/<point>)."""
+    dir: str = "${hydra:runtime.output_dir}"
+    """The run directory (resolved by Hydra); the same directory resumes the run."""
+    steps: int = 40
+    """Optimizer steps to train."""
+    eval_every: int = 5
+    """Greedy evaluation on the held-out prompts every this many steps (and at the end)."""
+    eval_max_tokens: int = 0
+    """Completion budget of evaluation answers; 0 = generator.max_tokens."""
+    checkpoint_every: int = 10
+    """Save trainer (model, optimizer, RNG) and the step record every this many steps."""
+    weight_bucket_mb: float = 64.0
+    """Size of the packed buckets new weights are broadcast in."""
+    timeout_s: float = 900.0
+    """Longest any role waits for another (a batch, a rendezvous, a weight broadcast)."""
+    progress: bool = True
+    """Show the live progress line while the run goes."""
+    tensorboard: bool = True
+    """Mirror the metrics stream into RUN/tensorboard."""
+
+
+@dataclass
+class ModelConfig:
+    """The policy's starting point."""
+
+    name: str = "tiny-dense"
+    """"tiny-dense", "tiny-moe" (built locally on first use) or a Hugging Face checkpoint directory."""
+    warmstart_steps: int = 120
+    """Supervised warm-start steps on the task before RL (0: start from the checkpoint as is)."""
+    warmstart_lr: float = 3e-3
+    """Peak learning rate of the warm-start."""
+
+
+@dataclass
+class ClusterConfig:
+    """Where the roles run and with what resources."""
+
+    launcher: str = "local"
+    """"local" (each role a local process) or "slurm" (one heterogeneous job)."""
+    generators: int = 1
+    """Generator processes (each one vLLM engine)."""
+    trainer_ranks: int = 1
+    """Trainer processes (data x tensor x expert parallel ranks)."""
+    cpu_plan: str = "auto"
+    """CPU core plan on a machine without GPUs: "auto" pins generators and trainer to disjoint
+    cores (2 cores: generator on 0, trainer on 1); "none" leaves placement to the OS."""
+    trainer: ComponentSpec = field(default_factory=lambda: ComponentSpec(
+        entry="pipeline.roles.trainer:main", cpus_per_task=1, mem_gb=8.0))
+    generator: ComponentSpec = field(default_factory=lambda: ComponentSpec(
+        entry="pipeline.roles.generator:main", cpus_per_task=1, mem_gb=8.0))
+    max_requeues: int = 3
+    """Requeues after preemption or time limit (Slurm)."""
+
+
+@dataclass
+class TokenflowConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+
+#: Fields whose change on resume would make the stored log mean something else.
+SCHEMA_FIELDS = ("model.name", "task.name", "task.path", "orchestrator.group_size",
+                 "orchestrator.seed", "generator.temperature", "generator.logprobs_mode")
+
+
+def register() -> None:
+    """Register the structured configs with Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="tokenflow_schema", node=TokenflowConfig)
+
+
+def record_schema(cfg: TokenflowConfig) -> RecordSchema:
+    """The optional per-token fields this run records (none are enabled by the current roles)."""
+    return RecordSchema()
+
+
+def validate(cfg: TokenflowConfig) -> None:
+    """Raise ValueError naming the first invalid field."""
+    checks: list[tuple[bool, str]] = [
+        (cfg.run.steps >= 1, f"run.steps must be >= 1, got {cfg.run.steps}"),
+        (cfg.run.eval_every >= 0, f"run.eval_every must be >= 0, got {cfg.run.eval_every}"),
+        (cfg.run.checkpoint_every >= 1, f"run.checkpoint_every must be >= 1, got {cfg.run.checkpoint_every}"),
+        (cfg.cluster.launcher in ("local", "slurm"),
+         f"cluster.launcher must be local or slurm, got {cfg.cluster.launcher!r}"),
+        (cfg.cluster.generators >= 1, f"cluster.generators must be >= 1, got {cfg.cluster.generators}"),
+        (cfg.cluster.trainer_ranks >= 1, f"cluster.trainer_ranks must be >= 1, got {cfg.cluster.trainer_ranks}"),
+        (cfg.cluster.cpu_plan in ("auto", "none"), f"cluster.cpu_plan must be auto or none, got {cfg.cluster.cpu_plan!r}"),
+        (abs(cfg.trainer.temperature - cfg.generator.temperature) < 1e-9,
+         f"trainer.temperature ({cfg.trainer.temperature}) must equal generator.temperature "
+         f"({cfg.generator.temperature}): logprobs would be of different distributions"),
+    ]
+    p = cfg.trainer.parallel
+    model_parallel = p.tp * (p.etp or p.tp) * p.ep
+    checks.append((cfg.cluster.trainer_ranks % (p.tp * p.ep) == 0,
+                   f"cluster.trainer_ranks ({cfg.cluster.trainer_ranks}) must be a multiple of "
+                   f"trainer.parallel.tp * ep ({p.tp * p.ep}); model-parallel size {model_parallel}"))
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+    cfg.orchestrator.validate()
+
+
+def check_resume_compatible(old: dict[str, Any], new: dict[str, Any], run_dir: Path) -> None:
+    """Refuse a resume whose config changes a `SCHEMA_FIELDS` field."""
+    for dotted in SCHEMA_FIELDS:
+        a, b = old, new
+        for part in dotted.split("."):
+            a = a.get(part) if isinstance(a, dict) else None
+            b = b.get(part) if isinstance(b, dict) else None
+        if a != b:
+            raise ValueError(f"{run_dir} was started with {dotted}={a!r}; resuming it with {b!r} would "
+                             f"change what its rollout log means. Use another run.name, or the old value.")

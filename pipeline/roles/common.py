@@ -1,0 +1,63 @@
+"""What every role process shares: the run's config, its paths and the CPU core plan."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pipeline.config import TokenflowConfig
+
+CONFIG_FILE = "config.yaml"
+
+
+def load_run_config(run_dir: Path) -> TokenflowConfig:
+    """The resolved config a run directory was started with."""
+    from omegaconf import OmegaConf
+
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: {run_dir} is not a Tokenflow run directory")
+    merged = OmegaConf.merge(OmegaConf.structured(TokenflowConfig), OmegaConf.load(path))
+    return OmegaConf.to_object(merged)
+
+
+def save_run_config(run_dir: Path, cfg: TokenflowConfig) -> Path:
+    from omegaconf import OmegaConf
+
+    path = Path(run_dir) / CONFIG_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True))
+    os.replace(tmp, path)
+    return path
+
+
+def cpu_cores_for(role: str, rank: int, cfg: TokenflowConfig) -> list[int] | None:
+    """Cores a role's process is pinned to under ``cluster.cpu_plan=auto`` (None: no pinning).
+
+    The plan gives generators the first cores and the trainer ranks the rest, one core each when
+    there are enough; on a 2-core machine: generator on core 0, trainer (and the orchestrator
+    beside it) on core 1. The same plan applies to synchronous and asynchronous runs.
+    """
+    if cfg.cluster.cpu_plan != "auto" or not hasattr(os, "sched_getaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    n_gen, n_tr = cfg.cluster.generators, cfg.cluster.trainer_ranks
+    if len(cores) < 2:
+        return None
+    if len(cores) >= n_gen + n_tr:
+        index = rank if role == "generator" else n_gen + rank
+        return [cores[index]]
+    half = max(1, len(cores) * n_gen // (n_gen + n_tr))
+    return cores[:half] if role == "generator" else cores[half:]
+
+
+def pin_process(cores: list[int] | None) -> None:
+    """Pin this process (and the threads it starts) to ``cores``; one intra-op thread per core."""
+    if not cores:
+        return
+    os.sched_setaffinity(0, cores)
+    os.environ["OMP_NUM_THREADS"] = str(len(cores))
+    try:
+        import torch
+        torch.set_num_threads(len(cores))
+    except ImportError:
+        pass

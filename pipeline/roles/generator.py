@@ -1,0 +1,174 @@
+"""The generator role: one vLLM engine serving the orchestrator's work and taking weights in place.
+
+One asyncio loop runs everything: polling the orchestrator link (short timeouts, so the engine's
+own tasks keep running), one task per granted group, greedy evaluation batches, and weight
+updates, which the trainer announces through the orchestrator and then broadcasts.
+
+Invariants:
+- the link (a ZeroMQ socket) is used from the loop's thread only;
+- a group's result is sent once all of its samples are complete; the link keeps it until the
+  orchestrator acknowledges it (and re-sends it otherwise);
+- an announced version is loaded at most once, in order; while it loads, generation is paused per
+  ``generator.interrupt`` and resumes on the new weights.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.config import record_schema
+from pipeline.metrics import MetricsWriter
+from pipeline.orchestrator.links import Control, EvalItem, GeneratorLink, WorkItem
+from pipeline.record import RolloutSample, SampleBatch
+from pipeline.roles.common import cpu_cores_for, load_run_config, pin_process
+from pipeline.roles.orchestrator import MODEL_FILE
+
+log = logging.getLogger(__name__)
+
+
+def _wait_for_file(path: Path, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s:.0f}s (is the trainer up?)")
+        time.sleep(0.2)
+    return json.loads(path.read_text())
+
+
+class GeneratorRole:
+    def __init__(self, task) -> None:
+        self.task = task
+        self.run_dir = Path(task.run_dir)
+        self.cfg = load_run_config(self.run_dir)
+        self.rank = task.rank
+        self.schema = record_schema(self.cfg)
+        self.metrics = MetricsWriter(self.run_dir, f"generator{self.rank}")
+        self.stop = False
+        self.tokens = 0
+        self.busy_since: float | None = None
+        self.busy_s = 0.0
+        self.stall_s = 0.0
+        self.in_flight = 0
+        self.loaded = False  # the trainer's first broadcast is always taken, whatever its version
+
+    async def run(self) -> dict:
+        from pipeline.generator.engine import Generator
+
+        cfg, timeout = self.cfg, self.cfg.run.timeout_s
+        cores = cpu_cores_for("generator", self.rank, cfg)
+        pin_process(cores)
+        model = _wait_for_file(self.run_dir / MODEL_FILE, timeout)["path"]
+        gcfg = replace(cfg.generator, model=model, seed=cfg.orchestrator.seed,
+                       cpu_cores=cfg.generator.cpu_cores or (",".join(map(str, cores)) if cores else ""))
+        self.gen = Generator(gcfg, generator_id=self.rank, schema=self.schema)
+        await self.gen.start()
+        slots = max(1, gcfg.max_num_seqs // cfg.orchestrator.group_size)
+        self.link = GeneratorLink(self.run_dir, self.rank, slots, self.schema, cfg.orchestrator.transport,
+                                  timeout_s=timeout)
+        w = self.task.rendezvous.wait("weights", timeout)
+        tp = gcfg.tensor_parallel_size
+        await self.gen.join_weight_group(w["host"], w["port"], 1 + self.rank * tp, w["world_size"],
+                                         backend="gloo" if not _cuda() else "nccl")
+        self.link.send_want()
+        t_start = last_metrics = time.monotonic()
+        tasks: set[asyncio.Task] = set()
+        while not self.stop:
+            for item in self.link.poll(0.002):
+                if isinstance(item, Control):
+                    await self._control(item)
+                elif isinstance(item, WorkItem):
+                    tasks.add(asyncio.create_task(self._group(item)))
+                elif isinstance(item, EvalItem):
+                    tasks.add(asyncio.create_task(self._eval(item)))
+            done = {t for t in tasks if t.done()}
+            for t in done:
+                if t.exception() is not None:  # a failed group or eval must not pass silently
+                    raise t.exception()
+            tasks -= done
+            await asyncio.sleep(0.003)
+            now = time.monotonic()
+            if now - last_metrics >= 2.0:
+                self._log_metrics(now - t_start)
+                last_metrics = now
+        for t in tasks:
+            t.cancel()
+        self._log_metrics(time.monotonic() - t_start)
+        self.link.close()
+        self.gen.shutdown()
+        return {"tokens": self.tokens, "version": self.gen.version}
+
+    async def _control(self, item: Control) -> None:
+        if item.kind == "stop":
+            self.stop = True
+        elif item.kind == "update" and item.version is not None and (
+                item.version != self.gen.version or not self.loaded):
+            report = await self.gen.update_weights(item.version)
+            self.loaded = True
+            self.stall_s += report.paused_s
+            log.info("loaded version %d (paused %.3fs, load %.3fs)", report.version, report.paused_s,
+                     report.load_s)
+
+    def _busy(self, delta: int) -> None:
+        now = time.monotonic()
+        if self.in_flight == 0 and delta > 0:
+            self.busy_since = now
+        self.in_flight += delta
+        if self.in_flight == 0 and self.busy_since is not None:
+            self.busy_s += now - self.busy_since
+            self.busy_since = None
+
+    async def _group(self, item: WorkItem) -> None:
+        from pipeline.generator.config import GroupRequest
+
+        self._busy(+1)
+        try:
+            samples = await self.gen.generate_group(GroupRequest(
+                group_id=item.group_id, prompt_id=item.prompt_id, attempt=item.attempt,
+                prompt_ids=item.prompt_ids.tolist(), n=item.n))
+        finally:
+            self._busy(-1)
+        self.tokens += sum(len(s.completion_ids) for s in samples)
+        self.link.send_result(item, SampleBatch.from_samples(samples, self.schema))
+
+    async def _eval(self, item: EvalItem) -> None:
+        max_tokens = self.cfg.run.eval_max_tokens or self.cfg.generator.max_tokens
+        self._busy(+1)
+        try:
+            (ids,) = await self.gen.evaluate([item.prompt_ids.tolist()], max_tokens)
+        finally:
+            self._busy(-1)
+        n = max(1, len(ids))
+        sample = RolloutSample(
+            group_id=0, sample_index=0, prompt_id=item.index, attempt=0, prompt_ids=item.prompt_ids,
+            completion_ids=np.asarray(ids or [0], np.int32), logprobs=np.zeros(n, np.float32),
+            versions=np.full(n, self.gen.version, np.int32),
+            finish_reason="stop" if len(ids) < max_tokens else "length", generator_id=self.rank,
+            schema=self.schema)
+        self.link.send_eval_result(item.step, np.array([item.index]),
+                                   SampleBatch.from_samples([sample], self.schema))
+
+    def _log_metrics(self, elapsed: float) -> None:
+        busy = self.busy_s + (time.monotonic() - self.busy_since if self.busy_since else 0.0)
+        self.metrics.log("generator", generator_id=self.rank, version=self.gen.version,
+                         tokens=self.tokens, tokens_per_s=self.tokens / max(elapsed, 1e-9),
+                         idle_frac=1 - busy / max(elapsed, 1e-9), stall_s=self.stall_s,
+                         in_flight_groups=self.in_flight, unacked=len(self.link.unacked))
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def main(task) -> dict:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s generator %(levelname)s %(message)s")
+    return asyncio.run(GeneratorRole(task).run())

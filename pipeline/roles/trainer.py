@@ -1,0 +1,249 @@
+"""The trainer role: megatron-core ranks pulling step batches and pushing weights to the generators.
+
+Rank 0 also prepares the run's starting checkpoint (tiny model + warm-start, cached), starts the
+orchestrator beside itself, and leads the weight broadcast.
+
+Per step k (all ranks): ask the orchestrator for this DP rank's share of step k's batch; train;
+gather the new weights (version k+1) and broadcast them, packed in buckets, to every generator;
+report the version; every ``checkpoint_every`` steps save model, optimizer and RNG states. On a
+restart the latest checkpoint is loaded and the orchestrator told to roll its step record back to
+it (DESIGN §6).
+
+Invariants:
+- a step's samples are the orchestrator's recorded batch for that step; the generators hold the
+  weights of version v only after the broadcast of v completed; versions equal optimizer steps;
+- a checkpoint directory is complete or absent (written under a temporary name, then renamed);
+- every wait (batch, rendezvous, broadcast) has a timeout (``run.timeout_s``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.config import TokenflowConfig, record_schema
+from pipeline.metrics import MetricsWriter
+from pipeline.orchestrator.links import TrainerLink
+from pipeline.roles.common import cpu_cores_for, load_run_config, pin_process
+from pipeline.roles.orchestrator import MODEL_FILE
+
+log = logging.getLogger(__name__)
+CHECKPOINTS = "checkpoints"
+
+
+def prepare_model(run_dir: Path, cfg: TokenflowConfig) -> Path:
+    """The run's starting checkpoint (cached build), recorded in RUN/model.json for the other roles."""
+    from pipeline.models.tiny import resolve_model
+
+    path = resolve_model(cfg.model.name)
+    if cfg.model.warmstart_steps > 0:
+        from pipeline.tasks import make_task
+        from pipeline.tasks.warmstart import WarmStartConfig, ensure_warm_start
+
+        ws = WarmStartConfig(steps=cfg.model.warmstart_steps, lr=cfg.model.warmstart_lr)
+        path = ensure_warm_start(path, make_task(cfg.task), ws)
+    tmp = run_dir / (MODEL_FILE + ".tmp")
+    tmp.write_text(json.dumps({"path": str(path)}))
+    os.replace(tmp, run_dir / MODEL_FILE)
+    return path
+
+
+def latest_checkpoint(run_dir: Path) -> tuple[int, Path | None]:
+    """(steps done, directory) of the newest complete checkpoint, (0, None) if none."""
+    best = (0, None)
+    for d in (run_dir / CHECKPOINTS).glob("step-*"):
+        if d.is_dir() and (d / "COMPLETE").exists():
+            k = int(d.name.split("-")[1])
+            if k > best[0]:
+                best = (k, d)
+    return best
+
+
+def start_orchestrator(run_dir: Path) -> subprocess.Popen:
+    logs = run_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    return subprocess.Popen([sys.executable, "-m", "pipeline.orchestrator", str(run_dir)],
+                            stdout=open(logs / "orchestrator.out", "a"), stderr=subprocess.STDOUT)
+
+
+class TrainerRole:
+    def __init__(self, task) -> None:
+        self.task = task
+        self.run_dir = Path(task.run_dir)
+        self.cfg = load_run_config(self.run_dir)
+        self.rank, self.world = task.rank, task.role_size
+        self.leader = self.rank == 0
+        self.rdv = task.rendezvous
+        self.metrics = MetricsWriter(self.run_dir, "trainer") if self.leader else None
+        self.orchestrator: subprocess.Popen | None = None
+        self.channel = None
+
+    # -- set-up --------------------------------------------------------------------------------
+    def setup(self) -> None:
+        cfg, timeout = self.cfg, self.cfg.run.timeout_s
+        pin_process(cpu_cores_for("trainer", self.rank, cfg))
+        if self.leader:
+            model = prepare_model(self.run_dir, cfg)
+            self.orchestrator = start_orchestrator(self.run_dir)
+            from pipeline.launch.rendezvous import free_port
+            self.rdv.publish("trainer_dist", {"host": "127.0.0.1" if cfg.cluster.launcher == "local"
+                                              else self.task.node, "port": free_port()})
+        dist = self.rdv.wait("trainer_dist", timeout)
+        model = Path(json.loads((self.run_dir / MODEL_FILE).read_text())["path"]) if not self.leader else model
+        from dataclasses import replace
+
+        from pipeline.trainer.engine import Trainer
+        tcfg = replace(cfg.trainer, model_dir=str(model), timeout_s=timeout)
+        self.trainer = Trainer(tcfg, rank=self.rank, world_size=self.world,
+                               init_method=f"tcp://{dist['host']}:{dist['port']}")
+        self.start_step, ckpt = latest_checkpoint(self.run_dir)
+        if ckpt is not None:
+            self.trainer.load(ckpt)
+            log.info("resumed from %s", ckpt)
+        from megatron.core import parallel_state as ps
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.link = TrainerLink(self.run_dir, record_schema(cfg), cfg.orchestrator.transport,
+                                timeout_s=timeout, rank=self.rank)
+        if self.leader:
+            self.link.resume(self.start_step)
+            self._open_weight_channel()
+        self.version = self.start_step
+        self.push_weights(self.version)  # generators start from the trainer's weights
+
+    def _open_weight_channel(self) -> None:
+        from pipeline.launch.rendezvous import free_port
+        from pipeline.weights.group import TorchDistChannel
+
+        cfg = self.cfg
+        members = cfg.cluster.generators * cfg.generator.tensor_parallel_size
+        host = "127.0.0.1" if cfg.cluster.launcher == "local" else self.task.node
+        port = free_port()
+        self.rdv.publish("weights", {"host": host, "port": port, "world_size": 1 + members})
+        self.channel = TorchDistChannel(host, port, rank=0, world_size=1 + members,
+                                        timeout_s=cfg.run.timeout_s,
+                                        backend="nccl" if self.trainer.cuda else "gloo")
+
+    # -- the loop --------------------------------------------------------------------------------
+    def push_weights(self, version: int) -> float:
+        """Gather the full weights (a collective over trainer ranks) and broadcast them (leader)."""
+        from pipeline.trainer.model import iter_hf_weights
+
+        t0 = time.monotonic()
+        named = iter_hf_weights(self.trainer.model, self.trainer.hf_config)
+        if self.leader:
+            self.link.announce_weights(version)
+            self.channel.send_tensors(version, list(named), int(self.cfg.run.weight_bucket_mb * 2**20))
+            self.link.report_version(version)
+        else:
+            for _ in named:  # take part in the gathers
+                pass
+        return time.monotonic() - t0
+
+    def run(self) -> dict:
+        from pipeline.trainer.layout import TrainSample
+
+        cfg = self.cfg
+        steps, every = cfg.run.steps, cfg.run.eval_every
+        t_run = time.monotonic()
+        busy = 0.0
+        for step in range(self.start_step, steps):
+            if self.task.stop_requested.is_set():
+                break
+            if self.leader and every and step % every == 0:
+                self.link.request_eval(step, self.version)
+            t0 = time.monotonic()
+            batch, _, adv = self.link.get_batch(step, self.version, self.dp_size, cfg.run.timeout_s,
+                                                dp_rank=self.dp_rank)
+            t1 = time.monotonic()
+            samples = [TrainSample(prompt_ids=batch.prompt(i), completion_ids=batch.tokens("completion_ids", i),
+                                   behaviour_logprobs=batch.tokens("logprobs", i), advantage=float(adv[i]),
+                                   reward=float(batch.columns["reward"][i]),
+                                   group_id=int(batch.columns["group_id"][i])) for i in range(len(batch))]
+            mismatch = self._mismatch(batch, samples) if every and step % every == 0 else None
+            m = self.trainer.train_step(samples)
+            t2 = time.monotonic()
+            self.version = step + 1
+            sync_s = self.push_weights(self.version)
+            if (step + 1) % cfg.run.checkpoint_every == 0 or step + 1 == steps:
+                self._checkpoint(step + 1)
+            busy += time.monotonic() - t1
+            if self.leader:
+                stale = self.version - 1 - batch.min_versions()
+                self.metrics.log("train_step", step=step, version=self.version,
+                                 reward_mean=float(np.mean(batch.columns["reward"])),
+                                 samples=len(batch), staleness_mean=float(stale.mean()),
+                                 staleness_max=int(stale.max()), wait_s=t1 - t0, step_s=t2 - t1,
+                                 sync_s=sync_s, mismatch=mismatch,
+                                 trainer_idle_frac=1 - busy / max(1e-9, time.monotonic() - t_run),
+                                 **m)
+        if self.leader and every:
+            self.link.request_eval(steps, self.version)
+        return {"steps": steps, "version": self.version}
+
+    def _mismatch(self, batch, samples) -> float | None:
+        """Mean |trainer - generator| logprob over tokens the current weights generated."""
+        current = [batch.tokens("versions", i) == self.version for i in range(len(batch))]
+        if not any(c.any() for c in current):
+            return None
+        lps = self.trainer.logprobs(samples)
+        diffs = [np.abs(lp[c] - s.behaviour_logprobs[c]) for lp, s, c in zip(lps, samples, current)]
+        return float(np.concatenate(diffs).mean())
+
+    def _checkpoint(self, steps_done: int) -> None:
+        final = self.run_dir / CHECKPOINTS / f"step-{steps_done}"
+        tmp = final.with_name(final.name + ".partial")
+        if self.leader:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        import torch.distributed as td
+        td.barrier()
+        self.trainer.save(tmp)
+        td.barrier()
+        if self.leader:
+            (tmp / "COMPLETE").write_text(str(steps_done))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+
+    def finish(self) -> None:
+        if self.leader:
+            self._wait_for_final_eval()
+            self.link.finish()
+            if self.orchestrator is not None:
+                try:
+                    self.orchestrator.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    self.orchestrator.send_signal(signal.SIGTERM)
+                    self.orchestrator.wait(timeout=30)
+            if self.channel is not None:
+                self.channel.close()
+        self.link.close()
+        self.trainer.close()
+
+    def _wait_for_final_eval(self) -> None:
+        from pipeline.metrics import read_metrics
+        if not self.cfg.run.eval_every:
+            return
+        deadline = time.monotonic() + self.cfg.run.timeout_s
+        while time.monotonic() < deadline:
+            if any(r["step"] == self.cfg.run.steps for r in read_metrics(self.run_dir, "eval")):
+                return
+            time.sleep(0.2)
+        log.warning("the final evaluation did not finish within %.0fs", self.cfg.run.timeout_s)
+
+
+def main(task) -> dict:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
+    role = TrainerRole(task)
+    role.setup()
+    try:
+        return role.run()
+    finally:
+        role.finish()

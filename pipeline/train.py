@@ -1,0 +1,131 @@
+"""``tokenflow train [overrides]``: compose the config, launch the roles, follow the run.
+
+With no arguments this is the built-in demo: a tiny model warm-started on the sort task, then
+trained by asynchronous GRPO with the trainer and a vLLM generator as separate local processes.
+The same command on the same run directory (``run.name``) resumes it; ``-m`` sweeps (Hydra
+multirun), one run directory per point.
+
+Invariants:
+- nothing starts before the config is validated and, on resume, checked against the config the
+  run directory started with (`pipeline.config.check_resume_compatible`);
+- the launcher process never trains: it starts the roles (local processes or one Slurm
+  heterogeneous job), shows progress, mirrors metrics to TensorBoard and draws the final plot;
+- a failed role stops the run (the launcher stops the others) and its log tail is shown.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+from pipeline.config import TokenflowConfig, check_resume_compatible, register, validate
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+COMPLETE = "COMPLETE"
+log = logging.getLogger("tokenflow.train")
+
+
+def job_plan(cfg: TokenflowConfig, run_dir: Path):
+    from dataclasses import replace
+
+    from pipeline.launch.plan import JobPlan
+
+    c = cfg.cluster
+    trainer = replace(c.trainer, nodes=1 if c.launcher == "local" else c.trainer.nodes,
+                      tasks_per_node=c.trainer_ranks if c.launcher == "local" else c.trainer.tasks_per_node)
+    generator = replace(c.generator, nodes=1 if c.launcher == "local" else c.generator.nodes,
+                        tasks_per_node=c.generators if c.launcher == "local" else c.generator.tasks_per_node)
+    if trainer.num_tasks != c.trainer_ranks or generator.num_tasks != c.generators:
+        raise ValueError(f"cluster: trainer nodes x tasks_per_node = {trainer.num_tasks} must equal "
+                         f"trainer_ranks ({c.trainer_ranks}) and generator nodes x tasks_per_node = "
+                         f"{generator.num_tasks} must equal generators ({c.generators})")
+    return JobPlan(name=f"tokenflow-{cfg.run.name}", components={"trainer": trainer, "generator": generator},
+                   config={"run_dir": str(run_dir)}, max_requeues=c.max_requeues)
+
+
+def prepare_run_dir(cfg: TokenflowConfig) -> Path:
+    from omegaconf import OmegaConf
+
+    from pipeline.roles.common import CONFIG_FILE, save_run_config
+
+    run_dir = Path(cfg.run.dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.run.dir = str(run_dir)
+    path = run_dir / CONFIG_FILE
+    if path.exists():
+        old = OmegaConf.to_container(OmegaConf.load(path))
+        new = OmegaConf.to_container(OmegaConf.structured(cfg))
+        check_resume_compatible(old, new, run_dir)
+    save_run_config(run_dir, cfg)
+    return run_dir
+
+
+def train(cfg: TokenflowConfig) -> int:
+    validate(cfg)
+    run_dir = prepare_run_dir(cfg)
+    if (run_dir / COMPLETE).exists():
+        print(f"{run_dir} already finished {cfg.run.steps} steps; see {run_dir / 'training.png'} "
+              f"(choose another run.name to start a new run)")
+        return 0
+    from pipeline.launch import LocalLauncher, SlurmLauncher
+    from pipeline.observe.plots import plot_run
+    from pipeline.observe.progress import ProgressDisplay
+
+    plan = job_plan(cfg, run_dir)
+    launcher = LocalLauncher() if cfg.cluster.launcher == "local" else SlurmLauncher()
+    print(f"tokenflow: run directory {run_dir} ({cfg.cluster.launcher}: {cfg.cluster.trainer_ranks} "
+          f"trainer rank(s), {cfg.cluster.generators} generator(s)); logs in {run_dir / 'logs'}",
+          flush=True)
+    run = launcher.launch(plan, run_dir)
+    progress = ProgressDisplay(run_dir, cfg.run.steps) if cfg.run.progress else None
+    mirror = None
+    if cfg.run.tensorboard:
+        from pipeline.observe.tensorboard import TensorBoardMirror
+        mirror = TensorBoardMirror(run_dir)
+    try:
+        while not run.done():
+            time.sleep(1.0)
+            if progress:
+                progress.update()
+            if mirror:
+                mirror.update()
+    except KeyboardInterrupt:
+        print("\ntokenflow: interrupted; stopping the run (the same command resumes it)", file=sys.stderr)
+        run.cancel()
+        return 130
+    finally:
+        if progress:
+            progress.close()
+        if mirror:
+            mirror.close()
+    state = run.state()
+    if state != "COMPLETED":
+        from pipeline.launch.base import log_tail
+        print(f"tokenflow: the run {state.lower()}", file=sys.stderr)
+        for role, spec in plan.components.items():
+            for rank in range(spec.num_tasks):
+                print(f"--- {role}.{rank} (last lines) ---\n{log_tail(run_dir, role, rank)}", file=sys.stderr)
+        return 1
+    png = plot_run(run_dir)
+    (run_dir / COMPLETE).write_text(time.strftime("%Y-%m-%d %H:%M:%S"))
+    print(f"tokenflow: done; learning curve in {png}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry of ``tokenflow train``: Hydra parses the overrides (``-m`` for sweeps)."""
+    import hydra
+    from omegaconf import OmegaConf
+
+    register()
+    argv = sys.argv[1:] if argv is None else argv
+    status: list[int] = []
+
+    @hydra.main(config_path=str(CONFIGS), config_name="train", version_base=None)
+    def app(dcfg) -> None:
+        status.append(train(OmegaConf.to_object(dcfg)))
+
+    sys.argv = ["tokenflow train", *argv]
+    app()
+    return max(status, default=1)
