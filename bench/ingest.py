@@ -33,7 +33,6 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline import wire  # noqa: E402
 from pipeline.metrics import read_metrics  # noqa: E402
-from pipeline.record import SampleBatch  # noqa: E402
 
 COMPLETION = 1024
 PROMPT = 64

@@ -21,7 +21,7 @@ from pipeline.launch.plan import ComponentSpec
 from pipeline.orchestrator.config import OrchestratorConfig
 from pipeline.record import RecordSchema
 from pipeline.tasks import TaskConfig
-from pipeline.trainer.engine import TrainerConfig
+from pipeline.trainer.config import TrainerConfig
 
 
 @dataclass

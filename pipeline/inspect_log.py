@@ -9,9 +9,11 @@ lengths. Bad paths or files exit with code 2 and a message naming the problem.
 
 Definitions (worked example): a sample's *version* is its oldest token's policy version. Its
 *staleness* is the trainer version of the step that consumed it minus its version; a sample no
-step consumed is measured against the latest step's trainer version (and left out when the log has
-no step yet). A sample of version 3 consumed by a step at trainer version 5 has staleness 2; an
-unconsumed sample of version 4 with the latest step at trainer version 6 has staleness 2 as well.
+step consumed is measured against the *reference version*: the newest version the log knows of,
+max(trainer version of the latest step, highest sample version) -- the trainer is at least there.
+A sample of version 3 consumed by a step at trainer version 5 has staleness 2; with the latest
+step at trainer version 6 and samples up to version 7 in the log, an unconsumed sample of
+version 4 has staleness 7 - 4 = 3.
 """
 from __future__ import annotations
 
@@ -80,16 +82,13 @@ def summarize(log: RolloutLog, progress=None) -> dict:
         consumed_version[step_rows] = version
     at = consumed_version[rows]
     consumed = at >= 0
+    # Unconsumed samples are measured against the newest version the log knows of.
+    known = [latest_record[max(latest_record)][0]] if latest_record else []
+    reference = max(known + ([int(versions.max())] if len(versions) else []), default=0)
     staleness = {"consumed": _histogram(at[consumed] - versions[consumed]),
-                 "unconsumed": None, "latest_trainer_version": None}
-    if latest_record:
-        latest = latest_record[max(latest_record)][0]
-        staleness["latest_trainer_version"] = latest
-        staleness["unconsumed"] = _histogram(latest - versions[~consumed])
-        at = np.where(consumed, at, latest)
-        staleness["all"] = _histogram(at - versions)
-    else:
-        staleness["all"] = staleness["consumed"]
+                 "unconsumed": _histogram(reference - versions[~consumed]),
+                 "all": _histogram(np.where(consumed, at, reference) - versions),
+                 "reference_version": reference}
 
     by_version = {}
     for v in np.unique(versions):
@@ -150,9 +149,8 @@ def format_text(s: dict) -> str:
         m = "-" if r["mean"] is None else f"{r['mean']:.4f}"
         out.append(f"{'':27}{v:>7} {r['samples']:>9,} {r['scored']:>9,}   {m}")
     st = s["staleness"]
-    out.append("staleness (trainer version at consumption - sample version"
-               + (f"; unconsumed vs latest {st['latest_trainer_version']}):"
-                  if st["latest_trainer_version"] is not None else "; no step yet):"))
+    out.append("staleness (trainer version at consumption - sample version; unconsumed "
+               f"samples vs version {st['reference_version']}):")
     total = max(1, sum(st["all"].values()))
     for k, c in st["all"].items():
         out.append(f"  {k:>4}: {c:>9,}  {'#' * max(1, round(40 * c / total))}")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.orchestrator.links import EvalItem, GeneratorLink, TrainerLink, WorkItem, request_seed
+from pipeline.orchestrator.links import EvalItem, GeneratorLink, TrainerLink, WorkItem
 from pipeline.record import FINISH_REASONS, SCALAR_COLUMNS, RecordSchema, SampleBatch
 
 
@@ -26,7 +26,7 @@ def synthetic_group(item: WorkItem, generator_id: int, schema: RecordSchema, min
                     max_len: int, vocab: int = 1000) -> SampleBatch:
     """G samples for a work item; completion starts with the prompt's last token half the time."""
     n = item.n
-    rng = np.random.default_rng(request_seed(item.seed, item.group_id, 0, item.attempt))
+    rng = np.random.default_rng([item.group_id, item.attempt])
     clen = rng.integers(min_len, max_len + 1, n).astype(np.int32)
     total = int(clen.sum())
     ids = rng.integers(0, vocab, total, dtype=np.int32)
@@ -67,7 +67,7 @@ def run_generator(run_dir: Path, generator_id: int, slots: int, min_len: int, ma
     while time.monotonic() < end and not stopping:
         for item in link.poll(0.05):
             if isinstance(item, EvalItem):
-                one = WorkItem(0, 0, 0, 1, item.index, item.prompt_ids, 0)
+                one = WorkItem(0, 0, 0, 1, item.prompt_ids, 0)
                 link.send_eval_result(item.step, np.array([item.index]),
                                       synthetic_group(one, generator_id, schema, min_len, max_len))
                 continue
@@ -90,11 +90,11 @@ def run_trainer(run_dir: Path, steps: int, dp_size: int, step_time_s: float, sch
         if eval_every and step % eval_every == 0:
             link.request_eval(step, version)
         shares = [link.get_batch(step, version, dp_size, timeout_s, dp_rank=r) for r in range(dp_size)]
-        batch = SampleBatch.concat([b for b, _, _ in shares])
-        assert all((ranks == r).all() for r, (_, ranks, _) in enumerate(shares))
+        batch = SampleBatch.concat([b for b, _ in shares])
+        assert all((ranks == r).all() for r, (_, ranks) in enumerate(shares))
         record.append({"step": step, "n": len(batch), "min_version": int(batch.min_versions().min()),
                        "max_version": int(batch.columns["versions"].max()),
-                       "rank_sizes": [len(b) for b, _, _ in shares]})
+                       "rank_sizes": [len(b) for b, _ in shares]})
         time.sleep(step_time_s)
         version = step + 1  # the new weights are "loaded by every generator" at once here
         link.report_version(version)

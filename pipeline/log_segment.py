@@ -5,7 +5,8 @@ Invariants:
 - a `Segment` only ever shows what a valid commit row covers (see `log_format`): data a writer
   wrote after its last complete flush is invisible, so readers of a live or a killed writer's
   segment see a consistent prefix;
-- opening never modifies the file (read-only, SWMR read mode so a live writer's file opens too);
+- opening never modifies the file: read-only, plainly for a closed segment (so damage fails fast)
+  and in SWMR read mode for a live writer's segment or one whose writer was killed;
 - every failure names the file: not HDF5 -> `NotHDF5Error`; no Tokenflow attributes ->
   `ForeignFileError`; newer layout -> `NewerSchemaError`; cut short or unreadable ->
   `CorruptSegmentError` (including read errors and invalid data found while reading rows).

@@ -62,7 +62,8 @@ def check_model(kind: str, workdir: Path, quick: bool) -> dict:
     import numpy as np
     import torch
 
-    from pipeline.trainer.engine import Trainer, TrainerConfig
+    from pipeline.trainer.config import TrainerConfig
+    from pipeline.trainer.engine import Trainer
     from pipeline.trainer.oracle import hf_logprobs, make_samples, sharpened_checkpoint
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,7 +1,6 @@
 """Shared pytest set-up: resource markers skip with a printed reason when the resource is absent."""
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 

@@ -68,7 +68,7 @@ def test_json_summary_values(known_log, capsys):
     # unconsumed vs the latest trainer version 2: rows 12..15 (v1) -> 1, rows 16..19 (v2) -> 0
     st = s["staleness"]
     assert st["consumed"] == {"1": 12} and st["unconsumed"] == {"0": 4, "1": 4}
-    assert st["all"] == {"0": 4, "1": 16} and st["latest_trainer_version"] == 2
+    assert st["all"] == {"0": 4, "1": 16} and st["reference_version"] == 2
     for name in ("prompt_len", "completion_len"):
         x = c[name]
         assert s[name]["min"] == x.min() and s[name]["max"] == x.max()
@@ -119,3 +119,14 @@ def test_bad_paths_exit_2_naming_the_problem(tmp_path, capsys):
         captured = capsys.readouterr()
         assert captured.out == "" and problem in captured.err and "error" in captured.err
     assert main(["--no-such-flag", str(junk)]) == 2
+
+
+def test_unconsumed_staleness_uses_the_newest_known_version(tmp_path, capsys):
+    log_dir = tmp_path / "rollouts"
+    with RolloutLogWriter(log_dir, SCHEMA, "n", {}) as w:
+        w.append_samples(make_batch(SCHEMA, 0, 2, version=0))
+        w.append_samples(make_batch(SCHEMA, 1, 2, version=3))  # generated after the last step
+        w.append_steps(0, [0], 0, trainer_version=1, t=0.0)
+    st = _run_json(capsys, log_dir)["staleness"]
+    assert st["reference_version"] == 3 and st["consumed"] == {"1": 1}
+    assert st["unconsumed"] == {"0": 2, "3": 1} and st["all"] == {"0": 2, "1": 1, "3": 1}

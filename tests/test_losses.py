@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from pipeline.trainer.loss import LossConfig, group_advantages, policy_loss
+from pipeline.trainer.config import LossConfig
+from pipeline.trainer.loss import group_advantages, policy_loss
 
 torch.set_num_threads(1)
 

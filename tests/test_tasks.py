@@ -244,14 +244,14 @@ def test_noisy_warm_start_mixes_in_distractors_and_evaluation_is_consistent(tiny
     task = SortDigitsTask()
     base = tiny_dense
     tok = AutoTokenizer.from_pretrained(str(base))
-    prompts = list(itertools.islice(task.train_prompts(0), 400))
+    prompts = list(itertools.islice(task.train_prompts(0), 200))
     _, _, labels = _batch(tok, task, prompts, distractor_fraction=0.5, rng=random.Random(0))
     targets = [tok.decode([t for t in row.tolist() if t >= 0], skip_special_tokens=True) for row in labels]
     distracted = sum(t == task.distractor_completion(p) for t, p in zip(targets, prompts))
     assert all(t in (p.answer, task.distractor_completion(p)) for t, p in zip(targets, prompts))
-    assert 150 < distracted < 250  # about half of 400
+    assert 70 < distracted < 130  # about half of 200
 
     model = AutoModelForCausalLM.from_pretrained(str(base))
-    m = evaluate(model, tok, task, task.eval_prompts()[:16], k=2, batch_size=8)
+    m = evaluate(model, tok, task, task.eval_prompts()[:8], k=2, batch_size=8)
     assert m["k"] == 2 and m["greedy_accuracy"] == 0.0  # random weights never sort 6-8 digits
     assert 0.0 <= m["sampled_accuracy"] <= m["pass_at_k"] <= 1.0

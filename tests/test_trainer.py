@@ -69,9 +69,8 @@ def launch(scenario: str, world: int, outdir: Path, args: dict) -> None:
 
 # ----------------------------------------------------------------------------- scenarios (ranks)
 def _trainer(args, **overrides):
-    from pipeline.trainer.engine import Trainer, TrainerConfig
-    from pipeline.trainer.loss import LossConfig
-    from pipeline.trainer.model import ParallelConfig
+    from pipeline.trainer.config import LossConfig, ParallelConfig, TrainerConfig
+    from pipeline.trainer.engine import Trainer
 
     cfg = TrainerConfig(model_dir=args["model_dir"], parallel=ParallelConfig(**args.get("parallel", {})),
                         loss=LossConfig(**args.get("loss", {})), lr=args.get("lr", 1e-3),
@@ -219,7 +218,8 @@ def test_train_sample_rejects_mismatched_logprobs():
 
 
 def test_allgather_dispatcher_refused_with_expert_parallelism(checkpoints):
-    from pipeline.trainer.model import ParallelConfig, load_hf_config, transformer_config
+    from pipeline.trainer.config import ParallelConfig
+    from pipeline.trainer.model import load_hf_config, transformer_config
 
     config = load_hf_config(checkpoints["moe"])
     with pytest.raises(ValueError, match="alltoall"):

@@ -57,7 +57,7 @@ def test_only_holders_of_the_secret_are_heard_and_calls_time_out(tmp_path):
 
 
 def _group(gid: int, tokens: int, schema: RecordSchema):
-    item = WorkItem(gid, 0, gid, 4, 7, np.arange(1, 9, dtype=np.int32), version=gid)
+    item = WorkItem(gid, 0, gid, 4, np.arange(1, 9, dtype=np.int32), version=gid)
     return synthetic_group(item, 0, schema, tokens, tokens)
 
 

@@ -95,7 +95,7 @@ def sampling_params(config: GeneratorConfig, seed: int | None, max_tokens: int, 
     return SamplingParams(
         n=1, temperature=0.0 if greedy else config.temperature, top_p=1.0 if greedy else config.top_p,
         top_k=0 if greedy else config.top_k, max_tokens=max_tokens, seed=seed,
-        logprobs=None if greedy else 0, flat_logprobs=True, detokenize=False,
+        logprobs=0, flat_logprobs=True, detokenize=False,
         stop_token_ids=list(config.stop_token_ids), ignore_eos=config.ignore_eos,
         output_kind=RequestOutputKind.FINAL_ONLY)
 
@@ -149,13 +149,16 @@ class Generator:
             final = out
         return final.outputs[0]
 
-    async def complete(self, prompt_ids: Sequence[int], seed_of_segment, max_tokens: int | None = None) -> Completion:
-        """Generate one completion, resuming it as a prefix after each abort-mode weight update."""
+    async def complete(self, prompt_ids: Sequence[int], seed_of_segment, max_tokens: int | None = None,
+                       greedy: bool = False) -> Completion:
+        """Generate one completion, resuming it as a prefix after each abort-mode weight update.
+
+        ``seed_of_segment(k)`` gives the sampling seed of the k-th segment (0 before any abort)."""
         budget = self.config.max_tokens if max_tokens is None else max_tokens
         done = Completion([], [], [], "length")
         for segment in itertools.count():
             epoch = self._abort_epoch
-            params = sampling_params(self.config, seed_of_segment(segment), budget - len(done.token_ids))
+            params = sampling_params(self.config, seed_of_segment(segment), budget - len(done.token_ids), greedy)
             out = await self._run(list(prompt_ids) + done.token_ids, params)
             done.token_ids += out.token_ids
             done.logprobs += sampled_logprobs(out)
@@ -187,11 +190,11 @@ class Generator:
         """The group's ``n`` samples, in sample order."""
         return list(await asyncio.gather(*(self.generate_sample(request, i) for i in range(request.n))))
 
-    async def evaluate(self, prompts: Sequence[Sequence[int]], max_tokens: int | None = None) -> list[list[int]]:
-        """Greedy completions of `prompts` (evaluation; not rollouts). Paused during updates like any request."""
-        params = sampling_params(self.config, None, max_tokens or self.config.max_tokens, greedy=True)
-        outs = await asyncio.gather(*(self._run(p, params) for p in prompts))
-        return [list(o.token_ids) for o in outs]
+    async def evaluate(self, prompts: Sequence[Sequence[int]], max_tokens: int | None = None) -> list[Completion]:
+        """Greedy completions of `prompts` for evaluation (not rollouts), with per-token versions:
+        an update during an evaluation shows in them like in any request."""
+        return list(await asyncio.gather(*(self.complete(p, lambda seg: None, max_tokens, greedy=True)
+                                           for p in prompts)))
 
     # -- weights ------------------------------------------------------------------------------
     async def join_weight_group(self, host: str, port: int, first_rank: int, world_size: int,

@@ -1,11 +1,11 @@
-"""Step batches: group-normalised advantages and the token-balanced data-parallel split.
+"""Step batches: the token-balanced data-parallel split.
 
 Invariants:
 - every sample of a step goes to exactly one data-parallel rank;
 - ranks receive whole samples, assigned longest-first to the rank with the fewest tokens so far
   (LPT), so the largest rank holds at most the smallest rank's tokens plus one sample's;
-- advantages are computed over whole groups before the split, so a group spread across ranks
-  is normalised exactly as if it were on one.
+- groups may be spread across ranks: the trainer computes GRPO advantages over the whole
+  batch (all ranks), so the split never changes them.
 
 Worked example: token counts [90, 50, 40, 30, 10] over 2 ranks: 90 -> r0, 50 -> r1, 40 -> r1 (90),
 30 -> r0 (120), 10 -> r1 (100): ranks hold 120 and 100 tokens.
@@ -15,19 +15,6 @@ from __future__ import annotations
 import heapq
 
 import numpy as np
-
-
-def group_advantages(rewards: np.ndarray, group_ids: np.ndarray, scale_by_std: bool = True,
-                     eps: float = 1e-6) -> np.ndarray:
-    """GRPO advantages: reward minus its group's mean, optionally divided by the group's std."""
-    rewards = np.asarray(rewards, dtype=np.float64)
-    _, inverse, counts = np.unique(group_ids, return_inverse=True, return_counts=True)
-    mean = np.bincount(inverse, weights=rewards) / counts
-    centred = rewards - mean[inverse]
-    if scale_by_std:
-        var = np.bincount(inverse, weights=centred**2) / counts
-        centred = centred / (np.sqrt(var)[inverse] + eps)
-    return centred.astype(np.float32)
 
 
 def split_by_tokens(num_tokens: np.ndarray, dp_size: int) -> np.ndarray:

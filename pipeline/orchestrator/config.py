@@ -24,8 +24,6 @@ class OrchestratorConfig:
     """Group filter: "none" or "zero_variance" (drop groups whose rewards are all equal)."""
     scorer_threads: int = 0
     """Threads scoring groups beside the event loop; 0 scores inline (right for exact verifiers)."""
-    advantage_std_scale: bool = True
-    """Divide GRPO advantages by the group's reward std."""
     flush_interval_s: float = 0.02
     """Longest time a received result waits for the flush that lets it be acknowledged."""
     metrics_interval_s: float = 2.0

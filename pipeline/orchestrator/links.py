@@ -7,14 +7,14 @@ kind            direction                  meta / arrays
 ==============  =========================  ===================================================
 ``hello``       generator -> orchestrator  generator_id; (a repeated hello re-issues its leases)
 ``want``        generator -> orchestrator  free (slots), received (work items got this epoch), epoch
-``work``        orchestrator -> generator  epoch, version, items [[group, attempt, prompt, n, seed]];
+``work``        orchestrator -> generator  epoch, version, items [[group, attempt, prompt, n]];
                                            arrays prompt_ids (flat), prompt_len
 ``result``      generator -> orchestrator  group_id, attempt, credit (a ``want``'s meta);
                                            arrays: the group's SampleBatch columns
 ``ack``         orchestrator -> generator  groups [[group, attempt, outcome]]
 ``get_batch``   trainer -> orchestrator    step, version (loaded by every generator), dp_size
 ``batch``       orchestrator -> trainer    step, trainer_version; arrays: SampleBatch columns,
-                                           dp_rank, advantages
+                                           dp_rank
 ``version``     trainer -> orchestrator    version
 ``resume``      trainer -> orchestrator    step (the trainer restarted from the checkpoint after it)
 ``eval_request`` trainer -> orchestrator   step, version: run a held-out evaluation round
@@ -37,7 +37,6 @@ deduplicates, so a crash on either side loses no kept group and stores none twic
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -50,13 +49,6 @@ from pipeline.record import RecordError, RecordSchema, SampleBatch
 from pipeline.transport import MessageClient, TransportConfig, TransportError, load_or_create_secret
 
 RENDEZVOUS = "rendezvous/orchestrator.json"
-
-
-def request_seed(run_seed: int, group_id: int, sample_index: int, attempt: int) -> int:
-    """Sampling seed of one request (DESIGN §6): a hash of (run seed, group, sample, attempt)."""
-    h = hashlib.blake2b(np.array([run_seed, group_id, sample_index, attempt], np.int64).tobytes(),
-                        digest_size=8)
-    return int.from_bytes(h.digest(), "little") >> 1
 
 
 def write_rendezvous(run_dir: Path, info: dict) -> None:
@@ -100,8 +92,6 @@ class WorkItem:
     attempt: int
     prompt_id: int
     n: int
-    seed: int
-    """Seed of sample 0; use `request_seed` with the run seed for each sample."""
     prompt_ids: np.ndarray
     version: int
     """Policy version the orchestrator knew when it granted the item."""
@@ -195,11 +185,10 @@ class GeneratorLink(_Link):
                     self.epoch, self.received = msg.meta["epoch"], 0
                 ids, lens = msg.arrays["prompt_ids"], msg.arrays["prompt_len"]
                 off = np.concatenate(([0], np.cumsum(lens)))
-                for j, (gid, attempt, pid, n, seed) in enumerate(msg.meta["items"]):
+                for j, (gid, attempt, pid, n) in enumerate(msg.meta["items"]):
                     self.received += 1
                     self.active.add(gid)
-                    items.append(WorkItem(gid, attempt, pid, n, seed, ids[off[j]:off[j + 1]],
-                                          msg.meta["version"]))
+                    items.append(WorkItem(gid, attempt, pid, n, ids[off[j]:off[j + 1]], msg.meta["version"]))
                 return items
             if msg.kind == "ack":
                 for gid, attempt, outcome in msg.meta["groups"]:
@@ -248,9 +237,8 @@ class TrainerLink(_Link):
 
     def get_batch(self, step: int, version: int, dp_size: int, timeout_s: float,
                   dp_rank: int | None = None,
-                  retry_s: float = 2.0) -> tuple[SampleBatch, np.ndarray, np.ndarray]:
-        """The batch of ``step`` (only ``dp_rank``'s share if given): (samples, dp rank of each,
-        whole-batch GRPO advantages).
+                  retry_s: float = 2.0) -> tuple[SampleBatch, np.ndarray]:
+        """The batch of ``step`` (only ``dp_rank``'s share if given): (samples, dp rank of each).
 
         Re-asks every ``retry_s`` (the orchestrator may have restarted); raises TransportError
         after ``timeout_s`` without a batch.
@@ -266,9 +254,9 @@ class TrainerLink(_Link):
                     break
                 if msg.kind == "batch" and msg.meta.get("step") == step:
                     try:
-                        batch = batch_from_arrays(msg.arrays, self.schema, ("dp_rank", "advantages"))
+                        batch = batch_from_arrays(msg.arrays, self.schema, ("dp_rank",))
                     except RecordError as exc:
                         raise TransportError(f"step {step} batch is invalid: {exc}") from None
-                    return batch, msg.arrays["dp_rank"], msg.arrays["advantages"]
+                    return batch, msg.arrays["dp_rank"]
             self.refresh_address()
         raise TransportError(f"no batch for step {step} within {timeout_s:.0f}s")

@@ -33,14 +33,13 @@ import zmq
 
 from pipeline.metrics import MetricsWriter
 from pipeline.orchestrator.admission import Admission
-from pipeline.orchestrator.batching import group_advantages, split_by_tokens
 from pipeline.orchestrator.buffer import BufferedGroup, RolloutBuffer
 from pipeline.orchestrator.config import OrchestratorConfig
 from pipeline.orchestrator.evaluation import Evaluator
-from pipeline.orchestrator.links import (batch_arrays, batch_from_arrays, read_rendezvous,
-                                         request_seed, write_rendezvous)
+from pipeline.orchestrator.links import batch_from_arrays, read_rendezvous, write_rendezvous
 from pipeline.orchestrator.prompts import PromptSource
 from pipeline.orchestrator.scoring import GROUP_FILTERS, AsyncScoring, Scorer
+from pipeline.orchestrator.steps import StepDesk
 from pipeline.record import RecordError, RecordSchema, SampleBatch
 from pipeline.rollout_log import GroupOutcome, RolloutLogWriter
 from pipeline.orchestrator.restore import restore_from_log
@@ -72,8 +71,6 @@ class Orchestrator:
         self.writer = RolloutLogWriter(log_dir, schema, run_id,
                                        {"group_size": cfg.group_size, "seed": cfg.seed})
         self.buffer = RolloutBuffer(cfg.memory_token_budget, self.writer.read_samples)
-        self.step_rows: dict[int, tuple[np.ndarray, np.ndarray]] = state.step_rows
-        self.trainer_version = state.last_trainer_version
         self.admission.restore(state.resolved, len(state.buffered), state.attempts)
         for g in state.buffered:
             self.buffer.add(g)
@@ -85,18 +82,19 @@ class Orchestrator:
         write_rendezvous(self.run_dir, {"address": self.server.address, "epoch": self.epoch})
         self.metrics = MetricsWriter(self.run_dir, "orchestrator")
         self.generators: dict[bytes, _Generator] = {}
-        self.waiting_batch: dict[bytes, tuple[int, int, int | None]] = {}
         self.to_ack: list[tuple[bytes, int, int, str]] = []
         self.group_rows: list[tuple] = []  # resolutions waiting for the next flush
         self.announced_version: int | None = None
-        self._stale_checked_for = -1
+        self.desk = StepDesk(cfg, self.staleness, self.server, self.writer, self.buffer, self.admission,
+                             self.counts, self.group_rows, self._flush, state.step_rows,
+                             state.last_trainer_version)
         self.stopping = False
         self._last_flush = self._last_metrics = time.monotonic()
         self._ingested_tokens = self._ingested_total = 0
         self._write_metrics(time.monotonic())
         log.info("orchestrator epoch %s at %s (restored %d resolved groups, %d buffered, %d steps)",
                  self.epoch, self.server.address, len(state.resolved), len(state.buffered),
-                 len(self.step_rows))
+                 len(state.step_rows))
 
     # -- loop -----------------------------------------------------------------------------
     def run(self, duration_s: float | None = None) -> None:
@@ -124,7 +122,7 @@ class Orchestrator:
         if self.to_ack and (now - self._last_flush >= self.cfg.flush_interval_s or len(self.to_ack) > 64):
             self._flush_and_ack()
         self._grant_work()
-        self._serve_batches()
+        self.desk.serve()
         if self.evaluator is not None and self.evaluator.round is not None:
             self._send_eval_work()
         if now - self._last_metrics >= self.cfg.metrics_interval_s:
@@ -133,8 +131,8 @@ class Orchestrator:
     def handle(self, peer: bytes, msg: Message) -> None:
         try:
             handler = {"hello": self._on_hello, "want": self._on_want, "result": self._on_result,
-                       "get_batch": self._on_get_batch, "version": self._on_version,
-                       "resume": self._on_resume, "eval_request": self._on_eval_request,
+                       "get_batch": self.desk.on_get_batch, "version": self._on_version,
+                       "resume": self.desk.on_resume, "eval_request": self._on_eval_request,
                        "eval_result": self._on_eval_result, "weights": self._on_weights,
                        "finish": self._on_finish}[msg.kind]
         except KeyError:
@@ -177,8 +175,7 @@ class Orchestrator:
                     break
                 prompt = self.prompts.for_group(lease.group_id)
                 items, prompts = grants.setdefault(peer, ([], []))
-                items.append([lease.group_id, lease.attempt, prompt.prompt_id, self.cfg.group_size,
-                              request_seed(self.cfg.seed, lease.group_id, 0, lease.attempt)])
+                items.append([lease.group_id, lease.attempt, prompt.prompt_id, self.cfg.group_size])
                 prompts.append(prompt.token_ids)
                 gen.credit -= 1
                 gen.granted += 1
@@ -238,7 +235,7 @@ class Orchestrator:
             group = _with_rewards(group, rewards)
             if not self.group_filter(rewards):
                 self._resolve(gid, attempt, GroupOutcome.FILTERED, group, peer, "filtered")
-            elif self.trainer_version - int(group.min_versions().min()) > self.staleness:
+            elif self.desk.trainer_version - int(group.min_versions().min()) > self.staleness:
                 self._resolve(gid, attempt, GroupOutcome.DROPPED_STALE, group, peer, "dropped_stale")
             else:
                 self._resolve(gid, attempt, GroupOutcome.STORED, group, peer, "stored")
@@ -278,50 +275,6 @@ class Orchestrator:
     # -- trainer ---------------------------------------------------------------------------
     def _on_version(self, peer: bytes, msg: Message) -> None:
         self.admission.version = int(msg.meta["version"])
-
-    def _on_get_batch(self, peer: bytes, msg: Message) -> None:
-        step, dp_size = int(msg.meta["step"]), int(msg.meta["dp_size"])
-        dp_rank = msg.meta.get("dp_rank")
-        self.admission.version = int(msg.meta["version"])
-        if step in self.step_rows:
-            rows, ranks = self.step_rows[step]
-            self._send_batch(peer, step, self.writer.read_samples(rows), ranks, dp_rank)
-        else:
-            self.trainer_version = max(self.trainer_version, step)
-            self.waiting_batch[peer] = (step, dp_size, dp_rank)
-
-    def _on_resume(self, peer: bytes, msg: Message) -> None:
-        """The trainer restarted from the checkpoint taken after ``step`` steps (DESIGN §6).
-
-        Steps recorded at or after it are forgotten; their groups go back to the front of the
-        buffer, except groups holding tokens of versions above ``step`` (weights that no longer
-        exist), which are dropped and counted.
-        """
-        k = int(msg.meta["step"])
-        later = sorted((s for s in self.step_rows if s >= k), reverse=True)
-        for s in later:
-            rows, _ = self.step_rows.pop(s)
-            batch = self.writer.read_samples(rows)
-            gids = batch.columns["group_id"]
-            for gid in list(dict.fromkeys(gids.tolist()))[::-1]:
-                sel = np.flatnonzero(gids == gid)
-                group = batch.take(sel)
-                if int(group.columns["versions"].max()) > k:
-                    self.admission.unkeep()
-                    self.counts["dropped_future_version"] += 1
-                    self.group_rows.append((gid, int(group.columns["attempt"][0]),
-                                            GroupOutcome.EVICTED_STALE, int(rows[sel[0]]), len(sel),
-                                            int(group.min_versions().min()), time.time()))
-                    continue
-                self.buffer.add(BufferedGroup(gid, int(group.columns["attempt"][0]), rows[sel],
-                                              int(group.min_versions().min()), group.num_tokens, group),
-                                front=True)
-        self.trainer_version = k
-        if self.admission.version is not None:  # else it opens once the trainer pushed weights
-            self.admission.version = min(self.admission.version, k)
-        self.waiting_batch = {p: w for p, w in self.waiting_batch.items() if w[0] < k}
-        self.counts["trainer_resumes"] += 1
-        log.info("trainer resumes at step %d: %d later step(s) returned to the buffer", k, len(later))
 
     def _on_weights(self, peer: bytes, msg: Message) -> None:
         self.announced_version = int(msg.meta["version"])
@@ -366,57 +319,13 @@ class Orchestrator:
         if summary is not None:
             self.metrics.log("eval", **summary)
 
-    def _drop_stale_buffered(self) -> None:
-        for g in self.buffer.drop_stale(self.trainer_version, self.staleness):
-            self.admission.unkeep()
-            self.counts["dropped_stale_buffered"] += 1
-            self.group_rows.append((g.group_id, g.attempt, GroupOutcome.EVICTED_STALE,
-                                    int(g.rows[0]), len(g.rows), g.min_version, time.time()))
-
-    def _serve_batches(self) -> None:
-        if self.trainer_version != self._stale_checked_for:  # staleness only grows with it
-            self._drop_stale_buffered()
-            self._stale_checked_for = self.trainer_version
-        for peer, (step, dp_size, dp_rank) in list(self.waiting_batch.items()):
-            if step in self.step_rows:  # another trainer rank asked first
-                del self.waiting_batch[peer]
-                rows, ranks = self.step_rows[step]
-                self._send_batch(peer, step, self.writer.read_samples(rows), ranks, dp_rank)
-                continue
-            if len(self.buffer) < self.cfg.groups_per_step:
-                continue
-            groups = self.buffer.take(self.cfg.groups_per_step)
-            batch = SampleBatch.concat([g.batch for g in groups])
-            rows = np.concatenate([g.rows for g in groups])
-            lengths = batch.columns["prompt_len"] + batch.columns["completion_len"]
-            ranks = split_by_tokens(lengths, dp_size)
-            self.writer.append_steps(step, rows, ranks, self.trainer_version, time.time())
-            self._flush()
-            self.step_rows[step] = (rows, ranks)
-            self.counts["steps_recorded"] += 1
-            del self.waiting_batch[peer]
-            self._send_batch(peer, step, batch, ranks, dp_rank)
-
-    def _send_batch(self, peer: bytes, step: int, batch: SampleBatch, ranks: np.ndarray,
-                    dp_rank: int | None) -> None:
-        """Send a step's samples (only ``dp_rank``'s share if given) with whole-batch advantages."""
-        adv = group_advantages(batch.columns["reward"], batch.columns["group_id"],
-                               self.cfg.advantage_std_scale)
-        if dp_rank is not None:
-            sel = np.flatnonzero(ranks == int(dp_rank))
-            batch, ranks, adv = batch.take(sel), ranks[sel], adv[sel]
-        arrays = batch_arrays(batch)
-        arrays.update(dp_rank=ranks, advantages=adv)
-        self.server.send(peer, "batch", {"step": step, "trainer_version": self.trainer_version}, arrays)
-        self.counts["batches_sent"] += 1
-
     # -- metrics and shutdown -----------------------------------------------------------------
     def _write_metrics(self, now: float) -> None:
         dt = now - self._last_metrics
         a = self.admission
         self.metrics.log(
             "orchestrator", generators=len(self.generators), admitted=a.next_group_id, kept=a.kept, in_flight=a.in_flight,
-            bound=a.bound, version=a.version, trainer_version=self.trainer_version,
+            bound=a.bound, version=a.version, trainer_version=self.desk.trainer_version,
             buffer_groups=len(self.buffer), buffer_spilled=self.buffer.spilled,
             buffer_memory_tokens=self.buffer.memory_tokens, leases=len(a.leases),
             reissued=a.reissued_total, cpu_s=_cpu_seconds(), ingested_tokens=self._ingested_total,

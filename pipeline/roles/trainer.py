@@ -67,11 +67,18 @@ def latest_checkpoint(run_dir: Path) -> tuple[int, Path | None]:
     return best
 
 
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the parent (trainer rank 0) dies, however it dies."""
+    import ctypes
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def start_orchestrator(run_dir: Path) -> subprocess.Popen:
     logs = run_dir / "logs"
     logs.mkdir(exist_ok=True)
     return subprocess.Popen([sys.executable, "-m", "pipeline.orchestrator", str(run_dir)],
-                            stdout=open(logs / "orchestrator.out", "a"), stderr=subprocess.STDOUT)
+                            stdout=open(logs / "orchestrator.out", "a"), stderr=subprocess.STDOUT,
+                            preexec_fn=_die_with_parent)
 
 
 class TrainerRole:
@@ -160,11 +167,11 @@ class TrainerRole:
             if self.leader and every and step % every == 0:
                 self.link.request_eval(step, self.version)
             t0 = time.monotonic()
-            batch, _, adv = self.link.get_batch(step, self.version, self.dp_size, cfg.run.timeout_s,
+            batch, _ = self.link.get_batch(step, self.version, self.dp_size, cfg.run.timeout_s,
                                                 dp_rank=self.dp_rank)
             t1 = time.monotonic()
             samples = [TrainSample(prompt_ids=batch.prompt(i), completion_ids=batch.tokens("completion_ids", i),
-                                   behaviour_logprobs=batch.tokens("logprobs", i), advantage=float(adv[i]),
+                                   behaviour_logprobs=batch.tokens("logprobs", i),
                                    reward=float(batch.columns["reward"][i]),
                                    group_id=int(batch.columns["group_id"][i])) for i in range(len(batch))]
             mismatch = self._mismatch(batch, samples) if every and step % every == 0 else None
@@ -220,12 +227,20 @@ class TrainerRole:
                 try:
                     self.orchestrator.wait(timeout=60)
                 except subprocess.TimeoutExpired:
-                    self.orchestrator.send_signal(signal.SIGTERM)
-                    self.orchestrator.wait(timeout=30)
+                    log.warning("the orchestrator did not stop within 60s of finish")
             if self.channel is not None:
                 self.channel.close()
         self.link.close()
         self.trainer.close()
+
+    def abort(self) -> None:
+        """Leave nothing running behind (after a failure, or after `finish`)."""
+        if self.orchestrator is not None and self.orchestrator.poll() is None:
+            self.orchestrator.send_signal(signal.SIGTERM)
+            try:
+                self.orchestrator.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.orchestrator.kill()
 
     def _wait_for_final_eval(self) -> None:
         from pipeline.metrics import read_metrics
@@ -242,8 +257,10 @@ class TrainerRole:
 def main(task) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
     role = TrainerRole(task)
-    role.setup()
     try:
-        return role.run()
-    finally:
+        role.setup()
+        result = role.run()
         role.finish()
+        return result
+    finally:
+        role.abort()

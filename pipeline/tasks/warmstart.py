@@ -11,8 +11,13 @@ Invariants:
 - Cached like the tiny models (pipeline.models.cache.build_once) under `<cache>/warmstart/<key>`, the key
   hashing the base checkpoint (its config.json and weight files' names, sizes and mtimes), the task (its
   name, first training prompts and eval prompts) and the WarmStartConfig.
-- Deliberately short: the defaults stop while greedy accuracy is still low but sampling at temperature 1
-  finds correct answers, leaving RL visible headroom (numbers in the module's __main__ output).
+- Deliberately short and noisy: `distractor_fraction` of the demonstrations are the task's plausible wrong
+  completion (for `sort`: the digits in descending order). The warm-started policy then knows how to
+  order digits but is torn between the two orders: greedy decoding is mostly wrong while samples at
+  temperature 1 are often right, and RL must learn from the verifier alone which order earns reward.
+  Measured with the defaults (dense, `sort` 6-8 digits, 1 thread): greedy 13.5 %, pass@8 58.5 %; a plain
+  on-policy GRPO probe then gains 30 greedy points in about 60 steps of 32 prompts x 8 samples. Without
+  distractors a tiny model's greedy accuracy after 50 steps is 24 % and GRPO does not raise it quickly.
 """
 from __future__ import annotations
 
@@ -35,12 +40,12 @@ FORMAT_VERSION = 1
 class WarmStartConfig:
     """The supervised warm-start's schedule."""
 
-    steps: int = 120  # optimizer steps (0 = copy the base model unchanged)
+    steps: int = 100  # optimizer steps (0 = copy the base model unchanged)
     batch_size: int = 64  # sequences per step
     lr: float = 3e-3  # AdamW peak learning rate (linear warm-up over 10% of steps, then linear decay)
     weight_decay: float = 0.0  # AdamW weight decay
     seed: int = 0  # torch seed and training-prompt stream seed
-    distractor_fraction: float = 0.0  # share of demonstrations replaced by task.distractor_completion
+    distractor_fraction: float = 0.5  # share of demonstrations replaced by task.distractor_completion
     threads: int = 1  # torch intra-op threads while training (restored afterwards)
 
 
@@ -94,7 +99,7 @@ def train_warm_start(base_dir: Path, task: Task, cfg: WarmStartConfig, out_dir: 
     threads_before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
@@ -120,7 +125,8 @@ def train_warm_start(base_dir: Path, task: Task, cfg: WarmStartConfig, out_dir: 
         model.eval()
         model.save_pretrained(str(out_dir))  # also writes the base's generation_config.json
         tokenizer.save_pretrained(str(out_dir))
-        stats = {"steps": cfg.steps, "final_loss": loss_value, "seconds": time.perf_counter() - t0}
+        stats = {"steps": cfg.steps, "final_loss": loss_value, "seconds": time.perf_counter() - t0,
+                 "cpu_seconds": time.process_time() - cpu0}
         (out_dir / "warmstart.json").write_text(json.dumps({"config": asdict(cfg), "task": task.name,
                                                            "base": str(base_dir), **stats}, indent=1))
         return stats

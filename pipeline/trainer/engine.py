@@ -18,36 +18,15 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 from .layout import PaddedLayout, TrainSample
-from .loss import LossConfig, group_advantages, policy_loss
-from .model import ParallelConfig
-
-
-@dataclass
-class TrainerConfig:
-    """Trainer hyper-parameters and layout."""
-
-    model_dir: str = ""  # HF checkpoint directory to start from
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # TP / EP / ETP layout
-    loss: LossConfig = field(default_factory=LossConfig)  # policy-loss hyper-parameters
-    lr: float = 1e-6  # learning rate (constant)
-    weight_decay: float = 0.0  # AdamW weight decay
-    adam_betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
-    adam_eps: float = 1e-8  # AdamW epsilon
-    grad_clip: float = 1.0  # clip the global gradient norm to this (0: off)
-    micro_batch_tokens: int = 4096  # padded tokens per micro-batch
-    mini_batches: int = 1  # optimizer steps per train_step (each on a slice of the samples)
-    recompute_proximal: bool = False  # decoupled PPO: recompute old-policy logprobs before the update
-    temperature: float = 1.0  # sampling temperature the generator used (logits are divided by it)
-    seed: int = 1234  # seed of model-parallel RNG states
-    optimizer: str = "auto"  # "torch" (AdamW, CPU) | "megatron" (distributed, CUDA) | "auto"
-    timeout_s: float = 600.0  # timeout of every collective
+from .config import TrainerConfig
+from .loss import group_advantages, policy_loss
 
 
 class Trainer:
@@ -270,8 +249,6 @@ class Trainer:
                 "grad_norm": grad_norm, "tokens": tok}
 
     def _apply_update(self) -> float:
-        import torch
-
         if self.optimizer_kind == "megatron":
             _, grad_norm, _ = self.optimizer.step()
             return float(grad_norm or 0.0)

@@ -26,21 +26,9 @@ logp - behaviour = [log 1.5, log 0.9], global token count 4:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass
-class LossConfig:
-    """Hyper-parameters of the policy loss."""
-
-    clip_eps_low: float = 0.2  # PPO clip range below 1 (ratio >= 1 - eps_low)
-    clip_eps_high: float = 0.2  # PPO clip range above 1 (ratio <= 1 + eps_high; 0.28 = DAPO's clip-higher)
-    tis_cap: float = 2.0  # cap of the token-level truncated importance weight proximal/behaviour
-    kl_coef: float = 0.0  # weight of the k3 KL estimate to the reference policy (0: off)
-    aggregation: str = "token"  # "token" (global token mean) or "sequence" (mean of row means)
-    advantage_std_norm: bool = True  # GRPO: divide by the group's reward std (Dr. GRPO: False)
+from .config import LossConfig
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, std_norm: bool = True,

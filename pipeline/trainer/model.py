@@ -31,24 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from .config import ParallelConfig
+
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2", "llama")
-
-
-@dataclass
-class ParallelConfig:
-    """Model-parallel layout of the trainer."""
-
-    tp: int = 1  # tensor-parallel size
-    ep: int = 1  # expert-parallel size (MoE only; carved out of data parallelism)
-    etp: int | None = None  # expert tensor-parallel size (MoE only); None: = tp
-    sequence_parallel: bool | None = None  # None: on when tp > 1 and the model is MoE
-    moe_dispatcher: str = "alltoall"  # megatron token dispatcher; "allgather" only when tp*ep == 1
-    params_dtype: str = "float32"  # "float32" or "bfloat16"
-
-    @property
-    def expert_tp(self) -> int:
-        """The expert tensor-parallel size in effect."""
-        return self.tp if self.etp is None else self.etp
 
 
 def load_hf_config(model_dir: str | Path):

@@ -1,0 +1,54 @@
+"""Trainer configuration (Hydra structured configs); light to import: no torch, no megatron."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ParallelConfig:
+    """Model-parallel layout of the trainer."""
+
+    tp: int = 1  # tensor-parallel size
+    ep: int = 1  # expert-parallel size (MoE only; carved out of data parallelism)
+    etp: int | None = None  # expert tensor-parallel size (MoE only); None: = tp
+    sequence_parallel: bool | None = None  # None: on when tp > 1 and the model is MoE
+    moe_dispatcher: str = "alltoall"  # megatron token dispatcher; "allgather" only when tp*ep == 1
+    params_dtype: str = "float32"  # "float32" or "bfloat16"
+
+    @property
+    def expert_tp(self) -> int:
+        """The expert tensor-parallel size in effect."""
+        return self.tp if self.etp is None else self.etp
+
+
+@dataclass
+class LossConfig:
+    """Hyper-parameters of the policy loss."""
+
+    clip_eps_low: float = 0.2  # PPO clip range below 1 (ratio >= 1 - eps_low)
+    clip_eps_high: float = 0.2  # PPO clip range above 1 (ratio <= 1 + eps_high; 0.28 = DAPO's clip-higher)
+    tis_cap: float = 2.0  # cap of the token-level truncated importance weight proximal/behaviour
+    kl_coef: float = 0.0  # weight of the k3 KL estimate to the reference policy (0: off)
+    aggregation: str = "token"  # "token" (global token mean) or "sequence" (mean of row means)
+    advantage_std_norm: bool = True  # GRPO: divide by the group's reward std (Dr. GRPO: False)
+
+
+@dataclass
+class TrainerConfig:
+    """Trainer hyper-parameters and layout."""
+
+    model_dir: str = ""  # HF checkpoint directory to start from
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # TP / EP / ETP layout
+    loss: LossConfig = field(default_factory=LossConfig)  # policy-loss hyper-parameters
+    lr: float = 1e-6  # learning rate (constant)
+    weight_decay: float = 0.0  # AdamW weight decay
+    adam_betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
+    adam_eps: float = 1e-8  # AdamW epsilon
+    grad_clip: float = 1.0  # clip the global gradient norm to this (0: off)
+    micro_batch_tokens: int = 4096  # padded tokens per micro-batch
+    mini_batches: int = 1  # optimizer steps per train_step (each on a slice of the samples)
+    recompute_proximal: bool = False  # decoupled PPO: recompute old-policy logprobs before the update
+    temperature: float = 1.0  # sampling temperature the generator used (logits are divided by it)
+    seed: int = 1234  # seed of model-parallel RNG states
+    optimizer: str = "auto"  # "torch" (AdamW, CPU) | "megatron" (distributed, CUDA) | "auto"
+    timeout_s: float = 600.0  # timeout of every collective
