@@ -1,6 +1,7 @@
 """The ``tokenflow`` console command: one subcommand per user action, each imported on demand.
 
     tokenflow train [OVERRIDES...]                      train (no arguments: the built-in demo)
+    tokenflow replay LOG [OVERRIDES...]                 train from a recorded rollout log
     tokenflow inspect PATH [--plot OUT.png] [--json]   summarise (and plot) a rollout log
     tokenflow orchestrate RUN_DIR                       serve a run's orchestrator (a role process)
 
@@ -15,6 +16,7 @@ import sys
 #: subcommand -> (module with ``main(argv) -> int``, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("pipeline.train", "train a policy (no arguments: the built-in CPU demo); Hydra overrides, -m sweeps"),
+    "replay": ("pipeline.replay", "train from a recorded rollout log (off-policy, IS-corrected)"),
     "inspect": ("pipeline.inspect_log", "summarise a rollout log: counts, rewards, staleness; --plot, --json"),
     "orchestrate": ("pipeline.orchestrator.__main__", "run the orchestrator of RUN_DIR (role process)"),
 }

@@ -84,6 +84,15 @@ class ClusterConfig:
 
 
 @dataclass
+class ReplayConfig:
+    """Offline training from a recorded rollout log (``tokenflow replay LOG``)."""
+
+    source: str | None = None
+    """Rollout log to train from (run directory, its rollouts/ directory or a segment); None: live
+    generators. With a source, no generator runs and importance weights use the recorded logprobs."""
+
+
+@dataclass
 class TokenflowConfig:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -92,6 +101,7 @@ class TokenflowConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
 
 
 #: Fields whose change on resume would make the stored log mean something else.
@@ -120,7 +130,8 @@ def validate(cfg: TokenflowConfig) -> None:
         (cfg.run.checkpoint_every >= 1, f"run.checkpoint_every must be >= 1, got {cfg.run.checkpoint_every}"),
         (cfg.cluster.launcher in ("local", "slurm"),
          f"cluster.launcher must be local or slurm, got {cfg.cluster.launcher!r}"),
-        (cfg.cluster.generators >= 1, f"cluster.generators must be >= 1, got {cfg.cluster.generators}"),
+        (cfg.cluster.generators >= 1 or cfg.replay.source is not None,
+         f"cluster.generators must be >= 1 (0 only with replay.source), got {cfg.cluster.generators}"),
         (cfg.cluster.trainer_ranks >= 1, f"cluster.trainer_ranks must be >= 1, got {cfg.cluster.trainer_ranks}"),
         (cfg.cluster.cpu_plan in ("auto", "none"), f"cluster.cpu_plan must be auto or none, got {cfg.cluster.cpu_plan!r}"),
         (abs(cfg.trainer.temperature - cfg.generator.temperature) < 1e-9,

@@ -36,11 +36,12 @@ def job_plan(cfg: TokenflowConfig, run_dir: Path):
                       tasks_per_node=c.trainer_ranks if c.launcher == "local" else c.trainer.tasks_per_node)
     generator = replace(c.generator, nodes=1 if c.launcher == "local" else c.generator.nodes,
                         tasks_per_node=c.generators if c.launcher == "local" else c.generator.tasks_per_node)
-    if trainer.num_tasks != c.trainer_ranks or generator.num_tasks != c.generators:
+    if trainer.num_tasks != c.trainer_ranks or (c.generators and generator.num_tasks != c.generators):
         raise ValueError(f"cluster: trainer nodes x tasks_per_node = {trainer.num_tasks} must equal "
                          f"trainer_ranks ({c.trainer_ranks}) and generator nodes x tasks_per_node = "
                          f"{generator.num_tasks} must equal generators ({c.generators})")
-    return JobPlan(name=f"tokenflow-{cfg.run.name}", components={"trainer": trainer, "generator": generator},
+    components = {"trainer": trainer, "generator": generator} if c.generators else {"trainer": trainer}
+    return JobPlan(name=f"tokenflow-{cfg.run.name}", components=components,
                    config={"run_dir": str(run_dir)}, max_requeues=c.max_requeues)
 
 

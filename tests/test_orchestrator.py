@@ -21,7 +21,7 @@ from pipeline.log_format import GroupOutcome
 from pipeline.log_reader import RolloutLog
 from pipeline.metrics import read_metrics
 from pipeline.orchestrator.links import read_rendezvous
-from pipeline.config import RunConfig, TokenflowConfig
+from pipeline.config import ReplayConfig, RunConfig, TokenflowConfig
 from pipeline.orchestrator.config import OrchestratorConfig
 from pipeline.roles.common import save_run_config
 from pipeline.tasks import TaskConfig
@@ -31,7 +31,7 @@ PY = sys.executable
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
-def write_spec(run_dir: Path, **orch) -> None:
+def write_spec(run_dir: Path, replay_source: Path | None = None, **orch) -> None:
     """A run directory whose config asks for the synthetic data-plane task."""
     run_dir.mkdir(parents=True, exist_ok=True)
     values = {"group_size": 4, "groups_per_step": 4, "max_async": 1, "metrics_interval_s": 0.2,
@@ -39,7 +39,8 @@ def write_spec(run_dir: Path, **orch) -> None:
     values.update(orch)
     cfg = TokenflowConfig(run=RunConfig(name="t", dir=str(run_dir)),
                           task=TaskConfig(name="synthetic", eval_size=10),
-                          orchestrator=OrchestratorConfig(**values))
+                          orchestrator=OrchestratorConfig(**values),
+                          replay=ReplayConfig(source=str(replay_source) if replay_source else None))
     save_run_config(run_dir, cfg)
 
 
@@ -268,3 +269,48 @@ def test_trainer_resume_rolls_back_later_steps_and_evals_run_through_generators(
     evals = list(read_metrics(tmp_path, "eval"))
     assert [e["step"] for e in evals] == [0, 3] and all(e["n"] == 10 for e in evals)
     assert all(0.0 <= e["accuracy"] <= 1.0 for e in evals)
+
+
+def test_replay_feeds_recorded_groups_in_order_once_across_a_crash(tmp_path):
+    source = tmp_path / "source"
+    write_spec(source)
+    orch = start_orchestrator(source)
+    gens = [start_generator(source, 0)]
+    try:
+        run_trainer(source, steps=6)
+    finally:
+        stop(*gens)
+        stop(orch)
+    with RolloutLog.open(source) as log:
+        g = log.groups()
+        recorded = g["group_id"][g["outcome"] == GroupOutcome.STORED][np.argsort(
+            g["first_row"][g["outcome"] == GroupOutcome.STORED])].tolist()
+    replay = tmp_path / "replay"
+    write_spec(replay, replay_source=source, max_staleness=10**9)
+    orch = start_orchestrator(replay, "0")
+    try:
+        run_trainer(replay, steps=3)
+        orch.send_signal(signal.SIGKILL)
+        orch.wait()
+        orch = start_orchestrator(replay, "1")
+        run_trainer(replay, steps=5, start_step=3)
+    finally:
+        stop(orch)
+    with RolloutLog.open(replay) as log:
+        g = log.groups()
+        fed = g["group_id"][g["outcome"] == GroupOutcome.STORED]
+        assert len(fed) == len(set(fed.tolist())), "a recorded group was fed twice"
+        assert fed.tolist() == recorded[:len(fed)], "groups were not fed in recorded order"
+        assert len(fed) >= 5 * 4
+        consumed = sorted(int(r) for _, _, rows in log.step_records() for r in rows)
+    assert len(consumed) == 5 * 16
+
+    def per_sample(log):
+        return {(int(b.columns["group_id"][i]), int(b.columns["sample_index"][i])):
+                (float(b.columns["reward"][i]), b.tokens("logprobs", i).tobytes())
+                for b in log.iter_batches() for i in range(len(b))}
+
+    with RolloutLog.open(source) as src, RolloutLog.open(replay) as rep:
+        original, replayed = per_sample(src), per_sample(rep)
+    assert replayed and all(original[k] == v for k, v in replayed.items()), \
+        "replay changed a recorded reward or behaviour logprob"

@@ -17,7 +17,7 @@ PROBE = "pipeline.launch.probe:probe"
 def plan_of(components, **probe) -> JobPlan:
     return JobPlan(name="tf-test", components={
         role: ComponentSpec(entry=PROBE, mem_gb=0.5, time_min=5, **resources) for role, resources in components.items()},
-        config={"probe": {"timeout_s": 60, **probe}}, signal_delay_s=30)
+        config={"probe": {"timeout_s": 60, **probe}}, signal_delay_s=30, stop_grace_s=20)
 
 
 def wait_until(predicate, timeout_s, what):

@@ -255,3 +255,19 @@ def test_noisy_warm_start_mixes_in_distractors_and_evaluation_is_consistent(tiny
     m = evaluate(model, tok, task, task.eval_prompts()[:8], k=2, batch_size=8)
     assert m["k"] == 2 and m["greedy_accuracy"] == 0.0  # random weights never sort 6-8 digits
     assert 0.0 <= m["sampled_accuracy"] <= m["pass_at_k"] <= 1.0
+
+
+def test_warm_start_is_deterministic(tmp_path, tiny_dense):
+    import torch
+    from safetensors.torch import load_file
+
+    from pipeline.tasks.warmstart import WarmStartConfig, train_warm_start
+
+    cfg = WarmStartConfig(steps=3, batch_size=8)
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        train_warm_start(tiny_dense, SortDigitsTask(), cfg, tmp_path / name)
+    a, b = (load_file(str(tmp_path / n / "model.safetensors")) for n in ("a", "b"))
+    base = load_file(str(tiny_dense / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["lm_head.weight"], base["lm_head.weight"])

@@ -18,8 +18,9 @@ Worked example: components trainer(nodes=1) and generator(nodes=2) give a script
     srun ... --het-group=0,1 --kill-on-bad-exit=1 python -m submitit.core._submit RUN/submitit
 and SLURM_PROCID 0 is trainer.0, 1..2 are generator.0..1.
 
-Preemption/time limit: submitit's signal handler (rank 0) calls `RoleDispatcher.checkpoint()` and
-requeues the job; the requeued tasks see SLURM_RESTART_COUNT+1 as their attempt.
+Preemption/time limit: the checkpoint signal stops every role (see pipeline.launch.task); rank 0 then
+runs submitit's handler, which calls `RoleDispatcher.checkpoint()` and requeues the job; the requeued
+tasks see SLURM_RESTART_COUNT+1 as their attempt.
 """
 from __future__ import annotations
 
@@ -148,9 +149,11 @@ class SlurmRun(Run):
             raise LaunchError(f"scontrol requeue {self.job_id} failed: {out.stderr.strip()}")
 
     def preempt(self) -> None:
-        """Send the checkpoint signal, as Slurm does before preemption or the time limit: submitit
-        checkpoints the dispatcher (rank 0) and requeues the job; every task sees stop_requested."""
-        self.job._interrupt(timeout=False)
+        """Send the checkpoint signal (USR2) as Slurm does `signal_delay_s` before the time limit: every
+        task sees stop_requested, the trainer checkpoints, rank 0 requeues the job through submitit."""
+        out = subprocess.run(["scancel", "--signal=USR2", self.job_id], capture_output=True, text=True, timeout=30)
+        if out.returncode != 0:
+            raise LaunchError(f"scancel --signal=USR2 {self.job_id} failed: {out.stderr.strip()}")
 
     def wait(self, timeout_s: float, poll_s: float = 1.0) -> Dict[str, List[Any]]:
         return super().wait(timeout_s, poll_s)

@@ -16,8 +16,19 @@ Invariants:
   when its entry returns or raises; a stale file from an earlier attempt is removed at start;
 - `attempt` counts the starts of this run: launches before this one in the same run directory plus
   Slurm requeues of this job (`SLURM_RESTART_COUNT`); `resumed` is `attempt > 0`;
-- the checkpoint signal (submitit's USR2: preemption or time limit) sets `task.stop_requested`
-  before submitit checkpoints the dispatcher and requeues the job (rank 0 only, as submitit does).
+- the checkpoint signal (USR2: Slurm sends it `signal_delay_s` before the time limit, and
+  `SlurmRun.preempt()` sends it) sets `task.stop_requested` in every task; it is blocked in the
+  task's threads and taken by a watcher thread (`sigwait`), so child processes (vLLM engine cores,
+  the orchestrator) inherit it blocked and survive it. Global rank 0 then gives its entry up to
+  `JobPlan.stop_grace_s` to return (the trainer checkpoints at the next step boundary) before it
+  runs submitit's handler (checkpoint the dispatcher + `scontrol requeue`); a task whose entry
+  returned because of the stop waits for the requeue instead of reporting success. Outside
+  submitit (slurm/train.sbatch) the task records `"stopped": true` and exits; the batch script
+  requeues.
+
+Example: the time limit is 60 min, signal_delay_s=90: at 58:30 every task sees stop_requested, the
+trainer finishes step k, saves checkpoints/step-(k+1) and returns; rank 0 requeues the job at once
+(or at 59:30 at the latest, stop_grace_s=60); the requeued tasks start with attempt+1.
 """
 from __future__ import annotations
 
@@ -123,17 +134,50 @@ def _write_result(path: Path, record: Dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _chain_stop_signal(event: threading.Event) -> None:
-    """Set `event` on submitit's checkpoint signal, then run the handler that was installed."""
-    signum = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), signal.SIGUSR2)
-    previous = signal.getsignal(signum)
+class StopWatcher:
+    """Turns the checkpoint signal into `task.stop_requested` (see the module docstring)."""
 
-    def handler(sig, frame):
-        event.set()
-        if callable(previous):
-            previous(sig, frame)
+    def __init__(self, event: threading.Event, requeue: Callable[[], None] | None, grace_s: float) -> None:
+        self.event = event
+        self.requeue = requeue  # submitit's checkpoint-and-requeue (rank 0 under submitit), else None
+        self.grace_s = grace_s
+        self.entry_returned = threading.Event()
+        self.signum = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), signal.SIGUSR2)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {self.signum})  # inherited by threads and child processes
+        threading.Thread(target=self._watch, name="stop-watcher", daemon=True).start()
 
-    signal.signal(signum, handler)
+    def _watch(self) -> None:
+        signal.sigwait({self.signum})
+        print(f"tokenflow: checkpoint signal received at {time.strftime('%H:%M:%S')}: stopping", flush=True)
+        self.event.set()
+        if self.requeue is not None:
+            self.entry_returned.wait(self.grace_s)
+            self.requeue()  # submitit: dumps the checkpointed dispatcher, scontrol requeue (ends every task)
+
+    def after_entry(self) -> None:
+        """Called when the entry returned: if it returned because of the stop, wait for the requeue."""
+        self.entry_returned.set()
+        if self.event.is_set() and _under_submitit():
+            time.sleep(self.grace_s + 120)  # the requeue ends this task long before
+            raise RuntimeError(f"stopped for requeue but the job was not requeued within {self.grace_s + 120:g} s")
+
+
+def _under_submitit() -> bool:
+    return "SUBMITIT_FOLDER" in os.environ
+
+
+def _submitit_requeue(signum: int) -> Callable[[], None] | None:
+    handler = signal.getsignal(signum)
+    if not callable(handler):
+        return None
+
+    def requeue() -> None:
+        try:
+            handler(signum, None)
+        except SystemExit:  # submitit exits after requeueing; in this thread that only ends the thread
+            pass
+
+    return requeue
 
 
 def run_task(plan: JobPlan, run_dir: Path, launch_index: int, environ: Mapping[str, str]) -> Any:
@@ -153,17 +197,23 @@ def run_task(plan: JobPlan, run_dir: Path, launch_index: int, environ: Mapping[s
                     roles={r: spec.num_tasks for r, spec in plan.components.items()}, global_rank=global_rank,
                     world_size=len(plan.task_layout()), run_dir=run_dir, attempt=attempt, node=node,
                     config=plan.config)
+    watcher = None
     if threading.current_thread() is threading.main_thread():
-        _chain_stop_signal(task.stop_requested)
+        signum = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), signal.SIGUSR2)
+        watcher = StopWatcher(task.stop_requested, _submitit_requeue(signum) if global_rank == 0 else None,
+                              plan.stop_grace_s)
     try:
         value = resolve_entry(plan.components[role].entry)(task)
+        if watcher is not None:
+            watcher.after_entry()
     except BaseException as exc:
         if not isinstance(exc, SystemExit):  # SystemExit = submitit's requeue exit, not a failure
             _write_result(result_file, {"ok": False, "attempt": attempt, "node": node,
                                         "error": traceback.format_exc()})
             traceback.print_exc()
         raise
-    _write_result(result_file, {"ok": True, "attempt": attempt, "node": node, "result": value})
+    _write_result(result_file, {"ok": True, "attempt": attempt, "node": node, "result": value,
+                                "stopped": task.stop_requested.is_set()})
     sys.stdout.flush()
     return value
 

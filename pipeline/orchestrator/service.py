@@ -38,6 +38,7 @@ from pipeline.orchestrator.config import OrchestratorConfig
 from pipeline.orchestrator.evaluation import Evaluator
 from pipeline.orchestrator.links import batch_from_arrays, read_rendezvous, write_rendezvous
 from pipeline.orchestrator.prompts import PromptSource
+from pipeline.orchestrator.replay import LogFeeder
 from pipeline.orchestrator.scoring import GROUP_FILTERS, AsyncScoring, Scorer
 from pipeline.orchestrator.steps import StepDesk
 from pipeline.record import RecordError, RecordSchema, SampleBatch
@@ -58,7 +59,7 @@ class _Generator:
 class Orchestrator:
     def __init__(self, run_dir: Path, cfg: OrchestratorConfig, prompts: PromptSource,
                  scorer: Scorer, schema: RecordSchema, run_id: str = "run",
-                 eval_prompts: PromptSource | None = None):
+                 eval_prompts: PromptSource | None = None, replay_source: Path | None = None):
         cfg.validate()
         self.run_dir, self.cfg, self.prompts, self.schema = Path(run_dir), cfg, prompts, schema
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -77,6 +78,7 @@ class Orchestrator:
         self.counts.update(state.outcome_counts)
         self.scoring = AsyncScoring(scorer, cfg.scorer_threads)
         self.evaluator = Evaluator(eval_prompts, scorer, schema) if eval_prompts else None
+        self.feeder = LogFeeder(replay_source, set(state.resolved)) if replay_source else None
         self.server = _bind(self.run_dir, cfg.transport)
         self.epoch = uuid.uuid4().hex[:12]
         write_rendezvous(self.run_dir, {"address": self.server.address, "epoch": self.epoch})
@@ -121,7 +123,10 @@ class Orchestrator:
         self._resolve_scored()
         if self.to_ack and (now - self._last_flush >= self.cfg.flush_interval_s or len(self.to_ack) > 64):
             self._flush_and_ack()
-        self._grant_work()
+        if self.feeder is not None:
+            self._feed_from_log()
+        else:
+            self._grant_work()
         self.desk.serve()
         if self.evaluator is not None and self.evaluator.round is not None:
             self._send_eval_work()
@@ -186,6 +191,20 @@ class Orchestrator:
                              {"prompt_ids": np.concatenate(prompts),
                               "prompt_len": np.array([len(p) for p in prompts], np.int32)})
 
+    def _feed_from_log(self) -> None:
+        """Replay: keep two steps' worth of recorded groups buffered, as generators would."""
+        while len(self.buffer) < 2 * self.cfg.groups_per_step:
+            nxt = self.feeder.next_group()
+            if nxt is None:
+                if self.desk.waiting and not self.counts["replay_exhausted"]:
+                    self.counts["replay_exhausted"] += 1
+                    log.error("the replay source has no more groups; the trainer waits for step(s) %s",
+                              sorted(w[0] for w in self.desk.waiting.values()))
+                return
+            gid, group = nxt
+            self.admission.resolve(gid, kept=True)
+            self._store(gid, int(group.columns["attempt"][0]), group)
+
     def _on_result(self, peer: bytes, msg: Message) -> None:
         gid, attempt = int(msg.meta["group_id"]), int(msg.meta["attempt"])
         if "credit" in msg.meta:
@@ -247,13 +266,20 @@ class Orchestrator:
         if group is not None:
             n, min_v = len(group), int(group.min_versions().min())
         if kept:
-            rows = self.writer.append_samples(group)
-            first_row = int(rows[0])
-            self.buffer.add(BufferedGroup(gid, attempt, rows, min_v, group.num_tokens, group))
-        self.group_rows.append((gid, attempt, outcome, first_row, n, min_v, time.time()))
+            self._store(gid, attempt, group)
+        else:
+            self.group_rows.append((gid, attempt, outcome, first_row, n, min_v, time.time()))
         self.admission.resolve(gid, kept)
         self.counts[reason] += 1
         self.to_ack.append((peer, gid, attempt, reason))
+
+    def _store(self, gid: int, attempt: int, group: SampleBatch) -> None:
+        """Append a kept group to the log (row of its resolution included) and to the buffer."""
+        rows = self.writer.append_samples(group)
+        min_v = int(group.min_versions().min())
+        self.buffer.add(BufferedGroup(gid, attempt, rows, min_v, group.num_tokens, group))
+        self.group_rows.append((gid, attempt, GroupOutcome.STORED, int(rows[0]), len(group), min_v,
+                                time.time()))
 
     def _flush(self) -> None:
         """Write the pending group resolutions and make everything appended durable."""
@@ -340,6 +366,8 @@ class Orchestrator:
         self._flush_and_ack()
         self._write_metrics(time.monotonic())
         self.scoring.close()
+        if self.feeder is not None:
+            self.feeder.close()
         self.writer.close()
         self.server.close()
         self.metrics.close()

@@ -59,4 +59,5 @@ def task_sources(cfg: TokenflowConfig, run_dir: Path) -> tuple[PromptSource, Pro
 def build_orchestrator(run_dir: Path, cfg: TokenflowConfig) -> Orchestrator:
     train, evals, scorer = task_sources(cfg, run_dir)
     return Orchestrator(run_dir, cfg.orchestrator, train, scorer, record_schema(cfg),
-                        run_id=cfg.run.name, eval_prompts=evals)
+                        run_id=cfg.run.name, eval_prompts=evals,
+                        replay_source=Path(cfg.replay.source) if cfg.replay.source else None)

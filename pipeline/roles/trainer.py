@@ -119,11 +119,16 @@ class TrainerRole:
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.link = TrainerLink(self.run_dir, record_schema(cfg), cfg.orchestrator.transport,
                                 timeout_s=timeout, rank=self.rank)
+        self.live = cfg.cluster.generators > 0  # else: replay of a recorded log, nobody to sync
         if self.leader:
             self.link.resume(self.start_step)
-            self._open_weight_channel()
+            if self.live:
+                self._open_weight_channel()
         self.version = self.start_step
-        self.push_weights(self.version)  # generators start from the trainer's weights
+        if self.live:
+            self.push_weights(self.version)  # generators start from the trainer's weights
+        else:
+            self.link.report_version(self.version)
 
     def _open_weight_channel(self) -> None:
         from pipeline.launch.rendezvous import free_port
@@ -178,7 +183,9 @@ class TrainerRole:
             m = self.trainer.train_step(samples)
             t2 = time.monotonic()
             self.version = step + 1
-            sync_s = self.push_weights(self.version)
+            sync_s = self.push_weights(self.version) if self.live else 0.0
+            if self.leader and not self.live:
+                self.link.report_version(self.version)
             if (step + 1) % cfg.run.checkpoint_every == 0 or step + 1 == steps:
                 self._checkpoint(step + 1)
             busy += time.monotonic() - t1
