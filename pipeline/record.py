@@ -293,13 +293,14 @@ class SampleBatch:
             if a.dtype != dtype or a.shape != (n,):
                 raise RecordError(f"column {name}: expected {dtype}[{n}], got {a.dtype}{list(a.shape)}")
         plen, clen = self.columns["prompt_len"], self.columns["completion_len"]
-        if n and (plen.min() < 1 or clen.min() < 1):
-            raise RecordError("a sample has an empty prompt or completion")
-        for name in ("group_id", "sample_index", "prompt_id", "attempt", "generator_id"):
-            if n and self.columns[name].min() < 0:
-                raise RecordError(f"column {name} holds a negative id")
-        if n and self.columns["finish_reason"].max() >= len(FINISH_REASONS):
-            raise RecordError("column finish_reason holds an unknown code")
+        if n:  # python min() over a few rows beats numpy's per-call overhead here
+            if min(plen.tolist() + clen.tolist()) < 1:
+                raise RecordError("a sample has an empty prompt or completion")
+            for name in ("group_id", "sample_index", "prompt_id", "attempt", "generator_id"):
+                if min(self.columns[name].tolist()) < 0:
+                    raise RecordError(f"column {name} holds a negative id")
+            if max(self.columns["finish_reason"].tolist()) >= len(FINISH_REASONS):
+                raise RecordError("column finish_reason holds an unknown code")
         total_p, total_c = int(plen.sum()), int(clen.sum())
         a = self.columns["prompt_ids"]
         if a.dtype != PROMPT_COLUMN[1] or a.shape != (total_p,):

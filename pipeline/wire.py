@@ -2,13 +2,16 @@
 
 A message on the wire is a ZeroMQ multipart message::
 
-    [ mac (32 bytes) | header (msgpack map) | frame 0 | frame 1 | ... ]
+    [ mac (28 bytes) | header (msgpack map) | frame 0 | frame 1 | ... ]
 
 The header holds ``kind`` (the message type), ``v`` (protocol version), free-form small values under
 ``meta`` and, under ``arrays``, one ``[name, dtype, shape]`` triple per following frame. The MAC is
-HMAC-SHA256 over the length-prefixed header and frames, so a frame cannot be moved, cut or
-swapped without detection. Decoding creates numpy arrays that are read-only views of the received
-frames: no copy, and no pickle anywhere.
+AES-256-GCM used as GMAC (a random 96-bit nonce, then the 16-byte tag of the length-prefixed
+header and frames as associated data; nothing is encrypted), so a frame cannot be moved, cut or
+swapped without detection. GMAC runs at several GB/s with AES-NI (HMAC-SHA256 managed ~1.7 GB/s
+here, and was a quarter of the orchestrator's ingest cost). Random 96-bit nonces keep GMAC safe for
+up to ~2**32 messages per secret (NIST SP 800-38D), far more than one run sends. Decoding creates numpy arrays that are
+read-only views of the received frames: no copy, and no pickle anywhere.
 
 Invariants:
 - `decode` either returns a `Message` whose arrays exactly match their declared dtype and shape, or
@@ -18,20 +21,23 @@ Invariants:
 
 Worked example: a 64-sample batch of 1K-token completions carries ~64K tokens as int32 ids, float32
 logprobs and int32 versions: 3 frames of 256 KB plus the prompt and scalar columns; the header is
-a few hundred bytes, so hashing and framing cost is a few hundred microseconds per batch.
+a few hundred bytes; authenticating the ~1 MB costs ~0.1 ms, parsing the header a few microseconds.
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
+import os
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
 import msgpack
 import numpy as np
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 PROTOCOL_VERSION = 1
-MAC_BYTES = 32
+NONCE_BYTES = 12
+MAC_BYTES = NONCE_BYTES + 16
 MAX_HEADER_BYTES = 64 * 1024
 MAX_FRAMES = 64
 ALLOWED_DTYPES = frozenset(
@@ -58,12 +64,31 @@ class Message:
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
 
 
-def _mac(key: bytes, parts: Sequence[memoryview | bytes]) -> bytes:
-    h = hmac.new(key, digestmod=hashlib.sha256)  # OpenSSL; SHA-NI makes it ~2x BLAKE2b here
+@lru_cache(maxsize=8)
+def _gmac(key: bytes) -> AESGCM:
+    return AESGCM(key)
+
+
+def _aad(parts: Sequence[memoryview | bytes]) -> bytes:
+    out = bytearray()
     for p in parts:
-        h.update(len(p).to_bytes(8, "little"))
-        h.update(p)
-    return h.digest()
+        out += len(p).to_bytes(8, "little")
+        out += p
+    return bytes(out)
+
+
+def _mac(key: bytes, parts: Sequence[memoryview | bytes], nonce: bytes | None = None) -> bytes:
+    nonce = os.urandom(NONCE_BYTES) if nonce is None else nonce
+    return nonce + _gmac(key).encrypt(nonce, b"", _aad(parts))
+
+
+def _verify(key: bytes, mac: memoryview, parts: Sequence[memoryview]) -> bool:
+    mac = bytes(mac)
+    try:
+        _gmac(key).decrypt(mac[:NONCE_BYTES], mac[NONCE_BYTES:], _aad(parts))
+    except InvalidTag:
+        return False
+    return True
 
 
 def encode(key: bytes, kind: str, meta: Mapping[str, Any] | None = None,
@@ -92,7 +117,7 @@ def decode(key: bytes, frames: Sequence[Any], max_bytes: int) -> Message:
     if total > max_bytes:
         raise FrameError("oversized", f"{total} bytes exceed the limit of {max_bytes}")
     mac, header, body = views[0], views[1], views[2:]
-    if mac.nbytes != MAC_BYTES or not hmac.compare_digest(bytes(mac), _mac(key, [header, *body])):
+    if mac.nbytes != MAC_BYTES or not _verify(key, mac, [header, *body]):
         raise FrameError("unauthenticated", "MAC does not match the run secret")
     if header.nbytes > MAX_HEADER_BYTES:
         raise FrameError("oversized", f"header of {header.nbytes} bytes")

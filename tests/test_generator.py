@@ -300,34 +300,53 @@ def test_behaviour_logprobs_match_transformers(engine, loop):
     loop.run_until_complete(gen.update_weights(gen.version + 1, path=str(dirs[1])))
 
 
-def test_failed_update_leaves_the_engine_paused_and_a_rejoin_recovers(engine, loop):
-    from pipeline.generator.engine import WeightUpdateError
+DYING_SENDER = textwrap.dedent("""
+    import os, sys
+    from safetensors.torch import load_file
+    from pipeline.weights.group import TorchDistChannel
+    from pipeline.weights.buckets import BucketPlan, pack
+    ch = TorchDistChannel("127.0.0.1", int(sys.argv[1]), 0, 2, timeout_s=30)
+    named = sorted(load_file(sys.argv[2]).items())
+    plan = BucketPlan.for_tensors(named, 1 << 18)
+    def die(bs):
+        yield next(bs)
+        os._exit(0)
+    ch.send(99, plan, die(pack(plan, named)))
+""")
+
+
+def _fail_an_update(loop, gen, other_weights, error):
+    """Join a sender that dies after the first bucket; the update must raise `error`."""
+    port = _free_port()
+    dying = subprocess.Popen([sys.executable, "-c", DYING_SENDER, str(port), str(other_weights)])
+    try:
+        loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 2))
+        with pytest.raises(error, match="failed"):
+            loop.run_until_complete(gen.update_weights(99))
+    finally:
+        dying.kill()
+        dying.wait(timeout=10)
+
+
+def test_a_sender_dying_mid_update_raises_and_a_rejoin_recovers(engine, loop):
+    from pipeline.generator.engine import WeightReceiveError, WeightUpdateError
 
     kind, gen, dirs = engine
     if kind == "moe":
         pytest.skip("failure handling is model-independent; exercised on the dense engine only")
-    port = _free_port()
-    dying = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
-        import os, sys
-        from safetensors.torch import load_file
-        from pipeline.weights.group import TorchDistChannel
-        from pipeline.weights.buckets import BucketPlan, pack
-        ch = TorchDistChannel("127.0.0.1", int(sys.argv[1]), 0, 2, timeout_s=30)
-        named = sorted(load_file(sys.argv[2]).items())
-        plan = BucketPlan.for_tensors(named, 1 << 18)
-        def die(bs):
-            yield next(bs)
-            os._exit(0)
-        ch.send(99, plan, die(pack(plan, named)))
-    """), str(port), str(dirs[2] / "model.safetensors")])
+    before = _checksums(loop, gen), _outputs(loop, gen), gen.version
+    # staged (default): the receive fails in the background; weights and generation are untouched
+    _fail_an_update(loop, gen, dirs[2] / "model.safetensors", WeightReceiveError)
+    assert not loop.run_until_complete(gen.engine.is_paused())
+    assert (_checksums(loop, gen), _outputs(loop, gen), gen.version) == before
+    # unstaged: the receive fails inside the pause, weights may be half-written: the engine stays paused
+    gen.config.stage_weights = False
     try:
-        loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 2))
-        with pytest.raises(WeightUpdateError, match="stays paused"):
-            loop.run_until_complete(gen.update_weights(99))
-        assert loop.run_until_complete(gen.engine.is_paused())
+        _fail_an_update(loop, gen, dirs[2] / "model.safetensors", WeightUpdateError)
     finally:
-        dying.kill()
-        dying.wait(timeout=10)
+        gen.config.stage_weights = True
+    assert loop.run_until_complete(gen.engine.is_paused())
+    # rejoin a healthy sender and load a complete version
     port = _free_port()
     proc = _start_sender(port, [(gen.version + 1, str(dirs[1] / "model.safetensors"), False)])
     try:

@@ -35,9 +35,15 @@ def train(run_root: Path, name: str, *overrides: str) -> subprocess.CompletedPro
     return out
 
 
-def test_async_run_learns_through_versions_and_loses_nothing(tmp_path):
-    train(tmp_path, "async", "run.steps=6")
-    run = tmp_path / "async"
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("e2e")
+    train(root, "async", "run.steps=6")
+    return root / "async"
+
+
+def test_async_run_learns_through_versions_and_loses_nothing(async_run):
+    run = async_run
     steps = list(read_metrics(run, "train_step"))
     assert [s["step"] for s in steps] == list(range(6))
     assert all(np.isfinite(s["reward_mean"]) for s in steps)
@@ -62,6 +68,26 @@ def test_async_run_learns_through_versions_and_loses_nothing(tmp_path):
     assert len(gaps) <= last["in_flight"], "an admitted group was neither stored nor in flight"
     assert (run / "training.png").stat().st_size > 10_000
     assert (run / "checkpoints" / "step-6" / "COMPLETE").exists()
+
+
+def test_replay_trains_from_the_recorded_log_without_generators(async_run, tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "replay", str(async_run), "run.steps=3",
+                          f"hydra.run.dir={tmp_path / 'replay'}", "run.progress=false",
+                          "run.tensorboard=false", "orchestrator.groups_per_step=4"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    run = tmp_path / "replay"
+    assert not list((run / "logs").glob("generator.*")), "replay must not start generators"
+    steps = list(read_metrics(run, "train_step"))
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    assert all(np.isfinite(s["loss"]) and 0 <= s["tis_clip_fraction"] <= 1 for s in steps)
+    with RolloutLog.open(async_run) as src, RolloutLog.open(run) as rep:
+        g = src.groups()
+        stored = g["outcome"] == GroupOutcome.STORED
+        order = g["group_id"][stored][np.argsort(g["first_row"][stored])]
+        fed = rep.groups()["group_id"]
+        assert fed.tolist() == order[:len(fed)].tolist()
 
 
 def test_synchronous_runs_are_reproducible_from_the_seed(tmp_path):

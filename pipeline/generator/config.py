@@ -62,6 +62,9 @@ class GeneratorConfig:
     cpu_cores: str = ""
     """CPU cores the engine's threads bind to, e.g. '0' or '0-1' (VLLM_CPU_OMP_THREADS_BIND);
     empty = vLLM's default."""
+    stage_weights: bool = True
+    """Receive a weight update in the background while generating and pause only to load it
+    (holds one extra copy of the weights in memory while it arrives)."""
     weight_timeout_s: float = 120.0
     """Timeout of every weight-group call (join, each broadcast)."""
 

@@ -16,8 +16,10 @@ Invariants:
   ``abort``  abort in-flight requests; each resumes as a new request whose prompt is prompt +
              partial completion with the remaining budget; the sample is the concatenation
              (tokens, logprobs, versions) of its segments, finish reason that of the last segment.
-  If loading fails the engine stays paused (its weights may be half-written) and the error
-  propagates: the caller must load a complete version before generating again.
+  With ``stage_weights`` the update is first received in the background while generation goes
+  on; a failed receive raises `WeightReceiveError` and changes nothing. If loading fails inside the
+  pause the engine stays paused (its weights may be half-written) and `WeightUpdateError`
+  propagates: the caller must load a complete version (rejoin the group) before generating again.
 - Engine processes are spawned: code that builds a `Generator` must run under ``__main__`` guards.
 """
 from __future__ import annotations
@@ -39,11 +41,16 @@ if TYPE_CHECKING:
 
 EXTENSION = "pipeline.generator.worker_extension.WeightSyncExtension"
 _CPU_BATCHED_TOKENS = 4096  # tokens per engine step on CPU (prefills are never chunked there)
+_STAGING_POLL_S = 0.005  # how often the driver asks whether a staged receive has finished
 _PAUSE_MODE = {"keep": "keep", "drain": "wait", "abort": "abort"}
 
 
 class WeightUpdateError(RuntimeError):
     """A weight update failed; the engine is left paused until a complete version is loaded."""
+
+
+class WeightReceiveError(RuntimeError):
+    """A staged update could not be received; the engine keeps generating on its current weights."""
 
 
 @dataclass
@@ -62,7 +69,9 @@ class UpdateReport:
     paused_s: float
     """Pause to resume: the generator's stall."""
     load_s: float
-    """Receiving and loading the weights (inside the pause)."""
+    """Loading the weights inside the pause (receiving too unless staged)."""
+    staging_s: float = 0.0
+    """Receiving in the background before the pause (staged updates only)."""
 
 
 def engine_args(config: GeneratorConfig, seed: int | None = None):
@@ -212,26 +221,40 @@ class Generator:
             raise ValueError("update_weights from a checkpoint path needs the version it holds")
         async with self._update_lock:
             t0 = time.monotonic()
+            staged = path is None and self.config.stage_weights
+            if staged:  # receive while generating; pause only to load
+                await self._rpc("start_receiving", version)
+                while "pending" in (states := await self._rpc("received", version)):
+                    await asyncio.sleep(_STAGING_POLL_S)
+                if any(s != "ok" for s in states):
+                    raise WeightReceiveError(f"receiving version {version} failed: {states}; the loaded "
+                                             f"weights are unchanged and generation continues")
             if self.config.interrupt == "abort":
                 self._abort_epoch += 1
+            t_pause = time.monotonic()
             await self.engine.pause_generation(mode=_PAUSE_MODE[self.config.interrupt], clear_cache=True)
             t1 = time.monotonic()
-            try:
-                if path is None:
-                    got = await self.engine.collective_rpc("receive_weights")
-                    if len(set(got)) != 1 or (version is not None and got[0] != version):
-                        raise WeightUpdateError(f"workers received versions {got}, expected {version}")
-                    version = got[0]
-                else:
-                    await self.engine.collective_rpc("load_weights_from_safetensors", args=(path,))
-            except Exception as e:
-                raise WeightUpdateError(f"loading version {version} failed; the engine stays paused: {e}") from e
+            if path is not None:
+                await self._rpc("load_weights_from_safetensors", version, path)
+            else:
+                got = await self._rpc("load_received" if staged else "receive_weights", version)
+                if len(set(got)) != 1 or (version is not None and got[0] != version):
+                    raise WeightUpdateError(f"workers received versions {got}, expected {version}; "
+                                            f"the engine stays paused")
+                version = got[0]
             t2 = time.monotonic()
             await self.engine.reset_prefix_cache()
             await self.engine.update_weight_version(str(version))
             self.version = int(version)
             await self.engine.resume_generation()
-            return UpdateReport(self.version, time.monotonic() - t0, t2 - t1)
+            return UpdateReport(self.version, time.monotonic() - t_pause, t2 - t1, t_pause - t0)
+
+    async def _rpc(self, method: str, version: int | None, *args) -> list:
+        try:
+            return await self.engine.collective_rpc(method, args=args)
+        except Exception as e:
+            raise WeightUpdateError(f"{method} of version {version} failed; the engine stays paused "
+                                    f"until a complete version is loaded: {e}") from e
 
     async def expert_layout(self) -> list[dict[str, str]]:
         return await self.engine.collective_rpc("expert_layout")

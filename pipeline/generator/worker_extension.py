@@ -16,6 +16,8 @@ Invariants:
   the kernel's own ISA. Layers on any other experts kernel (GPU) go through ``reload_weights``.
   `expert_layout()` reports which path each engine took.
 - Every expert of every MoE layer must arrive in an update; a partial update raises, naming the layer.
+- Staged receive (`start_receiving` / `received` / `load_received`): a background thread receives
+  the whole update into memory while the engine generates, so the pause only covers loading.
 - A worker's rank in the weight group is ``first_rank + its vLLM rank`` (TP workers each receive
   the full HF tensors and keep their shard).
 """
@@ -197,14 +199,66 @@ class WeightSyncExtension:
         self._tf_channel = TorchDistChannel(host, port, rank, world_size, timeout_s, backend, epoch)
         return rank
 
-    def receive_weights(self) -> int:
-        """Receive the next update from the weight group and load it; returns its version."""
+    def _channel(self):
         channel = getattr(self, "_tf_channel", None)
         if channel is None:
-            raise RuntimeError("receive_weights called before join_weight_group")
-        update = channel.receive()
+            raise RuntimeError("no weight group: call join_weight_group first")
+        return channel
+
+    def receive_weights(self) -> int:
+        """Receive the next update from the weight group and load it; returns its version."""
+        update = self._channel().receive()
         self.load_hf_weights(update)
         return update.version
+
+    def start_receiving(self) -> None:
+        """Receive the next update into memory on a background thread while the engine keeps
+        generating (costs one copy of the weights in memory); `load_received` then applies it."""
+        import threading
+
+        channel = self._channel()
+        if getattr(self, "_tf_staging", None) is not None:
+            raise RuntimeError("an update is already being received")
+        result: dict[str, Any] = {}
+
+        def receive() -> None:
+            try:
+                update = channel.receive()
+                result["tensors"] = list(update)  # views that keep their buckets alive
+                result["version"] = update.version
+            except BaseException as e:  # handed to load_received, which raises it
+                result["error"] = e
+
+        thread = threading.Thread(target=receive, name="tokenflow-weight-receive", daemon=True)
+        thread.start()
+        self._tf_staging = (thread, result)
+
+    def received(self) -> str:
+        """State of the background receive: 'pending', 'ok', or 'failed: <error>' (the failed
+        update is then dropped, leaving the loaded weights untouched)."""
+        staging = getattr(self, "_tf_staging", None)
+        if staging is None:
+            raise RuntimeError("received called without start_receiving")
+        thread, result = staging
+        if thread.is_alive():
+            return "pending"
+        if "error" in result:
+            self._tf_staging = None
+            return f"failed: {result['error']}"
+        return "ok"
+
+    def load_received(self) -> int:
+        """Load the update `start_receiving` received; returns its version (raises its error)."""
+        staging = getattr(self, "_tf_staging", None)
+        if staging is None:
+            raise RuntimeError("load_received called without start_receiving")
+        thread, result = staging
+        thread.join(self._channel().timeout.total_seconds())
+        if thread.is_alive():
+            raise TimeoutError("the background weight receive did not finish within the channel timeout")
+        self._tf_staging = None
+        self.load_hf_weights(result["tensors"])
+        return result["version"]
 
     def leave_weight_group(self) -> None:
         channel = getattr(self, "_tf_channel", None)

@@ -15,9 +15,10 @@ Invariants:
   completion (for `sort`: the digits in descending order). The warm-started policy then knows how to
   order digits but is torn between the two orders: greedy decoding is mostly wrong while samples at
   temperature 1 are often right, and RL must learn from the verifier alone which order earns reward.
-  Measured with the defaults (dense, `sort` 6-8 digits, 1 thread): greedy 13.5 %, pass@8 58.5 %; a plain
-  on-policy GRPO probe then gains 30 greedy points in about 60 steps of 32 prompts x 8 samples. Without
-  distractors a tiny model's greedy accuracy after 50 steps is 24 % and GRPO does not raise it quickly.
+  Measured with the defaults (`sort` 6-8 digits, 1 thread, held-out greedy / pass@8 at temperature 1):
+  dense 13.5 % / 58.5 %, moe 28.5 % / 65.5 %. A plain on-policy GRPO probe (transformers, 32 prompts x 8
+  samples, AdamW 3e-4) then reached 61 % (dense, step 45) and 55 % (moe, step 15) greedy. Without
+  distractors (50 steps: greedy 24 %) the same probe lowered greedy accuracy to 16.5 % in 75 steps.
 """
 from __future__ import annotations
 
