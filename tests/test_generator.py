@@ -141,6 +141,8 @@ def test_update_through_the_weight_group_equals_a_fresh_load(engine, loop):
         assert other[0] != fresh[0], "greedy outputs did not change after loading other weights"
         report = loop.run_until_complete(gen.update_weights(3))
         assert report.version == 3 and gen.version == 3
+        print(f"\n[{kind}] staged update: received in {report.staging_s:.3f} s while generating, "
+              f"paused {report.paused_s:.3f} s (load {report.load_s:.3f} s)")
         assert proc.wait(timeout=60) == 0
     finally:
         proc.kill()

@@ -1,1 +1,1 @@
-"""The vLLM generator: engine driver (engine.py), requests/seeds (requests.py), worker extension."""
+"""The vLLM generator: configuration and requests (config.py), the driver (engine.py), the worker extension."""

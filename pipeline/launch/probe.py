@@ -51,7 +51,10 @@ def probe(task: TaskInfo) -> Dict[str, Any]:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report))
     if task.attempt < int(options.get("hold_until_attempt", 1)) and options.get("hold_s"):
-        if not task.stop_requested.wait(float(options["hold_s"])):
+        deadline = time.monotonic() + float(options["hold_s"])
+        while not task.stop_requested.is_set() and time.monotonic() < deadline:
+            time.sleep(0.2)  # a role's main thread returns to Python often: signal handlers run there
+        if not task.stop_requested.is_set():
             raise RuntimeError(f"probe: held {options['hold_s']} s on attempt {task.attempt} and was not stopped")
         report["stop_requested"] = True  # a real role would checkpoint here, then return
         out.write_text(json.dumps(report))

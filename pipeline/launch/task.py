@@ -135,24 +135,41 @@ def _write_result(path: Path, record: Dict[str, Any]) -> None:
 
 
 class StopWatcher:
-    """Turns the checkpoint signal into `task.stop_requested` (see the module docstring)."""
+    """Turns the checkpoint signal into `task.stop_requested` (see the module docstring).
+
+    The signal is blocked in the main thread (so child processes inherit it blocked) and caught two
+    ways, whichever comes first: a thread in `sigwait` (when every thread blocks it) and a Python
+    handler (when a thread that existed before, e.g. a BLAS pool, takes it: Python then runs the
+    handler in the main thread at its next bytecode).
+    """
 
     def __init__(self, event: threading.Event, requeue: Callable[[], None] | None, grace_s: float) -> None:
         self.event = event
         self.requeue = requeue  # submitit's checkpoint-and-requeue (rank 0 under submitit), else None
         self.grace_s = grace_s
         self.entry_returned = threading.Event()
+        self._lock = threading.Lock()
         self.signum = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), signal.SIGUSR2)
+        signal.signal(self.signum, lambda sig, frame: self._stop())
         signal.pthread_sigmask(signal.SIG_BLOCK, {self.signum})  # inherited by threads and child processes
         threading.Thread(target=self._watch, name="stop-watcher", daemon=True).start()
 
     def _watch(self) -> None:
         signal.sigwait({self.signum})
-        print(f"tokenflow: checkpoint signal received at {time.strftime('%H:%M:%S')}: stopping", flush=True)
-        self.event.set()
+        self._stop()
+
+    def _stop(self) -> None:
+        with self._lock:
+            if self.event.is_set():
+                return
+            print(f"tokenflow: checkpoint signal received at {time.strftime('%H:%M:%S')}: stopping", flush=True)
+            self.event.set()
         if self.requeue is not None:
-            self.entry_returned.wait(self.grace_s)
-            self.requeue()  # submitit: dumps the checkpointed dispatcher, scontrol requeue (ends every task)
+            threading.Thread(target=self._requeue_when_returned, name="requeue", daemon=True).start()
+
+    def _requeue_when_returned(self) -> None:
+        self.entry_returned.wait(self.grace_s)
+        self.requeue()  # submitit: dumps the checkpointed dispatcher, scontrol requeue (ends every task)
 
     def after_entry(self) -> None:
         """Called when the entry returned: if it returned because of the stop, wait for the requeue."""

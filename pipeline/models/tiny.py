@@ -15,6 +15,7 @@ moe = Qwen3MoeForCausalLM with the same attention and every layer an MoE of 4 ex
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import asdict, dataclass
@@ -28,6 +29,11 @@ FORMAT_VERSION = 1
 
 # Hugging Face `model_type`s that the trainer and generator support when given a checkpoint by path.
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2", "llama")
+
+
+@functools.lru_cache(maxsize=None)
+def _tokenizer_digest(vocab_size: int) -> str:
+    return corpus_digest(builtin_corpus(), vocab_size)
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,7 @@ class TinyModelSpec:
         """12 hex digits identifying this spec, its tokenizer and the build format."""
         blob = json.dumps(
             {"spec": asdict(self), "format": FORMAT_VERSION,
-             "tokenizer": corpus_digest(builtin_corpus(), self.tokenizer_vocab_size)},
+             "tokenizer": _tokenizer_digest(self.tokenizer_vocab_size)},
             sort_keys=True,
         )
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
@@ -159,5 +165,5 @@ def resolve_model(name_or_path: str | Path, root: Path | None = None) -> Path:
         raise FileNotFoundError(f"model directory {path} has no *.safetensors weights")
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise FileNotFoundError(f"model directory {path} has no tokenizer (tokenizer.json / tokenizer_config.json)")
-    return path
+    return path.resolve()
 

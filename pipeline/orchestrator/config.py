@@ -18,6 +18,8 @@ class OrchestratorConfig:
     """Drop a group when trainer_version - its oldest token version exceeds this; None = max_async."""
     lease_timeout_s: float = 300.0
     """A group not returned within this many seconds is re-issued."""
+    generator_dead_after_s: float = 20.0
+    """A generator silent this long is dropped: its leases are re-issued at once."""
     memory_token_budget: int = 4_000_000
     """Tokens of buffered samples held in memory; beyond it they are read back from the log."""
     group_filter: str = "none"

@@ -22,6 +22,9 @@ kind            direction                  meta / arrays
 ``eval_result`` generator -> orchestrator  step; arrays: SampleBatch columns, eval_index
 ``weights``     trainer -> orchestrator    version: the trainer is about to broadcast it
 ``update``      orchestrator -> generator  version: join the broadcast and load it
+``members``     trainer <-> orchestrator   (reply: members {identity: incarnation} of alive generators)
+``regroup``     trainer -> orchestrator    epoch: a new weight group; forwarded to every generator,
+                -> generator               which joins it (ranks and address in the rendezvous)
 ``finish``      trainer -> orchestrator    the run is over: stop the generators, then exit
 ``stop``        orchestrator -> generator  no more work will come: finish and exit
 ==============  =========================  ===================================================
@@ -81,9 +84,11 @@ class EvalItem:
 
 @dataclass
 class Control:
-    """An instruction to the generator: ``update`` (load weights ``version``) or ``stop``."""
+    """An instruction to the generator: ``regroup`` (join weight group ``epoch``), ``update``
+    (load weights ``version``) or ``stop``."""
     kind: str
     version: int | None = None
+    epoch: int | None = None
 
 
 @dataclass
@@ -147,19 +152,21 @@ class GeneratorLink(_Link):
         self.client.send("hello", {"generator_id": generator_id})
         self._last_want = 0.0
 
-    def credit(self) -> dict:
-        return {"free": self.slots - len(self.active), "received": self.received, "epoch": self.epoch}
+    def credit(self, open_: bool = True) -> dict:
+        free = self.slots - len(self.active) if open_ else 0
+        return {"free": free, "received": self.received, "epoch": self.epoch}
 
-    def send_want(self) -> None:
+    def send_want(self, open_: bool = True) -> None:
         self.refresh_address()  # a restarted orchestrator may listen elsewhere
-        self.client.send("want", self.credit())
+        self.client.send("want", self.credit(open_))
         self._last_want = time.monotonic()
 
-    def poll(self, timeout_s: float) -> list[WorkItem | EvalItem | Control]:
-        """Work granted within ``timeout_s``; handles acks, re-sends and periodic credit updates."""
+    def poll(self, timeout_s: float, send_credit: bool = True) -> list[WorkItem | EvalItem | Control]:
+        """Work granted within ``timeout_s``; handles acks, re-sends and a credit update each second
+        (a zero credit while ``send_credit`` is False: the generator is alive but takes no work)."""
         now = time.monotonic()
         if now - self._last_want > 1.0:
-            self.send_want()
+            self.send_want(send_credit)
         for key, (t, arrays) in list(self.unacked.items()):
             if now - t > self.resend_after_s:
                 self.refresh_address()
@@ -171,8 +178,8 @@ class GeneratorLink(_Link):
             msg = self.client.recv(max(0.0, deadline - time.monotonic()))
             if msg is None:
                 return items
-            if msg.kind in ("update", "stop"):
-                items.append(Control(msg.kind, msg.meta.get("version")))
+            if msg.kind in ("update", "stop", "regroup"):
+                items.append(Control(msg.kind, msg.meta.get("version"), msg.meta.get("epoch")))
                 return items
             if msg.kind == "eval_work":
                 ids, lens = msg.arrays["prompt_ids"], msg.arrays["prompt_len"]
@@ -234,6 +241,22 @@ class TrainerLink(_Link):
 
     def finish(self) -> None:
         self.client.send("finish", {})
+
+    def members(self, timeout_s: float) -> dict[str, int]:
+        """Alive generators (identity -> incarnation), as the orchestrator sees them."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.client.send("members", {})
+            msg = self.client.recv(min(2.0, max(0.0, deadline - time.monotonic())))
+            while msg is not None and msg.kind != "members":
+                msg = self.client.recv(0.5)  # a stray batch reply of an earlier retry
+            if msg is not None:
+                return {str(k): int(v) for k, v in msg.meta["members"].items()}
+            self.refresh_address()
+        raise TransportError(f"the orchestrator did not list the generators within {timeout_s:.0f}s")
+
+    def regroup(self, epoch: int) -> None:
+        self.client.send("regroup", {"epoch": epoch})
 
     def get_batch(self, step: int, version: int, dp_size: int, timeout_s: float,
                   dp_rank: int | None = None,

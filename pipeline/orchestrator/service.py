@@ -25,7 +25,7 @@ import signal
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +36,7 @@ from pipeline.orchestrator.admission import Admission
 from pipeline.orchestrator.buffer import BufferedGroup, RolloutBuffer
 from pipeline.orchestrator.config import OrchestratorConfig
 from pipeline.orchestrator.evaluation import Evaluator
+from pipeline.orchestrator.members import GeneratorPool
 from pipeline.orchestrator.links import batch_from_arrays, read_rendezvous, write_rendezvous
 from pipeline.orchestrator.prompts import PromptSource
 from pipeline.orchestrator.replay import LogFeeder
@@ -48,12 +49,6 @@ from pipeline.transport import MessageServer, TransportConfig, TransportError, l
 from pipeline.wire import Message
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Generator:
-    granted: int = 0
-    credit: int = 0
 
 
 class Orchestrator:
@@ -83,10 +78,11 @@ class Orchestrator:
         self.epoch = uuid.uuid4().hex[:12]
         write_rendezvous(self.run_dir, {"address": self.server.address, "epoch": self.epoch})
         self.metrics = MetricsWriter(self.run_dir, "orchestrator")
-        self.generators: dict[bytes, _Generator] = {}
+        self.generators = GeneratorPool(cfg.generator_dead_after_s)
         self.to_ack: list[tuple[bytes, int, int, str]] = []
         self.group_rows: list[tuple] = []  # resolutions waiting for the next flush
         self.announced_version: int | None = None
+        self.group_epoch: int | None = None
         self.desk = StepDesk(cfg, self.staleness, self.server, self.writer, self.buffer, self.admission,
                              self.counts, self.group_rows, self._flush, state.step_rows,
                              state.last_trainer_version)
@@ -120,6 +116,7 @@ class Orchestrator:
         now = time.monotonic()
         if now - self._last_expiry >= 0.1:
             self.counts["lease_expired"] += len(self.admission.expire(time.time()))
+            self._reap_dead()
             self._last_expiry = now
         self._resolve_scored()
         if self.to_ack and (now - self._last_flush >= self.cfg.flush_interval_s or len(self.to_ack) > 64):
@@ -137,6 +134,7 @@ class Orchestrator:
     def handle(self, peer: bytes, msg: Message) -> None:
         try:
             handler = {"hello": self._on_hello, "want": self._on_want, "result": self._on_result,
+                       "members": self._on_members, "regroup": self._on_regroup,
                        "get_batch": self.desk.on_get_batch, "version": self._on_version,
                        "resume": self.desk.on_resume, "eval_request": self._on_eval_request,
                        "eval_result": self._on_eval_result, "weights": self._on_weights,
@@ -144,6 +142,7 @@ class Orchestrator:
         except KeyError:
             self.counts["unknown_kind"] += 1
             return
+        self.generators.seen(peer)
         try:
             handler(peer, msg)
         except (KeyError, TypeError, ValueError) as exc:  # well-signed but nonsensical content
@@ -152,19 +151,33 @@ class Orchestrator:
 
     # -- generators ------------------------------------------------------------------------
     def _on_hello(self, peer: bytes, msg: Message) -> None:
-        if peer in self.generators:  # the generator restarted: its leases will never come back
+        if self.generators.hello(peer):  # restarted: the old process's leases never come back
             self.counts["leases_released"] += self.admission.release_holder(peer)
-        self.generators[peer] = _Generator()
-        if self.announced_version is not None:  # a broadcast it must take part in may be under way
+        if self.group_epoch is not None:  # it must join the weight group before taking weights
+            self.server.send(peer, "regroup", {"epoch": self.group_epoch})
+        if self.announced_version is not None:
             self.server.send(peer, "update", {"version": self.announced_version})
 
     def _on_want(self, peer: bytes, msg: Message) -> None:
-        self._set_credit(peer, msg.meta)
+        self.generators.set_credit(peer, msg.meta, self.epoch)
 
-    def _set_credit(self, peer: bytes, credit: dict) -> None:
-        gen = self.generators.setdefault(peer, _Generator())
-        received = int(credit["received"]) if credit.get("epoch") == self.epoch else 0
-        gen.credit = max(0, int(credit["free"]) - (gen.granted - received))
+    def _on_members(self, peer: bytes, msg: Message) -> None:
+        """The trainer asks which generators are alive (to build the weight group)."""
+        self._reap_dead()
+        self.server.send(peer, "members", {"members": self.generators.members()})
+
+    def _on_regroup(self, peer: bytes, msg: Message) -> None:
+        """The trainer rebuilt the weight group (epoch in meta): every generator must join it."""
+        self.group_epoch = int(msg.meta["epoch"])
+        for gen in self.generators:
+            self.server.send(gen, "regroup", {"epoch": self.group_epoch})
+
+    def _reap_dead(self) -> None:
+        for peer in self.generators.reap():
+            self.counts["generators_lost"] += 1
+            self.counts["leases_released"] += self.admission.release_holder(peer)
+            log.warning("generator %r silent for %.0fs: its leases are re-issued", peer,
+                        self.cfg.generator_dead_after_s)
 
     def _grant_work(self) -> None:
         """One group at a time to each generator with credit in turn, so none is starved."""
@@ -209,7 +222,7 @@ class Orchestrator:
     def _on_result(self, peer: bytes, msg: Message) -> None:
         gid, attempt = int(msg.meta["group_id"]), int(msg.meta["attempt"])
         if "credit" in msg.meta:
-            self._set_credit(peer, msg.meta["credit"])
+            self.generators.set_credit(peer, msg.meta["credit"], self.epoch)
         verdict = self.admission.classify_result(gid)
         if verdict != "accept":
             self.counts[verdict] += 1

@@ -56,6 +56,8 @@ class GeneratorRole:
         self.stall_s = 0.0
         self.in_flight = 0
         self.loaded = False  # the trainer's first broadcast is always taken, whatever its version
+        self.epoch: int | None = None  # weight group joined
+        self.sync_failures = 0
 
     async def run(self) -> dict:
         from pipeline.generator.engine import Generator
@@ -71,17 +73,14 @@ class GeneratorRole:
         slots = max(1, gcfg.max_num_seqs // cfg.orchestrator.group_size)
         self.link = GeneratorLink(self.run_dir, self.rank, slots, self.schema, cfg.orchestrator.transport,
                                   timeout_s=timeout)
-        w = self.task.rendezvous.wait("weights", timeout)
-        tp = gcfg.tensor_parallel_size
-        await self.gen.join_weight_group(w["host"], w["port"], 1 + self.rank * tp, w["world_size"],
-                                         backend="gloo" if not _cuda() else "nccl")
-        self.link.send_want()
+        controls: asyncio.Queue[Control] = asyncio.Queue()
+        tasks: set[asyncio.Task] = {asyncio.create_task(self._apply_controls(controls))}
         t_start = last_metrics = time.monotonic()
-        tasks: set[asyncio.Task] = set()
         while not self.stop:
-            for item in self.link.poll(0.002):
+            # Credits are sent only once weights are loaded: no work before the current version.
+            for item in self.link.poll(0.002, send_credit=self.loaded):
                 if isinstance(item, Control):
-                    await self._control(item)
+                    controls.put_nowait(item)
                 elif isinstance(item, WorkItem):
                     tasks.add(asyncio.create_task(self._group(item)))
                 elif isinstance(item, EvalItem):
@@ -103,16 +102,45 @@ class GeneratorRole:
         self.gen.shutdown()
         return {"tokens": self.tokens, "version": self.gen.version}
 
-    async def _control(self, item: Control) -> None:
-        if item.kind == "stop":
-            self.stop = True
-        elif item.kind == "update" and item.version is not None and (
-                item.version != self.gen.version or not self.loaded):
-            report = await self.gen.update_weights(item.version)
-            self.loaded = True
-            self.stall_s += report.paused_s
-            log.info("loaded version %d (paused %.3fs, load %.3fs)", report.version, report.paused_s,
-                     report.load_s)
+    async def _apply_controls(self, queue: "asyncio.Queue[Control]") -> None:
+        """Apply weight-group changes and updates one at a time, beside the polling loop (which
+        keeps the orchestrator informed that this generator is alive while a broadcast waits)."""
+        from pipeline.generator.engine import WeightUpdateError
+        from pipeline.weights.group import WeightSyncError
+
+        while True:
+            item = await queue.get()
+            if item.kind == "stop":
+                self.stop = True
+                return
+            try:
+                if item.kind == "regroup" and item.epoch is not None:
+                    await self._join(item.epoch)
+                elif item.kind == "update" and item.version is not None and (
+                        item.version != self.gen.version or not self.loaded) and self.epoch is not None:
+                    report = await self.gen.update_weights(item.version)
+                    self.loaded = True
+                    self.stall_s += report.paused_s
+                    log.info("loaded version %d (paused %.3fs, load %.3fs)", report.version,
+                             report.paused_s, report.load_s)
+            except (WeightUpdateError, WeightSyncError, TimeoutError) as exc:
+                # The trainer sees the failure too and rebuilds the group; wait for its regroup.
+                self.sync_failures += 1
+                self.epoch = None
+                log.error("weight %s failed (%s); waiting for the trainer to regroup", item.kind, exc)
+
+    async def _join(self, epoch: int) -> None:
+        if self.epoch is not None and epoch <= self.epoch:
+            return
+        w = self.task.rendezvous.wait(f"weights-{epoch}", self.cfg.run.timeout_s)
+        me = w["ranks"].get(f"gen-{self.rank}")
+        if me is None:
+            log.warning("weight group epoch %d does not include this generator", epoch)
+            return
+        await self.gen.join_weight_group(w["host"], w["port"], me, w["world_size"],
+                                         backend=w["backend"], epoch=epoch)
+        self.epoch = epoch
+        log.info("joined weight group epoch %d as rank %d of %d", epoch, me, w["world_size"])
 
     def _busy(self, delta: int) -> None:
         now = time.monotonic()
@@ -140,16 +168,17 @@ class GeneratorRole:
         max_tokens = self.cfg.run.eval_max_tokens or self.cfg.generator.max_tokens
         self._busy(+1)
         try:
-            (ids,) = await self.gen.evaluate([item.prompt_ids.tolist()], max_tokens)
+            (c,) = await self.gen.evaluate([item.prompt_ids.tolist()], max_tokens)
         finally:
             self._busy(-1)
-        n = max(1, len(ids))
+        if not c.token_ids:  # nothing generated: record the prompt's answer as one pad token
+            c.token_ids, c.versions = [0], [self.gen.version]
+        n = len(c.token_ids)
         sample = RolloutSample(
             group_id=0, sample_index=0, prompt_id=item.index, attempt=0, prompt_ids=item.prompt_ids,
-            completion_ids=np.asarray(ids or [0], np.int32), logprobs=np.zeros(n, np.float32),
-            versions=np.full(n, self.gen.version, np.int32),
-            finish_reason="stop" if len(ids) < max_tokens else "length", generator_id=self.rank,
-            schema=self.schema)
+            completion_ids=np.asarray(c.token_ids, np.int32), logprobs=np.zeros(n, np.float32),
+            versions=np.asarray(c.versions, np.int32), finish_reason=c.finish_reason,
+            generator_id=self.rank, schema=self.schema)
         self.link.send_eval_result(item.step, np.array([item.index]),
                                    SampleBatch.from_samples([sample], self.schema))
 
@@ -158,15 +187,8 @@ class GeneratorRole:
         self.metrics.log("generator", generator_id=self.rank, version=self.gen.version,
                          tokens=self.tokens, tokens_per_s=self.tokens / max(elapsed, 1e-9),
                          idle_frac=1 - busy / max(elapsed, 1e-9), stall_s=self.stall_s,
-                         in_flight_groups=self.in_flight, unacked=len(self.link.unacked))
-
-
-def _cuda() -> bool:
-    try:
-        import torch
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
+                         in_flight_groups=self.in_flight, unacked=len(self.link.unacked),
+                         sync_failures=self.sync_failures, weight_epoch=self.epoch)
 
 
 def main(task) -> dict:

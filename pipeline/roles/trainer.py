@@ -92,6 +92,9 @@ class TrainerRole:
         self.metrics = MetricsWriter(self.run_dir, "trainer") if self.leader else None
         self.orchestrator: subprocess.Popen | None = None
         self.channel = None
+        self.epoch = 0  # weight group epoch (leader)
+        self.group_members: dict[str, int] = {}
+        self.sync_failures = 0
 
     # -- set-up --------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -122,42 +125,95 @@ class TrainerRole:
         self.live = cfg.cluster.generators > 0  # else: replay of a recorded log, nobody to sync
         if self.leader:
             self.link.resume(self.start_step)
-            if self.live:
-                self._open_weight_channel()
         self.version = self.start_step
         if self.live:
             self.push_weights(self.version)  # generators start from the trainer's weights
         else:
             self.link.report_version(self.version)
 
-    def _open_weight_channel(self) -> None:
+    # -- weight group (leader) --------------------------------------------------------------
+    def _ensure_group(self, first: bool) -> None:
+        """(Re)build the weight group when the alive generators differ from its members.
+
+        At the start it waits for every configured generator; afterwards it builds the group of
+        whoever is alive (at least one), so a dead generator costs one failed broadcast, not the run.
+        """
+        cfg = self.cfg
+        want = cfg.cluster.generators if first else 1
+        deadline = time.monotonic() + cfg.run.timeout_s
+        while True:
+            members = self.link.members(cfg.run.timeout_s)
+            if len(members) >= want:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {len(members)} of {want} generator(s) alive after "
+                                   f"{cfg.run.timeout_s:.0f}s")
+            time.sleep(0.5)
+        if self.channel is not None and members == self.group_members:
+            return
+        self._build_group(members)
+
+    def _build_group(self, members: dict[str, int]) -> None:
         from pipeline.launch.rendezvous import free_port
         from pipeline.weights.group import TorchDistChannel
 
         cfg = self.cfg
-        members = cfg.cluster.generators * cfg.generator.tensor_parallel_size
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        self.epoch += 1
+        tp = cfg.generator.tensor_parallel_size
+        ranks = {ident: 1 + i * tp for i, ident in enumerate(sorted(members))}
+        world = 1 + len(members) * tp
         host = "127.0.0.1" if cfg.cluster.launcher == "local" else self.task.node
         port = free_port()
-        self.rdv.publish("weights", {"host": host, "port": port, "world_size": 1 + members})
-        self.channel = TorchDistChannel(host, port, rank=0, world_size=1 + members,
-                                        timeout_s=cfg.run.timeout_s,
-                                        backend="nccl" if self.trainer.cuda else "gloo")
+        backend = "nccl" if self.trainer.cuda else "gloo"
+        self.rdv.publish(f"weights-{self.epoch}", {"host": host, "port": port, "world_size": world,
+                                                   "epoch": self.epoch, "ranks": ranks, "backend": backend})
+        self.link.regroup(self.epoch)
+        self.channel = TorchDistChannel(host, port, rank=0, world_size=world,
+                                        timeout_s=cfg.generator.weight_timeout_s, backend=backend,
+                                        epoch=self.epoch)
+        self.group_members = members
+        log.info("weight group epoch %d: %s", self.epoch, sorted(members))
 
-    # -- the loop --------------------------------------------------------------------------------
     def push_weights(self, version: int) -> float:
-        """Gather the full weights (a collective over trainer ranks) and broadcast them (leader)."""
+        """Gather the full weights (a collective over trainer ranks) and broadcast them (leader).
+
+        A broadcast that fails (a generator died: the error arrives within the weight timeout) is
+        retried once on a group rebuilt from the survivors; the run goes on.
+        """
         from pipeline.trainer.model import iter_hf_weights
+        from pipeline.weights.group import WeightSyncError
 
         t0 = time.monotonic()
-        named = iter_hf_weights(self.trainer.model, self.trainer.hf_config)
-        if self.leader:
-            self.link.announce_weights(version)
-            self.channel.send_tensors(version, list(named), int(self.cfg.run.weight_bucket_mb * 2**20))
-            self.link.report_version(version)
-        else:
-            for _ in named:  # take part in the gathers
-                pass
+        named = list(iter_hf_weights(self.trainer.model, self.trainer.hf_config))
+        if not self.leader:
+            return time.monotonic() - t0
+        for attempt in range(2):
+            self._ensure_group(first=self.epoch == 0)
+            try:
+                self.link.announce_weights(version)
+                self.channel.send_tensors(version, named, int(self.cfg.run.weight_bucket_mb * 2**20))
+                break
+            except WeightSyncError as exc:
+                self.sync_failures += 1
+                log.error("broadcast of version %d failed (%s); regrouping the survivors", version, exc)
+                self.channel.close()
+                self.channel = None
+                self._wait_for_membership_change()
+                if attempt == 1:
+                    raise
+        self.link.report_version(version)
         return time.monotonic() - t0
+
+    def _wait_for_membership_change(self) -> None:
+        """Give the orchestrator time to notice the dead generator (it reaps silent ones)."""
+        deadline = time.monotonic() + self.cfg.orchestrator.generator_dead_after_s + 10
+        while time.monotonic() < deadline:
+            if self.link.members(self.cfg.run.timeout_s) != self.group_members:
+                return
+            time.sleep(1.0)
 
     def run(self) -> dict:
         from pipeline.trainer.layout import TrainSample
@@ -195,7 +251,7 @@ class TrainerRole:
                                  reward_mean=float(np.mean(batch.columns["reward"])),
                                  samples=len(batch), staleness_mean=float(stale.mean()),
                                  staleness_max=int(stale.max()), wait_s=t1 - t0, step_s=t2 - t1,
-                                 sync_s=sync_s, mismatch=mismatch,
+                                 sync_s=sync_s, mismatch=mismatch, sync_failures=self.sync_failures,
                                  trainer_idle_frac=1 - busy / max(1e-9, time.monotonic() - t_run),
                                  **m)
         if self.leader and every:

@@ -117,8 +117,8 @@ class TorchDistChannel(WeightChannel):
         try:
             self._pg.broadcast([tensor], opts).wait(self.timeout)
         except RuntimeError as e:
-            raise WeightSyncError(f"rank {self.rank}: broadcast of {what} failed or timed out after "
-                                  f"{self.timeout.total_seconds():.0f} s (a peer died?): {e}") from e
+            raise WeightSyncError(f"rank {self.rank}: broadcast of {what} failed (timeout "
+                                  f"{self.timeout.total_seconds():.0f} s; did a peer die?): {e}") from e
 
     def send(self, version: int, plan: BucketPlan, buckets: Iterable["torch.Tensor"]) -> None:
         import torch
