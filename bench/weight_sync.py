@@ -31,7 +31,9 @@ Reported per mode: median stall in seconds and in decode steps (target <= 1 on C
 default mode), its share of generator time at one update per `--interval` seconds (sum of stalls /
 window), and the throughput lost in windows with updates against windows without (this also counts
 the KV recompute of the in-flight sequences after each resume and the background receive, which the
-stall does not). Windows alternate (without, staged, unstaged, without, ...).
+stall does not). Windows alternate (without, staged, unstaged, without, ...). Finally each engine
+call of a keep-mode update other than the load (pause, prefix-cache reset, relabel, resume) is timed
+alone while decoding, to show where the stall goes.
 
     python bench/weight_sync.py --quick                  # < 1 minute
     python bench/weight_sync.py --quick --part bandwidth # (a) only, a few seconds
@@ -194,6 +196,26 @@ def stall_sender(host: str, port: int, store_port: int, updates: int) -> None:
         channel.close()
 
 
+async def control_call_times(gen, reps: int) -> dict[str, float]:
+    """Median seconds of each engine call a keep-mode update makes besides receiving and loading,
+    timed one by one while the load keeps decoding: where the rest of the stall goes."""
+    engine = gen.engine
+    calls = {
+        "pause_keep": lambda: engine.pause_generation(mode="keep", clear_cache=True),
+        "reset_prefix_cache": engine.reset_prefix_cache,
+        "update_weight_version": lambda: engine.update_weight_version(str(gen.version)),
+        "resume": engine.resume_generation,
+    }
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(reps):
+        await asyncio.sleep(0.2)
+        for name, call in calls.items():
+            t0 = time.monotonic()
+            await call()
+            times[name].append(time.monotonic() - t0)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
 class Load:
     """Keeps `batch` requests decoding; counts finished tokens."""
 
@@ -259,6 +281,7 @@ async def stall(args) -> dict:
                         store.set(f"take/{version}", "1")
                         reports[kind].append(await gen.update_weights(version))
                 windows[kind].append((load.done_tokens - n0, time.monotonic() - t0))
+        calls = await control_call_times(gen, args.updates)
         load.stop = True
         await asyncio.wait(tasks, timeout=60)
     finally:
@@ -268,8 +291,9 @@ async def stall(args) -> dict:
     rate = {k: sum(n for n, _ in w) / sum(s for _, s in w) for k, w in windows.items()}
     step_s = args.batch / rate["without"]
     out: dict = {"batch": args.batch, "gen_tokens": args.gen_tokens, "interval_s": args.interval,
-                 "decode_step_s": step_s, "tokens_per_s_without": rate["without"]}
-    print(f"decode step {step_s * 1e3:.1f} ms ({rate['without']:.0f} tok/s at batch {args.batch})", flush=True)
+                 "decode_step_s": step_s, "tokens_per_s_without": rate["without"], "engine_calls_s": calls}
+    print(f"decode step {step_s * 1e3:.1f} ms ({rate['without']:.0f} tok/s at batch {args.batch}); engine calls "
+          f"of an update, median: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in calls.items()), flush=True)
     for kind in staging:
         paused = [r.paused_s for r in reports[kind]]
         stall_s = statistics.median(paused)

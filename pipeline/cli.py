@@ -17,6 +17,8 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("pipeline.train", "train a policy (no arguments: the built-in CPU demo); Hydra overrides, -m sweeps"),
     "replay": ("pipeline.replay", "train from a recorded rollout log (off-policy, IS-corrected)"),
+    "status": ("pipeline.ops.status", "a run's components and Slurm states, step, versions, buffer, last error; --json"),
+    "cancel": ("pipeline.ops.cancel", "stop every component of a run (scancel or local processes)"),
     "inspect": ("pipeline.inspect_log", "summarise a rollout log: counts, rewards, staleness; --plot, --json"),
     "orchestrate": ("pipeline.orchestrator.__main__", "run the orchestrator of RUN_DIR (role process)"),
 }

@@ -48,6 +48,9 @@ class RunConfig:
     """Show the live progress line while the run goes."""
     tensorboard: bool = True
     """Mirror the metrics stream into RUN/tensorboard."""
+    detach: bool = False
+    """Submit (cluster=slurm) or start the run and return at once, printing how to follow it
+    (``tokenflow status RUN_DIR``); sweeps with ``-m`` then submit every point without waiting."""
 
 
 @dataclass

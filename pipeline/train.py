@@ -3,14 +3,19 @@
 With no arguments this is the built-in demo: a tiny model warm-started on the sort task, then
 trained by asynchronous GRPO with the trainer and a vLLM generator as separate local processes.
 The same command on the same run directory (``run.name``) resumes it; ``-m`` sweeps (Hydra
-multirun), one run directory per point.
+multirun with its basic launcher), one run directory per point. With ``cluster=slurm`` every run is
+ONE heterogeneous job (trainer ranks + orchestrator, generators), so a sweep submits one job per
+point (heterogeneous jobs cannot be job arrays, hence no ``hydra/launcher=submitit_slurm``);
+``run.detach=true`` returns right after submitting (then ``tokenflow status RUN_DIR``).
 
 Invariants:
 - nothing starts before the config is validated and, on resume, checked against the config the
   run directory started with (`pipeline.config.check_resume_compatible`);
 - the launcher process never trains: it starts the roles (local processes or one Slurm
   heterogeneous job), shows progress, mirrors metrics to TensorBoard and draws the final plot;
-- a failed role stops the run (the launcher stops the others) and its log tail is shown.
+- a failed role stops the run (the launcher stops the others) and its log tail is shown; a plan the
+  cluster cannot run (partition, CPUs, memory, GPUs, nodes) or that sbatch refuses is reported
+  before anything starts (exit status 2).
 """
 from __future__ import annotations
 
@@ -69,7 +74,7 @@ def train(cfg: TokenflowConfig) -> int:
         print(f"{run_dir} already finished {cfg.run.steps} steps; see {run_dir / 'training.png'} "
               f"(choose another run.name to start a new run)")
         return 0
-    from pipeline.launch import LocalLauncher, SlurmLauncher
+    from pipeline.launch import LaunchError, LocalLauncher, SlurmLauncher
     from pipeline.observe.plots import plot_run
     from pipeline.observe.progress import ProgressDisplay
 
@@ -78,15 +83,30 @@ def train(cfg: TokenflowConfig) -> int:
     print(f"tokenflow: run directory {run_dir} ({cfg.cluster.launcher}: {cfg.cluster.trainer_ranks} "
           f"trainer rank(s), {cfg.cluster.generators} generator(s)); logs in {run_dir / 'logs'}",
           flush=True)
-    run = launcher.launch(plan, run_dir)
+    try:
+        run = launcher.launch(plan, run_dir)
+    except LaunchError as exc:
+        print(f"tokenflow: cannot launch the run: {exc}", file=sys.stderr)
+        return 2
+    if getattr(run, "job_id", None):
+        print(f"tokenflow: submitted Slurm heterogeneous job {run.job_id} "
+              f"({' + '.join(plan.components)})", flush=True)
+    if cfg.run.detach:
+        print(f"tokenflow: detached; follow with `tokenflow status {run_dir}`, stop with `tokenflow cancel "
+              f"{run_dir}`, logs in {run_dir / 'logs'}", flush=True)
+        return 0
     progress = ProgressDisplay(run_dir, cfg.run.steps) if cfg.run.progress else None
     mirror = None
     if cfg.run.tensorboard:
         from pipeline.observe.tensorboard import TensorBoardMirror
         mirror = TensorBoardMirror(run_dir)
+    state = None
     try:
         while not run.done():
-            time.sleep(1.0)
+            time.sleep(1.0 if cfg.cluster.launcher == "local" else 3.0)
+            if cfg.cluster.launcher == "slurm" and run.state() != state:
+                state = run.state()
+                print(f"tokenflow: job {run.job_id} {state}", file=sys.stderr, flush=True)
             if progress:
                 progress.update()
             if mirror:
@@ -101,7 +121,8 @@ def train(cfg: TokenflowConfig) -> int:
         if mirror:
             mirror.close()
     state = run.state()
-    if state != "COMPLETED":
+    trainer_result = (run.read_results().get("trainer") or [None])[0]
+    if state != "COMPLETED" or not trainer_result or not trainer_result["ok"] or trainer_result.get("stopped"):
         from pipeline.launch.base import log_tail
         print(f"tokenflow: the run {state.lower()}", file=sys.stderr)
         for role, spec in plan.components.items():

@@ -4,7 +4,8 @@ For the tiny dense and MoE models (weights re-drawn at unit scale, pipeline.trai
   1. trainer logprobs vs Hugging Face transformers on the same GPU (float32, TF32 off);
   2. one train step with megatron's distributed optimizer, then HF export -> transformers load ->
      logprobs vs the trainer's (the weight conversion/gather path on CUDA);
-  3. train-step throughput (tokens/s) on a larger batch.
+  3. train-step throughput (tokens/s) on a larger batch;
+  4. weight packing on CUDA and a same-GPU hand-over through CUDA IPC (scripts/gpu_weights_check.py).
 Not covered here: vLLM (the check machine cannot install it), packed (THD) batches (no packed
 layout yet: the padded layout runs on GPU too).
 
@@ -139,8 +140,14 @@ def main(argv: list[str] | None = None) -> dict:
                 result[kind] = check_model(kind, workdir, args.quick)
             except Exception as exc:  # report every model, then fail below
                 result[kind] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+        if torch.cuda.is_available():
+            from gpu_weights_check import check as check_weights
+            try:
+                result["weights"] = check_weights(args.quick)
+            except Exception as exc:
+                result["weights"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
     result["wall_s"] = time.perf_counter() - start
-    result["ok"] = all(result[k]["ok"] for k in ("dense", "moe"))
+    result["ok"] = all(result[k]["ok"] for k in ("dense", "moe", "weights") if k in result)
     print(json.dumps(result))
     return result
 

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
@@ -128,3 +131,49 @@ def test_local_launcher_stops_the_run_when_a_role_fails(tmp_path):
     with pytest.raises(TaskFailed, match="generator.0 failed: RuntimeError: probe: role generator was told to fail"):
         run.wait(timeout_s=120)
     assert run.state() == "FAILED" and run.done()
+
+
+def test_checkpoint_signal_sets_stop_requested_and_children_survive_it(tmp_path):
+    # A task blocks USR2 before its role starts children: the signal stops the role (stop_requested)
+    # and never kills the children it started (vLLM engine cores, the orchestrator).
+    script = tmp_path / "t.py"
+    script.write_text(
+        "import os, signal, subprocess, sys, threading, time\n"
+        "from pipeline.launch.task import StopWatcher\n"
+        "event = threading.Event()\n"
+        "StopWatcher(event, None, grace_s=5)\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\n"
+        "time.sleep(0.5)\n"
+        "os.kill(child.pid, signal.SIGUSR2); os.kill(os.getpid(), signal.SIGUSR2)\n"
+        "print('stopped', event.wait(10), 'child alive', child.poll() is None, flush=True)\n"
+        "child.kill()\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert "stopped True child alive True" in out.stdout, out.stdout + out.stderr
+    assert "checkpoint signal received" in out.stdout
+
+
+def test_status_and_cancel_of_a_local_run(tmp_path):
+    from pipeline.ops import cancel_run, run_status
+
+    plan = toy_plan(hold_s=120)
+    plan.components["trainer"].tasks_per_node = 1
+    run = LocalLauncher(kill_grace_s=5).launch(plan, tmp_path / "run")
+    deadline = time.monotonic() + 60
+    while len(list((tmp_path / "run/probe").glob("*.json"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    s = run_status(tmp_path / "run")
+    assert s["launcher"] == "local" and [c["state"] for c in s["components"]] == ["RUNNING", "RUNNING"]
+    assert [c["tasks"] for c in s["components"]] == [1, 2] and s["attempt"] == 0
+    assert "SIGTERM" in cancel_run(tmp_path / "run")
+    deadline = time.monotonic() + 30
+    while not run.done() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert run.done() and [c["state"] for c in run_status(tmp_path / "run")["components"]] == ["EXITED", "EXITED"]
+
+
+def test_batch_prepare_reuses_the_launch_index_of_a_requeued_job(tmp_path):
+    from pipeline.launch.batch import _record_launch
+
+    assert _record_launch(tmp_path, "41") == 0
+    assert _record_launch(tmp_path, "41") == 0  # the same job, requeued
+    assert _record_launch(tmp_path, "57") == 1  # a new job on the same run directory

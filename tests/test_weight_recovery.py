@@ -54,7 +54,7 @@ def test_a_dead_generator_costs_one_broadcast_and_a_restarted_one_rejoins(tmp_pa
     from pipeline.train import job_plan, prepare_run_dir
 
     run = tmp_path / "run"
-    cfg = compose(run, "run.name=recovery", "run.steps=40", "run.eval_every=0", "run.progress=false",
+    cfg = compose(run, "run.name=recovery", "run.steps=1000", "run.eval_every=0", "run.progress=false",
                   "run.tensorboard=false", "cluster.generators=2", "orchestrator.groups_per_step=4",
                   "generator.weight_timeout_s=30", "orchestrator.generator_dead_after_s=5",
                   "run.timeout_s=300")
@@ -74,7 +74,8 @@ def test_a_dead_generator_costs_one_broadcast_and_a_restarted_one_rejoins(tmp_pa
         restarted = subprocess.Popen([sys.executable, "-u", "-m", "pipeline.launch.task", str(run), "0"],
                                      env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         rejoined_at = wait_for(lambda: _rejoined_version(run), 400, "the restarted generator to load weights")
-        assert trainer.wait(timeout=600) == 0, (run / "logs" / "trainer.0.out").read_text()[-3000:]
+        wait_for(lambda: _samples_after(run, rejoined_at["t"]), 300, "samples from the restarted generator")
+        assert trainer.poll() is None, "the trainer stopped: " + (run / "logs" / "trainer.0.out").read_text()[-3000:]
     finally:
         for p in [trainer, gen0, gen1] + ([restarted] if "restarted" in locals() else []):
             if p.poll() is None:
@@ -84,7 +85,6 @@ def test_a_dead_generator_costs_one_broadcast_and_a_restarted_one_rejoins(tmp_pa
                 p.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
-    assert last_step(run) == 39
     with RolloutLog.open(run) as log:
         g = log.groups()
         stored = g["group_id"][g["outcome"] == GroupOutcome.STORED]
@@ -98,6 +98,12 @@ def test_a_dead_generator_costs_one_broadcast_and_a_restarted_one_rejoins(tmp_pa
     assert after.any(), "the restarted generator never contributed samples"
     # It took work only after loading the current weights.
     assert versions[after].min() >= rejoined_at["version"]
+
+
+def _samples_after(run: Path, t: float) -> bool:
+    with RolloutLog.open(run) as log:
+        gen, start = log.column("samples/generator_id"), log.column("samples/t_start")
+    return bool(((gen == 1) & (start > t)).any())
 
 
 def _rejoined_version(run: Path) -> dict | None:

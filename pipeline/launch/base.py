@@ -5,7 +5,8 @@ A `Launcher` turns a validated `JobPlan` into running tasks (`LocalLauncher`: lo
 layout, so everything after the launch reads files, not launcher internals:
 
     RUN/launch/plan.json        the plan of the latest launch
-    RUN/launch/launches.jsonl   one line per launch: launcher, time, job id (its line count = next launch index)
+    RUN/launch/launches.jsonl   one line per launch: launcher, time, Slurm job id or local task pids
+                                (its line count = next launch index; read by `tokenflow status`)
     RUN/logs/<role>.<rank>.out  stdout+stderr of every task, appended across attempts
     RUN/results/<role>.<rank>.json  the task's outcome (see pipeline.launch.task)
     RUN/rendezvous/attempt-<n>/     rendezvous files (see pipeline.launch.rendezvous)
@@ -106,7 +107,8 @@ class Launcher(ABC):
         run = self._start(plan, run_dir, launch_index)
         with open(launches, "a") as f:
             f.write(json.dumps({"launcher": self.name, "time": time.time(), "launch_index": launch_index,
-                                "job_id": getattr(run, "job_id", None)}) + "\n")
+                                "job_id": getattr(run, "job_id", None),
+                                "pids": getattr(run, "pids", None)}) + "\n")
         return run
 
     def check(self, plan: JobPlan) -> None:

@@ -29,6 +29,7 @@ class LocalRun(Run):
                  kill_grace_s: float) -> None:
         super().__init__(plan, run_dir, launch_index)
         self.procs = procs
+        self.pids = [p.pid for p in procs]  # each also leads its process group (recorded for status/cancel)
         self.kill_grace_s = kill_grace_s
         self._cancelled = False
 

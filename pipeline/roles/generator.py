@@ -105,7 +105,7 @@ class GeneratorRole:
     async def _apply_controls(self, queue: "asyncio.Queue[Control]") -> None:
         """Apply weight-group changes and updates one at a time, beside the polling loop (which
         keeps the orchestrator informed that this generator is alive while a broadcast waits)."""
-        from pipeline.generator.engine import WeightUpdateError
+        from pipeline.generator.engine import WeightReceiveError, WeightUpdateError
         from pipeline.weights.group import WeightSyncError
 
         while True:
@@ -123,7 +123,7 @@ class GeneratorRole:
                     self.stall_s += report.paused_s
                     log.info("loaded version %d (paused %.3fs, load %.3fs)", report.version,
                              report.paused_s, report.load_s)
-            except (WeightUpdateError, WeightSyncError, TimeoutError) as exc:
+            except (WeightReceiveError, WeightUpdateError, WeightSyncError, TimeoutError) as exc:
                 # The trainer sees the failure too and rebuilds the group; wait for its regroup.
                 self.sync_failures += 1
                 self.epoch = None

@@ -37,6 +37,7 @@ from pipeline.roles.orchestrator import MODEL_FILE
 
 log = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
+SYNC_ATTEMPTS = 3  # tries of one version's broadcast, each on a group rebuilt from the survivors
 
 
 def prepare_model(run_dir: Path, cfg: TokenflowConfig) -> Path:
@@ -180,8 +181,8 @@ class TrainerRole:
     def push_weights(self, version: int) -> float:
         """Gather the full weights (a collective over trainer ranks) and broadcast them (leader).
 
-        A broadcast that fails (a generator died: the error arrives within the weight timeout) is
-        retried once on a group rebuilt from the survivors; the run goes on.
+        A broadcast or regroup that fails (a generator died: the error arrives within the weight
+        timeout) is retried on a group rebuilt from the survivors; the run goes on.
         """
         from pipeline.trainer.model import iter_hf_weights
         from pipeline.weights.group import WeightSyncError
@@ -190,20 +191,21 @@ class TrainerRole:
         named = list(iter_hf_weights(self.trainer.model, self.trainer.hf_config))
         if not self.leader:
             return time.monotonic() - t0
-        for attempt in range(2):
-            self._ensure_group(first=self.epoch == 0)
+        for attempt in range(SYNC_ATTEMPTS):
             try:
+                self._ensure_group(first=self.epoch == 0)
                 self.link.announce_weights(version)
                 self.channel.send_tensors(version, named, int(self.cfg.run.weight_bucket_mb * 2**20))
                 break
             except WeightSyncError as exc:
                 self.sync_failures += 1
-                log.error("broadcast of version %d failed (%s); regrouping the survivors", version, exc)
-                self.channel.close()
-                self.channel = None
-                self._wait_for_membership_change()
-                if attempt == 1:
+                log.error("weight sync of version %d failed (%s); regrouping the survivors", version, exc)
+                if self.channel is not None:
+                    self.channel.close()
+                    self.channel = None
+                if attempt == SYNC_ATTEMPTS - 1:
                     raise
+                self._wait_for_membership_change()
         self.link.report_version(version)
         return time.monotonic() - t0
 
@@ -223,8 +225,10 @@ class TrainerRole:
         t_run = time.monotonic()
         busy = 0.0
         for step in range(self.start_step, steps):
-            if self.task.stop_requested.is_set():
-                break
+            if self._stop_agreed():  # checkpoint signal (preemption/time limit): save, return, get requeued
+                if step != self.start_step and step % cfg.run.checkpoint_every:
+                    self._checkpoint(step)
+                return {"steps": step, "version": self.version, "stopped": True}
             if self.leader and every and step % every == 0:
                 self.link.request_eval(step, self.version)
             t0 = time.monotonic()
@@ -257,6 +261,17 @@ class TrainerRole:
         if self.leader and every:
             self.link.request_eval(steps, self.version)
         return {"steps": steps, "version": self.version}
+
+    def _stop_agreed(self) -> bool:
+        """True on every trainer rank once any rank got the stop signal (so all stop at the same step)."""
+        stop = self.task.stop_requested.is_set()
+        if self.world > 1:
+            import torch
+            import torch.distributed as td
+            flag = torch.tensor([int(stop)], device="cuda" if self.trainer.cuda else "cpu")
+            td.all_reduce(flag, op=td.ReduceOp.MAX)
+            stop = bool(flag.item())
+        return stop
 
     def _mismatch(self, batch, samples) -> float | None:
         """Mean |trainer - generator| logprob over tokens the current weights generated."""
@@ -323,7 +338,8 @@ def main(task) -> dict:
     try:
         role.setup()
         result = role.run()
-        role.finish()
+        if not result.get("stopped"):
+            role.finish()
         return result
     finally:
         role.abort()

@@ -1,0 +1,224 @@
+"""``tokenflow status RUN_DIR [--json]`` and ``tokenflow cancel RUN_DIR``: operate a run from its directory.
+
+Everything is read from the run directory and the launcher it records, never from a process that
+must still be alive: `RUN/launch/launches.jsonl` (the latest launch: Slurm job id or local task
+pids), `RUN/launch/plan.json` (the components, in heterogeneous-job order), `RUN/metrics.jsonl`
+(step, policy versions, buffer depth, evaluations), `RUN/results/` and `RUN/logs/` (errors).
+
+Worked example (a Slurm run after one requeue):
+
+    run      runs/exp1  (slurm job 123, attempt 1)
+    trainer    RUNNING  node1        1 task(s)   log runs/exp1/logs/trainer.0.out
+    generator  RUNNING  node2        1 task(s)   log runs/exp1/logs/generator.0.out
+    step     4/6  policy version 4 (generators at 4)  buffer 12 groups  staleness max 1
+    eval     step 3: accuracy 0.41 (n=200)
+    error    none
+
+Slurm names the components of heterogeneous job N as `N+0`, `N+1`, ... in the plan's order;
+`status` reports each one's state (from `sacct`, with `squeue`'s pending reason). `cancel` runs
+`scancel N` (every component) or, for a local run, SIGTERMs each task's process group.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+LAUNCHES = "launch/launches.jsonl"
+PLAN = "launch/plan.json"
+
+
+def latest_launch(run_dir: Path) -> Dict[str, Any]:
+    path = run_dir / LAUNCHES
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: {run_dir} was never launched (or is not a run directory)")
+    return json.loads(path.read_text().splitlines()[-1])
+
+
+def _components(run_dir: Path) -> List[Dict[str, Any]]:
+    plan = json.loads((run_dir / PLAN).read_text())
+    return [{"role": role, "tasks": spec["nodes"] * spec["tasks_per_node"]} for role, spec in plan["components"].items()]
+
+
+def slurm_states(job_id: str) -> Dict[int, Dict[str, str]]:
+    """het offset -> {state, nodes, reason} of job `job_id` (a plain job is offset 0)."""
+    out: Dict[int, Dict[str, str]] = {}
+    sacct = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "JobID,State,NodeList"],
+                           capture_output=True, text=True, timeout=30)
+    for line in sacct.stdout.splitlines():
+        jid, state, nodes = (line.split("|") + ["", "", ""])[:3]
+        main, _, offset = jid.partition("+")
+        if main == job_id and (offset.isdigit() or not offset):
+            out[int(offset or 0)] = {"state": state.split()[0] if state else "UNKNOWN", "nodes": nodes, "reason": ""}
+    squeue = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%i|%T|%r|%N"], capture_output=True, text=True,
+                            timeout=30)
+    for line in squeue.stdout.splitlines():
+        jid, state, reason, nodes = (line.split("|") + ["", "", "", ""])[:4]
+        main, _, offset = jid.partition("+")
+        entry = out.setdefault(int(offset or 0), {"state": state, "nodes": nodes, "reason": ""})
+        entry.update(state=state, reason="" if reason in ("None", "") else reason, nodes=nodes or entry["nodes"])
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _last(run_dir: Path, kind: str, role: Optional[str] = None) -> Optional[Dict[str, Any]]:
+    from pipeline.metrics import read_metrics
+
+    last = None
+    for rec in read_metrics(run_dir, kind):
+        if role is None or rec.get("role") == role:
+            last = rec
+    return last
+
+
+def latest_attempt(run_dir: Path, role: str) -> Optional[int]:
+    """The attempt of the latest start of `role` rank 0 (launches and Slurm requeues), from its log header."""
+    path = run_dir / "logs" / f"{role}.0.out"
+    if not path.exists():
+        return None
+    heads = [line.split()[3] for line in path.read_text(errors="replace").splitlines()
+             if line.startswith(f"=== {role}.0 attempt ")]
+    return int(heads[-1]) if heads else None
+
+
+def last_error(run_dir: Path) -> Optional[str]:
+    """The last line of the newest failed task's error, else None."""
+    failed = []
+    for path in (run_dir / "results").glob("*.json"):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if not record.get("ok", True):
+            failed.append((path.stat().st_mtime, path.stem, record.get("error", "").strip().splitlines()[-1:]))
+    if not failed:
+        return None
+    _, task, line = max(failed)
+    return f"{task}: {line[0] if line else 'failed'}"
+
+
+def run_status(run_dir: Path) -> Dict[str, Any]:
+    """Everything `tokenflow status` shows, as one JSON-able dict."""
+    run_dir = Path(run_dir).resolve()
+    launch = latest_launch(run_dir)
+    components = _components(run_dir)
+    launcher = launch["launcher"]
+    if launcher in ("slurm", "sbatch"):  # sbatch: slurm/train.sbatch, submitted by hand
+        states = slurm_states(str(launch["job_id"]))
+        for k, comp in enumerate(components):
+            comp.update(states.get(k, {"state": "UNKNOWN", "nodes": "", "reason": ""}))
+    else:
+        pids = launch.get("pids") or []
+        index = 0
+        for comp in components:
+            mine = pids[index:index + comp["tasks"]]
+            index += comp["tasks"]
+            alive = sum(_alive(p) for p in mine)
+            comp.update(state="RUNNING" if alive else "EXITED", nodes="localhost", pids=mine, alive=alive)
+    for comp in components:
+        comp["logs"] = [str(run_dir / "logs" / f"{comp['role']}.{r}.out") for r in range(comp["tasks"])]
+    step, orch, ev = _last(run_dir, "train_step"), _last(run_dir, "orchestrator"), _last(run_dir, "eval")
+    from pipeline.metrics import read_metrics
+    generators: Dict[str, int] = {}
+    for rec in read_metrics(run_dir, "generator"):
+        generators[rec["role"]] = rec.get("version")
+    cfg_steps = None
+    if (run_dir / "config.yaml").exists():
+        from omegaconf import OmegaConf
+        cfg_steps = OmegaConf.load(run_dir / "config.yaml").get("run", {}).get("steps")
+    return {
+        "run_dir": str(run_dir), "launcher": launcher, "job_id": launch.get("job_id"),
+        "launch_index": launch.get("launch_index"), "attempt": latest_attempt(run_dir, components[0]["role"]),
+        "complete": (run_dir / "COMPLETE").exists(),
+        "components": components,
+        "steps_done": step["step"] + 1 if step else 0, "steps": cfg_steps,
+        "trainer_version": step["version"] if step else None,
+        "generator_versions": generators,
+        "buffer_groups": orch.get("buffer_groups") if orch else None,
+        "in_flight_groups": orch.get("in_flight") if orch else None,
+        "staleness_max": step.get("staleness_max") if step else None,
+        "last_eval": {k: ev.get(k) for k in ("step", "version", "accuracy", "n")} if ev else None,
+        "last_error": last_error(run_dir),
+    }
+
+
+def format_status(s: Dict[str, Any]) -> str:
+    where = f"slurm job {s['job_id']}" if s["launcher"] in ("slurm", "sbatch") else "local processes"
+    lines = [f"run        {s['run_dir']}  ({where}, attempt {s['attempt']}"
+             f"{', complete' if s['complete'] else ''})"]
+    for c in s["components"]:
+        extra = f" ({c['reason']})" if c.get("reason") else ""
+        lines.append(f"{c['role']:<10} {c['state'] + extra:<24} {c['nodes'] or '-':<12} {c['tasks']} task(s)"
+                     f"   log {c['logs'][0]}")
+    gens = ", ".join(f"{k} at {v}" for k, v in sorted(s["generator_versions"].items())) or "none reported"
+    lines.append(f"step       {s['steps_done']}/{s['steps']}  policy version {s['trainer_version']} ({gens})  "
+                 f"buffer {s['buffer_groups']} groups, {s['in_flight_groups']} in flight  "
+                 f"staleness max {s['staleness_max']}")
+    ev = s["last_eval"]
+    lines.append(f"eval       " + (f"step {ev['step']}: accuracy {ev['accuracy']:.3f} (n={ev['n']})" if ev else "none yet"))
+    lines.append(f"error      {s['last_error'] or 'none'}")
+    return "\n".join(lines)
+
+
+def cancel_run(run_dir: Path) -> str:
+    """Stop every task of the run's latest launch; returns what was done."""
+    run_dir = Path(run_dir).resolve()
+    launch = latest_launch(run_dir)
+    if launch["launcher"] in ("slurm", "sbatch"):
+        job_id = str(launch["job_id"])
+        out = subprocess.run(["scancel", job_id], capture_output=True, text=True, timeout=30)
+        if out.returncode != 0:
+            raise RuntimeError(f"scancel {job_id} failed: {out.stderr.strip()}")
+        return f"scancel {job_id} (every component of the heterogeneous job)"
+    stopped = []
+    for pid in launch.get("pids") or []:
+        try:
+            os.killpg(pid, signal.SIGTERM)  # each local task leads its own process group
+            stopped.append(pid)
+        except ProcessLookupError:
+            pass
+    return f"SIGTERM to the process groups of {len(stopped)} running local task(s)"
+
+
+def status_main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokenflow status", description="components, Slurm states, step, "
+                                     "policy versions, buffer depth, last eval and last error of a run")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    try:
+        s = run_status(args.run_dir)
+    except FileNotFoundError as exc:
+        print(f"tokenflow status: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(s) if args.json else format_status(s))
+    return 0
+
+
+def cancel_main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokenflow cancel", description="stop every component of a run "
+                                     "(scancel, or SIGTERM to local tasks); the same train command resumes it")
+    parser.add_argument("run_dir", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        print(f"tokenflow cancel: {cancel_run(args.run_dir)}")
+    except (FileNotFoundError, RuntimeError) as exc:
+        print(f"tokenflow cancel: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+

@@ -1,0 +1,189 @@
+"""`tokenflow train cluster=slurm` on the real single-machine cluster (slurm/cluster/start.sh).
+
+A tiny run (1 trainer task + 1 vLLM generator task, ONE heterogeneous job over two fake nodes) is
+forced through two requeues — `scontrol requeue` (hard: the trainer relies on its last checkpoint)
+and the checkpoint signal (graceful: the trainer checkpoints where it stopped) — and must finish
+with every admitted group stored exactly once, the staleness bound kept and nothing trained lost.
+Also: a 2-point sweep submits one heterogeneous job per point, `tokenflow status`/`cancel`, the
+hand-written slurm/train.sbatch, and refused or failing launches.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.launch import ComponentSpec, JobPlan
+from pipeline.log_format import GroupOutcome
+from pipeline.log_reader import RolloutLog
+from pipeline.metrics import read_metrics
+
+pytestmark = [pytest.mark.slurm, pytest.mark.engine]
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["cluster=slurm", "run.eval_every=3", "run.timeout_s=300", "run.progress=false", "run.tensorboard=false",
+        "orchestrator.groups_per_step=4", "orchestrator.group_size=8", "model.warmstart_steps=120",
+        "cluster.generators=1", "cluster.generator.nodes=1", "cluster.trainer.mem_gb=3", "cluster.generator.mem_gb=3.5",
+        "cluster.trainer.cpus_per_task=2", "cluster.generator.cpus_per_task=2", "cluster.trainer.time_min=30",
+        "cluster.generator.time_min=30"]
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def tokenflow(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, env=ENV,
+                          timeout=timeout, cwd=REPO)
+
+
+def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 1.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not true after {timeout_s} s")
+        time.sleep(poll_s)
+
+
+def steps_logged(run: Path) -> list[int]:
+    return [r["step"] for r in read_metrics(run, "train_step")]
+
+
+def status_of(run: Path) -> dict:
+    out = tokenflow("status", str(run), "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_tiny_run_survives_two_requeues_with_exactly_once_storage(tmp_path):
+    run = tmp_path / "rq"
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "train", "run.name=rq", f"hydra.run.dir={run}",
+                             "run.steps=8", "run.checkpoint_every=2", *TINY], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=ENV, cwd=REPO)
+    try:
+        job_id = wait_until(lambda: (run / "launch/launches.jsonl").exists() and
+                            json.loads((run / "launch/launches.jsonl").read_text().splitlines()[-1])["job_id"],
+                            60, "the job was submitted")
+        # 1) hard requeue once step 2 is checkpointed: the tasks are killed, the trainer resumes from step-2
+        wait_until(lambda: (run / "checkpoints/step-2/COMPLETE").exists(), 240, "checkpoint step-2")
+        s = status_of(run)
+        assert [c["state"] for c in s["components"]] == ["RUNNING", "RUNNING"], s
+        nodes = [c["nodes"] for c in s["components"]]
+        assert len(set(nodes)) == 2, f"trainer and generator must run on distinct fake nodes: {nodes}"
+        subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)
+        t_requeue = time.time()
+        # 2) checkpoint signal once attempt 1 trained a step: the trainer checkpoints where it stops
+        wait_until(lambda: [r for r in read_metrics(run, "train_step") if r["t"] > t_requeue], 240,
+                   "a step trained after the first requeue")
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
+        out, _ = proc.communicate(timeout=420)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            subprocess.run(["scancel", str(job_id)], timeout=30)
+    assert proc.returncode == 0, out[-4000:]
+    trainer_log = (run / "logs/trainer.0.out").read_text()
+    assert [int(a) for a in re.findall(r"=== trainer\.0 attempt (\d+)", trainer_log)] == [0, 1, 2]
+    assert "checkpoint signal received" in trainer_log
+    resumes = [int(k) for k in re.findall(r"trainer resumes at step (\d+)", (run / "logs/orchestrator.out").read_text())]
+    assert resumes[0] == 0 and resumes[1] >= 2 and len(resumes) == 3, resumes
+    # graceful stop: attempt 2 resumed exactly after the last step attempt 1 trained (nothing trained lost)
+    records = list(read_metrics(run, "train_step"))
+    assert resumes[2] == 1 + max(r["step"] for r in records if t_requeue < r["t"]
+                                 and r["step"] < resumes[2] + 1), (resumes, [r["step"] for r in records])
+    assert (run / f"checkpoints/step-{resumes[2]}/COMPLETE").exists()
+    assert sorted(set(r["step"] for r in records)) == list(range(8))
+    assert max(r["staleness_max"] for r in records) <= 1
+    with RolloutLog.open(run) as log:
+        g = log.groups()
+        stored = g["group_id"][g["outcome"] == GroupOutcome.STORED]
+        assert len(stored) == len(np.unique(stored)), "a group was stored twice"
+        state = log.resume_state()
+        assert state.duplicate_groups == 0 and not state.problems, state.problems
+        assert state.last_step == 7
+        min_versions = log.min_versions()
+        for step, version, rows in log.step_records():  # the staleness bound held for every batch
+            assert (version - min_versions[rows] <= 1).all(), (step, version)
+        assert len(np.unique(min_versions)) >= 2
+        assert len(list(run.glob("rollouts/segment-*.h5"))) == 3  # one writer start per attempt
+    assert (run / "COMPLETE").exists() and (run / "training.png").exists()
+    final = status_of(run)
+    assert final["complete"] and final["steps_done"] == 8 and final["attempt"] == 2
+    assert [c["state"] for c in final["components"]] == ["COMPLETED", "COMPLETED"]
+
+
+def test_sweep_submits_one_het_job_per_point_then_status_and_cancel(tmp_path):
+    out = tokenflow("train", "-m", "trainer.lr=1e-4,2e-4", "run.name=sw", f"hydra.sweep.dir={tmp_path}/sw",
+                    "run.detach=true", "run.steps=2", *TINY, timeout=180)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    runs = sorted(p for p in (tmp_path / "sw").iterdir() if (p / "launch/launches.jsonl").exists())
+    assert [p.name for p in runs] == ["0", "1"]
+    jobs = [json.loads((p / "launch/launches.jsonl").read_text())["job_id"] for p in runs]
+    assert len(set(jobs)) == 2 and all(jobs)
+    assert [json.loads((p / "launch/plan.json").read_text())["components"].keys() for p in runs] == \
+        [{"trainer": 0, "generator": 0}.keys()] * 2
+    assert "tokenflow status" in out.stdout
+    for p, lr in zip(runs, ("0.0001", "0.0002")):
+        assert f"lr: {lr}" in (p / "config.yaml").read_text()
+    try:
+        states = [[c["state"] for c in status_of(p)["components"]] for p in runs]
+        for s in states:  # 3 nodes fit one run (2 nodes) at a time: the other one waits
+            assert len(s) == 2 and set(s) <= {"PENDING", "RUNNING", "CONFIGURING"}, states
+        text = tokenflow("status", str(runs[0])).stdout
+        assert f"slurm job {jobs[0]}" in text and "trainer" in text and "generator" in text
+    finally:
+        for p in runs:
+            cancelled = tokenflow("cancel", str(p))
+            assert cancelled.returncode == 0 and "scancel" in cancelled.stdout, cancelled.stderr
+    for p in runs:
+        wait_until(lambda: all(c["state"].startswith("CANCELLED") for c in status_of(p)["components"]), 60,
+                   f"{p} cancelled", poll_s=2)
+
+
+def test_sbatch_template_runs_a_plan_as_one_het_job(tmp_path):
+    plan = JobPlan(name="tf-sbatch", components={
+        "trainer": ComponentSpec(entry="pipeline.launch.probe:probe", mem_gb=0.5, time_min=5),
+        "generator": ComponentSpec(entry="pipeline.launch.probe:probe", mem_gb=0.5, time_min=5)},
+        config={"probe": {"timeout_s": 60, "rendezvous": True}})
+    (tmp_path / "launch").mkdir()
+    (tmp_path / "launch/plan.json").write_text(plan.to_json())
+    job_id = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/batch.out", "slurm/train.sbatch",
+                             "--run-dir", str(tmp_path)], capture_output=True, text=True, timeout=30, cwd=REPO,
+                            check=True).stdout.strip()
+    wait_until(lambda: (tmp_path / "launch/launches.jsonl").exists(), 60, "the batch script prepared the run")
+    wait_until(lambda: all(c["state"].startswith(("COMPLETED", "FAILED", "CANCELLED"))
+                           for c in status_of(tmp_path)["components"]), 120,
+               "the batch job ended", poll_s=2)
+    s = status_of(tmp_path)
+    assert s["launcher"] == "sbatch" and s["job_id"] == job_id
+    assert [c["state"] for c in s["components"]] == ["COMPLETED", "COMPLETED"], (tmp_path / "batch.out").read_text()
+    reports = {role: json.loads((tmp_path / f"results/{role}.0.json").read_text())["result"]
+               for role in ("trainer", "generator")}
+    assert reports["trainer"]["het_size"] == "2" and reports["trainer"]["node"] != reports["generator"]["node"]
+    assert reports["generator"]["peers"]["trainer"]["node"] == reports["trainer"]["node"]
+
+
+def test_impossible_requests_are_refused_before_submission(tmp_path):
+    for override, needle in (("cluster.trainer.partition=nosuch", "trainer: partition 'nosuch' does not exist"),
+                             ("cluster.generator.cpus_per_task=64", "generator: 64 CPUs per node"),
+                             ("cluster.generator.nodes=3", "need 4 distinct nodes")):
+        extra = ["cluster.generators=3"] if override.endswith("nodes=3") else []
+        out = tokenflow("train", "run.name=bad", f"hydra.run.dir={tmp_path}/bad", *TINY, override, *extra)
+        assert out.returncode == 2 and "cannot launch the run" in out.stderr and needle in out.stderr, out.stderr
+        assert not (tmp_path / "bad/submitit").exists()
+
+
+def test_a_role_that_fails_to_start_stops_the_job_and_names_the_cause(tmp_path):
+    out = tokenflow("train", "run.name=broken", f"hydra.run.dir={tmp_path}/broken", *TINY,
+                    "model.name=/nonexistent/checkpoint", timeout=240)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "--- trainer.0 (last lines) ---" in out.stderr and "/nonexistent/checkpoint" in out.stderr
+    s = status_of(tmp_path / "broken")
+    assert s["last_error"] and s["last_error"].startswith("trainer.0:"), s
+    assert not any(c["state"] in ("RUNNING", "PENDING") for c in s["components"])
