@@ -46,3 +46,12 @@ def test_gpu_check_script_runs_on_cpu():
     result = run_check("--allow-cpu", "--quick", timeout=300)
     assert result["device"] == "cpu"
     _assert_ok(result)
+
+
+@pytest.mark.gpu
+def test_cuda_weight_packing_and_same_gpu_ipc_handover():
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_weights_check.py"), "--quick"],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    print("\n" + json.dumps(result, indent=1))
+    assert result["pack_unpack_identical"] and result["ipc_checksums_equal"], result
