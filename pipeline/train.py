@@ -69,11 +69,21 @@ def prepare_run_dir(cfg: TokenflowConfig) -> Path:
 
 def train(cfg: TokenflowConfig) -> int:
     validate(cfg)
+    from pipeline.ops import still_running
+    running = still_running(Path(cfg.run.dir).resolve())
+    if running:
+        print(f"tokenflow: {cfg.run.dir} is still running as {running}: follow it with `tokenflow status "
+              f"{cfg.run.dir}` or stop it with `tokenflow cancel {cfg.run.dir}` before resuming it", file=sys.stderr)
+        return 2
     run_dir = prepare_run_dir(cfg)
-    if (run_dir / COMPLETE).exists():
-        print(f"{run_dir} already finished {cfg.run.steps} steps; see {run_dir / 'training.png'} "
-              f"(choose another run.name to start a new run)")
-        return 0
+    done = run_dir / COMPLETE
+    if done.exists():
+        finished = int(done.read_text().split()[0])
+        if finished >= cfg.run.steps:
+            print(f"{run_dir} already finished {finished} steps; see {run_dir / 'training.png'} "
+                  f"(choose another run.name to start a new run, or ask for more run.steps)")
+            return 0
+        done.unlink()  # more steps asked for: resume from the last checkpoint
     from pipeline.launch import LaunchError, LocalLauncher, SlurmLauncher
     from pipeline.observe.plots import plot_run
     from pipeline.observe.progress import ProgressDisplay
@@ -130,7 +140,7 @@ def train(cfg: TokenflowConfig) -> int:
                 print(f"--- {role}.{rank} (last lines) ---\n{log_tail(run_dir, role, rank)}", file=sys.stderr)
         return 1
     png = plot_run(run_dir)
-    (run_dir / COMPLETE).write_text(time.strftime("%Y-%m-%d %H:%M:%S"))
+    (run_dir / COMPLETE).write_text(f"{cfg.run.steps} steps, finished {time.strftime('%Y-%m-%d %H:%M:%S')}")
     print(f"tokenflow: done; learning curve in {png}")
     return 0
 

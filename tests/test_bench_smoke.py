@@ -21,7 +21,7 @@ def test_weight_sync_bandwidth_quick_reports_every_mode():
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["bench"] == "weight_sync" and "stall" not in report
     sets = report["bandwidth"]
-    assert set(sets) == {"tiny_model", "synthetic"}
+    assert set(sets) == {"model", "synthetic"}
     synthetic = sets["synthetic"]
     assert synthetic["tensors"] == 200
     assert synthetic["bytes"] == 200 * (8 * 2**20 // 4 // 200) * 4

@@ -177,3 +177,17 @@ def test_batch_prepare_reuses_the_launch_index_of_a_requeued_job(tmp_path):
     assert _record_launch(tmp_path, "41") == 0
     assert _record_launch(tmp_path, "41") == 0  # the same job, requeued
     assert _record_launch(tmp_path, "57") == 1  # a new job on the same run directory
+
+
+def test_batch_prepare_composes_the_config_and_plan_like_tokenflow_train(tmp_path):
+    from pipeline.launch.batch import prepare
+
+    run_dir = prepare(["cluster=slurm", "run.name=hand", f"hydra.run.dir={tmp_path}/hand", "cluster.generators=3",
+                       "cluster.generator.nodes=3", "cluster.generator.partition=gen"])
+    assert run_dir == (tmp_path / "hand").resolve() and (run_dir / "config.yaml").exists()
+    plan = JobPlan.from_json((run_dir / "launch/plan.json").read_text())
+    assert list(plan.components) == ["trainer", "generator"]
+    assert plan.components["generator"].nodes == 3 and plan.components["generator"].partition == "gen"
+    assert plan.config["run_dir"] == str(run_dir)
+    with pytest.raises(SystemExit, match="cluster=slurm"):
+        prepare(["run.name=local", f"hydra.run.dir={tmp_path}/local"])

@@ -64,7 +64,7 @@ def status_of(run: Path) -> dict:
 def test_tiny_run_survives_two_requeues_with_exactly_once_storage(tmp_path):
     run = tmp_path / "rq"
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "train", "run.name=rq", f"hydra.run.dir={run}",
-                             "run.steps=8", "run.checkpoint_every=2", *TINY], stdout=subprocess.PIPE,
+                             "run.steps=6", "run.checkpoint_every=2", *TINY], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=ENV, cwd=REPO)
     try:
         job_id = wait_until(lambda: (run / "launch/launches.jsonl").exists() and
@@ -91,14 +91,16 @@ def test_tiny_run_survives_two_requeues_with_exactly_once_storage(tmp_path):
     trainer_log = (run / "logs/trainer.0.out").read_text()
     assert [int(a) for a in re.findall(r"=== trainer\.0 attempt (\d+)", trainer_log)] == [0, 1, 2]
     assert "checkpoint signal received" in trainer_log
-    resumes = [int(k) for k in re.findall(r"trainer resumes at step (\d+)", (run / "logs/orchestrator.out").read_text())]
+    orchestrator_log = (run / "logs/orchestrator.out").read_text()
+    resumes = [int(k) for k in re.findall(r"trainer resumes at step (\d+)", orchestrator_log)]
     assert resumes[0] == 0 and resumes[1] >= 2 and len(resumes) == 3, resumes
     # graceful stop: attempt 2 resumed exactly after the last step attempt 1 trained (nothing trained lost)
     records = list(read_metrics(run, "train_step"))
-    assert resumes[2] == 1 + max(r["step"] for r in records if t_requeue < r["t"]
-                                 and r["step"] < resumes[2] + 1), (resumes, [r["step"] for r in records])
+    t_attempt2 = min(p.stat().st_mtime for p in (run / "rendezvous/attempt-2").iterdir())
+    attempt1 = [r["step"] for r in records if t_requeue < r["t"] < t_attempt2]
+    assert attempt1 and resumes[2] == 1 + max(attempt1), (resumes, attempt1)
     assert (run / f"checkpoints/step-{resumes[2]}/COMPLETE").exists()
-    assert sorted(set(r["step"] for r in records)) == list(range(8))
+    assert sorted(set(r["step"] for r in records)) == list(range(6))
     assert max(r["staleness_max"] for r in records) <= 1
     with RolloutLog.open(run) as log:
         g = log.groups()
@@ -106,7 +108,7 @@ def test_tiny_run_survives_two_requeues_with_exactly_once_storage(tmp_path):
         assert len(stored) == len(np.unique(stored)), "a group was stored twice"
         state = log.resume_state()
         assert state.duplicate_groups == 0 and not state.problems, state.problems
-        assert state.last_step == 7
+        assert state.last_step == 5
         min_versions = log.min_versions()
         for step, version, rows in log.step_records():  # the staleness bound held for every batch
             assert (version - min_versions[rows] <= 1).all(), (step, version)
@@ -114,7 +116,7 @@ def test_tiny_run_survives_two_requeues_with_exactly_once_storage(tmp_path):
         assert len(list(run.glob("rollouts/segment-*.h5"))) == 3  # one writer start per attempt
     assert (run / "COMPLETE").exists() and (run / "training.png").exists()
     final = status_of(run)
-    assert final["complete"] and final["steps_done"] == 8 and final["attempt"] == 2
+    assert final["complete"] and final["steps_done"] == 6 and final["attempt"] == 2
     assert [c["state"] for c in final["components"]] == ["COMPLETED", "COMPLETED"]
 
 
@@ -137,6 +139,8 @@ def test_sweep_submits_one_het_job_per_point_then_status_and_cancel(tmp_path):
             assert len(s) == 2 and set(s) <= {"PENDING", "RUNNING", "CONFIGURING"}, states
         text = tokenflow("status", str(runs[0])).stdout
         assert f"slurm job {jobs[0]}" in text and "trainer" in text and "generator" in text
+        again = tokenflow("train", "run.name=sw", f"hydra.run.dir={runs[0]}", "run.steps=2", "trainer.lr=1e-4", *TINY)
+        assert again.returncode == 2 and f"still running as Slurm job {jobs[0]}" in again.stderr, again.stderr
     finally:
         for p in runs:
             cancelled = tokenflow("cancel", str(p))
@@ -146,27 +150,36 @@ def test_sweep_submits_one_het_job_per_point_then_status_and_cancel(tmp_path):
                    f"{p} cancelled", poll_s=2)
 
 
-def test_sbatch_template_runs_a_plan_as_one_het_job(tmp_path):
+def test_sbatch_template_runs_a_plan_as_one_het_job_and_requeues_itself(tmp_path):
+    # the probe holds on attempt 0 until the checkpoint signal; the batch script then requeues the job
     plan = JobPlan(name="tf-sbatch", components={
         "trainer": ComponentSpec(entry="pipeline.launch.probe:probe", mem_gb=0.5, time_min=5),
         "generator": ComponentSpec(entry="pipeline.launch.probe:probe", mem_gb=0.5, time_min=5)},
-        config={"probe": {"timeout_s": 60, "rendezvous": True}})
+        config={"probe": {"timeout_s": 60, "rendezvous": True, "hold_s": 150}})
     (tmp_path / "launch").mkdir()
     (tmp_path / "launch/plan.json").write_text(plan.to_json())
     job_id = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/batch.out", "slurm/train.sbatch",
                              "--run-dir", str(tmp_path)], capture_output=True, text=True, timeout=30, cwd=REPO,
                             check=True).stdout.strip()
-    wait_until(lambda: (tmp_path / "launch/launches.jsonl").exists(), 60, "the batch script prepared the run")
-    wait_until(lambda: all(c["state"].startswith(("COMPLETED", "FAILED", "CANCELLED"))
-                           for c in status_of(tmp_path)["components"]), 120,
-               "the batch job ended", poll_s=2)
+    try:
+        wait_until(lambda: len(list((tmp_path / "probe").glob("*.attempt-0.json"))) == 2, 60, "both roles started")
+        time.sleep(1)
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
+        wait_until(lambda: len(list((tmp_path / "probe").glob("*.attempt-1.json"))) == 2, 120, "the requeued start")
+        wait_until(lambda: all(c["state"].startswith(("COMPLETED", "FAILED", "CANCELLED"))
+                               for c in status_of(tmp_path)["components"]), 60, "the batch job ended", poll_s=2)
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30)
     s = status_of(tmp_path)
-    assert s["launcher"] == "sbatch" and s["job_id"] == job_id
-    assert [c["state"] for c in s["components"]] == ["COMPLETED", "COMPLETED"], (tmp_path / "batch.out").read_text()
+    batch_log = (tmp_path / "batch.out").read_text()
+    assert s["launcher"] == "sbatch" and s["job_id"] == job_id and s["attempt"] == 1
+    assert [c["state"] for c in s["components"]] == ["COMPLETED", "COMPLETED"], batch_log
+    assert f"requeueing job {job_id}" in batch_log and "restart 1" in batch_log
     reports = {role: json.loads((tmp_path / f"results/{role}.0.json").read_text())["result"]
                for role in ("trainer", "generator")}
     assert reports["trainer"]["het_size"] == "2" and reports["trainer"]["node"] != reports["generator"]["node"]
     assert reports["generator"]["peers"]["trainer"]["node"] == reports["trainer"]["node"]
+    assert {r["attempt"] for r in reports.values()} == {1}
 
 
 def test_impossible_requests_are_refused_before_submission(tmp_path):
@@ -187,3 +200,24 @@ def test_a_role_that_fails_to_start_stops_the_job_and_names_the_cause(tmp_path):
     s = status_of(tmp_path / "broken")
     assert s["last_error"] and s["last_error"].startswith("trainer.0:"), s
     assert not any(c["state"] in ("RUNNING", "PENDING") for c in s["components"])
+
+
+def test_a_generator_that_dies_mid_run_stops_the_job(tmp_path):
+    run = tmp_path / "dies"
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "train", "run.name=dies", f"hydra.run.dir={run}",
+                             "run.steps=50", *TINY], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=ENV, cwd=REPO)
+    try:
+        wait_until(lambda: steps_logged(run), 240, "a step trained")
+        pid = int(re.findall(r"=== generator\.0 attempt 0 .* pid (\d+)", (run / "logs/generator.0.out").read_text())[0])
+        os.kill(pid, 9)
+        out, _ = proc.communicate(timeout=120)  # srun --kill-on-bad-exit ends the whole job: no hang
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            tokenflow("cancel", str(run))
+    assert proc.returncode == 1, out[-3000:]
+    assert "tokenflow: the run failed" in out and "--- generator.0 (last lines) ---" in out, out[-3000:]
+    s = status_of(run)
+    assert all(c["state"] in ("FAILED", "CANCELLED") for c in s["components"]), s
+    assert s["steps_done"] < 50

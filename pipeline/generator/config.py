@@ -51,6 +51,9 @@ class GeneratorConfig:
     """Skip torch.compile / CUDA graphs (fast start, slower decode; tests use it)."""
     dtype: str = "auto"
     """Engine dtype ('auto' = the checkpoint's)."""
+    prefix_caching: bool = True
+    """Share the prompt's KV blocks between the samples of a group. Off makes sampling independent
+    of which request computed a shared prefix first (bit-reproducible synchronous runs)."""
     tensor_parallel_size: int = 1
     """vLLM tensor parallel size (each TP worker joins the weight group)."""
     interrupt: str = "keep"

@@ -93,7 +93,7 @@ def engine_args(config: GeneratorConfig, seed: int | None = None):
         enforce_eager=config.enforce_eager, seed=config.seed if seed is None else seed,
         tensor_parallel_size=config.tensor_parallel_size, max_num_seqs=config.max_num_seqs,
         gpu_memory_utilization=config.gpu_memory_utilization, logprobs_mode=config.logprobs_mode,
-        enable_prefix_caching=True, worker_extension_cls=EXTENSION, disable_log_stats=True, **extra)
+        enable_prefix_caching=config.prefix_caching, worker_extension_cls=EXTENSION, disable_log_stats=True, **extra)
 
 
 def sampling_params(config: GeneratorConfig, seed: int | None, max_tokens: int, greedy: bool = False):

@@ -1,7 +1,8 @@
 """Launching a run: a JobPlan of components (roles) started locally or as one Slurm heterogeneous job.
 
 Light to import (no torch/vllm). See plan.py (what to launch), task.py (what runs in each task),
-rendezvous.py (how roles find each other), local.py / slurm.py (where it runs).
+rendezvous.py (how roles find each other), local.py / slurm.py (where it runs), slurm_checks.py
+(what the cluster can give), batch.py (the steps of slurm/train.sbatch, for jobs submitted by hand).
 """
 from pipeline.launch.base import Launcher, Run, TaskFailed
 from pipeline.launch.local import LocalLauncher

@@ -1,7 +1,7 @@
 """The two steps around `srun` in slurm/train.sbatch (a heterogeneous job submitted by hand).
 
     python -m pipeline.launch.batch prepare [--run-dir RUN | OVERRIDES...]   -> prints "RUN_DIR LAUNCH_INDEX"
-    srun --het-group=0,1 python -m pipeline.launch.task RUN_DIR LAUNCH_INDEX   (the same dispatcher as submitit's)
+    srun --het-group=0,1 python -m pipeline.launch RUN_DIR LAUNCH_INDEX        (the same dispatcher as submitit's)
     python -m pipeline.launch.batch finish RUN_DIR                            -> requeue, done, or failed
 
 `prepare` composes the config exactly as ``tokenflow train`` does (same Hydra overrides; the run
@@ -52,7 +52,7 @@ def prepare(argv: List[str]) -> Path:
         JobPlan.from_json((run_dir / PLAN_FILE).read_text()).validate()
         return run_dir
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
 
     from pipeline.config import register, validate
     from pipeline.train import CONFIGS, job_plan, prepare_run_dir
@@ -60,8 +60,9 @@ def prepare(argv: List[str]) -> Path:
     register()
     with initialize_config_dir(str(CONFIGS), version_base=None):
         dcfg = compose("train", overrides=argv, return_hydra_config=True)
-    run_dir = str(dcfg.hydra.run.dir)
-    del dcfg["hydra"]
+    run_dir = str(dcfg.hydra.run.dir)  # runs/${run.name} unless overridden, as for tokenflow train
+    with open_dict(dcfg):
+        del dcfg["hydra"]
     dcfg.run.dir = run_dir
     cfg = OmegaConf.to_object(dcfg)
     if cfg.cluster.launcher != "slurm":
@@ -94,10 +95,13 @@ def finish(run_dir: Path) -> int:
         print(f"tokenflow: task {role}.{rank} failed: {why}\n{log_tail(run_dir, role, rank)}", file=sys.stderr)
         return 1
     if (run_dir / "config.yaml").exists() and "trainer" in plan.components:
+        from omegaconf import OmegaConf
+
         from pipeline.observe.plots import plot_run
         from pipeline.train import COMPLETE
         print(f"tokenflow: done; learning curve in {plot_run(run_dir)}")
-        (run_dir / COMPLETE).write_text(time.strftime("%Y-%m-%d %H:%M:%S"))
+        steps = OmegaConf.load(run_dir / "config.yaml").run.steps  # the marker `tokenflow train` writes
+        (run_dir / COMPLETE).write_text(f"{steps} steps, finished {time.strftime('%Y-%m-%d %H:%M:%S')}")
     return 0
 
 

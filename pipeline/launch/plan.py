@@ -64,7 +64,7 @@ class JobPlan:
     mpi: Optional[str] = None  # srun --mpi plugin (e.g. "pmix") so that mpi4py works in the tasks; None = no MPI
     max_requeues: int = 3  # how many times a timed-out/preempted job is requeued (submitit max_num_timeout)
     signal_delay_s: int = 90  # seconds before the time limit at which Slurm sends the checkpoint signal
-    stop_grace_s: float = 60.0  # after the checkpoint signal, how long rank 0 waits for its role to return before requeueing
+    stop_grace_s: float = 60.0  # after the checkpoint signal, seconds rank 0 waits for its role to return, then requeues
 
     def validate(self) -> None:
         """Raise LaunchError naming every problem of the plan itself (no cluster needed)."""
@@ -88,7 +88,8 @@ class JobPlan:
                 if not line.startswith("-"):
                     problems.append(f"{role}: extra sbatch option {line!r} must start with '-'")
         if not 0 <= self.stop_grace_s < self.signal_delay_s:
-            problems.append(f"stop_grace_s={self.stop_grace_s} must be >= 0 and below signal_delay_s={self.signal_delay_s}")
+            problems.append(f"stop_grace_s={self.stop_grace_s} must be >= 0 and below "
+                            f"signal_delay_s={self.signal_delay_s}")
         if self.max_requeues < 0:
             problems.append(f"max_requeues={self.max_requeues} must be >= 0")
         if problems:

@@ -6,8 +6,8 @@ The same dispatcher serves both launchers:
   layout [(trainer,0), (trainer,1), (generator,0)] SLURM_PROCID=2 is generator rank 0. The
   component sizes Slurm reports (`SLURM_HET_SIZE`, `SLURM_NTASKS_HET_GROUP_k`) must match the plan,
   otherwise the task refuses to start and says which component differs;
-- locally, `python -m pipeline.launch.task RUN_DIR GLOBAL_RANK` (started by LocalLauncher) reads
-  `RUN/launch/plan.json`.
+- locally and in slurm/train.sbatch, `python -m pipeline.launch RUN_DIR LAUNCH_INDEX` reads
+  `RUN/launch/plan.json` (the global rank: TOKENFLOW_GLOBAL_RANK, else SLURM_PROCID).
 
 Invariants:
 - each task's stdout and stderr (file descriptors 1 and 2, so child processes too) go to
@@ -149,7 +149,7 @@ class StopWatcher:
         self.grace_s = grace_s
         self.entry_returned = threading.Event()
         self._lock = threading.Lock()
-        self.signum = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), signal.SIGUSR2)
+        self.signum = checkpoint_signal()
         signal.signal(self.signum, lambda sig, frame: self._stop())
         signal.pthread_sigmask(signal.SIG_BLOCK, {self.signum})  # inherited by threads and child processes
         threading.Thread(target=self._watch, name="stop-watcher", daemon=True).start()
@@ -177,6 +177,11 @@ class StopWatcher:
         if self.event.is_set() and _under_submitit():
             time.sleep(self.grace_s + 120)  # the requeue ends this task long before
             raise RuntimeError(f"stopped for requeue but the job was not requeued within {self.grace_s + 120:g} s")
+
+
+def checkpoint_signal() -> int:
+    """The signal that asks a task to stop for a requeue (submitit's choice: USR2 unless overridden)."""
+    return getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), signal.SIGUSR2)
 
 
 def _under_submitit() -> bool:
@@ -216,9 +221,8 @@ def run_task(plan: JobPlan, run_dir: Path, launch_index: int, environ: Mapping[s
                     config=plan.config)
     watcher = None
     if threading.current_thread() is threading.main_thread():
-        signum = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), signal.SIGUSR2)
-        watcher = StopWatcher(task.stop_requested, _submitit_requeue(signum) if global_rank == 0 else None,
-                              plan.stop_grace_s)
+        requeue = _submitit_requeue(checkpoint_signal()) if global_rank == 0 else None  # before StopWatcher replaces it
+        watcher = StopWatcher(task.stop_requested, requeue, plan.stop_grace_s)
     try:
         value = resolve_entry(plan.components[role].entry)(task)
         if watcher is not None:
@@ -254,11 +258,11 @@ class RoleDispatcher:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Local task entry: python -m pipeline.launch.task RUN_DIR LAUNCH_INDEX (rank in TOKENFLOW_GLOBAL_RANK)."""
+    """Task entry: python -m pipeline.launch RUN_DIR LAUNCH_INDEX (rank: TOKENFLOW_GLOBAL_RANK or SLURM_PROCID)."""
     run_dir, launch_index = (argv or sys.argv[1:])[:2]
     plan = JobPlan.from_json((Path(run_dir) / PLAN_FILE).read_text())
     run_task(plan, Path(run_dir), int(launch_index), os.environ)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # also `python -m pipeline.launch.task ...` (kept for callers of this module path)
     main()

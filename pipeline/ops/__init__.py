@@ -31,6 +31,10 @@ from typing import Any, Dict, List, Optional
 
 LAUNCHES = "launch/launches.jsonl"
 PLAN = "launch/plan.json"
+#: Component states in which nothing of it runs: Slurm's final states, local EXITED, and UNKNOWN
+#: (neither sacct nor squeue knows the job any more).
+STOPPED_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+                  "DEADLINE", "EXITED", "UNKNOWN")
 
 
 def latest_launch(run_dir: Path) -> Dict[str, Any]:
@@ -42,7 +46,8 @@ def latest_launch(run_dir: Path) -> Dict[str, Any]:
 
 def _components(run_dir: Path) -> List[Dict[str, Any]]:
     plan = json.loads((run_dir / PLAN).read_text())
-    return [{"role": role, "tasks": spec["nodes"] * spec["tasks_per_node"]} for role, spec in plan["components"].items()]
+    return [{"role": role, "tasks": spec["nodes"] * spec["tasks_per_node"]}
+            for role, spec in plan["components"].items()]
 
 
 def slurm_states(job_id: str) -> Dict[int, Dict[str, str]]:
@@ -65,14 +70,14 @@ def slurm_states(job_id: str) -> Dict[int, Dict[str, str]]:
     return out
 
 
-def _alive(pid: int) -> bool:
+def _alive(pid: int, run_dir: Path) -> bool:
+    """Whether local task `pid` of `run_dir` still runs (its command line names the run directory,
+    so a recycled pid is not mistaken for the task)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
         return False
-    except PermissionError:
-        return True
-    return True
+    return any(Path(a).resolve() == run_dir for a in args if a.startswith("/"))
 
 
 def _last(run_dir: Path, kind: str, role: Optional[str] = None) -> Optional[Dict[str, Any]]:
@@ -127,7 +132,7 @@ def run_status(run_dir: Path) -> Dict[str, Any]:
         for comp in components:
             mine = pids[index:index + comp["tasks"]]
             index += comp["tasks"]
-            alive = sum(_alive(p) for p in mine)
+            alive = sum(_alive(p, run_dir) for p in mine)
             comp.update(state="RUNNING" if alive else "EXITED", nodes="localhost", pids=mine, alive=alive)
     for comp in components:
         comp["logs"] = [str(run_dir / "logs" / f"{comp['role']}.{r}.out") for r in range(comp["tasks"])]
@@ -156,6 +161,19 @@ def run_status(run_dir: Path) -> Dict[str, Any]:
     }
 
 
+def still_running(run_dir: Path) -> Optional[str]:
+    """What of the run's latest launch still runs ("slurm job 123 RUNNING", "local pids [..]"), else None."""
+    if not (Path(run_dir) / LAUNCHES).exists():
+        return None
+    components = run_status(run_dir)["components"]
+    active = [f"{c['role']} {c['state']}" for c in components if c["state"] not in STOPPED_STATES]
+    if not active:
+        return None
+    launch = latest_launch(Path(run_dir))
+    where = f"Slurm job {launch['job_id']}" if launch.get("job_id") else f"local pids {launch.get('pids')}"
+    return f"{where} ({', '.join(active)})"
+
+
 def format_status(s: Dict[str, Any]) -> str:
     where = f"slurm job {s['job_id']}" if s["launcher"] in ("slurm", "sbatch") else "local processes"
     lines = [f"run        {s['run_dir']}  ({where}, attempt {s['attempt']}"
@@ -169,7 +187,7 @@ def format_status(s: Dict[str, Any]) -> str:
                  f"buffer {s['buffer_groups']} groups, {s['in_flight_groups']} in flight  "
                  f"staleness max {s['staleness_max']}")
     ev = s["last_eval"]
-    lines.append(f"eval       " + (f"step {ev['step']}: accuracy {ev['accuracy']:.3f} (n={ev['n']})" if ev else "none yet"))
+    lines.append("eval       " + (f"step {ev['step']}: accuracy {ev['accuracy']:.3f} (n={ev['n']})" if ev else "none yet"))
     lines.append(f"error      {s['last_error'] or 'none'}")
     return "\n".join(lines)
 

@@ -64,6 +64,9 @@ class Admission:
         self.max_async = max_async
         self.lease_timeout_s = lease_timeout_s
         self.version: int | None = None
+        """Version the trainer reports as broadcast (None until it speaks)."""
+        self.loaded_floor: int | None = None
+        """Lowest version the live generators report as loaded (None: they do not report)."""
         self.kept = 0
         self.next_group_id = 0
         self.leases: dict[int, Lease] = {}
@@ -94,10 +97,19 @@ class Admission:
         return len(self.leases) + len(self.processing) + len(self.reissue)
 
     @property
+    def effective_version(self) -> int | None:
+        """The version every generator has loaded: the trainer's report, capped by the lowest
+        version the generators say they hold (when they say it)."""
+        if self.version is None or self.loaded_floor is None:
+            return self.version
+        return min(self.version, self.loaded_floor)
+
+    @property
     def bound(self) -> int:
-        if self.version is None:
+        v = self.effective_version
+        if v is None:
             return 0
-        return (self.max_async + self.version + 1) * self.groups_per_step
+        return (self.max_async + v + 1) * self.groups_per_step
 
     def capacity(self) -> int:
         """How many new groups may be handed out now (re-issues take no new capacity)."""
@@ -105,7 +117,7 @@ class Admission:
 
     def issue(self, holder: bytes, now: float) -> Lease | None:
         """Lease the next group (a re-issue first) to ``holder``, or None if admission is closed."""
-        if self.version is None:
+        if self.effective_version is None:
             return None
         if self.reissue:
             gid, attempt = self.reissue.popleft()

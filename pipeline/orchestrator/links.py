@@ -143,6 +143,9 @@ class GeneratorLink(_Link):
                  timeout_s: float = 60.0):
         super().__init__(run_dir, f"gen-{generator_id}", cfg or TransportConfig(), timeout_s)
         self.generator_id, self.slots, self.schema = generator_id, slots, schema
+        self.loaded_version: int | None = None
+        """Weights version this generator holds, told to the orchestrator with every credit update
+        (admission counts a version only once every generator has loaded it); None: not told."""
         self.resend_after_s = resend_after_s
         self.epoch: str | None = None
         self.received = 0
@@ -154,7 +157,8 @@ class GeneratorLink(_Link):
 
     def credit(self, open_: bool = True) -> dict:
         free = self.slots - len(self.active) if open_ else 0
-        return {"free": free, "received": self.received, "epoch": self.epoch}
+        return {"free": free, "received": self.received, "epoch": self.epoch,
+                "loaded": self.loaded_version}
 
     def send_want(self, open_: bool = True) -> None:
         self.refresh_address()  # a restarted orchestrator may listen elsewhere

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 @dataclass
 class GeneratorState:
     incarnation: int
+    loaded: int | None = None
+    """Weights version the generator says it holds (None: it does not say)."""
     granted: int = 0
     credit: int = 0
     last_seen: float = field(default_factory=time.monotonic)
@@ -46,6 +48,13 @@ class GeneratorPool:
             g = self.gens[peer] = GeneratorState(self._next())
         received = int(credit["received"]) if credit.get("epoch") == epoch else 0
         g.credit = max(0, int(credit["free"]) - (g.granted - received))
+        if credit.get("loaded") is not None:
+            g.loaded = int(credit["loaded"])
+
+    def loaded_floor(self) -> int | None:
+        """Lowest loaded version among generators that report one (None if none does)."""
+        versions = [g.loaded for g in self.gens.values() if g.loaded is not None]
+        return min(versions) if versions else None
 
     def _next(self) -> int:
         self._incarnations += 1

@@ -182,6 +182,7 @@ class Orchestrator:
     def _grant_work(self) -> None:
         """One group at a time to each generator with credit in turn, so none is starved."""
         now = time.time()
+        self.admission.loaded_floor = self.generators.loaded_floor()
         grants: dict[bytes, tuple[list, list]] = {}
         progress = True
         while progress:
@@ -200,7 +201,7 @@ class Orchestrator:
                 gen.granted += 1
                 progress = True
         for peer, (items, prompts) in grants.items():
-            self.server.send(peer, "work", {"epoch": self.epoch, "version": self.admission.version,
+            self.server.send(peer, "work", {"epoch": self.epoch, "version": self.admission.effective_version,
                                             "items": items},
                              {"prompt_ids": np.concatenate(prompts),
                               "prompt_len": np.array([len(p) for p in prompts], np.int32)})

@@ -1,8 +1,9 @@
 """The trainer's side of the orchestrator: step batches, the step record, staleness in the buffer.
 
 Invariants (DESIGN §4, §6):
-- step k's batch is the ``groups_per_step`` oldest buffered groups, recorded in the log with the
-  data-parallel rank of every sample and flushed before any trainer rank sees it; asking again for
+- step k's batch is the ``groups_per_step`` oldest buffered groups (ordered by group id), recorded
+  in the log with the data-parallel rank of every sample and flushed before any trainer rank sees
+  it; asking again for
   a recorded step returns the same samples (each rank gets its own share);
 - before a step takes groups, buffered groups with ``trainer_version - min_version > max_staleness``
   are evicted (their slots freed, an ``EVICTED_STALE`` row logged);
@@ -111,7 +112,9 @@ class StepDesk:
                 continue
             if len(self.buffer) < self.cfg.groups_per_step:
                 continue
-            groups = self.buffer.take(self.cfg.groups_per_step)
+            # Oldest groups first; within the step in group order, so that a synchronous run whose
+            # groups finished in another order still trains on an identical batch.
+            groups = sorted(self.buffer.take(self.cfg.groups_per_step), key=lambda g: g.group_id)
             batch = SampleBatch.concat([g.batch for g in groups])
             rows = np.concatenate([g.rows for g in groups])
             lengths = batch.columns["prompt_len"] + batch.columns["completion_len"]

@@ -120,6 +120,8 @@ class GeneratorRole:
                         item.version != self.gen.version or not self.loaded) and self.epoch is not None:
                     report = await self.gen.update_weights(item.version)
                     self.loaded = True
+                    self.link.loaded_version = report.version
+                    self.link.send_want()  # tell the orchestrator at once: admission waits for it
                     self.stall_s += report.paused_s
                     log.info("loaded version %d (paused %.3fs, load %.3fs)", report.version,
                              report.paused_s, report.load_s)

@@ -239,7 +239,8 @@ class TrainerRole:
                                    behaviour_logprobs=batch.tokens("logprobs", i),
                                    reward=float(batch.columns["reward"][i]),
                                    group_id=int(batch.columns["group_id"][i])) for i in range(len(batch))]
-            mismatch = self._mismatch(batch, samples) if every and step % every == 0 else None
+            me = cfg.run.mismatch_every
+            mismatch = self._mismatch(batch, samples) if me and step % me == 0 else None
             m = self.trainer.train_step(samples)
             t2 = time.monotonic()
             self.version = step + 1
@@ -274,13 +275,22 @@ class TrainerRole:
         return stop
 
     def _mismatch(self, batch, samples) -> float | None:
-        """Mean |trainer - generator| logprob over tokens the current weights generated."""
+        """Mean |trainer - generator| logprob over tokens the current weights generated (a
+        collective: every rank computes it on its share; None where no rank has such tokens)."""
         current = [batch.tokens("versions", i) == self.version for i in range(len(batch))]
-        if not any(c.any() for c in current):
-            return None
-        lps = self.trainer.logprobs(samples)
-        diffs = [np.abs(lp[c] - s.behaviour_logprobs[c]) for lp, s, c in zip(lps, samples, current)]
-        return float(np.concatenate(diffs).mean())
+        pick = [i for i, c in enumerate(current) if c.any()] or [0]
+        lps = self.trainer.logprobs([samples[i] for i in pick])  # every rank runs the forward
+        diff = sum(float(np.abs(lp[current[i]] - samples[i].behaviour_logprobs[current[i]]).sum())
+                   for lp, i in zip(lps, pick))
+        count = sum(int(current[i].sum()) for i in pick)
+        if self.world > 1:
+            import torch
+            import torch.distributed as td
+            t = torch.tensor([diff, float(count)], dtype=torch.float64,
+                             device="cuda" if self.trainer.cuda else "cpu")
+            td.all_reduce(t)
+            diff, count = float(t[0]), int(t[1])
+        return diff / count if count else None
 
     def _checkpoint(self, steps_done: int) -> None:
         final = self.run_dir / CHECKPOINTS / f"step-{steps_done}"
