@@ -12,14 +12,20 @@ whose generator disappeared are re-sent to another after ``resend_after_s``.
 """
 from __future__ import annotations
 
+import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from pipeline.orchestrator.prompts import PromptItem, PromptSource
 from pipeline.orchestrator.scoring import Scorer
-from pipeline.record import RecordSchema, SampleBatch
+from pipeline.record import RecordError, RecordSchema, SampleBatch
+from pipeline.transport import MessageServer
+from pipeline.wire import Message
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -65,6 +71,30 @@ class Evaluator:
 
     def prompt(self, index: int) -> PromptItem:
         return self.prompts._cached(index)
+
+    def send_work(self, server: MessageServer, generators: list[bytes]) -> None:
+        """Send the round's unsent (or overdue) prompts to the generators."""
+        if self.round is None:
+            return
+        for peer, indices in self.assignments(generators).items():
+            prompts = [self.prompt(i).token_ids for i in indices]
+            server.send(peer, "eval_work", {"step": self.round.step, "indices": indices},
+                        {"prompt_ids": np.concatenate(prompts),
+                         "prompt_len": np.array([len(p) for p in prompts], np.int32)})
+
+    def on_result(self, peer: bytes, msg: Message, counts: Counter) -> dict | None:
+        """Record a generator's answers; the round's summary once it is complete."""
+        arrays = dict(msg.arrays)
+        indices = arrays.pop("eval_index", None)
+        try:
+            if indices is None:
+                raise RecordError("eval result without eval_index")
+            batch = SampleBatch(arrays, self.schema)
+        except RecordError as exc:
+            counts["invalid_eval_result"] += 1
+            log.warning("invalid eval result from %r: %s", peer, exc)
+            return None
+        return self.record(int(msg.meta["step"]), indices, batch)
 
     def record(self, step: int, indices: np.ndarray, batch: SampleBatch) -> dict | None:
         """Score answers of a round; returns the round's summary once it is complete."""

@@ -127,7 +127,7 @@ class Orchestrator:
             self._grant_work()
         self.desk.serve()
         if self.evaluator is not None and self.evaluator.round is not None:
-            self._send_eval_work()
+            self.evaluator.send_work(self.server, list(self.generators))
         if now - self._last_metrics >= self.cfg.metrics_interval_s:
             self._write_metrics(now)
 
@@ -317,6 +317,20 @@ class Orchestrator:
     def _on_version(self, peer: bytes, msg: Message) -> None:
         self.admission.version = int(msg.meta["version"])
 
+    def _on_eval_request(self, peer: bytes, msg: Message) -> None:
+        if self.evaluator is None:
+            self.counts["eval_unavailable"] += 1
+            return
+        self.evaluator.start(int(msg.meta["step"]), int(msg.meta["version"]))
+        self.evaluator.send_work(self.server, list(self.generators))
+
+    def _on_eval_result(self, peer: bytes, msg: Message) -> None:
+        if self.evaluator is None:
+            return
+        summary = self.evaluator.on_result(peer, msg, self.counts)
+        if summary is not None:
+            self.metrics.log("eval", **summary)
+
     def _on_weights(self, peer: bytes, msg: Message) -> None:
         self.announced_version = int(msg.meta["version"])
         for gen in self.generators:
@@ -326,39 +340,6 @@ class Orchestrator:
         for gen in self.generators:
             self.server.send(gen, "stop", {})
         self.stopping = True
-
-    # -- evaluation --------------------------------------------------------------------------
-    def _on_eval_request(self, peer: bytes, msg: Message) -> None:
-        if self.evaluator is None:
-            self.counts["eval_unavailable"] += 1
-            return
-        self.evaluator.start(int(msg.meta["step"]), int(msg.meta["version"]))
-        self._send_eval_work()
-
-    def _send_eval_work(self) -> None:
-        ev = self.evaluator
-        if ev is None or ev.round is None:
-            return
-        for peer, indices in ev.assignments(list(self.generators)).items():
-            prompts = [ev.prompt(i).token_ids for i in indices]
-            self.server.send(peer, "eval_work", {"step": ev.round.step, "indices": indices},
-                             {"prompt_ids": np.concatenate(prompts),
-                              "prompt_len": np.array([len(p) for p in prompts], np.int32)})
-
-    def _on_eval_result(self, peer: bytes, msg: Message) -> None:
-        if self.evaluator is None:
-            return
-        arrays = dict(msg.arrays)
-        indices = arrays.pop("eval_index")
-        try:
-            batch = batch_from_arrays(arrays, self.schema)
-        except RecordError as exc:
-            self.counts["invalid_eval_result"] += 1
-            log.warning("invalid eval result from %r: %s", peer, exc)
-            return
-        summary = self.evaluator.record(int(msg.meta["step"]), indices, batch)
-        if summary is not None:
-            self.metrics.log("eval", **summary)
 
     # -- metrics and shutdown -----------------------------------------------------------------
     def _write_metrics(self, now: float) -> None:
