@@ -43,7 +43,8 @@ class TransportConfig:
     """Where and how the orchestrator listens."""
 
     host: str = "127.0.0.1"
-    """Address to bind when no interface is named (loopback keeps a single-machine run private)."""
+    """Address to bind when no interface is named (loopback keeps a single-machine run private;
+    "0.0.0.0" listens on every interface and publishes this node's host name)."""
     interface: str | None = None
     """Network interface (e.g. ib0, eth0) whose IPv4 address to bind on clusters; overrides host."""
     port: int = 0
@@ -134,7 +135,8 @@ class MessageServer(_Endpoint):
             self.port = cfg.port
         else:
             self.port = self.sock.bind_to_random_port(f"tcp://{host}")
-        self.address = f"tcp://{host}:{self.port}"
+        advertised = socket.gethostname() if host == "0.0.0.0" else host
+        self.address = f"tcp://{advertised}:{self.port}"
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
 

@@ -57,6 +57,9 @@ def task_sources(cfg: TokenflowConfig, run_dir: Path) -> tuple[PromptSource, Pro
 
 
 def build_orchestrator(run_dir: Path, cfg: TokenflowConfig) -> Orchestrator:
+    t = cfg.orchestrator.transport
+    if cfg.cluster.launcher == "slurm" and t.interface is None and t.host == "127.0.0.1":
+        t.host = "0.0.0.0"  # generators run on other nodes: listen on every interface
     train, evals, scorer = task_sources(cfg, run_dir)
     return Orchestrator(run_dir, cfg.orchestrator, train, scorer, record_schema(cfg),
                         run_id=cfg.run.name, eval_prompts=evals,
