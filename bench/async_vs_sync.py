@@ -217,6 +217,7 @@ def main() -> dict:
         t = time.monotonic()
         model = prebuild_warm_start(prompts, root / "prebuild")
         print(f"prompts {prompt_stats}; warm-start {model} ready in {time.monotonic() - t:.0f}s", flush=True)
+        t = time.monotonic()
         base = common_overrides(prompts, steps)
         plan = {"sync": ["algo=sync"], "async": []}
         walls: dict[str, float] = {}
@@ -224,8 +225,14 @@ def main() -> dict:
         try:
             if args.quick:  # both at once: they share the core plan, so only the harness is checked
                 started = {name: start_run(name, root, base + extra) for name, extra in plan.items()}
+                ends: dict[str, float] = {}
+                while len(ends) < len(started) and time.monotonic() - t < args.timeout:
+                    ends.update({n: time.monotonic() for n, (p, _) in started.items()
+                                 if n not in ends and p.poll() is not None})
+                    time.sleep(0.2)
                 for name, (proc, t0) in started.items():
-                    walls[name] = wait_run(proc, t0, name, root, args.timeout)
+                    wait_run(proc, t0, name, root, args.timeout)  # raises if it failed
+                    walls[name] = ends[name] - t0
             else:
                 for name, extra in plan.items():
                     started[name] = start_run(name, root, base + extra)

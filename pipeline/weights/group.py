@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 
 import msgpack
 
-from pipeline.weights.buckets import BucketPlan, pack, unpack
+from pipeline.weights.buckets import BucketPlan, pack, reusable, unpack
 
 if TYPE_CHECKING:
     import torch
@@ -52,6 +52,8 @@ class WeightChannel(abc.ABC):
     """Carries versioned weight updates from one sender to many receivers."""
 
     device: "torch.device | None" = None
+    _pool: list | None = None
+    """Bucket buffers reused from one update to the next (a subclass sets a list)."""
     """Where buckets must live to be sent (None: wherever the tensors are)."""
 
     @abc.abstractmethod
@@ -71,7 +73,7 @@ class WeightChannel(abc.ABC):
         """Plan, pack and send a list of named tensors; returns the plan used."""
         named = list(named)
         plan = BucketPlan.for_tensors(named, bucket_bytes)
-        self.send(version, plan, pack(plan, named, device=self.device))
+        self.send(version, plan, pack(plan, named, device=self.device, pool=self._pool))
         return plan
 
 
@@ -105,6 +107,7 @@ class TorchDistChannel(WeightChannel):
                                   f"(world {world_size}, epoch {epoch}) within {timeout_s:.0f} s: {e}") from e
         self._store = store
         self._closed = False
+        self._pool = []
 
     def _broadcast(self, tensor: "torch.Tensor", what: str) -> None:
         import torch.distributed as dist
@@ -157,10 +160,8 @@ class TorchDistChannel(WeightChannel):
         return ReceivedWeights(version, plan, self._receive_buckets(plan, version))
 
     def _receive_buckets(self, plan: BucketPlan, version: int) -> Iterator["torch.Tensor"]:
-        import torch
-
         for i, size in enumerate(plan.sizes):
-            bucket = torch.empty(size, dtype=torch.uint8, device=self.device)
+            bucket = reusable(self._pool, i, size, self.device)
             self._broadcast(bucket, f"bucket {i}/{len(plan.sizes)} of version {version}")
             yield bucket
 
