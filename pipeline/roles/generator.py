@@ -100,6 +100,7 @@ class GeneratorRole:
         self._log_metrics(time.monotonic() - t_start)
         self.link.close()
         self.gen.shutdown()
+        _reap_engine_processes()
         return {"tokens": self.tokens, "version": self.gen.version}
 
     async def _apply_controls(self, queue: "asyncio.Queue[Control]") -> None:
@@ -191,6 +192,19 @@ class GeneratorRole:
                          idle_frac=1 - busy / max(elapsed, 1e-9), stall_s=self.stall_s,
                          in_flight_groups=self.in_flight, unacked=len(self.link.unacked),
                          sync_failures=self.sync_failures, weight_epoch=self.epoch)
+
+
+def _reap_engine_processes(grace_s: float = 10.0) -> None:
+    """Stop engine processes vLLM's shutdown left behind (they would outlive the run)."""
+    import multiprocessing
+
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(grace_s)
+        if child.is_alive():
+            child.kill()
 
 
 def main(task) -> dict:
