@@ -10,7 +10,6 @@ Example: ``tokenflow replay runs/demo run.steps=20 trainer.lr=5e-5``.
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -23,9 +22,11 @@ def source_defaults(log_path: Path) -> list[str]:
     if log_path.suffix == ".h5":
         run_dir = log_path.parent.parent
     out = [f"run.name={run_dir.name}-replay"]
-    cfg_file, model_file = run_dir / "config.yaml", run_dir / "model.json"
-    if model_file.exists():
-        out += [f"model.name={json.loads(model_file.read_text())['path']}", "model.warmstart_steps=0"]
+    from pipeline.roles.common import CONFIG_FILE, MODEL_FILE, model_dir
+
+    cfg_file = run_dir / CONFIG_FILE
+    if (run_dir / MODEL_FILE).exists():
+        out += [f"model.name={model_dir(run_dir)}", "model.warmstart_steps=0"]
     if cfg_file.exists():
         old = OmegaConf.load(cfg_file)
         out += [f"task.name={old.task.name}", f"orchestrator.group_size={old.orchestrator.group_size}",

@@ -282,13 +282,11 @@ class Orchestrator:
     def _resolve(self, gid: int, attempt: int, outcome: GroupOutcome, group: SampleBatch | None,
                  peer: bytes, reason: str) -> None:
         kept = outcome == GroupOutcome.STORED
-        first_row, n, min_v = -1, 0, -1
-        if group is not None:
-            n, min_v = len(group), int(group.min_versions().min())
         if kept:
             self._store(gid, attempt, group)
-        else:
-            self.group_rows.append((gid, attempt, outcome, first_row, n, min_v, time.time()))
+        else:  # not stored: first_row -1
+            n, min_v = (len(group), int(group.min_versions().min())) if group is not None else (0, -1)
+            self.group_rows.append((gid, attempt, outcome, -1, n, min_v, time.time()))
         self.admission.resolve(gid, kept)
         self.counts[reason] += 1
         self.to_ack.append((peer, gid, attempt, reason))

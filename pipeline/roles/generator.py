@@ -14,7 +14,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import replace
@@ -26,19 +25,9 @@ from pipeline.config import record_schema
 from pipeline.metrics import MetricsWriter
 from pipeline.orchestrator.links import Control, EvalItem, GeneratorLink, WorkItem
 from pipeline.record import RolloutSample, SampleBatch
-from pipeline.roles.common import cpu_cores_for, load_run_config, pin_process
-from pipeline.roles.orchestrator import MODEL_FILE
+from pipeline.roles.common import cpu_cores_for, load_run_config, model_dir, pin_process
 
 log = logging.getLogger(__name__)
-
-
-def _wait_for_file(path: Path, timeout_s: float) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear within {timeout_s:.0f}s (is the trainer up?)")
-        time.sleep(0.2)
-    return json.loads(path.read_text())
 
 
 class GeneratorRole:
@@ -65,7 +54,7 @@ class GeneratorRole:
         cfg, timeout = self.cfg, self.cfg.run.timeout_s
         cores = cpu_cores_for("generator", self.rank, cfg)
         pin_process(cores)
-        model = _wait_for_file(self.run_dir / MODEL_FILE, timeout)["path"]
+        model = str(model_dir(self.run_dir, timeout))
         gcfg = replace(cfg.generator, model=model, seed=cfg.orchestrator.seed,
                        cpu_cores=cfg.generator.cpu_cores or (",".join(map(str, cores)) if cores else ""))
         self.gen = Generator(gcfg, generator_id=self.rank, schema=self.schema)

@@ -8,7 +8,6 @@ verifier, no tokenizer) used by tests and benchmarks of the transport, buffer an
 from __future__ import annotations
 
 import itertools
-import json
 from pathlib import Path
 
 import numpy as np
@@ -17,15 +16,10 @@ from pipeline.config import TokenflowConfig, record_schema
 from pipeline.orchestrator.prompts import PromptItem, PromptSource, SyntheticPromptSource, TextPromptSource
 from pipeline.orchestrator.scoring import Scorer, VerifierScorer, last_token_verifier
 from pipeline.orchestrator.service import Orchestrator
+from pipeline.roles.common import model_dir
 
-MODEL_FILE = "model.json"
 #: Prompts drawn from a task's training stream; the prompt source walks seeded permutations of them.
 TRAIN_PROMPTS = 20_000
-
-
-def model_dir(run_dir: Path) -> Path:
-    """The checkpoint the run's generators and trainer start from (written by trainer rank 0)."""
-    return Path(json.loads((Path(run_dir) / MODEL_FILE).read_text())["path"])
 
 
 def task_sources(cfg: TokenflowConfig, run_dir: Path) -> tuple[PromptSource, PromptSource, Scorer]:

@@ -17,7 +17,6 @@ Invariants:
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -32,8 +31,7 @@ import numpy as np
 from pipeline.config import TokenflowConfig, record_schema
 from pipeline.metrics import MetricsWriter
 from pipeline.orchestrator.links import TrainerLink
-from pipeline.roles.common import cpu_cores_for, load_run_config, pin_process
-from pipeline.roles.orchestrator import MODEL_FILE
+from pipeline.roles.common import cpu_cores_for, load_run_config, model_dir, pin_process, publish_model
 
 log = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
@@ -51,9 +49,7 @@ def prepare_model(run_dir: Path, cfg: TokenflowConfig) -> Path:
 
         ws = WarmStartConfig(steps=cfg.model.warmstart_steps, lr=cfg.model.warmstart_lr)
         path = ensure_warm_start(path, make_task(cfg.task), ws)
-    tmp = run_dir / (MODEL_FILE + ".tmp")
-    tmp.write_text(json.dumps({"path": str(path)}))
-    os.replace(tmp, run_dir / MODEL_FILE)
+    publish_model(run_dir, path)
     return path
 
 
@@ -102,13 +98,12 @@ class TrainerRole:
         cfg, timeout = self.cfg, self.cfg.run.timeout_s
         pin_process(cpu_cores_for("trainer", self.rank, cfg))
         if self.leader:
-            model = prepare_model(self.run_dir, cfg)
+            prepare_model(self.run_dir, cfg)
             self.orchestrator = start_orchestrator(self.run_dir)
             from pipeline.launch.rendezvous import free_port
-            self.rdv.publish("trainer_dist", {"host": "127.0.0.1" if cfg.cluster.launcher == "local"
-                                              else self.task.node, "port": free_port()})
+            self.rdv.publish("trainer_dist", {"host": self._host(), "port": free_port()})
         dist = self.rdv.wait("trainer_dist", timeout)
-        model = Path(json.loads((self.run_dir / MODEL_FILE).read_text())["path"]) if not self.leader else model
+        model = model_dir(self.run_dir, timeout)
         from dataclasses import replace
 
         from pipeline.trainer.engine import Trainer
@@ -131,6 +126,10 @@ class TrainerRole:
             self.push_weights(self.version)  # generators start from the trainer's weights
         else:
             self.link.report_version(self.version)
+
+    def _host(self) -> str:
+        """Address other roles reach this process at: loopback locally, the node name on Slurm."""
+        return "127.0.0.1" if self.cfg.cluster.launcher == "local" else self.task.node
 
     # -- weight group (leader) --------------------------------------------------------------
     def _ensure_group(self, first: bool) -> None:
@@ -166,7 +165,7 @@ class TrainerRole:
         tp = cfg.generator.tensor_parallel_size
         ranks = {ident: 1 + i * tp for i, ident in enumerate(sorted(members))}
         world = 1 + len(members) * tp
-        host = "127.0.0.1" if cfg.cluster.launcher == "local" else self.task.node
+        host = self._host()
         port = free_port()
         backend = "nccl" if self.trainer.cuda else "gloo"
         self.rdv.publish(f"weights-{self.epoch}", {"host": host, "port": port, "world_size": world,
