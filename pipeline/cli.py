@@ -3,6 +3,7 @@
     tokenflow train [OVERRIDES...]                      train (no arguments: the built-in demo)
     tokenflow replay LOG [OVERRIDES...]                 train from a recorded rollout log
     tokenflow inspect PATH [--plot OUT.png] [--json]   summarise (and plot) a rollout log
+    tokenflow compare PATH... [--json|--csv] [--plot OUT.png]   runs / a sweep side by side
     tokenflow orchestrate RUN_DIR                       serve a run's orchestrator (a role process)
 
 Subcommands are thin: they parse arguments and call the module that does the work, so that
@@ -18,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("pipeline.train", "train a policy (no arguments: the built-in CPU demo); Hydra overrides, -m sweeps"),
     "replay": ("pipeline.replay", "train from a recorded rollout log (off-policy, IS-corrected)"),
     "status": ("pipeline.ops.status", "a run's components and Slurm states, step, versions, buffer, last error; --json"),
+    "compare": ("pipeline.ops.compare", "runs or a sweep side by side: differing overrides, accuracy, reward, "
+                "state; --json, --csv, --plot"),
     "cancel": ("pipeline.ops.cancel", "stop every component of a run (scancel or local processes)"),
     "inspect": ("pipeline.inspect_log", "summarise a rollout log: counts, rewards, staleness; --plot, --json"),
     "orchestrate": ("pipeline.orchestrator.__main__", "run the orchestrator of RUN_DIR (role process)"),

@@ -6,7 +6,8 @@ The same command on the same run directory (``run.name``) resumes it; ``-m`` swe
 multirun with its basic launcher), one run directory per point. With ``cluster=slurm`` every run is
 ONE heterogeneous job (trainer ranks + orchestrator, generators), so a sweep submits one job per
 point (heterogeneous jobs cannot be job arrays, hence no ``hydra/launcher=submitit_slurm``);
-``run.detach=true`` returns right after submitting (then ``tokenflow status RUN_DIR``).
+``run.detach=true`` returns right after submitting (then ``tokenflow status RUN_DIR``). A sweep
+ends with its points compared (`pipeline.ops.compare.report_sweep`: table + SWEEP_DIR/compare.png).
 
 Invariants:
 - nothing starts before the config is validated and, on resume, checked against the config the
@@ -153,11 +154,20 @@ def main(argv: list[str] | None = None) -> int:
     register()
     argv = sys.argv[1:] if argv is None else argv
     status: list[int] = []
+    sweep_dirs: list[str] = []
 
     @hydra.main(config_path=str(CONFIGS), config_name="train", version_base=None)
     def app(dcfg) -> None:
+        from hydra.core.hydra_config import HydraConfig
+        if HydraConfig.get().mode.name == "MULTIRUN":
+            sweep_dirs.append(HydraConfig.get().sweep.dir)
         status.append(train(OmegaConf.to_object(dcfg)))
 
     sys.argv = ["tokenflow train", *argv]
-    app()
+    try:
+        app()
+    finally:
+        if sweep_dirs:  # end of a sweep (also when a point failed): its points side by side
+            from pipeline.ops.compare import report_sweep
+            report_sweep(Path(sweep_dirs[0]))
     return max(status, default=1)

@@ -1,4 +1,6 @@
-"""The end-of-run figure: reward, held-out accuracy and staleness over optimizer steps (PNG)."""
+"""Figures (PNG): one run's reward, held-out accuracy and staleness over optimizer steps (`plot_run`,
+the end-of-run figure); several runs' accuracy and reward curves overlaid (`plot_overlay`, for
+`tokenflow compare` and the end of a sweep)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -32,6 +34,45 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
         a.grid(alpha=0.3)
     fig.suptitle(run_dir.name)
     fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_overlay(runs: list[tuple[Path, str, str]], out: Path, title: str = "") -> Path:
+    """Held-out accuracy and batch reward of several runs on shared axes, one colour per run.
+
+    `runs` holds (run directory, legend label, state); a failed run's curves are dashed and its
+    label says so, a running one is labelled "running" (its curves end where it stands).
+    """
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (acc_ax, reward_ax) = plt.subplots(1, 2, figsize=(13, 4.4))
+    colours = plt.get_cmap("tab10" if len(runs) <= 10 else "tab20")
+    for i, (run_dir, label, state) in enumerate(runs):
+        style = {"color": colours(i % colours.N), "ls": "--" if state == "failed" else "-"}
+        if state != "finished":
+            label = f"{label} ({state})"
+        evals = {e["step"]: e for e in read_metrics(run_dir, "eval") if e.get("accuracy") is not None}
+        steps = {s["step"]: s for s in read_metrics(run_dir, "train_step") if s.get("reward_mean") is not None}
+        acc_ax.plot(sorted(evals), [100 * evals[k]["accuracy"] for k in sorted(evals)], marker="o", ms=4,
+                    label=label, **style)
+        reward_ax.plot(sorted(steps), [steps[k]["reward_mean"] for k in sorted(steps)], marker=".", lw=1.2,
+                       label=label, **style)
+    acc_ax.set(title="held-out greedy accuracy", xlabel="optimizer step", ylabel="% correct", ylim=(0, 100))
+    reward_ax.set(title="mean reward of the step's batch", xlabel="optimizer step", ylabel="reward")
+    from matplotlib.ticker import MaxNLocator
+    for ax in (acc_ax, reward_ax):
+        ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    handles, labels = acc_ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(runs), 3), fontsize="small", frameon=False)
+    if title:
+        fig.suptitle(title)
+    rows = -(-len(runs) // 3)
+    fig.tight_layout(rect=(0, min(0.45, 0.07 * rows + 0.02), 1, 1))
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out

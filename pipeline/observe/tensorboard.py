@@ -3,6 +3,12 @@
 Every numeric field of a ``train_step`` or ``eval`` record becomes a scalar ``<kind>/<field>`` at
 its step; ``generator`` and ``orchestrator`` records go under their kind at the trainer's latest
 step. The mirror follows the file, so it can run beside the training job or after it.
+
+When the mirror closes (the run ended, failed or was interrupted) it writes the run's HParams
+session: its command-line overrides (``.hydra/overrides.yaml``, with the values the run resolved;
+plus ``task.name`` and ``model.name``) as hparams, and its summary numbers
+(`pipeline.ops.summary.metric_summary`) as the metrics ``hparams/<name>``, so
+``tensorboard --logdir runs/sw-sweep`` compares the points of a sweep in its HParams view.
 """
 from __future__ import annotations
 
@@ -11,11 +17,15 @@ from pathlib import Path
 from pipeline.observe.follow import MetricsFollower
 
 SKIP = {"t", "role", "kind", "step"}
+#: Summary numbers written as HParams metrics (``hparams/<name>``).
+HPARAM_METRICS = ("final_accuracy", "best_accuracy", "reward_last", "steps_done", "tokens_per_s",
+                  "trainer_idle_frac", "staleness_mean", "drops", "wall_s")
 
 
 class TensorBoardMirror:
     def __init__(self, run_dir: Path):
         from torch.utils.tensorboard import SummaryWriter
+        self.run_dir = Path(run_dir)
         self.follow = MetricsFollower(run_dir)
         self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
         self.step = 0
@@ -36,6 +46,25 @@ class TensorBoardMirror:
         self.writer.flush()
         return n
 
+    def write_hparams(self) -> dict[str, float]:
+        """Write the run's HParams session (see the module doc); returns the metrics written."""
+        from torch.utils.tensorboard.summary import hparams
+
+        from pipeline.ops.summary import metric_summary
+        from pipeline.ops.sweep import command_overrides, run_config
+
+        config = run_config(self.run_dir)
+        params = {k: config[k] for k in ("task.name", "model.name") if k in config}
+        params.update(command_overrides(self.run_dir))
+        summary = metric_summary(self.run_dir)
+        metrics = {f"hparams/{k}": float(summary[k]) for k in HPARAM_METRICS if summary[k] is not None}
+        for proto in hparams(params, metrics):  # experiment, session start, session end
+            self.writer.file_writer.add_summary(proto)
+        for tag, value in metrics.items():
+            self.writer.add_scalar(tag, value, self.step)
+        return metrics
+
     def close(self) -> None:
         self.update()
+        self.write_hparams()
         self.writer.close()
