@@ -24,7 +24,7 @@ from pipeline.config import TokenflowConfig
 from pipeline.metrics import MetricsWriter
 from pipeline.ops import status_main
 from pipeline.ops.compare import compare_runs, format_table, main as compare_main
-from pipeline.ops.summary import wall_seconds
+from pipeline.ops.summary import metric_summary, wall_seconds
 from pipeline.ops.sweep import find_runs
 from pipeline.roles.common import save_run_config
 from pipeline.train import job_plan
@@ -50,8 +50,9 @@ def make_run(run_dir: Path, lr: float, rewards: list[float], evals: list[tuple[i
     generator = MetricsWriter(run_dir, "generator.0")
     for step, reward in enumerate(rewards):
         trainer.log("train_step", step=step, version=step + 1, reward_mean=reward, samples=32,
-                    staleness_mean=step % 2, staleness_max=1, trainer_idle_frac=0.25 + 0.01 * step)
-        generator.log("generator", generator_id=0, version=step, tokens_per_s=1500.0 + step)
+                    staleness_mean=step % 2, staleness_max=1, tokens=250 + 10 * step, wait_s=90.0 if step == 0 else 1.0,
+                    step_s=2.5, sync_s=0.5, trainer_idle_frac=0.9)
+        generator.log("generator", generator_id=0, version=step, tokens_per_s=150.0)
         orchestrator.log("orchestrator", buffer_groups=2, in_flight=1, count_dropped_stale=step)
     for step, accuracy in evals:
         orchestrator.log("eval", step=step, version=step, accuracy=accuracy, n=200)
@@ -93,8 +94,10 @@ def test_compare_json_shows_the_failed_point_with_its_error(sweep, capsys):
     assert (done["best_accuracy"], done["best_accuracy_step"]) == (0.55, 2)
     assert done["reward_last"] == pytest.approx((0.2 + 0.4 + 0.6) / 3)
     assert (done["steps_done"], done["steps"], failed["steps_done"]) == (3, 3, 1)
-    assert done["staleness_mean"] == pytest.approx(1 / 3) and done["trainer_idle_frac"] == pytest.approx(0.27)
-    assert done["tokens_per_s"] == 1502.0 and done["drops"] == 2
+    assert done["staleness_mean"] == pytest.approx(1 / 3)
+    # The loop of steps 1 and 2 (step 0's wait holds the start-up): 4 s each, 1 s of it waiting.
+    assert done["tokens_per_s"] == pytest.approx((260 + 270) / 8) and done["trainer_idle_frac"] == pytest.approx(0.25)
+    assert failed["tokens_per_s"] == pytest.approx(250 / 93) and done["drops"] == 2
     assert result["best"] == "0"
 
 
@@ -162,6 +165,21 @@ def test_bad_paths_are_named(tmp_path, capsys):
     assert f"{tmp_path / 'missing'}: no such directory" in capsys.readouterr().err
     assert compare_main([str(tmp_path / "empty")]) == 2
     assert "neither a run directory" in capsys.readouterr().err
+
+
+def test_a_resumed_run_counts_redone_steps_once_and_drops_over_restarts(tmp_path):
+    """Steps 0-2, then a resume from the checkpoint at 2 redoes step 2; the orchestrator counted
+    dropped_stale 2, 5, then (restarted) 1, 3 -> 8 (the summary module's worked example)."""
+    trainer, orchestrator = MetricsWriter(tmp_path, "trainer"), MetricsWriter(tmp_path, "orchestrator")
+    for step, reward in ((0, 0.1), (1, 0.2), (2, 0.9), (2, 0.3)):
+        trainer.log("train_step", step=step, reward_mean=reward)
+    for stale, future in ((2, 0), (5, 1), (1, 0), (3, 0)):
+        orchestrator.log("orchestrator", count_dropped_stale=stale, count_dropped_future_version=future, count_stored=9)
+    trainer.close()
+    orchestrator.close()
+    summary = metric_summary(tmp_path)
+    assert summary["steps_done"] == 3 and summary["reward_last"] == pytest.approx((0.1 + 0.2 + 0.3) / 3)
+    assert summary["drops_by_reason"] == {"stale": 8, "future_version": 1} and summary["drops"] == 9
 
 
 def test_wall_time_counts_each_launch_to_its_last_record():

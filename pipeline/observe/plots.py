@@ -39,40 +39,47 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     return out
 
 
-def plot_overlay(runs: list[tuple[Path, str, str]], out: Path, title: str = "") -> Path:
+def plot_overlay(runs: list[tuple[Path, str, str]], out: Path, title: str = "", legend_title: str = "") -> Path:
     """Held-out accuracy and batch reward of several runs on shared axes, one colour per run.
 
     `runs` holds (run directory, legend label, state); a failed run's curves are dashed and its
-    label says so, a running one is labelled "running" (its curves end where it stands).
+    label says so, a running one is labelled "running" (its curves end where it stands). The legend
+    sits below the axes (titled `legend_title`, e.g. the names of the keys the labels give values
+    of), one column when labels are long; the figure grows with it, the axes keep their size.
     """
+    import textwrap
+
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    fig, (acc_ax, reward_ax) = plt.subplots(1, 2, figsize=(13, 4.4))
+    labels = [label if state == "finished" else f"{label} ({state})" for _, label, state in runs]
+    ncol = 1 if max(map(len, labels), default=0) > 40 else min(len(runs), 3) or 1
+    legend_title = "\n".join(textwrap.wrap(legend_title, 150))
+    legend_lines = -(-len(runs) // ncol) + (legend_title.count("\n") + 1 if legend_title else 0)
+    legend_in = 0.25 + 0.2 * legend_lines
+    fig, (acc_ax, reward_ax) = plt.subplots(1, 2, figsize=(13, 4.2 + legend_in))
     colours = plt.get_cmap("tab10" if len(runs) <= 10 else "tab20")
-    for i, (run_dir, label, state) in enumerate(runs):
-        style = {"color": colours(i % colours.N), "ls": "--" if state == "failed" else "-"}
-        if state != "finished":
-            label = f"{label} ({state})"
+    for i, ((run_dir, _, state), label) in enumerate(zip(runs, labels)):
+        # Earlier runs drawn wider, markers of different shapes: runs whose curves coincide stay visible.
+        style = {"color": colours(i % colours.N), "ls": "--" if state == "failed" else "-", "label": label,
+                 "lw": 1.2 + 2.0 * (len(runs) - 1 - i) / max(1, len(runs) - 1), "marker": "os^Dv<>ph*"[i % 10]}
         evals = {e["step"]: e for e in read_metrics(run_dir, "eval") if e.get("accuracy") is not None}
         steps = {s["step"]: s for s in read_metrics(run_dir, "train_step") if s.get("reward_mean") is not None}
-        acc_ax.plot(sorted(evals), [100 * evals[k]["accuracy"] for k in sorted(evals)], marker="o", ms=4,
-                    label=label, **style)
-        reward_ax.plot(sorted(steps), [steps[k]["reward_mean"] for k in sorted(steps)], marker=".", lw=1.2,
-                       label=label, **style)
+        acc_ax.plot(sorted(evals), [100 * evals[k]["accuracy"] for k in sorted(evals)], ms=5, **style)
+        reward_ax.plot(sorted(steps), [steps[k]["reward_mean"] for k in sorted(steps)], ms=3, **style)
     acc_ax.set(title="held-out greedy accuracy", xlabel="optimizer step", ylabel="% correct", ylim=(0, 100))
     reward_ax.set(title="mean reward of the step's batch", xlabel="optimizer step", ylabel="reward")
-    from matplotlib.ticker import MaxNLocator
     for ax in (acc_ax, reward_ax):
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    handles, labels = acc_ax.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(runs), 3), fontsize="small", frameon=False)
+    handles, _ = acc_ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize="small", frameon=False,
+               title=legend_title or None, title_fontsize="small")
     if title:
         fig.suptitle(title)
-    rows = -(-len(runs) // 3)
-    fig.tight_layout(rect=(0, min(0.45, 0.07 * rows + 0.02), 1, 1))
+    fig.tight_layout(rect=(0, legend_in / (4.2 + legend_in), 1, 1))
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out

@@ -4,8 +4,8 @@ PATH is a sweep directory (all its points), run directories, or glob patterns of
 per run: the config keys whose values differ between the runs (keys of ``task`` and ``model``
 first, marked ``!``: runs that differ there train or measure different things, so their
 accuracies are not comparable), then final and best held-out accuracy (with the step of the best),
-mean batch reward of the last steps, steps done, generator tokens/s, trainer idle fraction, mean
-staleness, dropped groups, wall time, and state (running, pending, finished, or failed with its
+mean batch reward of the last steps, steps done, trained tokens/s and trainer idle fraction of the
+training loop (see `pipeline.ops.summary`), mean staleness, dropped groups, wall time, and state (running, pending, finished, or failed with its
 error). Runs still going are shown as they stand. ``--plot`` overlays every run's held-out accuracy
 and reward curves, each labelled by its differing keys.
 
@@ -74,10 +74,11 @@ def _value(v: Any) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
-def run_label(run: Dict[str, Any]) -> str:
-    """"1: trainer.lr=0.0003" (the run and its differing keys), or the run alone if none differ."""
-    keys = ", ".join(f"{k}={_value(v)}" for k, v in run["overrides"].items())
-    return f"{run['run']}: {keys}" if keys else run["run"]
+def run_label(run: Dict[str, Any], with_keys: bool = True) -> str:
+    """"1: trainer.lr=0.0003" (the run and its differing keys; without keys: "1: 0.0003"), or the
+    run alone if none differ."""
+    values = ", ".join(f"{k}={_value(v)}" if with_keys else _value(v) for k, v in run["overrides"].items())
+    return f"{run['run']}: {values}" if values else run["run"]
 
 
 def _num(x: Optional[float], fmt: str) -> str:
@@ -115,7 +116,8 @@ def format_table(result: Dict[str, Any]) -> str:
     lines = align(rows)
     if result["best"] is not None:
         best = next(r for r in result["runs"] if r["run"] == result["best"])
-        lines.append(f"best final held-out accuracy: run {run_label(best)}: {best['final_accuracy']:.3f} "
+        name = run_label(best) if len(result["columns"]) <= 3 else best["run"]
+        lines.append(f"best final held-out accuracy: run {name}: {best['final_accuracy']:.3f} "
                      f"at step {best['final_accuracy_step']}")
     if result["incomparable"]:
         lines.append(f"note: the runs differ in {', '.join(result['incomparable'])} (marked !): they train or "
@@ -136,9 +138,10 @@ def to_csv(result: Dict[str, Any]) -> str:
 def plot_comparison(result: Dict[str, Any], out: Path) -> Path:
     from pipeline.observe.plots import plot_overlay
 
-    return plot_overlay([(Path(r["run_dir"]), run_label(r), r["state"]) for r in result["runs"]], Path(out),
-                        title=f"{os.path.commonpath([r['run_dir'] for r in result['runs']])}: "
-                              f"{len(result['runs'])} run(s)")
+    return plot_overlay([(Path(r["run_dir"]), run_label(r, with_keys=False), r["state"]) for r in result["runs"]],
+                        Path(out), title=f"{Path(os.path.commonpath([r['run_dir'] for r in result['runs']])).name}: "
+                                         f"{len(result['runs'])} run(s)",
+                        legend_title="run: " + ", ".join(result["columns"]) if result["columns"] else "")
 
 
 def report_sweep(sweep_dir: Path, stream=None) -> None:

@@ -13,7 +13,13 @@ Invariants:
 - wall time is the sum over launches of (latest record of that launch - launch time); a resume a day
   later does not add the day. A run still going counts its last launch up to now.
 
-Worked example: a run launched at t=100 that wrote records until t=160, was resumed at t=1000 and
+- throughput and idleness are those of the training loop: tokens/s = trained tokens / loop time
+  and trainer idle = time waiting for batches / loop time, where loop time is the sum of the steps'
+  wait_s + step_s + sync_s; the first step is left out when there are later ones (its wait holds
+  the generators' start-up and the first evaluation, which no setting of the run changes).
+
+Worked example: steps 0..2 with (tokens, wait_s, step_s, sync_s) = (250, 90, 1, 0), (240, 1, 1, 0),
+(260, 3, 1, 0): tokens/s = 500 / 6 = 83.3, trainer idle = 4 / 6 = 67 %. A run launched at t=100 that wrote records until t=160, was resumed at t=1000 and
 wrote until t=1030 has wall_s = 60 + 30 = 90. Its orchestrator counted dropped_stale 2, 5 before
 the resume and 1, 3 after it: drops = 5 + 3 = 8.
 """
@@ -85,10 +91,9 @@ def metric_summary(run_dir: Path, running: bool = False, last_steps: int = LAST_
     best = max(evals, key=lambda e: (e.get("accuracy") or 0.0, -e["step"])) if evals else None
     rewards = [s["reward_mean"] for s in steps[-last_steps:] if s.get("reward_mean") is not None]
     weighted = [(s["staleness_mean"], s.get("samples") or 1) for s in steps if s.get("staleness_mean") is not None]
-    generators: Dict[Any, float] = {}
-    for rec in records:
-        if rec.get("kind") == "generator" and rec.get("tokens_per_s") is not None:
-            generators[rec.get("generator_id")] = rec["tokens_per_s"]
+    timed = [s for s in (steps[1:] if len(steps) > 1 else steps)
+             if all(isinstance(s.get(k), (int, float)) for k in ("tokens", "wait_s", "step_s", "sync_s"))]
+    loop_s = sum(s["wait_s"] + s["step_s"] + s["sync_s"] for s in timed)
     orchestrator = [r for r in records if r.get("kind") == "orchestrator"]
     drops = {k: v for k, v in _restart_safe_totals(orchestrator, DROP_PREFIX).items() if v}
     return {
@@ -99,8 +104,8 @@ def metric_summary(run_dir: Path, running: bool = False, last_steps: int = LAST_
         "reward_last": sum(rewards) / len(rewards) if rewards else None,
         "reward_last_steps": len(rewards),
         "steps_done": steps[-1]["step"] + 1 if steps else 0,
-        "tokens_per_s": sum(generators.values()) if generators else None,
-        "trainer_idle_frac": steps[-1].get("trainer_idle_frac") if steps else None,
+        "tokens_per_s": sum(s["tokens"] for s in timed) / loop_s if loop_s > 0 else None,
+        "trainer_idle_frac": sum(s["wait_s"] for s in timed) / loop_s if loop_s > 0 else None,
         "staleness_mean": (sum(v * n for v, n in weighted) / sum(n for _, n in weighted)) if weighted else None,
         "drops": sum(drops.values()) if orchestrator else None,
         "drops_by_reason": drops,
