@@ -236,3 +236,51 @@ def test_a_local_sweep_ends_with_its_points_compared(tmp_path):
     png = sweep / "compare.png"
     assert lines[-1] == f"tokenflow: sweep done; curves of all points in {png}"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+SLURM_TINY = ["cluster=slurm", "run.timeout_s=300", "run.progress=false", "run.tensorboard=false",
+              "orchestrator.groups_per_step=4", "orchestrator.group_size=8", "cluster.generators=1",
+              "cluster.generator.nodes=1", "cluster.trainer.mem_gb=3", "cluster.generator.mem_gb=3.5",
+              "cluster.trainer.cpus_per_task=2", "cluster.generator.cpus_per_task=2", "cluster.trainer.time_min=30",
+              "cluster.generator.time_min=30"]
+
+
+@pytest.mark.slurm
+@pytest.mark.engine
+def test_a_detached_slurm_sweep_is_followed_from_its_directory(tmp_path):
+    """Every point's job and state from `tokenflow status SWEEP_DIR`, while it waits or runs and after
+    `tokenflow cancel` of each point (then `compare` shows the points failed, cancelled)."""
+    def tokenflow(*args: str) -> subprocess.CompletedProcess:
+        out = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,
+                             timeout=180, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+        return out
+
+    sweep = tmp_path / "ssw-sweep"
+    out = tokenflow("train", "-m", "trainer.lr=1e-4,2e-4", "run.name=ssw", f"hydra.sweep.dir={sweep}", "run.detach=true",
+                    "run.steps=2", *SLURM_TINY)
+    jobs = [str(json.loads((sweep / p / "launch" / "launches.jsonl").read_text())["job_id"]) for p in ("0", "1")]
+    try:
+        listing = out.stdout.splitlines()
+        header = listing.index(next(line for line in listing if line.startswith("point ")))
+        assert [line.split()[:3] for line in listing[header + 1:header + 3]] == \
+            [["0", "0.0001", jobs[0]], ["1", "0.0002", jobs[1]]]
+        status = json.loads(tokenflow("status", str(sweep), "--json").stdout)
+        assert [p["status"]["job_id"] for p in status["points"]] == [int(j) for j in jobs]
+        for point in status["points"]:
+            assert [c["state"] for c in point["status"]["components"]] != [] and all(
+                c["state"] in ("PENDING", "CONFIGURING", "RUNNING") for c in point["status"]["components"]), status
+        runs = json.loads(tokenflow("compare", str(sweep), "--json").stdout)["runs"]
+        assert all(r["state"] in ("pending", "running") for r in runs), runs
+    finally:
+        for point in ("0", "1"):
+            tokenflow("cancel", str(sweep / point))
+    deadline = time.monotonic() + 90
+    while True:
+        runs = json.loads(tokenflow("compare", str(sweep), "--json").stdout)["runs"]
+        if all(r["state"] == "failed" for r in runs) or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert [r["state"] for r in runs] == ["failed", "failed"], runs
+    assert all("CANCELLED" in r["error"] for r in runs), runs
+    assert f"{jobs[1]}" in tokenflow("status", str(sweep)).stdout

@@ -5,20 +5,20 @@ per run: the config keys whose values differ between the runs (keys of ``task`` 
 first, marked ``!``: runs that differ there train or measure different things, so their
 accuracies are not comparable), then final and best held-out accuracy (with the step of the best),
 mean batch reward of the last steps, steps done, trained tokens/s and trainer idle fraction of the
-training loop (see `pipeline.ops.summary`), mean staleness, dropped groups, wall time, and state (running, pending, finished, or failed with its
-error). Runs still going are shown as they stand. ``--plot`` overlays every run's held-out accuracy
+training loop (see `pipeline.ops.summary`), mean staleness, dropped groups, wall time, and state
+(running, pending, finished, or failed with its error). Runs still going are shown as they stand. ``--plot`` overlays every run's held-out accuracy
 and reward curves, each labelled by its differing keys.
 
 At the end of a local sweep (``tokenflow train -m``) `report_sweep` prints this table and writes
 the overlay to ``SWEEP_DIR/compare.png``; a detached sweep gets `tokenflow status`'s listing of its
 points instead (they have only just been submitted).
 
-Example (a two-point sweep of trainer.lr)::
+Example (``tokenflow train -m run.name=sw run.steps=4 run.eval_every=2 trainer.lr=1e-4,3e-4``)::
 
     run  trainer.lr  final acc  best acc@step  reward(last 5)  steps  tok/s  idle  stale  drops  wall  state
-    0    0.0001      0.405      0.405@4        0.41            4/4    1.6k   31%   0.71   0      0:52  finished
-    1    0.0003      0.470      0.470@4        0.47            4/4    1.5k   33%   0.69   0      0:49  finished
-    best final held-out accuracy: run 1 (trainer.lr=0.0003): 0.470 at step 4
+    0    0.0001      0.580      0.580@4        0.29            4/4    60     75%   0.50   0      5:33  finished
+    1    0.0003      0.305      0.355@0        0.26            4/4    52     69%   0.50   0      2:50  finished
+    best final held-out accuracy: run 0: trainer.lr=0.0001: 0.580 at step 4
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from pipeline.ops.summary import LAST_STEPS, metric_summary, run_state
-from pipeline.ops.sweep import differing_keys, find_runs, format_sweep_status, run_config, sweep_points, \
+from pipeline.ops.sweep import align, differing_keys, find_runs, format_sweep_status, run_config, sweep_points, \
     sweep_status
 
 #: Config groups whose differences make runs incomparable (another task or another starting policy).
@@ -97,8 +97,6 @@ def _rate(x: Optional[float]) -> str:
 
 
 def format_table(result: Dict[str, Any]) -> str:
-    from pipeline.ops.sweep import align
-
     marked = [k + ("!" if k in result["incomparable"] else "") for k in result["columns"]]
     header = ["run", *marked, "final acc", "best acc@step", f"reward(last {result['last_steps']})", "steps",
               "tok/s", "idle", "stale", "drops", "wall", "state"]

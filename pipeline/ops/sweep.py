@@ -14,12 +14,13 @@ Invariants:
   each component, step, last evaluation, error), reading each point as ``tokenflow status RUN_DIR``
   does, so it works the same while a detached Slurm sweep is pending, running or done.
 
-Example (`tokenflow status runs/sw-sweep` of a detached Slurm sweep)::
+Example (`tokenflow status runs/ssw-sweep` of a detached Slurm sweep, as the test cluster printed it;
+3 nodes fit one point at a time)::
 
-    sweep      runs/sw-sweep  2 point(s)
-    point  trainer.lr  job  components                              step  eval         error
-    0      0.0001      731  trainer RUNNING, generator RUNNING      3/4   0.41@2       -
-    1      0.0003      732  trainer PENDING (Resources), generator  0/4   -            -
+    sweep      /home/me/runs/ssw-sweep  2 point(s)
+    point  trainer.lr  job  components                                                  step  eval  error
+    0      0.0001      13   trainer RUNNING, generator RUNNING                          0/2   -     -
+    1      0.0002      15   trainer PENDING (Resources), generator PENDING (Resources)  0/2   -     -
 """
 from __future__ import annotations
 
