@@ -184,8 +184,8 @@ def test_checkpoint_defaults_follow_the_model_and_the_task(checkpoint, tmp_path)
     g = cfg.generator
     assert cfg.model.warmstart_steps == 0
     assert (g.max_tokens, g.max_num_seqs, g.enforce_eager) == (200, 256, False)
-    assert g.max_model_len == 1024  # min(max_position_embeddings 1024, 1024 + 200)
-    # K and V: 2 layers x 2 KV heads x 32 dims x 4 bytes x 2 = 1 KiB per token; 1024 x 256 -> 256 MiB -> 1 GiB
+    assert g.max_model_len == 1224  # min(max_position_embeddings 4096, max_prompt_tokens 1024 + 200)
+    # K and V: 2 layers x 2 KV heads x 32 dims x 4 bytes x 2 = 1 KiB per token; 1224 x 256 -> 306 MiB -> 1 GiB
     assert g.kv_cache_gib == 1
     kept = TokenflowConfig()
     kept.model.name, kept.model.warmstart_steps = str(checkpoint), 5
@@ -199,8 +199,8 @@ def test_checkpoint_defaults_follow_the_model_and_the_task(checkpoint, tmp_path)
 def test_defaults_refuse_what_cannot_run(checkpoint, tmp_path):
     data = _write(tmp_path / "d.jsonl", [{"prompt": f"q{i}", "answer": i} for i in range(100)])
     cfg = TokenflowConfig()
-    cfg.model.name, cfg.task = str(checkpoint), TaskConfig(name="jsonl", path=str(data))
-    with pytest.raises(ValueError, match=r"max_model_len \(1024\) must exceed generator.max_tokens \(1024\)"):
+    cfg.model.name, cfg.task = str(checkpoint), TaskConfig(name="jsonl", path=str(data), max_tokens=5000)
+    with pytest.raises(ValueError, match=r"max_model_len \(4096\) must exceed generator.max_tokens \(5000\)"):
         validate(cfg)
     cfg = TokenflowConfig()
     cfg.task = TaskConfig(name="jsonl", path=str(data), epochs=2, max_tokens=64)  # 80 rows x 2 < 60 steps x 8
@@ -212,3 +212,44 @@ def test_defaults_refuse_what_cannot_run(checkpoint, tmp_path):
     bad.task = TaskConfig(name="jsonl", path=str(tmp_path / "missing.jsonl"))
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         validate(bad)
+
+
+def test_readme_train_on_your_data_line_composes_and_resolves(checkpoint, tmp_path):
+    """`tokenflow train task=jsonl task.path=data.jsonl model.name=/path/to/hf/checkpoint`, as composed by Hydra."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from pipeline.config import register
+    from pipeline.train import CONFIGS
+
+    data = _write(tmp_path / "data.jsonl", [{"prompt": f"What is {i} + 1?", "answer": i + 1} for i in range(300)])
+    register()
+    with initialize_config_dir(str(CONFIGS), version_base=None):
+        composed = compose("train", overrides=["task=jsonl", f"task.path={data}", f"model.name={checkpoint}"])
+    composed.run.dir = str(tmp_path / "run")
+    cfg = OmegaConf.to_object(composed)
+    validate(cfg)
+    g = cfg.generator
+    assert cfg.model.warmstart_steps == 0 and cfg.task.max_tokens == 1024
+    assert (g.max_tokens, g.max_model_len, g.max_num_seqs, g.enforce_eager) == (1024, 2048, 256, False)
+
+
+def test_docs_worked_examples(tmp_path, monkeypatch):
+    """The examples of docs/data.md, as written there."""
+    from pipeline.tasks.math_answer import answers_match, extract_answer
+
+    for completion, reward in (("3/4 is 6/8, plus 1/8 gives \\boxed{\\frac{7}{8}}", True),
+                               ("... so the answer is 0.875", True), ("\\boxed{7/9}", False)):
+        assert answers_match(extract_answer(completion), "7/8") is reward
+    (tmp_path / "my_verifiers.py").write_text(
+        "import re\n\n"
+        "def choice(completion: str, answer: str, prompt: str) -> float:\n"
+        "    letters = re.findall(r\"\\b([A-E])\\b\", completion)\n"
+        "    return 1.0 if letters and letters[-1] == answer.strip().upper() else 0.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = [{"prompt": f"({i}) Which planet is largest? A) Mars B) Jupiter C) Venus. Answer with the letter.",
+             "answer": "B"} for i in range(5)]
+    task = make_task(TaskConfig(name="jsonl", path=str(_write(tmp_path / "data.jsonl", rows)),
+                                eval_fraction=0.2, verifier="my_verifiers:choice"))
+    p = task.eval_prompts()[0]
+    assert task.score(p, "It is Jupiter, so B") == 1.0 and task.score(p, "A") == 0.0

@@ -24,7 +24,7 @@ _COMMON = dict(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attenti
 
 #: name -> (transformers config class name, family-specific settings)
 FAMILY_SPECS: dict[str, tuple[str, dict]] = {
-    "qwen2-tied": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True,
+    "qwen2-tied": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=4096,
                                        rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
     "qwen3-tied": ("Qwen3Config", dict(num_key_value_heads=1, head_dim=48, tie_word_embeddings=True,
                                        rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
@@ -44,7 +44,7 @@ def family_config(name: str):
     import transformers
 
     cls_name, settings = FAMILY_SPECS[name]
-    return getattr(transformers, cls_name)(**_COMMON, **settings)
+    return getattr(transformers, cls_name)(**{**_COMMON, **settings})
 
 
 @functools.lru_cache(maxsize=1)
