@@ -12,7 +12,9 @@ Rules (a field the user set is kept; each rule reads only the model's config and
 - generator.enforce_eager: on for the tiny models (start-up dominates a 2-minute demo), off for a checkpoint
   (vLLM captures CUDA graphs on GPU, compiles on CPU);
 - generator.max_model_len: min(the model's max_position_embeddings, task.max_prompt_tokens + max_tokens);
-- generator.kv_cache_gib (CPU): the KV cache of max_num_seqs full-length sequences, rounded up to GiB;
+- generator.kv_cache_gib (CPU): the KV cache of max_num_seqs full-length sequences, rounded up to GiB,
+  at most half of one generator's share of cluster.generator.mem_gb (vLLM then decodes fewer sequences
+  at once), at least 1;
 - the checkpoint's generation_config.json: its EOS ids are used by vLLM itself (they end completions);
   its sampling suggestions (temperature, top_p, top_k) are reported, not adopted: the loss needs samples
   from the policy's full distribution at trainer.temperature (set generator.temperature and
@@ -102,5 +104,7 @@ def resolve_defaults(cfg) -> None:
                          f"({g.max_tokens}); the model allows {hf.max_position_embeddings} positions")
     if g.kv_cache_gib is None:
         need = kv_bytes_per_token(hf, g.dtype) * g.max_model_len * g.max_num_seqs
-        g.kv_cache_gib = max(1, math.ceil(need / 2**30))
+        spec = cfg.cluster.generator
+        room = int(spec.mem_gb / max(1, spec.tasks_per_node) / 2)  # half of one generator's memory
+        g.kv_cache_gib = max(1, min(math.ceil(need / 2**30), room))
     _report_generation_config(cfg.model.name, cfg)
