@@ -31,9 +31,10 @@ VLLM_FAMILIES = ("qwen2-tied", "qwen3-tied", "qwen3_moe", "llama3")
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+def checkpoint(tmp_path_factory):
+    """name -> checkpoint directory, built on first use."""
     root = tmp_path_factory.mktemp("families")
-    return {name: build_family_checkpoint(name, root / name) for name in FAMILY_SPECS}
+    return lambda name: build_family_checkpoint(name, root / name)
 
 
 # ---------------------------------------------------------------- light: configs and refusals
@@ -75,14 +76,14 @@ def test_llama3_rope_differs_from_megatron_hard_coded_factors():
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      "partial_rotary_factor=0.5"),
 ])
-def test_unsupported_llama_options_are_refused_before_launch(checkpoints, tmp_path, change, field):
+def test_unsupported_llama_options_are_refused_before_launch(checkpoint, tmp_path, change, field):
     from pipeline.config import TokenflowConfig, validate
 
     d = tmp_path / "ckpt"
     d.mkdir()
-    for f in checkpoints["llama3"].iterdir():
+    for f in checkpoint("llama3").iterdir():
         (d / f.name).symlink_to(f)
-    config = json.loads((checkpoints["llama3"] / "config.json").read_text())
+    config = json.loads((checkpoint("llama3") / "config.json").read_text())
     (d / "config.json").unlink()
     (d / "config.json").write_text(json.dumps({**config, **change}))
     cfg = TokenflowConfig()
@@ -136,10 +137,11 @@ def _megatron_scenario(outdir: Path, model_dirs: dict[str, str]) -> None:
 
 
 @pytest.mark.engine
-def test_megatron_logprobs_equal_transformers_for_every_family(checkpoints, tmp_path):
+def test_megatron_logprobs_equal_transformers_for_every_family(checkpoint, tmp_path):
     from safetensors import safe_open
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+    checkpoints = {name: checkpoint(name) for name in FAMILY_SPECS}
     dirs = {name: str(d) for name, d in checkpoints.items()}
     proc = subprocess.run([sys.executable, __file__, str(tmp_path), json.dumps(dirs)], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=600)
@@ -213,12 +215,12 @@ async def _check_family(name, v1, v2) -> dict:
 
 
 @pytest.mark.engine
-def test_vllm_logprobs_equal_transformers_and_updates_equal_fresh_loads(checkpoints, tmp_path):
+def test_vllm_logprobs_equal_transformers_and_updates_equal_fresh_loads(checkpoint, tmp_path):
     loop = asyncio.new_event_loop()
     try:
         for name in VLLM_FAMILIES:
             v2 = build_family_checkpoint(name, tmp_path / f"{name}-v2", seed=8)
-            r = loop.run_until_complete(_check_family(name, checkpoints[name], v2))
+            r = loop.run_until_complete(_check_family(name, checkpoint(name), v2))
             print(f"\n[{name}] max |vLLM - HF| logprob {r['fresh_error']:.2e} (fresh), {r['updated_error']:.2e} "
                   f"(after an in-place update); back to v1: outputs equal {r['outputs_equal']}, weight "
                   f"checksums equal {r['checksums_equal']}")

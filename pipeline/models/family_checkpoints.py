@@ -26,7 +26,7 @@ _COMMON = dict(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attenti
 FAMILY_SPECS: dict[str, tuple[str, dict]] = {
     "qwen2-tied": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=4096,
                                        rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
-    "qwen3-tied": ("Qwen3Config", dict(num_key_value_heads=1, head_dim=48, tie_word_embeddings=True,
+    "qwen3-tied": ("Qwen3Config", dict(num_key_value_heads=1, head_dim=64, tie_word_embeddings=True,
                                        rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_key_value_heads=2, tie_word_embeddings=False, num_experts=4,
                                          num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=False,
