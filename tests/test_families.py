@@ -228,10 +228,14 @@ def test_vllm_logprobs_equal_transformers_and_updates_equal_fresh_loads(checkpoi
             assert r["fresh_error"] < VLLM_LOGPROB_TOL and r["updated_error"] < VLLM_LOGPROB_TOL, name
             assert r["outputs_equal"] and r["checksums_equal"], f"{name}: update differs from a fresh load"
     finally:
-        pending = asyncio.all_tasks(loop)
+        pending = asyncio.all_tasks(loop)  # vLLM's output handlers of engines already shut down
         for task in pending:
             task.cancel()
-        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+
+        async def drain():
+            await asyncio.gather(*pending, return_exceptions=True)
+
+        loop.run_until_complete(drain())
         loop.close()
 
 
