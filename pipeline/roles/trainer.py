@@ -43,12 +43,15 @@ def prepare_model(run_dir: Path, cfg: TokenflowConfig) -> Path:
     from pipeline.models.tiny import resolve_model
 
     path = resolve_model(cfg.model.name)
-    if cfg.model.warmstart_steps > 0:
+    steps = cfg.model.warmstart_steps_or_default()
+    if steps > 0:
         from pipeline.tasks import make_task
+        from pipeline.tasks.prompting import PromptFormat
         from pipeline.tasks.warmstart import WarmStartConfig, ensure_warm_start
 
-        ws = WarmStartConfig(steps=cfg.model.warmstart_steps, lr=cfg.model.warmstart_lr)
-        path = ensure_warm_start(path, make_task(cfg.task), ws)
+        task = make_task(cfg.task)
+        ws = WarmStartConfig(steps=steps, lr=cfg.model.warmstart_lr, prompt_format=PromptFormat.of(cfg.task, task))
+        path = ensure_warm_start(path, task, ws)
     publish_model(run_dir, path)
     return path
 

@@ -8,12 +8,12 @@ Invariants:
 - The operand space has (10**digits)**2 ordered pairs (10 000 for digits=2).
 - The held-out set is `eval_size` distinct pairs drawn with a fixed seed (EVAL_SEED) that no caller can
   change; training streams skip every held-out pair, so train and eval never share a prompt.
-- `train_prompts(seed)` draws pairs uniformly with `random.Random(seed)`: reproducible anywhere.
+- Training prompt i of seed s is a pair drawn uniformly with `random.Random(f"addition:{s}:{i}")`
+  (re-drawn while it is held out): random access, reproducible anywhere.
 """
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
 from pipeline.tasks.base import Prompt, Task, strip_completion
 
@@ -25,6 +25,8 @@ class AdditionTask(Task):
     """`a+b=` with 0 <= a, b < 10**digits; exact-match verifier."""
 
     name = "addition"
+    max_tokens = 32
+    max_prompt_tokens = 32
 
     def __init__(self, digits: int = 2, eval_size: int = 200):
         if digits < 1:
@@ -47,12 +49,12 @@ class AdditionTask(Task):
     def _prompt(a: int, b: int) -> Prompt:
         return Prompt(uid=f"add:{a}+{b}", text=f"{a}+{b}=", answer=str(a + b))
 
-    def train_prompts(self, seed: int) -> Iterator[Prompt]:
-        rng = random.Random(seed)
+    def prompt_by_id(self, seed: int, prompt_id: int) -> Prompt:
+        rng = random.Random(f"addition:{seed}:{prompt_id}")
         while True:
             pair = (rng.randrange(self._limit), rng.randrange(self._limit))
             if pair not in self._eval_set:
-                yield self._prompt(*pair)
+                return self._prompt(*pair)
 
     def eval_prompts(self) -> list[Prompt]:
         return [self._prompt(a, b) for a, b in self._eval_pairs]

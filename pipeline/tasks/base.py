@@ -1,13 +1,16 @@
 """The task interface: where prompts come from and how a completion is scored.
 
 Invariants every task keeps:
-- `train_prompts(seed)` is an endless, deterministic stream: the same seed yields the same prompts in the
-  same order, in any process, on any machine.
+- The training stream of a seed is random-access: position i of seed s holds prompt
+  `prompt_by_id(s, prompt_id(s, i))`, a pure function of (s, i) in any process, on any machine; so a
+  resumed or re-issued group gets exactly the prompt it had. `train_prompts(seed)` walks it from 0.
+  Generated tasks draw a fresh prompt per position (prompt id = position); dataset tasks map positions
+  to row ids (epochs, shuffling: pipeline.tasks.jsonl).
 - `eval_prompts()` is fixed (it does not depend on any seed the caller passes) and no eval prompt's text
   ever appears in a training stream.
 - `score(prompt, completion_text)` is a pure function returning a reward in [0, 1].
-- `messages(prompt)` turns a prompt into chat messages for the tokenizer's chat template; the
-  orchestrator tokenizes once (DESIGN §6).
+- `messages(prompt)` is the prompt's user turn; pipeline.tasks.prompting adds the system prompt and
+  renders it (chat template or raw text); the orchestrator tokenizes once.
 - `reference_completion(prompt)` is the completion a perfect policy would write (used by the supervised
   warm-start); `score(prompt, reference_completion(prompt)) == 1.0`.
 - `distractor_completion(prompt)` is None or a plausible wrong completion (score 0.0) that a noisy
@@ -16,6 +19,7 @@ Invariants every task keeps:
 from __future__ import annotations
 
 import abc
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -49,10 +53,24 @@ class Task(abc.ABC):
     """A source of prompts plus an exact verifier (see the module docstring for the invariants)."""
 
     name: str
+    max_tokens: int = 1024
+    """Completion budget the task's answers need (generator.max_tokens follows it unless set)."""
+    max_prompt_tokens: int = 1024
+    """Longest prompt in tokens (with the chat template); with max_tokens it sizes max_model_len."""
+    train_size: int | None = None
+    """Distinct training prompts of a dataset task; None for a generated task (endless fresh draws)."""
+
+    def prompt_id(self, seed: int, position: int) -> int:
+        """Id of the prompt at `position` of seed `seed`'s training stream (generated: the position)."""
+        return position
 
     @abc.abstractmethod
+    def prompt_by_id(self, seed: int, prompt_id: int) -> Prompt:
+        """The training prompt with this id (never an eval prompt)."""
+
     def train_prompts(self, seed: int) -> Iterator[Prompt]:
-        """Endless deterministic stream of training prompts (never an eval prompt)."""
+        """Endless deterministic stream of training prompts: positions 0, 1, 2, ... of `seed`."""
+        return (self.prompt_by_id(seed, self.prompt_id(seed, i)) for i in itertools.count())
 
     @abc.abstractmethod
     def eval_prompts(self) -> list[Prompt]:

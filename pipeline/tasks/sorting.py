@@ -9,12 +9,12 @@ Invariants:
   uniform: 10**6 + 10**7 + 10**8 possible strings by default.
 - The held-out set is `eval_size` distinct strings drawn with a fixed seed (EVAL_SEED) that no caller can
   change; training streams skip every held-out string, so train and eval never share a prompt.
-- `train_prompts(seed)` draws with `random.Random(seed)`: reproducible anywhere.
+- Training prompt i of seed s is drawn with `random.Random(f"sort:{s}:{i}")` (re-drawn while it is held
+  out): random access, reproducible anywhere.
 """
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
 from pipeline.tasks.base import Prompt, Task, strip_completion
 
@@ -26,6 +26,8 @@ class SortDigitsTask(Task):
     """`sort <digits>` -> the digits in ascending order; exact-match verifier."""
 
     name = "sort"
+    max_tokens = 32
+    max_prompt_tokens = 32  # "sort " + at most 8 digits + the chat template
 
     def __init__(self, min_digits: int = 6, max_digits: int = 8, eval_size: int = 200):
         if not 1 <= min_digits <= max_digits:
@@ -49,12 +51,12 @@ class SortDigitsTask(Task):
     def _prompt(digits: str) -> Prompt:
         return Prompt(uid=f"sort:{digits}", text=f"sort {digits}", answer="".join(sorted(digits)))
 
-    def train_prompts(self, seed: int) -> Iterator[Prompt]:
-        rng = random.Random(seed)
+    def prompt_by_id(self, seed: int, prompt_id: int) -> Prompt:
+        rng = random.Random(f"sort:{seed}:{prompt_id}")
         while True:
             digits = self._draw(rng)
             if digits not in self._eval_set:
-                yield self._prompt(digits)
+                return self._prompt(digits)
 
     def eval_prompts(self) -> list[Prompt]:
         return [self._prompt(d) for d in self._eval]

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from pipeline.models.cache import build_once, cache_root
 from pipeline.tasks.base import Task
+from pipeline.tasks.prompting import PromptFormat
 
 # Bump when the training procedure changes (invalidates cached warm-starts).
 FORMAT_VERSION = 1
@@ -48,6 +49,7 @@ class WarmStartConfig:
     seed: int = 0  # torch seed and training-prompt stream seed
     distractor_fraction: float = 0.5  # share of demonstrations replaced by task.distractor_completion
     threads: int = 1  # torch intra-op threads while training (restored afterwards)
+    prompt_format: PromptFormat = PromptFormat()  # how prompts are rendered (the run's, pipeline.tasks.prompting)
 
 
 def _task_fingerprint(task: Task) -> str:
@@ -71,12 +73,13 @@ def warm_start_key(base_dir: Path, task: Task, cfg: WarmStartConfig) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def _batch(tokenizer, task: Task, prompts, distractor_fraction: float = 0.0, rng: random.Random | None = None):
+def _batch(tokenizer, task: Task, prompts, fmt: PromptFormat = PromptFormat(), distractor_fraction: float = 0.0,
+           rng: random.Random | None = None):
     import torch
 
     rows, labels = [], []
     for p in prompts:
-        prompt_ids = tokenizer.apply_chat_template(task.messages(p), add_generation_prompt=True)["input_ids"]
+        prompt_ids = fmt.encode(tokenizer, task, p)
         completion = task.reference_completion(p)
         if distractor_fraction > 0 and rng.random() < distractor_fraction:
             completion = task.distractor_completion(p) or completion
@@ -115,7 +118,7 @@ def train_warm_start(base_dir: Path, task: Task, cfg: WarmStartConfig, out_dir: 
             loss_value = float("nan")
             for _ in range(cfg.steps):
                 input_ids, attention, labels = _batch(tokenizer, task, itertools.islice(stream, cfg.batch_size),
-                                                      cfg.distractor_fraction, noise_rng)
+                                                      cfg.prompt_format, cfg.distractor_fraction, noise_rng)
                 loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

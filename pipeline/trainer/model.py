@@ -1,9 +1,9 @@
 """Build a megatron-core GPTModel from a Hugging Face config; convert weights both ways.
 
 Invariants:
-- Supported HF families: ``qwen3`` (dense), ``qwen3_moe`` (every layer MoE, no shared experts),
-  ``qwen2`` and ``llama`` (dense, no QK norm, default RoPE only). Anything else raises
-  ``ValueError`` naming the model type.
+- Supported HF families and options: pipeline.trainer.families (``check_supported``); anything else
+  raises ``ValueError`` naming the config field. RoPE inverse frequencies come from the config
+  (``families.rope_inv_freq``: default, linear, llama3 with any parameters).
 - The megatron model computes the same function as the HF model (dropout off, no fusions, local
   layer spec on CPU and GPU; float32 logprobs agree with transformers to ~2e-6 on CPU).
 - Expert parallelism: ``tp`` x ``ep`` x ``etp`` as megatron-core defines them; ``etp`` defaults to
@@ -32,37 +32,18 @@ from pathlib import Path
 from typing import Iterator
 
 from .config import ParallelConfig
-
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2", "llama")
+from .families import check_supported, has_qk_norm, has_qkv_bias, is_moe, rope_inv_freq, rope_parameters
 
 
 def load_hf_config(model_dir: str | Path):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(model_dir))
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model type {config.model_type!r} in {model_dir} is not supported; "
-                         f"supported: {SUPPORTED_MODEL_TYPES}")
+    try:
+        check_supported(config)
+    except ValueError as e:
+        raise ValueError(f"{model_dir}: {e}") from None
     return config
-
-
-def is_moe(hf_config) -> bool:
-    return hf_config.model_type == "qwen3_moe"
-
-
-def has_qk_norm(hf_config) -> bool:
-    return hf_config.model_type in ("qwen3", "qwen3_moe")
-
-
-def has_qkv_bias(hf_config) -> bool:
-    return hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
-
-
-def _rope_theta(hf_config) -> float:
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    if params.get("rope_type", "default") != "default":
-        raise ValueError(f"RoPE scaling {params.get('rope_type')!r} is not supported")
-    return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
 
 
 def transformer_config(hf_config, parallel: ParallelConfig):
@@ -121,9 +102,6 @@ def transformer_config(hf_config, parallel: ParallelConfig):
             # ep == 1 their gradients are reduced over the dense DP group, which misses the
             # tensor-parallel ranks that saw other tokens when etp < tp.
             raise ValueError(f"etp={etp} != tp={parallel.tp} needs ep > 1")
-        if getattr(hf_config, "mlp_only_layers", None) or getattr(hf_config, "decoder_sparse_step", 1) != 1:
-            raise ValueError("qwen3_moe with dense layers (mlp_only_layers/decoder_sparse_step) "
-                             "is not supported")
         kwargs.update(
             num_moe_experts=hf_config.num_experts,
             moe_router_topk=hf_config.num_experts_per_tok,
@@ -159,7 +137,10 @@ def build_gpt_model(hf_config, parallel: ParallelConfig):
         config=config, transformer_layer_spec=spec, vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings, pre_process=True,
         post_process=True, share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
-        position_embedding_type="rope", rotary_base=_rope_theta(hf_config), rotary_percent=1.0)
+        position_embedding_type="rope", rotary_base=float(rope_parameters(hf_config)["rope_theta"]),
+        rotary_percent=1.0)
+    rotary = model.rotary_pos_emb  # megatron's llama3 scaling has fixed factors: use the config's own
+    rotary.inv_freq = rope_inv_freq(hf_config).to(rotary.inv_freq.device)
     if not config.use_cpu_initialization:
         model.cuda()
     return model
