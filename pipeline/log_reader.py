@@ -307,7 +307,7 @@ class RolloutLog:
 
 def warn_damaged(errors: list) -> None:
     for e in errors:
-        warnings.warn(f"skipping damaged rollout log segment: {e}", LogDamageWarning, stacklevel=3)
+        warnings.warn(f"rollout log: {e}", LogDamageWarning, stacklevel=3)
 
 
 def _check_same_run(first: Segment, other: Segment) -> None:
