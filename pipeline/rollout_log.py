@@ -274,11 +274,15 @@ class RolloutLogWriter:
             parts.clear()
         if (self._journal_bytes >= self.seal_bytes
                 or time.monotonic() - self._sealed_at >= self.seal_interval_s):
-            self.seal()
+            self._seal()
 
     def seal(self) -> None:
-        """Seal the journal's rows into a segment now and start the next generation."""
-        self._check_open()
+        """Flush, then seal the journal's rows into a segment now and start the next generation
+        (an error leaves everything flushed in the journal: a restart seals it)."""
+        self.flush()
+        self._seal()
+
+    def _seal(self) -> None:
         if any(self._written.values()):
             self._rotate(self.gen + 1, self._arrays, dict(self._written), self._gen_first_row,
                          self._gen_first_seq)
@@ -303,7 +307,6 @@ class RolloutLogWriter:
         if self._closed:
             return
         try:
-            self.flush()
             self.seal()
         finally:
             self._closed = True
