@@ -355,3 +355,15 @@ def test_filesystem_detection_and_durability_probe(tmp_path, place):
     if os.geteuid() != 0:  # root writes anyway; the probe refuses a directory it cannot write
         with pytest.raises(UnsupportedFilesystemError, match="create a file failed"):
             check_log_filesystem(wdir / "ro")
+
+
+def test_train_refuses_a_run_dir_that_cannot_hold_the_log_before_any_role_starts(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "rollouts").write_text("not a directory")  # the log directory cannot be created
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "train", "run.name=refused",
+                          f"hydra.run.dir={run}", "run.progress=false"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "cannot start the run" in out.stderr and "cannot hold the rollout log" in out.stderr
+    assert not (run / "logs").exists() and not (run / "rendezvous").exists()  # nothing started
