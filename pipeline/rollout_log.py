@@ -15,13 +15,14 @@ Invariants:
   newer layout, another run id or record schema; checks that the filesystem can give durability
   (`check_log_filesystem`); claims the next generation; seals the predecessor's unsealed rows into
   that generation's segment; writes a header recording where the predecessor's journal validly
-  ends (``predecessor``). Anything a stale writer appends after that point is ignored by every
-  reader, and its next seal finds its generation taken and raises `LogFencedError` (no file locks:
+  ends (``predecessor``), then removes older journals. Anything a stale writer appends after that
+  point is ignored by every reader; its next flush after ``FENCE_CHECK_S`` finds its journal
+  removed, or its next seal finds its generation taken, and raises `LogFencedError` (no file locks:
   they are not trustworthy on network filesystems);
 - the log's first new row is where the readable log ended, so rows handed out never change meaning.
 
-Metadata load: a flush is one write + ``fdatasync`` of an open file (no namespace operation); a
-seal is ~8 (create, rename, directory fsync x2, exclusive create, remove). With the defaults
+Metadata load: a flush is one write + ``fdatasync`` of an open file (no namespace operation; at
+most one ``fstat`` a second); a seal is ~8 (create, rename, directory fsync x2, exclusive create, remove). With the defaults
 (``flush_interval_s`` 0.02, ``seal_interval_s`` 60) a busy run sends at most 3000 data syncs and
 ~8 namespace operations per minute to the filesystem (docs/rollout-log.md).
 
@@ -53,6 +54,8 @@ from pipeline.record import PROMPT_COLUMN, SCALAR_COLUMNS, RecordSchema, SampleB
 
 
 ArrayLike = int | float | Sequence | np.ndarray
+#: How often (at most) a flush checks that no newer writer has taken over (one fstat).
+FENCE_CHECK_S = 1.0
 
 
 class RolloutLogWriter:
@@ -162,7 +165,7 @@ class RolloutLogWriter:
                 old.unlink(missing_ok=True)  # sealed, or a fenced writer's: no reader needs it
         self._gen_first_row, self._gen_first_seq = head["start_row"], self.seq
         self._journal_bytes = 0
-        self._sealed_at = time.monotonic()
+        self._sealed_at = self._fence_checked_at = time.monotonic()
         self._written.update(dict.fromkeys(TABLES, 0))
         self._live = Segment(ArrayFile(self._arrays, segment_attrs(
             self.schema, self.run_id, gen, head["start_row"], self.meta)), journal.path,
@@ -272,9 +275,26 @@ class RolloutLogWriter:
         self._pending_counts.update(dict.fromkeys(TABLES, 0))
         for parts in self._pending.values():
             parts.clear()
+        if time.monotonic() - self._fence_checked_at >= FENCE_CHECK_S:
+            self._check_not_fenced()
         if (self._journal_bytes >= self.seal_bytes
                 or time.monotonic() - self._sealed_at >= self.seal_interval_s):
             self._seal()
+
+    def _check_not_fenced(self) -> None:
+        """A newer writer removes this writer's journal once its own header is durable: then
+        this flush must not be acknowledged (one ``fstat`` of the open journal)."""
+        self._fence_checked_at = time.monotonic()
+        try:
+            gone = os.fstat(self._journal.fd).st_nlink == 0
+        except OSError as e:  # NFS: ESTALE once another client removed the file
+            gone, why = True, str(e)
+        else:
+            why = "its journal was removed"
+        if gone:
+            raise LogFencedError(f"{self.path}: another writer took over this rollout log ({why}); "
+                                 f"this writer's flush {self.seq - 1} and later ones are not part "
+                                 "of the log")
 
     def seal(self) -> None:
         """Flush, then seal the journal's rows into a segment now and start the next generation
