@@ -36,7 +36,8 @@ def _pids_of(run_dir: Path, module: str) -> list[int]:
             cmd = (p / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if p.name.isdigit() and module.encode() in cmd and str(run_dir).encode() in b" ".join(cmd):
+        line = b" ".join(cmd)
+        if p.name.isdigit() and module.encode() in line and str(run_dir).encode() in line:
             out.append(int(p.name))
     return out
 
@@ -78,8 +79,18 @@ def test_train_on_network_fs_survives_kill9_of_the_orchestrator(tmp_path):
         orchestrators = _pids_of(run, "pipeline.orchestrator")
         assert len(orchestrators) == 1
         os.kill(orchestrators[0], signal.SIGKILL)
+        # the rest of the run is stopped as a user would (its roles do not restart orchestrators)
+        cancel = subprocess.run([sys.executable, "-m", "pipeline.cli", "cancel", str(run)],
+                                capture_output=True, text=True, env=env, timeout=120)
+        assert cancel.returncode == 0, cancel.stderr
+        first.wait(120)
     finally:
         _stop_group(first)
+    for _ in range(60):  # the cancelled roles exit (SIGTERM handlers, engine shutdown)
+        if not _pids_of(run, "pipeline"):
+            break
+        time.sleep(1.0)
+    assert not _pids_of(run, "pipeline"), "a process of the cancelled run is still running"
     with RolloutLog.open(run) as log:  # what the killed orchestrator had acknowledged
         before = log.resume_state()
     assert len(before.stored["group_id"]) >= len(state.stored["group_id"])
