@@ -1,7 +1,8 @@
 """`tokenflow inspect PATH [--plot OUT.png] [--json]`: summarise a run's rollout log.
 
-PATH is a run directory, its ``rollouts/`` directory, or one segment file (all its sibling
-segments are read too, and a note says so). The summary holds counts (samples, groups by outcome,
+PATH is a run directory, its ``rollouts/`` directory, or one segment file (the whole log is read,
+and a note says so). It may run on any node while the run goes on: it reads every sealed segment
+plus the journal's valid entries, and says (``journal``) how far behind the writer that may be. The summary holds counts (samples, groups by outcome,
 steps, tokens), the mean reward by policy version, a staleness histogram, prompt and completion
 length statistics and finish reasons. ``--json`` prints the summary as ONE JSON object, the only
 line on stdout (NaN becomes null); ``--plot`` writes a PNG of reward by version, staleness and
@@ -101,7 +102,8 @@ def summarize(log: RolloutLog, progress=None) -> dict:
     edges = np.unique(np.linspace(0, top + 1, _LENGTH_BINS + 1).astype(np.int64))
     show(f"inspect: read {len(rows):,} samples", last=True)
     return {
-        "path": str(log.segments[0].path.parent), "note": log.note,
+        "path": str(log.segments[0].path.parent if log.segments else log.scan.journal.parent),
+        "note": log.note, "journal": log.lag_note(),
         "run_id": log.run_id, "layout_version": max(s.version for s in log.segments),
         "record_schema": log.schema.to_dict(), "meta": log.meta,
         "segments": len(log.segments), "problems": list(log.problems),
@@ -132,6 +134,8 @@ def format_text(s: dict) -> str:
            f"layout v{s['layout_version']})"]
     if s["note"]:
         out.append(f"note          {s['note']}")
+    if s["journal"]:
+        out.append(f"journal       {s['journal']}")
     out += [f"problems      {p}" for p in s["problems"]]
     t = s["tokens"]
     out.append(f"samples       {s['samples']:,}  ({s['consumed_samples']:,} consumed by steps"

@@ -1,25 +1,32 @@
 """On-disk layout of the rollout log, shared by its writer (`rollout_log`) and readers (`log_reader`).
 
-A run's log is the directory ``RUN/rollouts/`` holding one HDF5 file per writer start,
-``segment-00000.h5``, ``segment-00001.h5``, ... (a ``kill -9``'d SWMR writer leaves its file
-unopenable for append, so a restart never reopens a segment: it starts the next one). Read in order,
-the segments are one log; a sample's *global row* counts across them.
+A run's log is the directory ``RUN/rollouts/`` holding immutable HDF5 *segments*
+``segment-NNNNN.h5`` and the current generation's append-only *journal* ``journal-GGGGGGGG.tfj``
+(format in `log_journal`). A writer acknowledges a flush once its journal entry is ``fdatasync``'d;
+every ``seal_interval_s`` it seals what the journal holds into a new segment and starts the next
+generation. Read in order, the sealed segments and then the journal's valid entries are one log;
+a sample's *global row* counts across them. (Layout version 1, written before the journal existed,
+is a directory of segments only; it is still read.)
 
 Invariants a segment keeps:
 
-- its root attributes (``tokenflow_schema_version``, ``run_id``, ``record_schema``, ``segment_index``,
-  ``first_row``, ``created``, ``meta``) and every dataset exist before the file gets its final name
-  (it is built as ``*.tmp`` and linked into place), so a file named ``segment-*.h5`` is never half-built;
-- every dataset belongs to one *table* and only grows; its length may exceed the table's count
-  (the writer grows datasets geometrically), so readers never trust dataset shapes, only commits;
-- ``commits`` holds one row per flush, ``[seq, samples, prompt_tokens, completion_tokens, groups,
-  steps, step_meta]`` (seq = row index + 1), written and flushed only after the data it counts was
-  flushed. The last valid commit row is what a reader sees, so a flush is atomic for readers and a
-  writer killed mid-flush loses nothing that an earlier flush covered;
+- it is complete before it gets its name: written as a ``*.tmp`` file, fsync'd, renamed, the
+  directory fsync'd; it is never modified afterwards. Its name carries the journal generation that
+  sealed it, which its writer claimed exclusively, so no two writers ever write the same name;
+- its root attributes: ``tokenflow_schema_version``, ``run_id``, ``record_schema``,
+  ``segment_index`` (= its name's number), ``first_row``, ``first_seq``/``last_seq`` (the journal
+  sequence numbers it holds; 0/0 for none), ``writer``, ``created``, ``meta``;
+- every dataset belongs to one *table*; ``commits`` holds ``[seq, samples, prompt_tokens,
+  completion_tokens, groups, steps, step_meta]`` rows whose last valid row gives the tables' counts
+  (a sealed segment has exactly one; layout-1 segments had one per flush);
 - ``samples/prompt_offset`` / ``samples/completion_offset`` are each sample's start in the
   segment's flat token datasets. Worked example, one segment holding rows with prompts of 3 and 2
   tokens and completions of 2 and 4: prompt_offset = [0, 3], completion_offset = [0, 2], commit row
   ``[1, 2, 5, 6, 0, 0, 0]``; if the segment's attribute first_row is 10 these are global rows 10, 11.
+
+Which segments belong to the log is said by the newest journal with a valid header (see
+`log_scan`); a segment no header lists (left by a writer that stopped before publishing it, or by a
+fenced stale writer) is ignored and reported.
 """
 from __future__ import annotations
 
@@ -35,8 +42,8 @@ import numpy as np
 
 from pipeline.record import PROMPT_COLUMN, SCALAR_COLUMNS, RecordSchema
 
-#: Version of this file layout; readers refuse files of a newer version.
-SCHEMA_VERSION = 1
+#: Version of this file layout; readers refuse files of a newer version (and read version 1).
+SCHEMA_VERSION = 2
 
 SEGMENT_RE = re.compile(r"^segment-(\d{5,})\.h5$")
 LOG_DIRNAME = "rollouts"
@@ -44,10 +51,13 @@ LOG_DIRNAME = "rollouts"
 #: Tables, in the order of a commit row's counts (after its seq column).
 TABLES = ("samples", "prompt_tokens", "completion_tokens", "groups", "steps", "step_meta")
 
-#: Filesystems where HDF5 SWMR cannot work (no POSIX write ordering seen by other clients).
-SWMR_UNSAFE_FILESYSTEMS = frozenset({
-    "nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "fuse.sshfs", "9p",
-    "ceph", "fuse.ceph", "glusterfs", "fuse.glusterfs"})
+#: Filesystems refused outright: object-store mounts whose fsync does not make a write durable
+#: where other nodes read it (a file is uploaded when it is closed, if at all).
+REFUSED_FILESYSTEMS = {
+    "fuse.s3fs": "an S3 object-store mount (s3fs)", "fuse.goofys": "an object-store mount (goofys)",
+    "fuse.gcsfuse": "a Google Cloud Storage mount (gcsfuse)", "fuse.rclone": "an rclone mount",
+    "fuse.mountpoint-s3": "an S3 object-store mount (mountpoint-s3)",
+    "fuse.blobfuse2": "an Azure Blob mount (blobfuse2)"}
 
 
 class GroupOutcome(enum.IntEnum):
@@ -100,11 +110,11 @@ class SchemaMismatchError(LogError):
 
 
 class UnsupportedFilesystemError(LogError):
-    """The log directory is on a filesystem where SWMR cannot work."""
+    """The log directory's filesystem cannot make a write durable (the message says why)."""
 
 
-class LogLockedError(LogError):
-    """Another writer holds the log."""
+class LogFencedError(LogError):
+    """A newer writer took over the log: this (stale) writer may not write to it any more."""
 
 
 class LogDamageWarning(UserWarning):
@@ -154,27 +164,25 @@ def list_segments(log_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def resolve_log_path(path: str | os.PathLike) -> tuple[list[Path], str | None]:
-    """The segment files a user's path means, and a note when it means more than the path itself.
+def resolve_log_path(path: str | os.PathLike) -> tuple[Path, str | None]:
+    """The log directory (or single HDF5 file) a user's path means, and a note when it means more
+    than the path itself.
 
     Accepts a run directory (reads ``RUN/rollouts/``), a log directory, one segment file (reads
-    all its sibling segments: a segment alone is part of a log) or any other single HDF5 file.
+    its whole log: a segment alone is part of a log) or any other single HDF5 file.
     """
     p = Path(path)
     if not p.exists():
         raise LogNotFoundError(f"{p}: no such file or directory")
     if p.is_dir():
         log_dir = p / LOG_DIRNAME if (p / LOG_DIRNAME).is_dir() else p
-        segs = list_segments(log_dir)
-        if not segs:
-            raise LogNotFoundError(f"{p}: no rollout log here (expected {log_dir}/segment-NNNNN.h5)")
-        return [s for _, s in segs], None
+        if not any(SEGMENT_RE.match(n) or n.endswith(".tfj") for n in os.listdir(log_dir)):
+            raise LogNotFoundError(f"{p}: no rollout log here (expected {log_dir}/segment-NNNNN.h5 "
+                                   "or journal-GGGGGGGG.tfj)")
+        return log_dir, None
     if SEGMENT_RE.match(p.name):
-        segs = [s for _, s in list_segments(p.parent)]
-        note = None if segs == [p] else (
-            f"{p.name} is one segment of the log in {p.parent}; reading all {len(segs)} segments")
-        return segs, note
-    return [p], None
+        return p.parent, f"{p.name} is one segment of the log in {p.parent}; reading the whole log"
+    return p, None
 
 
 def filesystem_type(path: Path, mounts_text: str | None = None) -> str:
@@ -197,29 +205,83 @@ def filesystem_type(path: Path, mounts_text: str | None = None) -> str:
     return fstype
 
 
-def segment_attrs(schema: RecordSchema, run_id: str, index: int, first_row: int,
-                  meta: dict) -> dict:
+def segment_attrs(schema: RecordSchema, run_id: str, index: int, first_row: int, meta: dict,
+                  first_seq: int = 0, last_seq: int = 0, writer: str = "") -> dict:
     """The root attributes of a new segment."""
     return {"tokenflow_schema_version": SCHEMA_VERSION, "run_id": run_id,
             "record_schema": json.dumps(schema.to_dict(), sort_keys=True),
-            "segment_index": index, "first_row": first_row, "created": time.time(),
+            "segment_index": index, "first_row": first_row, "first_seq": first_seq,
+            "last_seq": last_seq, "writer": writer, "created": time.time(),
             "meta": json.dumps(meta, sort_keys=True)}
 
 
-def create_segment_file(path: Path, schema: RecordSchema, attrs: dict) -> None:
-    """Build a complete, empty segment at ``path`` (which must not exist), atomically."""
+def write_sealed_segment(path: Path, schema: RecordSchema, attrs: dict,
+                         data: dict[str, np.ndarray], counts: dict[str, int]) -> None:
+    """Write an immutable segment holding ``data[name][:rows of its table]`` for every dataset
+    of the layout: aside as ``*.tmp``, fsync'd, renamed to ``path``, the directory fsync'd."""
     import h5py
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)
+
+    from pipeline.log_journal import fsync_dir
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with h5py.File(tmp, "w", libver="latest") as f:
         for key, value in attrs.items():
             f.attrs[key] = value
         for name, spec in dataset_layout(schema).items():
-            f.create_dataset(name, shape=(0, *spec.trail), maxshape=(None, *spec.trail),
-                             dtype=spec.dtype, chunks=(spec.chunk_rows, *spec.trail))
-        f.create_dataset("commits", shape=(0, 1 + len(TABLES)), maxshape=(None, 1 + len(TABLES)),
-                         dtype=np.int64, chunks=(256, 1 + len(TABLES)))
+            f.create_dataset(name, data=data[name][:counts[spec.table]])
+        f.create_dataset("commits", data=np.array([[1, *(counts[t] for t in TABLES)]], np.int64))
+    fd = os.open(tmp, os.O_RDONLY)
     try:
-        os.link(tmp, path)  # fails if the name exists: two writers cannot take one index
+        os.fsync(fd)
     finally:
-        tmp.unlink()
+        os.close(fd)
+    os.rename(tmp, path)
+    fsync_dir(path.parent)
+
+
+def check_log_filesystem(log_dir: Path, mounts_text: str | None = None) -> str:
+    """Refuse (`UnsupportedFilesystemError`, naming the reason) a directory where the log cannot
+    be durable; returns its filesystem type. Probes what the log relies on: exclusive create,
+    write + ``fdatasync``/``fsync``, rename, directory fsync, remove."""
+    from pipeline.log_journal import fsync_dir
+    fstype = filesystem_type(log_dir, mounts_text)
+    if fstype in REFUSED_FILESYSTEMS:
+        raise UnsupportedFilesystemError(
+            f"{log_dir} is on {REFUSED_FILESYSTEMS[fstype]} ({fstype}), whose fsync does not make "
+            "a write durable for other nodes; put the run directory on a local disk, NFS, Lustre "
+            "or GPFS (see docs/rollout-log.md)")
+    probe = log_dir / f".probe-{os.getpid()}-{time.monotonic_ns()}"
+    step = "create a file"
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            step = "write + fdatasync"
+            os.write(fd, b"tokenflow durability probe")
+            os.fdatasync(fd)
+            step = "fsync"
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        step = "refuse a second exclusive create"
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            pass
+        else:
+            raise OSError("O_EXCL is not honoured: two writers could claim one journal")
+        step = "rename"
+        os.rename(probe, probe.with_suffix(".renamed"))
+        probe = probe.with_suffix(".renamed")
+        step = "fsync the directory"
+        fsync_dir(log_dir)
+        step = "remove a file"
+        os.unlink(probe)
+    except OSError as e:
+        try:
+            probe.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise UnsupportedFilesystemError(
+            f"{log_dir} ({fstype}) cannot hold the rollout log: {step} failed ({e}); the log "
+            "acknowledges results only once they are durable (see docs/rollout-log.md)") from e
+    return fstype

@@ -5,12 +5,14 @@ Invariants:
 - global row r of the log is local row ``r - first_row`` of the segment whose range holds it; each
   segment's ``first_row`` attribute was fixed by its writer from what earlier segments held, so a
   skipped (damaged) segment leaves a gap of unreadable rows rather than shifting later rows;
-- a damaged segment (not HDF5, truncated, unopenable) is skipped with a `LogDamageWarning` naming it
-  and listed in ``problems``; a foreign HDF5 file, a newer layout version, or segments that disagree
-  on run id or record schema raise instead (reading on would mislead). ``strict=True`` raises on
-  damage too. If no segment is readable, the first segment's error is raised;
-- nothing is ever written: a live writer's log is read in SWMR mode and ``refresh()`` shows newly
-  flushed data (and segments started since).
+- what is read is the sealed segments plus the journal's valid entries (`log_scan`): everything a
+  writer had acknowledged when the files were read, on any node. A damaged segment (not HDF5,
+  truncated, unopenable) is skipped with a `LogDamageWarning` naming it and listed in
+  ``problems``; a foreign HDF5 file, a newer layout version, or segments that disagree on run id or
+  record schema raise instead (reading on would mislead). ``strict=True`` raises on damage too. If
+  nothing is readable, the first error is raised;
+- nothing is ever written; ``refresh()`` reads the log again, showing what a live writer
+  acknowledged since, and `lag_note` says how far behind the writer the view may be.
 
 Step records: each ``append_steps`` call of the writer is one record (one ``step_meta`` row and
 ``n_samples`` ``steps`` rows). When a step number is recorded more than once (a resume re-ran it
@@ -29,7 +31,8 @@ import numpy as np
 
 from pipeline.log_format import (
     GROUP_COLUMNS, STEP_COLUMNS, STEP_META_COLUMNS, CorruptSegmentError, GroupOutcome, LogError,
-    LogDamageWarning, NotHDF5Error, SchemaMismatchError, resolve_log_path)
+    LogDamageWarning, SchemaMismatchError, dataset_layout, resolve_log_path)
+from pipeline.log_scan import LogScan, open_segments, scan_log
 from pipeline.log_segment import Segment
 from pipeline.record import RecordSchema, SampleBatch
 
@@ -67,29 +70,50 @@ class ResumeState:
 class RolloutLog:
     """The readable segments of one run's rollout log (see module docstring)."""
 
-    def __init__(self, segments: list[Segment], problems: list[str], note: str | None = None):
+    def __init__(self, segments: list[Segment], problems: list[str], note: str | None = None,
+                 scan: LogScan | None = None):
         self.segments = segments
         self.problems = problems
         self.note = note
-        self._skipped: set[Path] = set()
-        first = segments[0]
-        self.schema: RecordSchema = first.schema
-        self.run_id: str = first.run_id
+        self.scan = scan
+        """What the last read of the files found (journal, valid prefix, newest entry time)."""
+        if segments:
+            first = segments[0]
+            self.schema: RecordSchema = first.schema
+            self.run_id: str = first.run_id
+            self._meta = first.meta
+        else:  # only a journal header so far
+            self.schema = RecordSchema.from_dict(scan.header["record_schema"])
+            self.run_id, self._meta = scan.header["run_id"], scan.header["meta"]
         for s in segments[1:]:
             _check_same_run(first, s)
 
     @classmethod
     def open(cls, path, strict: bool = False) -> "RolloutLog":
         """Open the log at a run dir, log dir or segment file (see `resolve_log_path`)."""
-        paths, note = resolve_log_path(path)
-        segments, errors = open_segments(paths, strict)
-        if not segments:
-            if len(errors) == 1:
-                raise errors[0]
-            raise CorruptSegmentError("no readable segment: " + "; ".join(map(str, errors)))
-        warn_damaged(errors)
-        log = cls(segments, [str(e) for e in errors], note)
-        log._skipped = {p for p in paths if p not in {s.path for s in segments}}
+        target, note = resolve_log_path(path)
+        log = cls._from_scan(cls._scan(target, strict), note)
+        log._target, log._strict = target, strict
+        return log
+
+    @staticmethod
+    def _scan(target: Path, strict: bool) -> LogScan:
+        if target.is_dir():
+            scan = scan_log(target, strict)
+        else:
+            segs, errors = open_segments([target], strict)
+            scan = LogScan(segs, None, [str(e) for e in errors], errors=errors)
+        if not scan.segments and scan.tail is None and scan.errors:
+            if len(scan.errors) == 1:
+                raise scan.errors[0]
+            raise CorruptSegmentError("nothing readable: " + "; ".join(map(str, scan.errors)))
+        return scan
+
+    @classmethod
+    def _from_scan(cls, scan: LogScan, note: str | None) -> "RolloutLog":
+        warn_damaged(scan.problems)
+        segments = scan.segments + ([scan.tail] if scan.tail is not None else [])
+        log = cls(segments, list(scan.problems), note, scan)
         return log
 
     def __enter__(self) -> "RolloutLog":
@@ -105,31 +129,42 @@ class RolloutLog:
     @property
     def meta(self) -> dict:
         """The ``meta`` given by the latest writer."""
-        return self.segments[-1].meta
+        if self.scan is not None and self.scan.header is not None:
+            return self.scan.header["meta"]
+        return self.segments[-1].meta if self.segments else self._meta
 
     @property
     def num_samples(self) -> int:
         """Next global row id (rows lost to a damaged segment count, but cannot be read)."""
-        return max(s.first_row + s.num_rows for s in self.segments)
+        ends = [s.first_row + s.num_rows for s in self.segments]
+        if self.scan is not None:
+            ends.append(self.scan.next_row)
+        return max(ends, default=0)
+
+    def lag_note(self) -> str | None:
+        """How far behind a live writer this view may be (None for a log read from segments only)."""
+        scan = self.scan
+        if scan is None or scan.journal is None:
+            return None
+        age = scan.scanned_at - scan.last_entry_t
+        note = (f"read {scan.journal.name} up to byte {scan.valid_end} (sequence {scan.next_seq - 1}); "
+                f"its newest entry was written {age:.1f} s before this read (writer's clock)")
+        if scan.torn:
+            note += f"; beyond it: {scan.torn} (a flush in progress, or a torn tail)"
+        return note + (". A running writer may have acknowledged more since: up to the time since "
+                       "then plus the filesystem's attribute-cache window (NFS actimeo, sshfs "
+                       "cache_timeout; 0 on a local disk)")
 
     @property
     def num_readable(self) -> int:
         return sum(s.num_rows for s in self.segments)
 
     def refresh(self) -> None:
-        """Show what a live writer flushed since opening, including segments it started."""
-        self.segments[-1].refresh()
-        known = {s.path for s in self.segments} | self._skipped
-        paths, _ = resolve_log_path(self.segments[-1].path)
-        fresh = [p for p in paths if p not in known]
-        if fresh:
-            segs, errors = open_segments(fresh, strict=False)
-            warn_damaged(errors)
-            for s in segs:
-                _check_same_run(self.segments[0], s)
-            self.segments += segs
-            self.problems += [str(e) for e in errors]
-            self._skipped |= set(fresh) - {s.path for s in segs}
+        """Read the log again: shows what a live writer acknowledged (and sealed) since."""
+        scan = self._scan(self._target, self._strict)
+        self.close()
+        fresh = self._from_scan(scan, self.note)
+        self.segments, self.problems, self.scan = fresh.segments, fresh.problems, fresh.scan
 
     # -- samples --------------------------------------------------------------------------------
     def _locate(self, rows: np.ndarray) -> Iterator[tuple[Segment, np.ndarray]]:
@@ -200,16 +235,19 @@ class RolloutLog:
 
     def column(self, name: str) -> np.ndarray:
         """One committed column over all readable segments, e.g. ``samples/reward`` (row order)."""
+        if not self.segments:
+            spec = dataset_layout(self.schema)[name]
+            return np.zeros((0, *spec.trail), spec.dtype)
         return np.concatenate([s.read_column(name) for s in self.segments])
 
     def rows(self) -> np.ndarray:
         """Global row id of every readable sample, in the order of `column('samples/...')`."""
-        return np.concatenate([np.arange(s.first_row, s.first_row + s.num_rows, dtype=np.int64)
-                               for s in self.segments])
+        return np.concatenate([np.zeros(0, np.int64)] + [
+            np.arange(s.first_row, s.first_row + s.num_rows, dtype=np.int64) for s in self.segments])
 
     def min_versions(self) -> np.ndarray:
         """Oldest token version of every readable sample (row order)."""
-        return np.concatenate([s.min_versions() for s in self.segments])
+        return np.concatenate([np.zeros(0, np.int32)] + [s.min_versions() for s in self.segments])
 
     # -- tables --------------------------------------------------------------------------------
     def groups(self) -> dict[str, np.ndarray]:
@@ -267,28 +305,9 @@ class RolloutLog:
             problems=list(self.problems))
 
 
-def open_segments(paths: list[Path], strict: bool) -> tuple[list[Segment], list[LogError]]:
-    """Open segments in order; damaged ones are skipped (their errors returned) unless ``strict``."""
-    segments, errors = [], []
-    for p in paths:
-        try:
-            segments.append(Segment.open(p))
-        except (NotHDF5Error, CorruptSegmentError) as e:
-            if strict:
-                for s in segments:
-                    s.close()
-                raise
-            errors.append(e)
-        except LogError:
-            for s in segments:
-                s.close()
-            raise
-    return segments, errors
-
-
-def warn_damaged(errors: list[LogError]) -> None:
+def warn_damaged(errors: list) -> None:
     for e in errors:
-        warnings.warn(f"skipping damaged rollout log segment: {e}", LogDamageWarning, stacklevel=3)
+        warnings.warn(f"rollout log: {e}", LogDamageWarning, stacklevel=3)
 
 
 def _check_same_run(first: Segment, other: Segment) -> None:

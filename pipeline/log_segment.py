@@ -5,8 +5,10 @@ Invariants:
 - a `Segment` only ever shows what a valid commit row covers (see `log_format`): data a writer
   wrote after its last complete flush is invisible, so readers of a live or a killed writer's
   segment see a consistent prefix;
-- opening never modifies the file: read-only, plainly for a closed segment (so damage fails fast)
-  and in SWMR read mode for a live writer's segment or one whose writer was killed;
+- opening never modifies the file: read-only, plainly (so damage fails fast), and in SWMR read
+  mode only for a layout-1 segment whose SWMR writer was killed;
+- a `Segment` may also stand for rows held in memory (an `ArrayFile`: the journal's valid entries
+  read by a reader, or the writer's unsealed rows), read through the same methods;
 - every failure names the file: not HDF5 -> `NotHDF5Error`; no Tokenflow attributes ->
   `ForeignFileError`; newer layout -> `NewerSchemaError`; cut short or unreadable ->
   `CorruptSegmentError` (including read errors and invalid data found while reading rows).
@@ -30,6 +32,24 @@ _COMMIT_LOOKBACK = 8  # how many trailing commit rows to try when the last one i
 # A live (or killed mid-flush) SWMR writer's file may end up to this many bytes before the end
 # its superblock records (space allocated, not yet written); a larger gap means the file was cut.
 _SWMR_SLACK = 64 * 1024
+
+
+class ArrayFile:
+    """In-memory stand-in for an open segment file: ``arrays`` maps dataset paths (e.g.
+    ``samples/reward``) to arrays at least as long as their table's count; ``arrays`` is used by
+    reference, so a writer may replace a grown array in it."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], attrs: dict):
+        self.arrays, self.attrs = arrays, attrs
+
+    def __getitem__(self, name: str):
+        if name in self.arrays:
+            return self.arrays[name]
+        prefix = name + "/"
+        return {k[len(prefix):]: v for k, v in self.arrays.items() if k.startswith(prefix)}
+
+    def close(self) -> None:
+        pass
 
 
 class Segment:
@@ -60,7 +80,7 @@ class Segment:
         try:  # a closed segment opens plainly: damage then fails fast instead of SWMR's retries
             f = h5py.File(path, "r")
         except OSError as plain_error:
-            live = "already open" in str(plain_error) or "lock" in str(plain_error)
+            live = _marked_open_for_write(path)
             if shortfall > (_SWMR_SLACK if live else 0):
                 raise truncated
             if not live:
@@ -110,12 +130,12 @@ class Segment:
                 row, seq = tail[j], k - len(tail) + j + 1
                 counts = dict(zip(TABLES, (int(v) for v in row[1:])))
                 if row[0] == seq and all(0 <= counts[t] <= lengths[t] for t in TABLES):
-                    self._check_offsets(counts)
+                    self.check_offsets(counts)
                     return counts
             raise CorruptSegmentError(f"{self.path}: none of its last commit rows is valid")
         return dict.fromkeys(TABLES, 0)
 
-    def _check_offsets(self, counts: dict[str, int]) -> None:
+    def check_offsets(self, counts: dict[str, int]) -> None:
         n = counts["samples"]
         if not n:
             return
@@ -126,12 +146,6 @@ class Segment:
             if end != counts[table]:
                 raise CorruptSegmentError(f"{self.path}: {kind} tokens end at {end} but the "
                                           f"commit counts {counts[table]}")
-
-    def refresh(self) -> None:
-        """See what a live writer flushed since (SWMR read mode)."""
-        for name in (*self.layout, "commits"):
-            self.file[name].refresh()
-        self.counts = self._committed_counts()
 
     @property
     def num_rows(self) -> int:
@@ -203,6 +217,14 @@ def _superblock_eof(path: Path) -> int | None:
     if size_of_offsets not in (4, 8) or at + size_of_offsets > len(head):
         return None
     return int.from_bytes(head[at:at + size_of_offsets], "little")
+
+
+def _marked_open_for_write(path: Path) -> bool:
+    """Whether the superblock (version >= 2) says a writer still has the file open: a layout-1
+    SWMR segment whose writer was killed. Sealed segments are closed before they are named."""
+    with open(path, "rb") as fh:
+        head = fh.read(12)
+    return len(head) == 12 and head[8] >= 2 and bool(head[11] & 0x05)
 
 
 def _shortfall(path: Path) -> int:

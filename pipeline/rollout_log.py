@@ -1,110 +1,179 @@
-"""Writer of the durable rollout log (layout in `log_format`): one new SWMR segment per start.
+"""Writer of the durable rollout log (layout in `log_format`, journal in `log_journal`).
 
 Invariants:
 
-- one writer per log at a time (an exclusive ``flock`` on ``LOG_DIR/writer.lock``, released by the
-  kernel even on ``kill -9``); each start writes a *new* segment, never reopening an old one;
-- a start refuses, modifying nothing existing, when the log holds a foreign file, a newer layout,
-  or segments of another run id or record schema; damaged segments (a writer killed while creating
-  or flushing, a truncated file) are tolerated: what is readable counts, the rest is in ``problems``;
-- the new segment's first global row is where the readable log ends, so rows already handed out
-  never change meaning;
-- appends are buffered in memory and written at `flush` in one batch per dataset (batched appends
-  are ~16x faster than per-sample ones), followed by one commit row: after `flush` returns,
-  everything appended so far survives a ``kill -9`` of this process and is visible to SWMR readers;
-  a crash before that loses only unflushed appends (acknowledge results only after `flush`).
+- `flush` writes everything appended since the last flush as ONE journal entry (sequence number +
+  checksum) and returns after ``fdatasync``: then, and only then, it is durable on the log
+  directory's filesystem (local disk, NFS, Lustre, GPFS) and visible to readers on any node; a
+  ``kill -9`` (or node crash) loses only appends not yet flushed. The orchestrator acknowledges a
+  result after the flush that covers it, grouping every result of a turn into one flush;
+- every ``seal_interval_s`` (or ``seal_bytes`` of journal), and at `close`, the journal's rows are
+  sealed into an immutable HDF5 segment and the next journal generation is started (claimed with an
+  exclusive create; its header lists the segments); a writer killed at any point leaves a log that
+  the next start reads whole: sealed segments, then the journal's valid prefix;
+- a start never modifies an existing file: it reads the log (`log_scan`), refuses a foreign file, a
+  newer layout, another run id or record schema; checks that the filesystem can give durability
+  (`check_log_filesystem`); claims the next generation; seals the predecessor's unsealed rows into
+  that generation's segment; writes a header recording where the predecessor's journal validly
+  ends (``predecessor``), then removes older journals. Anything a stale writer appends after that
+  point is ignored by every reader; its next flush after ``FENCE_CHECK_S`` finds its journal
+  removed, or its next seal finds its generation taken, and raises `LogFencedError` (no file locks:
+  they are not trustworthy on network filesystems);
+- the log's first new row is where the readable log ended, so rows handed out never change meaning.
 
-Filesystems: SWMR needs POSIX write ordering, which NFS, SMB, Lustre, GPFS, BeeGFS, CephFS and
-GlusterFS clients do not give; there the writer refuses with `UnsupportedFilesystemError` unless
-``swmr=False`` is passed. Without SWMR, live readers cannot open the segment, and a writer killed
-with ``kill -9`` leaves its segment unreadable until ``h5clear -s SEGMENT`` is run on it (readers
-report the segment as damaged with that hint).
+Metadata load: a flush is one write + ``fdatasync`` of an open file (no namespace operation; at
+most one ``fstat`` a second); a seal is ~8 (create, rename, directory fsync x2, exclusive create, remove). With the defaults
+(``flush_interval_s`` 0.02, ``seal_interval_s`` 60) a busy run sends at most 3000 data syncs and
+~8 namespace operations per minute to the filesystem (docs/rollout-log.md).
 
-Worked example: a log whose segments 0 and 1 hold 100 and 40 readable rows starts segment 2 at
-global row 140; ``append_samples`` of a 3-sample batch returns rows [140, 141, 142].
+Worked example: a log whose segments hold 140 rows and whose journal holds 2 valid flushes of 8 rows
+(seqs 15, 16) plus a torn third one: a start seals rows 140-155 into its segment, its header says
+start_seq 17, start_row 156 and that the predecessor's journal validly ended before the torn entry;
+``append_samples`` of a 3-sample batch then returns rows [156, 157, 158].
 """
 from __future__ import annotations
 
-import fcntl
 import os
+import time
+import uuid
+import warnings
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 from pipeline.log_format import (
-    GROUP_COLUMNS, STEP_COLUMNS, STEP_META_COLUMNS, SWMR_UNSAFE_FILESYSTEMS,
-    TABLES, GroupOutcome, LogError, LogLockedError, SchemaMismatchError, UnsupportedFilesystemError,
-    create_segment_file, dataset_layout, filesystem_type, list_segments, segment_attrs, segment_name)
-from pipeline.log_reader import RolloutLog, open_segments, warn_damaged
-from pipeline.log_segment import Segment
+    GROUP_COLUMNS, SCHEMA_VERSION, STEP_COLUMNS, STEP_META_COLUMNS, TABLES, GroupOutcome, LogError,
+    LogDamageWarning, LogFencedError, SchemaMismatchError, check_log_filesystem, dataset_layout,
+    segment_attrs, segment_name, write_sealed_segment)
+from pipeline.log_journal import JournalFile, encode_entry, fsync_dir, journal_name, list_journals
+from pipeline.log_reader import RolloutLog
+from pipeline.log_scan import scan_log
+from pipeline.log_segment import ArrayFile, Segment
 from pipeline.record import PROMPT_COLUMN, SCALAR_COLUMNS, RecordSchema, SampleBatch
 
 
 ArrayLike = int | float | Sequence | np.ndarray
+#: How often (at most) a flush checks that no newer writer has taken over (one fstat).
+FENCE_CHECK_S = 1.0
 
 
 class RolloutLogWriter:
     """Appends samples, resolved groups and step records to a run's rollout log."""
 
     def __init__(self, log_dir: Path, schema: RecordSchema, run_id: str, meta: dict | None = None,
-                 *, swmr: bool = True, fsync: bool = False):
-        """``log_dir`` is ``RUN/rollouts``; ``meta`` (JSON-able) is stored in the new segment;
-        ``fsync`` also syncs each flush to the device (survives a node crash, not just kill -9)."""
+                 *, seal_interval_s: float = 60.0, seal_bytes: int = 256 << 20):
+        """``log_dir`` is ``RUN/rollouts``; ``meta`` (JSON-able) is stored in every new segment and
+        journal header; a seal happens every ``seal_interval_s`` or ``seal_bytes`` of journal."""
+        if seal_interval_s <= 0 or seal_bytes <= 0:
+            raise ValueError("seal_interval_s and seal_bytes must be > 0")
         self.log_dir, self.schema, self.run_id = Path(log_dir), schema, run_id
-        self.swmr, self.fsync = swmr, fsync
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        fstype = filesystem_type(self.log_dir)
-        if swmr and fstype in SWMR_UNSAFE_FILESYSTEMS:
-            raise UnsupportedFilesystemError(
-                f"{self.log_dir} is on a {fstype} filesystem, where HDF5 SWMR cannot work (its "
-                "clients do not see writes in order); put the run directory on a local disk, or "
-                "pass swmr=False (no live readers; a killed writer's segment then needs h5clear -s)")
-        self._lock_fd = _take_lock(self.log_dir / "writer.lock")
-        prior: list[Segment] = []
+        self.meta, self.seal_interval_s, self.seal_bytes = meta or {}, seal_interval_s, seal_bytes
+        self.fstype = check_log_filesystem(self.log_dir)
+        self.writer_id = uuid.uuid4().hex[:16]
+        scan = scan_log(self.log_dir)
+        self._sealed: list[Segment] = list(scan.segments)
+        self._journal: JournalFile | None = None
         try:
-            existing = list_segments(self.log_dir)
-            prior, errors = open_segments([p for _, p in existing], strict=False)
-            for seg in prior:
+            old = scan.segments + ([scan.tail] if scan.tail is not None else [])
+            for seg in old:
                 _check_matches(seg, schema, run_id)
-            self.problems = [str(e) for e in errors]
-            warn_damaged(errors)
-            index = existing[-1][0] + 1 if existing else 0
-            self.first_row = max((s.first_row + s.num_rows for s in prior), default=0)
-            self.path = self.log_dir / segment_name(index)
-            create_segment_file(self.path, schema, segment_attrs(schema, run_id, index,
-                                                                 self.first_row, meta or {}))
-            for stale in self.log_dir.glob("segment-*.h5.tmp"):
-                stale.unlink(missing_ok=True)  # left by a writer killed while creating one
-            self._file = _open_for_append(self.path, swmr)
+            self.problems = list(scan.problems)
+            if scan.torn and scan.valid_end:
+                self.problems.append(f"{scan.journal.name}: ignored after byte {scan.valid_end} "
+                                     f"({scan.torn})")
+            for p in self.problems:
+                warnings.warn(f"rollout log: {p}", LogDamageWarning, stacklevel=2)
+            self._layout = dataset_layout(schema)
+            self._arrays = {n: np.zeros((0, *s.trail), s.dtype) for n, s in self._layout.items()}
+            self._written = dict.fromkeys(TABLES, 0)  # this generation's flushed counts
+            self._pending_counts = dict.fromkeys(TABLES, 0)
+            self._pending: dict[str, list[np.ndarray]] = {name: [] for name in self._layout}
+            self.first_row = scan.next_row
+            self.seq = scan.next_seq
+            self._row_tokens = np.zeros(max(1024, 2 * self.first_row), dtype=np.int64)
+            for seg in old:  # prompt + completion tokens of every row, for step records' n_tokens
+                lens = (seg.read_column("samples/prompt_len").astype(np.int64)
+                        + seg.read_column("samples/completion_len"))
+                self._row_tokens[seg.first_row:seg.first_row + len(lens)] = lens
+            predecessor = None if scan.header is None else {
+                "gen": int(scan.header["gen"]), "writer": scan.header["writer"],
+                "valid_end": scan.valid_end, "last_seq": scan.next_seq - 1, "torn": scan.torn}
+            tail = scan.tail
+            self._rotate(scan.max_index + 1, tail.file.arrays if tail else {},
+                         tail.counts if tail else dict.fromkeys(TABLES, 0),
+                         tail.first_row if tail else self.first_row,
+                         int(scan.header["start_seq"]) if tail else self.seq, predecessor)
+        except FileExistsError:
+            self._release(scan.tail)
+            raise LogError(f"{self.log_dir}: another rollout log writer is starting on this log")
         except BaseException:
-            for seg in prior:
-                seg.close()
-            os.close(self._lock_fd)
+            self._release(scan.tail)
             raise
-        self._layout = dataset_layout(schema)
-        self._ds = {name: self._file[name] for name in self._layout}
-        self._capacity = dict.fromkeys(self._layout, 0)  # allocated rows (>= written)
-        self._commits = self._file["commits"]
-        self._n_commits = 0
-        self._written = dict.fromkeys(TABLES, 0)  # committed counts, shared with self._live
-        self._pending_counts = dict.fromkeys(TABLES, 0)
-        self._pending: dict[str, list[np.ndarray]] = {name: [] for name in self._layout}
-        self._live = Segment(self._file, self.path, counts=self._written)
-        self._log = RolloutLog(prior + [self._live], self.problems)
-        self._row_tokens = np.zeros(max(1024, 2 * self.first_row), dtype=np.int64)
-        for seg in prior:  # prompt + completion tokens of every row, for step records' n_tokens
-            lens = (seg.read_column("samples/prompt_len").astype(np.int64)
-                    + seg.read_column("samples/completion_len"))
-            self._row_tokens[seg.first_row:seg.first_row + len(lens)] = lens
+        if scan.tail is not None:
+            scan.tail.close()
+        self._log = RolloutLog(self._sealed + [self._live], self.problems)
         self._closed = False
 
-    # -- appends (buffered) -------------------------------------------------------------------
-    @property
-    def num_rows(self) -> int:
-        """Next global row id (counts buffered, not yet flushed samples)."""
-        return self.first_row + self._written["samples"] + self._pending_counts["samples"]
+    def _release(self, tail: Segment | None) -> None:
+        for seg in self._sealed + ([tail] if tail is not None else []):
+            seg.close()
+        if self._journal is not None:
+            self._journal.close()
 
+    @property
+    def path(self) -> Path:
+        """The journal this writer appends to now."""
+        return self._journal.path
+
+    # -- generations --------------------------------------------------------------------------
+    def _rotate(self, gen: int, data: dict, counts: dict[str, int], first_row: int,
+                first_seq: int, predecessor: dict | None = None) -> None:
+        """Claim generation ``gen``, seal ``data`` (flushed rows not yet in a segment) into its
+        segment, write its journal header, then drop older journals (module invariants)."""
+        try:
+            journal = JournalFile(self.log_dir / journal_name(gen))
+        except FileExistsError:
+            if self._journal is None:
+                raise
+            raise LogFencedError(
+                f"{self.log_dir}: another writer took over this rollout log (it claimed "
+                f"{journal_name(gen)}); this writer's flushes since sequence {first_seq} are not "
+                "part of the log")
+        try:
+            if any(counts.values()):
+                path = self.log_dir / segment_name(gen)
+                write_sealed_segment(path, self.schema, segment_attrs(
+                    self.schema, self.run_id, gen, first_row, self.meta, first_seq, self.seq - 1,
+                    self.writer_id), data, counts)
+                self._sealed.append(Segment.open(path))
+            head = {"layout": SCHEMA_VERSION, "run_id": self.run_id, "gen": gen,
+                    "record_schema": self.schema.to_dict(), "writer": self.writer_id,
+                    "start_seq": self.seq, "start_row": first_row + counts["samples"],
+                    "meta": self.meta, "created": time.time(), "predecessor": predecessor}
+            journal.append(encode_entry("journal", head, {"segments": np.array(
+                [s.index for s in self._sealed], dtype=np.int64)}))
+            fsync_dir(self.log_dir)
+        except BaseException:
+            journal.close()
+            raise
+        if self._journal is not None:
+            self._journal.close()
+        self._journal, self.gen = journal, gen
+        for old_gen, old in list_journals(self.log_dir):
+            if old_gen < gen:
+                old.unlink(missing_ok=True)  # sealed, or a fenced writer's: no reader needs it
+        self._gen_first_row, self._gen_first_seq = head["start_row"], self.seq
+        self._journal_bytes = 0
+        self._sealed_at = self._fence_checked_at = time.monotonic()
+        self._written.update(dict.fromkeys(TABLES, 0))
+        self._live = Segment(ArrayFile(self._arrays, segment_attrs(
+            self.schema, self.run_id, gen, head["start_row"], self.meta)), journal.path,
+            counts=self._written)
+        if hasattr(self, "_log"):
+            self._log.segments = self._sealed + [self._live]
+
+    # -- appends (buffered) -------------------------------------------------------------------
     def append_samples(self, batch: SampleBatch) -> np.ndarray:
         """Buffer a batch of samples; returns their global row ids (int64). The batch's arrays
         are kept by reference until `flush`: do not modify them in place before it."""
@@ -177,60 +246,91 @@ class RolloutLogWriter:
 
     # -- flush and reads ----------------------------------------------------------------------
     def flush(self) -> None:
-        """Write everything appended so far, then commit it (see module invariants)."""
+        """Journal everything appended so far as one entry, ``fdatasync``'d (module invariants);
+        seals when the cadence is due."""
         self._check_open()
         if not any(self._pending_counts.values()):
             return
+        entry = {}
         for name, parts in self._pending.items():
-            if not parts:
-                continue
-            spec = self._layout[name]
-            data = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            data = np.ascontiguousarray(data, dtype=spec.dtype)
-            n0, dsid = self._written[spec.table], self._ds[name].id
-            if self._capacity[name] < n0 + len(data):
-                self._capacity[name] = max(n0 + len(data), 2 * self._capacity[name], spec.chunk_rows)
-                dsid.set_extent((self._capacity[name], *spec.trail))
-            _write_rows(dsid, n0, data)
-        self._file.flush()
-        counts = {t: self._written[t] + self._pending_counts[t] for t in TABLES}
-        seq = self._n_commits + 1
-        self._commits.id.set_extent((seq, 1 + len(TABLES)))
-        _write_rows(self._commits.id, seq - 1,
-                    np.array([[seq, *(counts[t] for t in TABLES)]], dtype=np.int64))
-        self._file.flush()
-        if self.fsync:
-            os.fsync(self._file.id.get_vfd_handle())
-        # Only now is the buffer dropped: a flush that raised (e.g. disk full) can be retried.
-        self._n_commits = seq
-        self._written.update(counts)
+            table = self._layout[name].table
+            n0 = self._written[table]
+            n1 = n0 + self._pending_counts[table]
+            buf = self._arrays[name]
+            if len(buf) < n1:
+                grown = np.empty((max(n1, 2 * len(buf), 1024), *buf.shape[1:]), buf.dtype)
+                grown[:n0] = buf[:n0]
+                self._arrays[name] = buf = grown
+            if len(parts) == 1:
+                buf[n0:n1] = parts[0]
+            elif parts:
+                np.concatenate(parts, out=buf[n0:n1])
+            entry[name] = buf[n0:n1]
+        parts = encode_entry("flush", {"seq": self.seq, "t": time.time()}, entry)
+        self._journal.append(parts)  # raises before anything below: the flush can be retried
+        self.seq += 1
+        self._journal_bytes += sum(memoryview(p).nbytes for p in parts)
+        for table in TABLES:
+            self._written[table] += self._pending_counts[table]
         self._pending_counts.update(dict.fromkeys(TABLES, 0))
         for parts in self._pending.values():
             parts.clear()
+        if time.monotonic() - self._fence_checked_at >= FENCE_CHECK_S:
+            self._check_not_fenced()
+        if (self._journal_bytes >= self.seal_bytes
+                or time.monotonic() - self._sealed_at >= self.seal_interval_s):
+            self._seal()
+
+    def _check_not_fenced(self) -> None:
+        """A newer writer removes this writer's journal once its own header is durable: then
+        this flush must not be acknowledged (one ``fstat`` of the open journal)."""
+        self._fence_checked_at = time.monotonic()
+        try:
+            gone = os.fstat(self._journal.fd).st_nlink == 0
+        except OSError as e:  # NFS: ESTALE once another client removed the file
+            gone, why = True, str(e)
+        else:
+            why = "its journal was removed"
+        if gone:
+            raise LogFencedError(f"{self.path}: another writer took over this rollout log ({why}); "
+                                 f"this writer's flush {self.seq - 1} and later ones are not part "
+                                 "of the log")
+
+    def seal(self) -> None:
+        """Flush, then seal the journal's rows into a segment now and start the next generation
+        (an error leaves everything flushed in the journal: a restart seals it)."""
+        self.flush()
+        self._seal()
+
+    def _seal(self) -> None:
+        if any(self._written.values()):
+            self._rotate(self.gen + 1, self._arrays, dict(self._written), self._gen_first_row,
+                         self._gen_first_seq)
+        else:
+            self._sealed_at = time.monotonic()
+
+    @property
+    def num_rows(self) -> int:
+        """Next global row id (counts buffered, not yet flushed samples)."""
+        return self._gen_first_row + self._written["samples"] + self._pending_counts["samples"]
 
     def read_samples(self, rows: ArrayLike) -> SampleBatch:
-        """Samples at global ``rows`` (any segment, this one included; flushes first if needed)."""
+        """Samples at global ``rows`` (sealed or not; flushes first if some are only buffered)."""
         self._check_open()
         rows = np.atleast_1d(np.asarray(rows, dtype=np.int64))
-        if len(rows) and rows.max() >= self.first_row + self._written["samples"]:
+        if len(rows) and rows.max() >= self._gen_first_row + self._written["samples"]:
             self.flush()
         return self._log.read(rows)
 
     def close(self) -> None:
-        """Flush, trim datasets to their committed lengths, close the file and release the lock."""
+        """Flush, seal what the journal holds, close every file."""
         if self._closed:
             return
         try:
-            self.flush()
-            for name, ds in self._ds.items():
-                ds.resize(self._written[self._layout[name].table], axis=0)
-            self._file.flush()
+            self.seal()
         finally:
             self._closed = True
-            self._file.close()
-            for seg in self._log.segments[:-1]:
-                seg.close()
-            os.close(self._lock_fd)
+            self._release(None)
 
     def __enter__(self) -> "RolloutLogWriter":
         return self
@@ -240,26 +340,7 @@ class RolloutLogWriter:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise LogError(f"the rollout log writer of {self.path} is closed")
-
-
-def _open_for_append(path: Path, swmr: bool):
-    """Open a new segment for writing, directly in SWMR-write mode when ``swmr`` (opening it
-    plainly first would leave it unreadable if killed before SWMR starts)."""
-    import h5py
-    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
-    fapl.set_libver_bounds(h5py.h5f.LIBVER_LATEST, h5py.h5f.LIBVER_LATEST)
-    flags = h5py.h5f.ACC_RDWR | (h5py.h5f.ACC_SWMR_WRITE if swmr else 0)
-    return h5py.File(h5py.h5f.open(os.fsencode(path), flags, fapl=fapl))
-
-
-def _write_rows(dsid, n0: int, data: np.ndarray) -> None:
-    """``ds[n0:n0 + len(data)] = data`` through the low-level API (a tenth of the overhead of
-    h5py's slicing, which dominated small flushes)."""
-    import h5py
-    fspace = dsid.get_space()
-    fspace.select_hyperslab((n0,) + (0,) * (data.ndim - 1), data.shape)
-    dsid.write(h5py.h5s.create_simple(data.shape), fspace, data)
+            raise LogError(f"the rollout log writer of {self.log_dir} is closed")
 
 
 def _cast(name: str, value: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -284,16 +365,3 @@ def _check_matches(seg: Segment, schema: RecordSchema, run_id: str) -> None:
         raise SchemaMismatchError(
             f"refusing to write: {seg.path} has record schema {seg.schema}, this run's config "
             f"gives {schema}; a config change that changes the file schema needs a new run")
-
-
-def _take_lock(path: Path) -> int:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-        os.close(fd)
-        raise LogLockedError(f"{path}: another rollout log writer holds this log (pid {holder})")
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd

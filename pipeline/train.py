@@ -85,6 +85,12 @@ def train(cfg: TokenflowConfig) -> int:
                   f"(choose another run.name to start a new run, or ask for more run.steps)")
             return 0
         done.unlink()  # more steps asked for: resume from the last checkpoint
+    from pipeline.log_format import LOG_DIRNAME, UnsupportedFilesystemError, check_log_filesystem
+    try:  # before any role starts: none of them may wait for an orchestrator that cannot log
+        check_log_filesystem(run_dir / LOG_DIRNAME)
+    except UnsupportedFilesystemError as exc:
+        print(f"tokenflow: cannot start the run: {exc}", file=sys.stderr)
+        return 2
     from pipeline.launch import LaunchError, LocalLauncher, SlurmLauncher
     from pipeline.observe.plots import plot_run
     from pipeline.observe.progress import ProgressDisplay

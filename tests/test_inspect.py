@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pipeline.inspect_log import main
-from pipeline.log_format import GroupOutcome, segment_name
+from pipeline.log_format import GroupOutcome, list_segments
 from pipeline.record import FINISH_REASONS, RecordSchema, SampleBatch
 from pipeline.rollout_log import RolloutLogWriter
 from rollout_data import make_batch
@@ -82,9 +82,9 @@ def test_json_summary_values(known_log, capsys):
 def test_text_summary_and_plot(known_log, capsys, tmp_path):
     run_dir, _ = known_log
     png = tmp_path / "summary.png"
-    assert main([str(run_dir / "rollouts" / segment_name(0)), "--plot", str(png)]) == 0
+    assert main([str(list_segments(run_dir / "rollouts")[0][1]), "--plot", str(png)]) == 0
     out = capsys.readouterr().out
-    assert "reading all 2 segments" in out
+    assert "reading the whole log" in out
     assert "samples       20" in out and "stored 5, filtered 2, dropped_stale 1" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
@@ -94,11 +94,11 @@ def test_text_summary_and_plot(known_log, capsys, tmp_path):
 
 def test_damaged_segment_is_reported_and_the_rest_summarised(known_log, capsys):
     run_dir, data = known_log
-    seg1 = run_dir / "rollouts" / segment_name(1)
+    seg1 = list_segments(run_dir / "rollouts")[1][1]
     seg1.write_bytes(seg1.read_bytes()[:1000])
     s = _run_json(capsys, run_dir)
-    assert s["samples"] == 16 and s["lost_rows"] == 0 and len(s["problems"]) == 1
-    assert segment_name(1) in capsys.readouterr().err or segment_name(1) in s["problems"][0]
+    assert s["samples"] == 16 and s["lost_rows"] == 4 and len(s["problems"]) == 1  # the header knows
+    assert seg1.name in capsys.readouterr().err or seg1.name in s["problems"][0]
 
 
 def test_bad_paths_exit_2_naming_the_problem(tmp_path, capsys):
@@ -110,7 +110,7 @@ def test_bad_paths_exit_2_naming_the_problem(tmp_path, capsys):
     newer = tmp_path / "newer"
     with RolloutLogWriter(newer / "rollouts", SCHEMA, "n", {}) as w:
         w.append_samples(make_batch(SCHEMA, 0, 2))
-    with h5py.File(newer / "rollouts" / segment_name(0), "r+") as f:
+    with h5py.File(list_segments(newer / "rollouts")[0][1], "r+") as f:
         f.attrs["tokenflow_schema_version"] = 5
     for path, problem in ((tmp_path / "nope", "no such file"), (junk, "not an HDF5 file"),
                           (foreign, "not a Tokenflow rollout log"), (newer, "version 5"),
@@ -130,3 +130,21 @@ def test_unconsumed_staleness_uses_the_newest_known_version(tmp_path, capsys):
     st = _run_json(capsys, log_dir)["staleness"]
     assert st["reference_version"] == 3 and st["consumed"] == {"1": 1}
     assert st["unconsumed"] == {"0": 2, "3": 1} and st["all"] == {"0": 2, "1": 1, "3": 1}
+
+
+def test_live_log_shows_unsealed_rows_and_how_far_behind_it_may_be(known_log, capsys):
+    run_dir, data = known_log
+    w = RolloutLogWriter(run_dir / "rollouts", SCHEMA, "known", {"group_size": 4},
+                         seal_interval_s=3600)
+    try:
+        extra = make_batch(SCHEMA, 9, 4, first_group=20, version=2)
+        w.append_samples(extra)
+        w.flush()  # acknowledged: in the journal, not sealed
+        s = _run_json(capsys, run_dir)
+        assert s["samples"] == 24 and s["segments"] == 3  # two sealed + the journal's rows
+        assert s["tokens"]["total"] == int(data.num_tokens + extra.num_tokens)
+        assert s["journal"].startswith(f"read {w.path.name} up to byte {w.path.stat().st_size}")
+    finally:
+        w.close()
+    s = _run_json(capsys, run_dir)
+    assert s["samples"] == 24 and s["segments"] == 3  # now all sealed

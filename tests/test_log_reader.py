@@ -7,13 +7,18 @@ import pytest
 
 from pipeline.log_format import (
     CorruptSegmentError, ForeignFileError, LogDamageWarning, LogError, LogNotFoundError,
-    NewerSchemaError, NotHDF5Error, segment_name)
+    NewerSchemaError, NotHDF5Error, list_segments)
 from pipeline.log_reader import RolloutLog
 from pipeline.record import RecordSchema, SampleBatch
 from pipeline.rollout_log import RolloutLogWriter
 from rollout_data import assert_batches_equal, make_batch
 
 SCHEMA = RecordSchema(routed_experts=(2, 2))
+
+
+def _segment(log_dir, i):
+    """The i-th sealed segment file of a log (names carry generations, not positions)."""
+    return list_segments(log_dir)[i][1]
 
 
 def _write_segments(log_dir, sizes, run_id="r"):
@@ -30,13 +35,13 @@ def _write_segments(log_dir, sizes, run_id="r"):
 def test_path_forms_run_dir_log_dir_segment_file(tmp_path):
     batches = _write_segments(tmp_path / "rollouts", [5, 3])
     want = SampleBatch.concat(batches)
-    for path in (tmp_path, tmp_path / "rollouts", tmp_path / "rollouts" / segment_name(1)):
+    for path in (tmp_path, tmp_path / "rollouts", _segment(tmp_path / "rollouts", 1)):
         with RolloutLog.open(path) as log:
             assert log.num_samples == 8 and log.meta == {"start": 1} and log.run_id == "r"
             assert_batches_equal(log.read(np.arange(8)), want)
             assert (log.note is None) == (path.suffix != ".h5")
-    with RolloutLog.open(tmp_path / "rollouts" / segment_name(0)) as log:
-        assert "reading all 2 segments" in log.note
+    with RolloutLog.open(_segment(tmp_path / "rollouts", 0)) as log:
+        assert "reading the whole log" in log.note and len(log.segments) == 2
 
 
 def test_read_any_order_with_repeats_and_column_access(tmp_path):
@@ -89,7 +94,7 @@ def test_errors_name_the_problem(tmp_path):
     with pytest.raises(ForeignFileError, match="not a Tokenflow rollout log"):
         RolloutLog.open(foreign)
     batches = _write_segments(tmp_path / "run" / "rollouts", [4, 4])
-    seg1 = tmp_path / "run" / "rollouts" / segment_name(1)
+    seg1 = _segment(tmp_path / "run" / "rollouts", 1)
     with h5py.File(seg1, "r+") as f:
         f.attrs["tokenflow_schema_version"] = 7
     with pytest.raises(NewerSchemaError, match="version 7"):
@@ -106,22 +111,22 @@ def test_errors_name_the_problem(tmp_path):
 def test_damaged_segment_is_skipped_and_the_rest_stays_readable(tmp_path, damage):
     log_dir = tmp_path / "rollouts"
     batches = _write_segments(log_dir, [5, 40, 3])
-    seg1 = log_dir / segment_name(1)
+    seg1 = _segment(log_dir, 1)
     data = seg1.read_bytes()
     seg1.write_bytes({"truncated": data[:len(data) // 2],
                       "random_bytes": np.random.default_rng(1).bytes(len(data)),
                       "empty_file": b""}[damage])
-    with pytest.warns(LogDamageWarning, match="segment-00001.h5"):
+    with pytest.warns(LogDamageWarning, match=seg1.name):
         log = RolloutLog.open(log_dir)
     with log:
-        assert len(log.problems) == 1 and segment_name(1) in log.problems[0]
+        assert len(log.problems) == 1 and seg1.name in log.problems[0]
         assert log.num_samples == 48 and log.num_readable == 8
         assert_batches_equal(log.read(np.arange(5)), batches[0])
         assert_batches_equal(log.read(np.arange(45, 48)), batches[2])  # rows keep their numbers
         with pytest.raises(LogError, match="not in the readable log"):
             log.read([5])
     with pytest.raises(CorruptSegmentError if damage == "truncated" else LogError,
-                       match="segment-00001.h5"):
+                       match=seg1.name):
         RolloutLog.open(log_dir, strict=True)
     single = tmp_path / "alone.h5"  # the damaged file on its own: nothing readable -> its error
     single.write_bytes(seg1.read_bytes())
@@ -130,28 +135,35 @@ def test_damaged_segment_is_skipped_and_the_rest_stays_readable(tmp_path, damage
         RolloutLog.open(single)
 
 
-def test_commit_rows_decide_what_is_visible(tmp_path):
+@pytest.mark.parametrize("damage", ["cut", "flipped_byte", "garbage_appended"])
+def test_journal_is_read_up_to_its_first_bad_entry(tmp_path, damage):
     log_dir = tmp_path / "rollouts"
-    with RolloutLogWriter(log_dir, SCHEMA, "r", {}) as w:
-        first = make_batch(SCHEMA, 1, 5)
-        w.append_samples(first)
+    w = RolloutLogWriter(log_dir, SCHEMA, "r", {}, seal_interval_s=3600)
+    batches = [make_batch(SCHEMA, i, 4, first_group=10 * i) for i in range(3)]
+    ends = []
+    for b in batches:
+        w.append_samples(b)
         w.flush()
-        w.append_samples(make_batch(SCHEMA, 2, 3))
-    path = log_dir / segment_name(0)
-    with h5py.File(path, "r+", libver="latest") as f:  # what a writer killed mid-flush leaves
-        c = f["commits"]
-        good = c[:]
-        assert good[:, 0].tolist() == [1, 2] and good[-1, 1] == 8
-        for name in ("samples/reward", "samples/group_id"):  # data past the last commit
-            f[name].resize(12, axis=0)
-        c.resize(4, axis=0)
-        c[2] = [7, 12, 0, 0, 0, 0, 0]   # torn row: wrong sequence number
-        c[3] = [4, 12, 0, 0, 0, 0, 0]   # right seq, counts beyond what the datasets hold
+        ends.append(w.path.stat().st_size)
+    journal = w.path
+    data = bytearray(journal.read_bytes())
+    if damage == "cut":  # a writer killed while writing its third entry
+        data = data[:ends[1] + (ends[2] - ends[1]) // 2]
+    elif damage == "flipped_byte":  # the second entry damaged on disk: the third is cut too
+        data[ends[0] + (ends[1] - ends[0]) * 3 // 4] ^= 0x40
+    else:
+        data += np.random.default_rng(0).bytes(1000)
+    journal.write_bytes(bytes(data))
+    good = {"cut": 2, "flipped_byte": 1, "garbage_appended": 3}[damage]
     with RolloutLog.open(log_dir) as log:
-        assert log.num_samples == 8  # back to the last valid commit: row 2 torn, row 3 uncovered
-        assert_batches_equal(log.read(np.arange(5)), first)
-        assert list(log.iter_batches(batch_size=100))[0].columns["reward"].shape == (8,)
-    with h5py.File(path, "r+", libver="latest") as f:
-        f["commits"][:] = 0
-    with pytest.raises(CorruptSegmentError, match="commit rows"):
-        RolloutLog.open(path)
+        assert log.num_samples == 4 * good and not log.problems
+        assert_batches_equal(log.read(np.arange(4 * good)), SampleBatch.concat(batches[:good]))
+        assert f"up to byte {ends[good - 1]}" in log.lag_note()
+    w._journal.close()  # the writer is gone (as if killed); the next start cuts at the same byte
+    with pytest.warns(LogDamageWarning, match=f"ignored after byte {ends[good - 1]}"):
+        w2 = RolloutLogWriter(log_dir, SCHEMA, "r", {})
+    with w2:
+        assert w2.first_row == 4 * good
+    with RolloutLog.open(log_dir) as log:
+        assert log.scan.header["predecessor"]["valid_end"] == ends[good - 1]
+        assert_batches_equal(log.read(np.arange(4 * good)), SampleBatch.concat(batches[:good]))

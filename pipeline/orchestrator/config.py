@@ -28,6 +28,12 @@ class OrchestratorConfig:
     """Threads scoring groups beside the event loop; 0 scores inline (right for exact verifiers)."""
     flush_interval_s: float = 0.02
     """Longest time a received result waits for the flush that lets it be acknowledged."""
+    log_seal_interval_s: float = 60.0
+    """How often the rollout log's journal is sealed into an immutable HDF5 segment: each seal
+    is ~8 namespace operations on the run directory's filesystem (docs/rollout-log.md); a
+    restart re-reads at most this much journal."""
+    log_seal_bytes: int = 256 << 20
+    """Seal earlier once the journal holds this many bytes (bounds the writer's memory)."""
     metrics_interval_s: float = 2.0
     """How often buffer/admission metrics are written to the run's JSONL stream."""
     seed: int = 0
@@ -50,6 +56,9 @@ class OrchestratorConfig:
                 raise ValueError(f"orchestrator.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_async < 0:
             raise ValueError(f"orchestrator.max_async must be >= 0, got {self.max_async}")
+        if self.log_seal_interval_s <= 0 or self.log_seal_bytes <= 0 or self.flush_interval_s <= 0:
+            raise ValueError("orchestrator.log_seal_interval_s, log_seal_bytes and flush_interval_s "
+                             "must be > 0")
         if self.lease_timeout_s <= 0 or self.memory_token_budget < 0:
             raise ValueError("orchestrator.lease_timeout_s must be > 0 and memory_token_budget >= 0")
         from pipeline.orchestrator.scoring import GROUP_FILTERS

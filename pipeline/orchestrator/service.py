@@ -66,7 +66,9 @@ class Orchestrator:
         log_dir = self.run_dir / "rollouts"
         state = restore_from_log(log_dir)
         self.writer = RolloutLogWriter(log_dir, schema, run_id,
-                                       {"group_size": cfg.group_size, "seed": cfg.seed})
+                                       {"group_size": cfg.group_size, "seed": cfg.seed},
+                                       seal_interval_s=cfg.log_seal_interval_s,
+                                       seal_bytes=cfg.log_seal_bytes)
         self.buffer = RolloutBuffer(cfg.memory_token_budget, self.writer.read_samples)
         self.admission.restore(state.resolved, len(state.buffered), state.attempts)
         for g in state.buffered:

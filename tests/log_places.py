@@ -1,0 +1,47 @@
+"""Where the rollout log tests put a log: a local directory, or the loopback network filesystem.
+
+``scripts/netfs.sh start`` (CI runs it) mounts one exported directory twice as fuse.sshfs and
+writes the two mount points to ``$TOKENFLOW_NETFS/ready`` (default /var/tmp/tokenflow-netfs):
+a writer uses the first mount, readers the second, as two nodes would.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+
+from pipeline.log_format import filesystem_type
+
+NETFS_ROOT = Path(os.environ.get("TOKENFLOW_NETFS", "/var/tmp/tokenflow-netfs"))
+
+
+def netfs_mounts() -> tuple[tuple[Path, Path] | None, str | None]:
+    """((writer mount, reader mount), None), or (None, why not)."""
+    ready = NETFS_ROOT / "ready"
+    if not ready.is_file():
+        return None, (f"no loopback network filesystem: {ready} is missing (run "
+                      "`sudo bash scripts/netfs.sh start`; CI does)")
+    mounts = tuple(Path(p) for p in ready.read_text().split())
+    if len(mounts) != 2 or any(filesystem_type(m) != "fuse.sshfs" for m in mounts):
+        return None, f"{ready} names {mounts}, which are not two fuse.sshfs mounts"
+    return mounts, None
+
+
+@pytest.fixture(params=["local", "netfs"])
+def place(request, tmp_path):
+    """(directory a writer uses, the same directory as another node's reader sees it)."""
+    if request.param == "local":
+        yield tmp_path, tmp_path
+        return
+    mounts, why = netfs_mounts()
+    if why:
+        pytest.skip(why)
+    name = f"test-{uuid.uuid4().hex[:10]}"
+    (mounts[0] / name).mkdir()
+    try:
+        yield mounts[0] / name, mounts[1] / name
+    finally:
+        shutil.rmtree(mounts[0] / name, ignore_errors=True)
