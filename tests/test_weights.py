@@ -237,3 +237,44 @@ def test_two_senders_stream_their_own_buckets_to_every_receiver():
     finally:
         for p in (*senders, other):
             p.kill()
+
+
+IPC_SENDER = textwrap.dedent("""
+    import sys, torch
+    from pipeline.weights.cuda_ipc import CudaIpcChannel
+    ch = CudaIpcChannel("127.0.0.1", int(sys.argv[1]), 0, timeout_s=60)
+    for version in (1, 2, 3):
+        gen = torch.Generator(device="cuda").manual_seed(version)
+        named = [(f"w{i}", torch.randn(3000 + 700 * i, device="cuda", generator=gen).to(
+                 torch.bfloat16 if i % 2 else torch.float32)) for i in range(9)]
+        ch.send_tensors(version, named, bucket_bytes=1 << 14)
+        assert ch.buffers.allocated <= 2 * (1 << 14), ch.buffers.allocated
+    ch.close()
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", [False, True])
+def test_cuda_ipc_channel_streams_buckets_to_a_process_on_the_same_gpu(stage):
+    """The colocated channel (generator.weight_channel=cuda_ipc): buckets are read in place from
+    the sender's two GPU buffers (streamed) or copied out (staged); every tensor arrives intact."""
+    from pipeline.weights.cuda_ipc import CudaIpcChannel
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-c", IPC_SENDER, str(port)])
+    try:
+        ch = CudaIpcChannel("127.0.0.1", port, 1, timeout_s=60)
+        for version in (1, 2, 3):
+            gen = torch.Generator(device="cuda").manual_seed(version)
+            expected = [(f"w{i}", torch.randn(3000 + 700 * i, device="cuda", generator=gen).to(
+                         torch.bfloat16 if i % 2 else torch.float32)) for i in range(9)]
+            update = ch.receive(stage=stage)
+            got = [(n, t.clone()) for n, t in update]
+            assert update.version == version and len(update.plan.sizes) > 2
+            assert [n for n, _ in got] == [n for n, _ in expected]
+            assert all(a.is_cuda and torch.equal(a, b) for (_, a), (_, b) in zip(got, expected))
+        assert ch.buffers.allocated == 0, "the receiver maps the sender's buffers; it allocates none"
+        ch.close()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()

@@ -17,6 +17,7 @@ from typing import Sequence
 
 INTERRUPT_MODES = ("keep", "keep_kv", "drain", "abort")
 WEIGHT_SYNC_MODES = ("auto", "staged", "streamed")
+WEIGHT_CHANNELS = ("broadcast", "cuda_ipc")
 
 
 @dataclass
@@ -78,6 +79,10 @@ class GeneratorConfig:
     complete version arrives) or 'auto' (staged when the checkpoint is at most staged_max_gb)."""
     staged_max_gb: float = 8.0
     """Largest checkpoint (GB of safetensors) weight_sync='auto' stages; larger ones are streamed."""
+    weight_channel: str = "broadcast"
+    """What carries updates: 'broadcast' (gloo/NCCL process groups, any placement) or 'cuda_ipc'
+    (one trainer rank hands its GPU buckets to one generator on the same GPU through CUDA IPC
+    handles; needs one generator, TP 1 and a trainer without expert parallelism)."""
     weight_timeout_s: float = 120.0
     """Timeout of every weight-group call (join, each broadcast)."""
 
@@ -86,6 +91,8 @@ class GeneratorConfig:
             raise ValueError(f"generator.interrupt must be one of {INTERRUPT_MODES}, got {self.interrupt!r}")
         if self.max_tokens < 1 or self.max_model_len <= self.max_tokens:
             raise ValueError(f"need 1 <= max_tokens ({self.max_tokens}) < max_model_len ({self.max_model_len})")
+        if self.weight_channel not in WEIGHT_CHANNELS:
+            raise ValueError(f"generator.weight_channel must be one of {WEIGHT_CHANNELS}, got {self.weight_channel!r}")
         if self.weight_sync not in WEIGHT_SYNC_MODES:
             raise ValueError(f"generator.weight_sync must be one of {WEIGHT_SYNC_MODES}, got {self.weight_sync!r}")
         if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):

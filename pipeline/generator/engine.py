@@ -228,11 +228,12 @@ class Generator:
 
     # -- weights ------------------------------------------------------------------------------
     async def join_weight_group(self, host: str, port: int, first_rank: int, world_size: int,
-                                backend: str = "gloo", epoch: int = 0) -> list[int]:
-        """Each engine worker joins the weight group; returns their ranks."""
+                                backend: str = "gloo", epoch: int = 0, senders: int = 1) -> list[int]:
+        """Each engine worker joins the weight group (``senders`` trainer ranks send; the channel
+        is ``config.weight_channel``); returns their ranks."""
         return await self.engine.collective_rpc(
             "join_weight_group", args=(host, port, first_rank, world_size, self.config.weight_timeout_s,
-                                       backend, epoch))
+                                       backend, epoch, senders, self.config.weight_channel))
 
     async def update_weights(self, version: int | None = None, path: str | None = None) -> UpdateReport:
         """Load a new version in place: from the weight group (``path=None``; the version is the one

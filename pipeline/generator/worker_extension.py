@@ -50,7 +50,10 @@ class ExpertWriter:
         par = cfg.moe_parallel_config
         if par.use_ep and par.ep_size > 1:
             raise NotImplementedError(f"{name}: direct expert loading with expert parallelism > 1 is not supported")
-        self.name, self.layer, self.isa = name, layer, prepack_isa
+        self.name, self.isa = name, prepack_isa
+        # The live kernel tensors, taken before vLLM's layerwise reload swaps the layer's attributes
+        # for meta tensors; it puts these very tensors back on a layer it loaded nothing into.
+        self.w13, self.w2 = layer.w13_weight, layer.w2_weight
         self.tp_rank = par.tp_rank
         self.num_experts = cfg.num_local_experts
         self.padded = layer.w13_weight.shape[1] // 2
@@ -84,7 +87,7 @@ class ExpertWriter:
 
         if not 0 <= e < self.num_experts:
             raise ValueError(f"{self.name}: expert {e} is outside the layer's {self.num_experts} experts")
-        w13, w2 = self.layer.w13_weight, self.layer.w2_weight
+        w13, w2 = self.w13, self.w2
         if role == "down":
             row = torch.zeros((1, *w2.shape[1:]), dtype=w2.dtype, device=w2.device)
             row[0, :, :self.inter].copy_(self._rows(t, 1))
@@ -208,13 +211,20 @@ class WeightSyncExtension:
         return self.load_hf_weights(tensors())
 
     def join_weight_group(self, host: str, port: int, first_rank: int, world_size: int,
-                          timeout_s: float, backend: str = "gloo", epoch: int = 0, senders: int = 1) -> int:
-        """Join the trainer's weight group as rank ``first_rank + self.rank``; returns that rank."""
-        from pipeline.weights.group import TorchDistChannel
-
+                          timeout_s: float, backend: str = "gloo", epoch: int = 0, senders: int = 1,
+                          channel: str = "broadcast") -> int:
+        """Join the trainer's weight group as rank ``first_rank + self.rank``; returns that rank.
+        ``channel``: 'broadcast' (`TorchDistChannel`) or 'cuda_ipc' (`CudaIpcChannel`, same GPU)."""
         self.leave_weight_group()
         rank = first_rank + int(self.rank)
-        self._tf_channel = TorchDistChannel(host, port, rank, world_size, timeout_s, backend, epoch, senders)
+        if channel == "cuda_ipc":
+            from pipeline.weights.cuda_ipc import CudaIpcChannel
+
+            self._tf_channel = CudaIpcChannel(host, port, rank, world_size, timeout_s, epoch, senders)
+        else:
+            from pipeline.weights.group import TorchDistChannel
+
+            self._tf_channel = TorchDistChannel(host, port, rank, world_size, timeout_s, backend, epoch, senders)
         return rank
 
     def _channel(self):

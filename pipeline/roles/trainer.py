@@ -155,9 +155,9 @@ class TrainerRole:
 
     def _build_group(self, members: dict[str, int], senders: int) -> None:
         from pipeline.launch.rendezvous import free_port
-        from pipeline.weights.group import TorchDistChannel
 
         cfg = self.cfg
+        kind = cfg.generator.weight_channel
         self._close_channel()
         self.epoch += 1
         tp = cfg.generator.tensor_parallel_size
@@ -170,9 +170,21 @@ class TrainerRole:
                                                    "epoch": self.epoch, "ranks": ranks, "backend": backend,
                                                    "senders": senders})
         self.link.regroup(self.epoch)
-        self.channel = TorchDistChannel(host, port, rank=0, world_size=world,
-                                        timeout_s=cfg.generator.weight_timeout_s, backend=backend,
-                                        epoch=self.epoch, senders=senders)
+        if kind == "cuda_ipc":
+            from pipeline.weights.cuda_ipc import CudaIpcChannel
+
+            if world != 2 or not self.trainer.cuda:
+                raise ValueError(f"generator.weight_channel=cuda_ipc needs one trainer sender and one "
+                                 f"TP-1 generator on its GPU; this run has {senders} sender(s) and "
+                                 f"{world - senders} generator worker(s){'' if self.trainer.cuda else ', no GPU'}")
+            self.channel = CudaIpcChannel(host, port, rank=0, world_size=world,
+                                          timeout_s=cfg.generator.weight_timeout_s, epoch=self.epoch)
+        else:
+            from pipeline.weights.group import TorchDistChannel
+
+            self.channel = TorchDistChannel(host, port, rank=0, world_size=world,
+                                            timeout_s=cfg.generator.weight_timeout_s, backend=backend,
+                                            epoch=self.epoch, senders=senders)
         self.group_members = members
         log.info("weight group epoch %d: %s (%d sender(s))", self.epoch, sorted(members), senders)
 

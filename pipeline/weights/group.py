@@ -55,9 +55,9 @@ class ReceivedWeights:
     buckets_received: int = field(default=0)
 
     def __iter__(self) -> Iterator[tuple[str, "torch.Tensor"]]:
-        for slots, bucket in zip(self.plan.buckets, self._buckets):
+        for i, bucket in enumerate(self._buckets):  # runs the channel's iterator to its end
             self.buckets_received += 1
-            yield from unpack(slots, bucket)
+            yield from unpack(self.plan.buckets[i], bucket)
 
 
 class WeightChannel(abc.ABC):
