@@ -174,11 +174,12 @@ def bandwidth_sender(host: str, port: int, big_layers: int, big_vocab: int, reps
                         channel.send_tensors(0, named, 1)
                     else:
                         channel.send_packed(0, _flat_plan(flat.numel()), [flat])
+        _sync(channel, 0)
         channel.buffers = BufferPair(channel.device)  # the last (big) set, from zero
-        _sync(channel, 0)
         channel.send_tensors(1, named, BUCKET_BYTES)
+        allocated = channel.buffers.allocated
         _sync(channel, 0)
-        channel.send_tensors(2, [("sender_allocated", torch.tensor([channel.buffers.allocated]))], 64)
+        channel.send_tensors(2, [("sender_allocated", torch.tensor([allocated]))], 64)
     finally:
         channel.close()
 
@@ -227,8 +228,8 @@ def bandwidth(big_layers: int, big_vocab: int, reps: int) -> dict:
             print(f"{name}: {total / 2**20:.1f} MiB in {tensors} tensors -> {buckets} bucket(s); median "
                   + ", ".join(f"{m} {med[m] * 1e3:.1f} ms ({gbps[m]:.2f} GB/s)" for m in MODES)
                   + f"; packed/single {results[name]['ratio']:.2f}", flush=True)
-        channel.buffers = BufferPair(channel.device)  # the memory of one streamed sync, from zero
         _sync(channel, 1)
+        channel.buffers = BufferPair(channel.device)  # the memory of one streamed sync, from zero
         for _ in channel.receive():
             pass
         receiver_allocated = channel.buffers.allocated
@@ -280,7 +281,7 @@ async def control_call_times(gen, reps: int, interval: float) -> dict[str, float
     of the stall goes (the pause waits for the engine step in progress)."""
     engine = gen.engine
     calls = {
-        "pause_keep_kv": lambda: engine.pause_generation(mode="keep", clear_cache=False),
+        "pause_keep_kv": lambda: engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False),
         "update_weight_version": lambda: engine.update_weight_version(str(gen.version)),
         "resume": engine.resume_generation,
     }

@@ -255,7 +255,10 @@ class Generator:
                 self._abort_epoch += 1
             t_pause = time.monotonic()
             keep_kv = self.config.interrupt == "keep_kv"
-            await self.engine.pause_generation(mode=_PAUSE_MODE[self.config.interrupt], clear_cache=not keep_kv)
+            if keep_kv:  # AsyncLLM.pause_generation minus its cosmetic 20 ms sleep (nothing to clear)
+                await self.engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+            else:
+                await self.engine.pause_generation(mode=_PAUSE_MODE[self.config.interrupt], clear_cache=True)
             t1 = time.monotonic()
             if path is not None:
                 await self._rpc("load_weights_from_safetensors", version, path)
