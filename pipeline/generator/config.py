@@ -15,7 +15,9 @@ import struct
 from dataclasses import dataclass, field
 from typing import Sequence
 
-INTERRUPT_MODES = ("keep", "drain", "abort")
+INTERRUPT_MODES = ("keep", "keep_kv", "drain", "abort")
+WEIGHT_SYNC_MODES = ("auto", "staged", "streamed")
+WEIGHT_CHANNELS = ("broadcast", "cuda_ipc")
 
 
 @dataclass
@@ -58,18 +60,31 @@ class GeneratorConfig:
     of which request computed a shared prefix first (bit-reproducible synchronous runs)."""
     tensor_parallel_size: int = 1
     """vLLM tensor parallel size (each TP worker joins the weight group)."""
-    interrupt: str = "keep"
+    interrupt: str = "keep_kv"
     """What a weight update does to in-flight sequences: 'keep' (they continue on the new weights,
-    KV recomputed), 'drain' (finish them first, admit none meanwhile) or 'abort' (stop them and resume
-    each as a prefix, prompt + partial completion, with the remaining budget)."""
+    KV and prefix caches cleared: each recomputes its prefix on the new weights after the pause),
+    'keep_kv' (they continue on the new weights with their KV cache kept: earlier tokens' keys and
+    values stay the old weights', the pause is the swap alone; requests admitted after the update
+    never reuse prefix blocks computed before it), 'drain' (finish them first, admit none
+    meanwhile) or 'abort' (stop them and resume each as a prefix, prompt + partial completion,
+    with the remaining budget)."""
     seed: int = 0
     """Run seed; request seeds derive from it (see `request_seed`)."""
     cpu_cores: str = ""
     """CPU cores the engine's threads bind to, e.g. '0' or '0-1' (VLLM_CPU_OMP_THREADS_BIND);
     empty = vLLM's default."""
-    stage_weights: bool = True
-    """Receive a weight update in the background while generating and pause only to load it
-    (holds one extra copy of the weights in memory while it arrives)."""
+    weight_sync: str = "auto"
+    """How an update arrives: 'staged' (received into host memory in the background while
+    generating, one extra copy of the weights; pause only to load; a broken transfer leaves the
+    old weights serving), 'streamed' (generation paused while buckets are received and loaded one
+    by one, two buckets of extra memory; a broken transfer leaves the engine paused until a
+    complete version arrives) or 'auto' (staged when the checkpoint is at most staged_max_gb)."""
+    staged_max_gb: float = 8.0
+    """Largest checkpoint (GB of safetensors) weight_sync='auto' stages; larger ones are streamed."""
+    weight_channel: str = "broadcast"
+    """What carries updates: 'broadcast' (gloo/NCCL process groups, any placement) or 'cuda_ipc'
+    (one trainer rank hands its GPU buckets to one generator on the same GPU through CUDA IPC
+    handles; needs one generator, TP 1 and a trainer without expert parallelism)."""
     weight_timeout_s: float = 120.0
     """Timeout of every weight-group call (join, each broadcast)."""
 
@@ -79,6 +94,10 @@ class GeneratorConfig:
         if self.max_tokens is not None and self.max_model_len is not None and \
                 (self.max_tokens < 1 or self.max_model_len <= self.max_tokens):
             raise ValueError(f"need 1 <= max_tokens ({self.max_tokens}) < max_model_len ({self.max_model_len})")
+        if self.weight_channel not in WEIGHT_CHANNELS:
+            raise ValueError(f"generator.weight_channel must be one of {WEIGHT_CHANNELS}, got {self.weight_channel!r}")
+        if self.weight_sync not in WEIGHT_SYNC_MODES:
+            raise ValueError(f"generator.weight_sync must be one of {WEIGHT_SYNC_MODES}, got {self.weight_sync!r}")
         if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
             raise ValueError(f"generator.logprobs_mode must be processed_logprobs or raw_logprobs, "
                              f"got {self.logprobs_mode!r}")

@@ -12,14 +12,20 @@ Invariants:
 - A weight update (`update_weights`) runs under one lock and applies the configured interrupt mode:
   ``keep``   pause with in-flight requests frozen (their KV is dropped), load, reset the prefix
              cache, relabel, resume: they recompute their prefix on the new weights and continue;
+  ``keep_kv`` pause with in-flight requests frozen and their KV kept, load, relabel, resume: the
+             pause is the swap alone; their earlier tokens' KV stays the old weights'. Prefix
+             blocks are salted with the version a request was admitted under (vLLM's
+             ``cache_salt``), so no request admitted after an update reuses blocks from before;
   ``drain``  pause admitting, let in-flight requests finish, then load;
   ``abort``  abort in-flight requests; each resumes as a new request whose prompt is prompt +
              partial completion with the remaining budget; the sample is the concatenation
              (tokens, logprobs, versions) of its segments, finish reason that of the last segment.
-  With ``stage_weights`` the update is first received in the background while generation goes
-  on; a failed receive raises `WeightReceiveError` and changes nothing. If loading fails inside the
-  pause the engine stays paused (its weights may be half-written) and `WeightUpdateError`
-  propagates: the caller must load a complete version (rejoin the group) before generating again.
+  Staged (``weight_sync``) the update is first received in the background while generation goes
+  on; a failed receive raises `WeightReceiveError` and changes nothing. Streamed, it is received
+  and loaded bucket by bucket inside the pause. If loading fails inside the pause the engine stays
+  paused (its weights may be half-written) and `WeightUpdateError` propagates: the caller must
+  load a complete version (rejoin the group) before generating again, so no engine ever serves a
+  mix of two versions.
 - Engine processes are spawned: code that builds a `Generator` must run under ``__main__`` guards.
 """
 from __future__ import annotations
@@ -42,7 +48,7 @@ if TYPE_CHECKING:
 EXTENSION = "pipeline.generator.worker_extension.WeightSyncExtension"
 _CPU_BATCHED_TOKENS = 4096  # tokens per engine step on CPU (prefills are never chunked there)
 _STAGING_POLL_S = 0.005  # how often the driver asks whether a staged receive has finished
-_PAUSE_MODE = {"keep": "keep", "drain": "wait", "abort": "abort"}
+_PAUSE_MODE = {"keep": "keep", "keep_kv": "keep", "drain": "wait", "abort": "abort"}
 
 
 class WeightUpdateError(RuntimeError):
@@ -72,6 +78,18 @@ class UpdateReport:
     """Loading the weights inside the pause (receiving too unless staged)."""
     staging_s: float = 0.0
     """Receiving in the background before the pause (staged updates only)."""
+    mode: str = "staged"
+    """'staged', 'streamed' or 'checkpoint' (loaded from a path)."""
+
+
+def resolve_weight_sync(config: GeneratorConfig) -> str:
+    """'staged' or 'streamed': the configured mode, or for 'auto' by the checkpoint's size."""
+    if config.weight_sync != "auto":
+        return config.weight_sync
+    from pathlib import Path
+
+    size = sum(f.stat().st_size for f in Path(config.model).glob("*.safetensors")) if config.model else 0
+    return "staged" if size <= config.staged_max_gb * 1e9 else "streamed"
 
 
 def engine_args(config: GeneratorConfig, seed: int | None = None):
@@ -135,6 +153,7 @@ class Generator:
         self._abort_epoch = 0  # bumped before every abort-mode pause
         self._ids = itertools.count()
         self.start_s = 0.0
+        self.weight_sync = resolve_weight_sync(config)
 
     async def start(self) -> "Generator":
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -153,8 +172,10 @@ class Generator:
     # -- generation ---------------------------------------------------------------------------
     async def _run(self, prompt_ids: Sequence[int], params) -> Any:
         final = None
-        async for out in self.engine.generate({"prompt_token_ids": [int(t) for t in prompt_ids]}, params,
-                                              f"r{next(self._ids)}"):
+        prompt: dict[str, Any] = {"prompt_token_ids": [int(t) for t in prompt_ids]}
+        if self.config.interrupt == "keep_kv":
+            prompt["cache_salt"] = f"v{self.version}"
+        async for out in self.engine.generate(prompt, params, f"r{next(self._ids)}"):
             final = out
         return final.outputs[0]
 
@@ -207,11 +228,12 @@ class Generator:
 
     # -- weights ------------------------------------------------------------------------------
     async def join_weight_group(self, host: str, port: int, first_rank: int, world_size: int,
-                                backend: str = "gloo", epoch: int = 0) -> list[int]:
-        """Each engine worker joins the weight group; returns their ranks."""
+                                backend: str = "gloo", epoch: int = 0, senders: int = 1) -> list[int]:
+        """Each engine worker joins the weight group (``senders`` trainer ranks send; the channel
+        is ``config.weight_channel``); returns their ranks."""
         return await self.engine.collective_rpc(
             "join_weight_group", args=(host, port, first_rank, world_size, self.config.weight_timeout_s,
-                                       backend, epoch))
+                                       backend, epoch, senders, self.config.weight_channel))
 
     async def update_weights(self, version: int | None = None, path: str | None = None) -> UpdateReport:
         """Load a new version in place: from the weight group (``path=None``; the version is the one
@@ -221,7 +243,7 @@ class Generator:
             raise ValueError("update_weights from a checkpoint path needs the version it holds")
         async with self._update_lock:
             t0 = time.monotonic()
-            staged = path is None and self.config.stage_weights
+            staged = path is None and self.weight_sync == "staged"
             if staged:  # receive while generating; pause only to load
                 await self._rpc("start_receiving", version)
                 while "pending" in (states := await self._rpc("received", version)):
@@ -232,7 +254,11 @@ class Generator:
             if self.config.interrupt == "abort":
                 self._abort_epoch += 1
             t_pause = time.monotonic()
-            await self.engine.pause_generation(mode=_PAUSE_MODE[self.config.interrupt], clear_cache=True)
+            keep_kv = self.config.interrupt == "keep_kv"
+            if keep_kv:  # AsyncLLM.pause_generation minus its cosmetic 20 ms sleep (nothing to clear)
+                await self.engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+            else:
+                await self.engine.pause_generation(mode=_PAUSE_MODE[self.config.interrupt], clear_cache=True)
             t1 = time.monotonic()
             if path is not None:
                 await self._rpc("load_weights_from_safetensors", version, path)
@@ -243,11 +269,13 @@ class Generator:
                                             f"the engine stays paused")
                 version = got[0]
             t2 = time.monotonic()
-            await self.engine.reset_prefix_cache()
+            if not keep_kv:
+                await self.engine.reset_prefix_cache()
             await self.engine.update_weight_version(str(version))
             self.version = int(version)
             await self.engine.resume_generation()
-            return UpdateReport(self.version, time.monotonic() - t_pause, t2 - t1, t_pause - t0)
+            mode = "checkpoint" if path is not None else self.weight_sync
+            return UpdateReport(self.version, time.monotonic() - t_pause, t2 - t1, t_pause - t0, mode)
 
     async def _rpc(self, method: str, version: int | None, *args) -> list:
         try:
@@ -255,6 +283,10 @@ class Generator:
         except Exception as e:
             raise WeightUpdateError(f"{method} of version {version} failed; the engine stays paused "
                                     f"until a complete version is loaded: {e}") from e
+
+    async def sync_buffer_bytes(self) -> list[dict[str, int]]:
+        """Per worker: bytes its streaming buffers allocated so far and hold now."""
+        return await self.engine.collective_rpc("sync_buffer_bytes")
 
     async def expert_layout(self) -> list[dict[str, str]]:
         return await self.engine.collective_rpc("expert_layout")

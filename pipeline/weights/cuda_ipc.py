@@ -1,34 +1,69 @@
 """Same-GPU weight hand-over through CUDA IPC handles (NCCL refuses two ranks on one device).
 
-When a trainer and a generator share one GPU, the trainer packs the new weights into CUDA buckets
-(`pipeline.weights.buckets.pack`) and exports each bucket's memory as a CUDA IPC handle; the
-generator opens the handles and reads the buckets in place, without a copy through the host.
+When a trainer rank and a generator share one GPU, the trainer packs the new weights into CUDA
+buckets (`pipeline.weights.buckets.pack`) and exports each bucket's memory as a CUDA IPC handle;
+the generator opens the handles and reads the buckets in place, without a copy through the host.
 
-The export is a small msgpack document (no pickle): per bucket, the fields of
-``UntypedStorage._share_cuda_()`` (device, IPC handle bytes, sizes, offsets, ref-counter and
-event handles) plus the bucket plan (`BucketPlan.to_wire`). The receiver rebuilds each storage
-with ``UntypedStorage._new_shared_cuda(...)``.
+A handle is a small msgpack document (no pickle): the fields of ``UntypedStorage._share_cuda_()``
+(device, IPC handle bytes, sizes, offsets, ref-counter and event handles) plus the view's offset
+and length. The receiver rebuilds each storage with ``UntypedStorage._new_shared_cuda(...)``.
+
+Two forms:
+- `export_buckets` / `import_buckets`: one document for a whole set of buckets (a check script);
+- `CudaIpcChannel`: a `WeightChannel` (``generator.weight_channel = "cuda_ipc"``) that streams one
+  bucket at a time through the sender's two `BufferPair` buffers, with a TCP store carrying the
+  documents and the receiver's acknowledgements: update n's plan under ``u{n}/meta``, bucket k's
+  handle under ``u{n}/b{k}``; the receiver acknowledges bucket k (``u{n}/ack{k}``) when it asks
+  for bucket k + 2, and the sender packs bucket k + 2 into bucket k's buffer only after that
+  acknowledgement. So at most two buckets of GPU memory are used, on the sender only, and a
+  received tensor stays valid until the next bucket but one is requested (as in a broadcast).
 
 Invariants:
-- the sender keeps every exported bucket alive (``hold``) until the receiver confirms it has
-  finished reading (`CudaIpcExport.release`); CUDA IPC memory must outlive its mappings;
-- a handle document names its version and plan; a receiver given a plan that does not match the
-  buckets' sizes refuses it with `WeightSyncError`.
+- the sender keeps every exported bucket alive until the receiver is done with it (CUDA IPC memory
+  must outlive its mappings): `CudaIpcExport.hold` / the acknowledgements above;
+- a document whose plan does not match its buckets' sizes is refused with `WeightSyncError`;
+- every wait has the channel's timeout; a peer that dies makes the other raise `WeightSyncError`.
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import msgpack
 
-from pipeline.weights.buckets import BucketPlan, unpack
-from pipeline.weights.group import WeightSyncError
+from pipeline.weights.buckets import BucketPlan, BufferPair, pack, unpack
+from pipeline.weights.group import ReceivedWeights, WeightChannel, WeightSyncError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _share(bucket: "torch.Tensor", what: str) -> dict:
+    """The IPC handle document of one CUDA uint8 bucket."""
+    import torch
+
+    if not bucket.is_cuda or bucket.dtype != torch.uint8 or bucket.dim() != 1:
+        raise WeightSyncError(f"{what} must be a flat CUDA uint8 tensor, got {bucket.dtype}"
+                              f"{list(bucket.shape)} on {bucket.device}")
+    fields = bucket.untyped_storage()._share_cuda_()
+    return {"fields": [f if not isinstance(f, torch.device) else f.index for f in fields],
+            "offset": bucket.storage_offset(), "numel": bucket.numel()}
+
+
+def _open(entry: dict) -> "torch.Tensor":
+    """The bucket a `_share` document describes, mapped into this process."""
+    import torch
+
+    storage = torch.UntypedStorage._new_shared_cuda(*entry["fields"])
+    flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{entry['fields'][0]}")
+    flat.set_(storage, entry["offset"], (entry["numel"],))
+    return flat
 
 
 @dataclass
 class CudaIpcExport:
-    """The sender's side of one hand-over: the document to send and the buckets to keep alive."""
+    """The sender's side of one whole-set hand-over: the document to send and the buckets to keep alive."""
 
     document: bytes
     hold: list[Any] = field(default_factory=list)
@@ -40,18 +75,12 @@ class CudaIpcExport:
 
 def export_buckets(version: int, plan: BucketPlan, buckets: Iterable["torch.Tensor"]) -> CudaIpcExport:
     """Export CUDA buckets (uint8, one per plan bucket) as IPC handles."""
-    import torch
-
     hold, shared = [], []
     for i, (size, bucket) in enumerate(zip(plan.sizes, buckets)):
-        if not bucket.is_cuda or bucket.dtype != torch.uint8 or bucket.numel() != size:
-            raise WeightSyncError(f"bucket {i} must be a CUDA uint8 tensor of {size} bytes, "
-                                  f"got {bucket.dtype}[{bucket.numel()}] on {bucket.device}")
-        storage = bucket.untyped_storage()
-        fields = storage._share_cuda_()
+        if bucket.numel() != size:
+            raise WeightSyncError(f"bucket {i} has {bucket.numel()} bytes, the plan says {size}")
+        shared.append(_share(bucket, f"bucket {i}"))
         hold.append(bucket)
-        shared.append({"fields": [f if not isinstance(f, torch.device) else f.index for f in fields],
-                       "offset": bucket.storage_offset(), "numel": bucket.numel()})
     if len(shared) != len(plan.sizes):
         raise WeightSyncError(f"{len(shared)} buckets given for a plan of {len(plan.sizes)}")
     doc = msgpack.packb({"version": int(version), "plan": plan.to_wire(), "buckets": shared},
@@ -61,8 +90,6 @@ def export_buckets(version: int, plan: BucketPlan, buckets: Iterable["torch.Tens
 
 def import_buckets(document: bytes) -> tuple[int, BucketPlan, Iterator[tuple[str, "torch.Tensor"]]]:
     """Open an export on this process's GPU: (version, plan, iterator of (name, tensor view))."""
-    import torch
-
     try:
         doc = msgpack.unpackb(document, raw=False)
         version, plan = int(doc["version"]), BucketPlan.from_wire(doc["plan"])
@@ -74,9 +101,88 @@ def import_buckets(document: bytes) -> tuple[int, BucketPlan, Iterator[tuple[str
 
     def tensors() -> Iterator[tuple[str, "torch.Tensor"]]:
         for slots, entry in zip(plan.buckets, entries):
-            storage = torch.UntypedStorage._new_shared_cuda(*entry["fields"])
-            flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{entry['fields'][0]}")
-            flat.set_(storage, entry["offset"], (entry["numel"],))
-            yield from unpack(slots, flat)
+            yield from unpack(slots, _open(entry))
 
     return version, plan, tensors()
+
+
+class CudaIpcChannel(WeightChannel):
+    """Rank 0 (a trainer rank) streams to rank 1 (a generator worker on the same GPU)."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int = 2, timeout_s: float = 60.0,
+                 epoch: int = 0, senders: int = 1):
+        import torch
+        import torch.distributed as dist
+
+        if world_size != 2 or senders != 1 or rank not in (0, 1):
+            raise ValueError(f"a CUDA IPC channel joins one sender and one receiver on one GPU; got rank "
+                             f"{rank} of {world_size} with {senders} sender(s)")
+        self.rank = rank
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.buffers = BufferPair(self.device)
+        try:
+            store = dist.TCPStore(host, port, 2, is_master=(rank == 0), timeout=self.timeout,
+                                  wait_for_workers=False)
+        except (RuntimeError, OSError) as e:
+            raise WeightSyncError(f"rank {rank} could not reach the CUDA IPC channel at {host}:{port} "
+                                  f"within {timeout_s:.0f} s: {e}") from e
+        self._store = dist.PrefixStore(f"tokenflow/ipc/epoch{epoch}", store)
+        self._updates = 0
+
+    def _get(self, key: str, what: str) -> bytes:
+        try:
+            return self._store.get(key)
+        except RuntimeError as e:  # DistStoreError (timeout, peer gone) is a RuntimeError
+            raise WeightSyncError(f"rank {self.rank}: {what} did not arrive within "
+                                  f"{self.timeout.total_seconds():.0f} s (did the peer die?): {e}") from e
+
+    def send_stream(self, version: int, plan: BucketPlan, named: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+        import torch
+
+        if self.rank != 0:
+            raise WeightSyncError("rank 1 of a CUDA IPC channel receives; it cannot send")
+        n = self._updates
+        self._updates += 1
+        self._store.set(f"u{n}/meta", msgpack.packb({"version": int(version), "plan": plan.to_wire()}))
+        count = 0
+        for k, bucket in enumerate(pack(plan, named, self.device, self.buffers)):
+            torch.cuda.current_stream(self.device).synchronize()  # written before it is read elsewhere
+            self._store.set(f"u{n}/b{k}", msgpack.packb(_share(bucket, f"bucket {k}"), use_bin_type=True))
+            count = k + 1
+            if k >= 1:  # the next bucket goes into this one's predecessor's buffer
+                self._get(f"u{n}/ack{k - 1}", f"the acknowledgement of bucket {k - 1} of version {version}")
+        if count:
+            self._get(f"u{n}/ack{count - 1}", f"the acknowledgement of the last bucket of version {version}")
+
+    def receive(self, stage: bool = False) -> ReceivedWeights:
+        if self.rank != 1:
+            raise WeightSyncError("rank 0 of a CUDA IPC channel sends; it cannot receive")
+        n = self._updates
+        self._updates += 1
+        try:
+            meta = msgpack.unpackb(self._get(f"u{n}/meta", "the plan of the next update"))
+            version, plan = int(meta["version"]), BucketPlan.from_wire(meta["plan"])
+        except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
+            raise WeightSyncError(f"malformed CUDA IPC plan: {e}") from e
+        return ReceivedWeights(version, plan, self._buckets(n, version, plan, stage))
+
+    def _buckets(self, n: int, version: int, plan: BucketPlan, stage: bool) -> Iterator["torch.Tensor"]:
+        count = len(plan.sizes)
+        for k, size in enumerate(plan.sizes):
+            if k >= 2:
+                self._store.set(f"u{n}/ack{k - 2}", b"1")
+            entry = msgpack.unpackb(self._get(f"u{n}/b{k}", f"bucket {k}/{count} of version {version}"), raw=False)
+            if entry["numel"] != size:
+                raise WeightSyncError(f"bucket {k} of version {version} has {entry['numel']} bytes, plan {size}")
+            bucket = _open(entry)
+            yield bucket.clone() if stage else bucket
+            if stage:  # copied: the sender may reuse it at once
+                self._store.set(f"u{n}/ack{k}", b"1")
+        if not stage:
+            for k in range(max(0, count - 2), count):
+                self._store.set(f"u{n}/ack{k}", b"1")
+
+    def close(self) -> None:
+        self.buffers.release()
+        self._store = None

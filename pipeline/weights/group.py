@@ -1,15 +1,24 @@
-"""Channels that carry a weight update (a version's packed buckets) from the trainer to generators.
+"""Channels that carry a weight update (a version's packed buckets) from trainer ranks to generators.
 
-`WeightChannel` is the interface: the trainer leader calls ``send(version, plan, buckets)``, every
-generator worker calls ``receive()`` and iterates ``(name, tensor)`` pairs. `TorchDistChannel`
-implements it as broadcasts over a private torch.distributed process group (gloo on CPU, NCCL on
-GPU) created from a TCP store; rank 0 is the trainer leader, ranks 1..N-1 generator workers. It does
-not touch torch.distributed's default group, so it lives beside vLLM's or megatron's own groups.
+`WeightChannel` is the interface: each sending trainer rank streams its buckets of a plan
+(``send_stream``), every generator worker calls ``receive()`` and iterates ``(name, tensor)``
+pairs as the buckets arrive. `TorchDistChannel` implements it with broadcasts over private
+torch.distributed process groups (gloo on CPU, NCCL on GPU) created from one TCP store; it does not
+touch torch.distributed's default group, so it lives beside vLLM's or megatron's own groups.
 
-Protocol of one update (all broadcasts from rank 0):
-  1. an int64[1] tensor holding the metadata length L;
-  2. a uint8[L] tensor: msgpack ``{"version": v, "plan": BucketPlan.to_wire()}``;
-  3. each bucket of the plan, in order, as a flat uint8 tensor of the plan's size.
+Ranks: ``0 .. senders-1`` are sending trainer ranks (0 is the leader; with expert parallelism one
+sender per expert-parallel rank, each streaming the experts it owns), ``senders ..`` generator
+workers. Each sender s has its own group ``{s} + every receiver`` (s is rank 0 there), so senders
+never receive each other's buckets and never wait for each other except through the receivers.
+
+Protocol of one update (plan order; bucket i travels on the group of ``plan.sources[i]``):
+  1. leader: an int64[1] tensor holding the metadata length L;
+  2. leader: a uint8[L] tensor: msgpack ``{"version": v, "plan": BucketPlan.to_wire()}``;
+  3. each bucket of the plan, in order, from its source, as a flat uint8 tensor of the plan's size.
+Streaming: a sender packs bucket k+1 while bucket k is in flight (asynchronous broadcast, two
+buffers, `BufferPair`); a streamed receiver posts the receive of bucket k+1 before handing out
+bucket k's tensors, in two buffers too, so bucket k's tensors are valid until bucket k+2 is
+requested. A staged receive keeps every bucket (one copy of the weights) instead.
 Every call waits at most ``timeout_s``; a peer that dies mid-update makes the survivors raise
 `WeightSyncError` (naming the step that failed) within that time instead of hanging.
 """
@@ -17,12 +26,12 @@ from __future__ import annotations
 
 import abc
 import datetime
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import msgpack
 
-from pipeline.weights.buckets import BucketPlan, pack, reusable, unpack
+from pipeline.weights.buckets import BucketPlan, BufferPair, pack, unpack
 
 if TYPE_CHECKING:
     import torch
@@ -36,33 +45,38 @@ class WeightSyncError(RuntimeError):
 class ReceivedWeights:
     """One version's update as it arrives: iterate to receive buckets and get ``(name, tensor)``.
 
-    The tensors are views into freshly received buckets; copy them before keeping them.
+    The tensors are views into received buckets: in a streamed receive they stay valid until the
+    next bucket but one arrives (copy them before keeping them); in a staged one, for good.
     """
 
     version: int
     plan: BucketPlan
     _buckets: Iterator["torch.Tensor"]
+    buckets_received: int = field(default=0)
 
     def __iter__(self) -> Iterator[tuple[str, "torch.Tensor"]]:
-        for slots, bucket in zip(self.plan.buckets, self._buckets):
-            yield from unpack(slots, bucket)
+        for i, bucket in enumerate(self._buckets):  # runs the channel's iterator to its end
+            self.buckets_received += 1
+            yield from unpack(self.plan.buckets[i], bucket)
 
 
 class WeightChannel(abc.ABC):
-    """Carries versioned weight updates from one sender to many receivers."""
+    """Carries versioned weight updates from one or more senders to many receivers."""
 
     device: "torch.device | None" = None
-    _pool: list | None = None
-    """Bucket buffers reused from one update to the next (a subclass sets a list)."""
     """Where buckets must live to be sent (None: wherever the tensors are)."""
+    buffers: BufferPair
+    """This end's streaming buffers (bytes allocated: ``buffers.allocated``)."""
 
     @abc.abstractmethod
-    def send(self, version: int, plan: BucketPlan, buckets: Iterable["torch.Tensor"]) -> None:
-        """Send `plan` with `version`, then each bucket (flat uint8 tensors matching the plan)."""
+    def send_stream(self, version: int, plan: BucketPlan, named: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+        """Pack and send this sender's buckets of `plan` from `named` (their tensors, in plan order);
+        the leader sends the plan first."""
 
     @abc.abstractmethod
-    def receive(self) -> ReceivedWeights:
-        """Receive the next update's metadata; its buckets arrive while the result is iterated."""
+    def receive(self, stage: bool = False) -> ReceivedWeights:
+        """Receive the next update's metadata; its buckets arrive while the result is iterated
+        (``stage``: each into its own buffer, kept; else into this end's two streaming buffers)."""
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -70,46 +84,53 @@ class WeightChannel(abc.ABC):
 
     def send_tensors(self, version: int, named: Iterable[tuple[str, "torch.Tensor"]],
                      bucket_bytes: int) -> BucketPlan:
-        """Plan, pack and send a list of named tensors; returns the plan used."""
+        """Plan and stream a list of named tensors from this (only) sender; returns the plan used."""
         named = list(named)
         plan = BucketPlan.for_tensors(named, bucket_bytes)
-        self.send(version, plan, pack(plan, named, device=self.device, pool=self._pool))
+        self.send_stream(version, plan, named)
         return plan
 
 
 class TorchDistChannel(WeightChannel):
-    """Broadcasts over a private process group (see the module docstring for the protocol)."""
+    """Broadcasts over private process groups (see the module docstring for ranks and protocol)."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 60.0,
-                 backend: str = "gloo", epoch: int = 0):
+                 backend: str = "gloo", epoch: int = 0, senders: int = 1):
         import torch
         import torch.distributed as dist
 
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside a weight group of {world_size}")
+        if not 0 <= rank < world_size or not 1 <= senders < world_size:
+            raise ValueError(f"rank {rank} with {senders} sender(s) does not fit a weight group of {world_size}")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.rank, self.world_size, self.backend, self.senders = rank, world_size, backend, senders
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
+        self.buffers = BufferPair(self.device)
+        receivers = world_size - senders
+        mine = [rank] if rank < senders else range(senders)
+        self._pgs: dict[int, Any] = {}
         try:
             store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=self.timeout,
                                   wait_for_workers=False)
-            store = dist.PrefixStore(f"tokenflow/weights/epoch{epoch}", store)
-            if backend == "gloo":
-                self._pg = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
-            else:
-                opts = dist.ProcessGroupNCCL.Options()
-                opts._timeout = self.timeout
-                self._pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+            for s in mine:  # rank in sender s's group: 0 for s, 1 + i for receiver i
+                sub = dist.PrefixStore(f"tokenflow/weights/epoch{epoch}/src{s}", store)
+                local = 0 if rank == s else rank - senders + 1
+                if backend == "gloo":
+                    self._pgs[s] = dist.ProcessGroupGloo(sub, local, receivers + 1, self.timeout)
+                else:
+                    opts = dist.ProcessGroupNCCL.Options()
+                    opts._timeout = self.timeout
+                    self._pgs[s] = dist.ProcessGroupNCCL(sub, local, receivers + 1, opts)
         except (RuntimeError, OSError) as e:
             raise WeightSyncError(f"rank {rank} could not join the weight group at {host}:{port} "
-                                  f"(world {world_size}, epoch {epoch}) within {timeout_s:.0f} s: {e}") from e
+                                  f"(world {world_size}, {senders} sender(s), epoch {epoch}) within "
+                                  f"{timeout_s:.0f} s: {e}") from e
         self._store = store
         self._closed = False
-        self._pool = []
 
-    def _broadcast(self, tensor: "torch.Tensor", what: str) -> None:
+    # -- collectives ----------------------------------------------------------------------------
+    def _start(self, tensor: "torch.Tensor", source: int, what: str):
         import torch.distributed as dist
 
         if self._closed:
@@ -118,33 +139,58 @@ class TorchDistChannel(WeightChannel):
         opts.rootRank = 0
         opts.timeout = self.timeout
         try:
-            self._pg.broadcast([tensor], opts).wait(self.timeout)
+            return self._pgs[source].broadcast([tensor], opts)
+        except RuntimeError as e:
+            raise WeightSyncError(f"rank {self.rank}: broadcast of {what} failed to start: {e}") from e
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            work.wait(self.timeout)
         except RuntimeError as e:
             raise WeightSyncError(f"rank {self.rank}: broadcast of {what} failed (timeout "
                                   f"{self.timeout.total_seconds():.0f} s; did a peer die?): {e}") from e
 
-    def send(self, version: int, plan: BucketPlan, buckets: Iterable["torch.Tensor"]) -> None:
+    def _broadcast(self, tensor: "torch.Tensor", what: str, source: int = 0) -> None:
+        self._wait(self._start(tensor, source, what), what)
+
+    # -- sending -------------------------------------------------------------------------------
+    def send_stream(self, version: int, plan: BucketPlan, named: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+        mine = plan.of_source(self.rank) if self.rank < self.senders else []
+        self.send_packed(version, plan, pack(plan, named, self.device, self.buffers, mine))
+
+    def send_packed(self, version: int, plan: BucketPlan, buckets: Iterable["torch.Tensor"]) -> None:
+        """Send this sender's buckets, already packed (flat uint8, in plan order); with at most
+        two in flight, so a producer may reuse the buffer of bucket k for bucket k + 2."""
         import torch
 
-        if self.rank != 0:
-            raise WeightSyncError(f"only rank 0 sends weights; this is rank {self.rank}")
-        meta = msgpack.packb({"version": int(version), "plan": plan.to_wire()})
-        self._broadcast(torch.tensor([len(meta)], dtype=torch.int64, device=self.device), "metadata length")
-        self._broadcast(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device), "metadata")
-        sent = 0
-        for i, (size, bucket) in enumerate(zip(plan.sizes, buckets)):
-            if bucket.numel() != size or bucket.dtype != torch.uint8:
-                raise WeightSyncError(f"bucket {i} is {bucket.dtype}[{bucket.numel()}], plan says uint8[{size}]")
-            self._broadcast(bucket, f"bucket {i}/{len(plan.sizes)} of version {version}")
-            sent += 1
-        if sent != len(plan.sizes):
-            raise WeightSyncError(f"only {sent} of {len(plan.sizes)} buckets were given to send")
-
-    def receive(self) -> ReceivedWeights:
-        import torch
-
+        if self.rank >= self.senders:
+            raise WeightSyncError(f"rank {self.rank} is a receiver; senders are ranks 0..{self.senders - 1}")
         if self.rank == 0:
-            raise WeightSyncError("rank 0 is the sender; it cannot receive")
+            meta = msgpack.packb({"version": int(version), "plan": plan.to_wire()})
+            self._broadcast(torch.tensor([len(meta)], dtype=torch.int64, device=self.device), "metadata length")
+            self._broadcast(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device), "metadata")
+        mine = plan.of_source(self.rank)
+        in_flight: list[tuple[Any, str]] = []
+        sent = 0
+        for index, bucket in zip(mine, buckets):
+            what = f"bucket {index}/{len(plan.sizes)} of version {version}"
+            if bucket.numel() != plan.sizes[index] or bucket.dtype != torch.uint8:
+                raise WeightSyncError(f"{what} is {bucket.dtype}[{bucket.numel()}], plan says uint8[{plan.sizes[index]}]")
+            in_flight.append((self._start(bucket, self.rank, what), what))
+            sent += 1
+            if len(in_flight) == 2:  # the next bucket reuses the buffer of the one before this
+                self._wait(*in_flight.pop(0))
+        for work, what in in_flight:
+            self._wait(work, what)
+        if sent != len(mine):
+            raise WeightSyncError(f"only {sent} of this sender's {len(mine)} buckets were given to send")
+
+    # -- receiving -----------------------------------------------------------------------------
+    def receive(self, stage: bool = False) -> ReceivedWeights:
+        import torch
+
+        if self.rank < self.senders:
+            raise WeightSyncError(f"rank {self.rank} is a sender; it cannot receive")
         length = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._broadcast(length, "metadata length")
         n = int(length.item())
@@ -157,21 +203,46 @@ class TorchDistChannel(WeightChannel):
             version, plan = int(meta["version"]), BucketPlan.from_wire(meta["plan"])
         except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
             raise WeightSyncError(f"malformed weight metadata: {e}") from e
-        return ReceivedWeights(version, plan, self._receive_buckets(plan, version))
+        if any(not 0 <= s < self.senders for s in plan.sources):
+            raise WeightSyncError(f"the plan of version {version} names senders {sorted(set(plan.sources))} "
+                                  f"but the group has {self.senders}")
+        return ReceivedWeights(version, plan, self._receive_buckets(plan, version, stage))
 
-    def _receive_buckets(self, plan: BucketPlan, version: int) -> Iterator["torch.Tensor"]:
-        for i, size in enumerate(plan.sizes):
-            bucket = reusable(self._pool, i, size, self.device)
-            self._broadcast(bucket, f"bucket {i}/{len(plan.sizes)} of version {version}")
-            yield bucket
+    def _receive_buckets(self, plan: BucketPlan, version: int, stage: bool) -> Iterator["torch.Tensor"]:
+        import torch
+
+        def target(i: int) -> "torch.Tensor":
+            if stage:
+                return torch.empty(plan.sizes[i], dtype=torch.uint8, device=self.device)
+            return self.buffers.get(i, plan.sizes[i])
+
+        def what(i: int) -> str:
+            return f"bucket {i}/{len(plan.sizes)} of version {version}"
+
+        count = len(plan.sizes)
+        pending = None
+        if count and not stage:
+            self.buffers.reserve(max(plan.sizes))
+        if count:
+            buf = target(0)
+            pending = (self._start(buf, plan.sources[0], what(0)), buf)
+        for i in range(count):
+            work, buf = pending
+            self._wait(work, what(i))
+            if i + 1 < count:  # in flight while bucket i is being loaded
+                nxt = target(i + 1)
+                pending = (self._start(nxt, plan.sources[i + 1], what(i + 1)), nxt)
+            yield buf
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            shutdown = getattr(self._pg, "shutdown", None)
-            if shutdown is not None:
-                try:
-                    shutdown()
-                except RuntimeError:
-                    pass  # a group whose peer already died may refuse a clean shutdown
-            self._pg = None
+            for pg in self._pgs.values():
+                shutdown = getattr(pg, "shutdown", None)
+                if shutdown is not None:
+                    try:
+                        shutdown()
+                    except RuntimeError:
+                        pass  # a group whose peer already died may refuse a clean shutdown
+            self._pgs = {}
+            self.buffers.release()

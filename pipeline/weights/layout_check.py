@@ -1,0 +1,187 @@
+"""Run real weight syncs from a trainer layout (TP x EP megatron-core ranks) to local receivers.
+
+``run(model_dir, tp, ep, receivers, ...)`` starts ``tp * ep`` trainer ranks (megatron-core on
+gloo, `Trainer`) and ``receivers`` receiver processes (a `TorchDistChannel` receiver each, as a
+generator worker joins), then syncs the weights ``reps`` times with the roles' own code path:
+`ShardedWeights` + `BucketPlan.from_specs` + `send_stream`. Each receiver compares every tensor,
+bit for bit, with the checkpoint the trainer loaded (an independent reference) and records what
+it got; each trainer rank records which tensors it sent and its streaming-buffer bytes. Returns
+the merged JSON-able results. Every process is a child of the caller, dies with it
+(PR_SET_PDEATHSIG) and is killed on any failure or after ``timeout_s``.
+
+    python -m pipeline.weights.layout_check tiny-moe --tp 2 --ep 2    # prints one JSON object
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    import ctypes
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def run(model_dir: str, tp: int = 1, ep: int = 1, receivers: int = 1, bucket_mb: float = 1.0,
+        reps: int = 2, timeout_s: float = 300.0, outdir: Path | None = None) -> dict:
+    """Sync ``reps`` times; returns {"trainer": [per rank], "receivers": [per receiver]}."""
+    import tempfile
+
+    world = tp * ep
+    out = Path(outdir or tempfile.mkdtemp(prefix="tf-layout-check-"))
+    out.mkdir(parents=True, exist_ok=True)
+    dist_port, weight_port = _free_port(), _free_port()
+    common = {"model_dir": str(model_dir), "tp": tp, "ep": ep, "world": world, "receivers": receivers,
+              "bucket_bytes": int(bucket_mb * 2**20), "reps": reps, "dist_port": dist_port,
+              "weight_port": weight_port, "timeout_s": timeout_s, "out": str(out)}
+    procs = []
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    try:
+        for role, count in (("trainer", world), ("receiver", receivers)):
+            for i in range(count):
+                log = open(out / f"{role}{i}.log", "w")
+                procs.append((subprocess.Popen(
+                    [sys.executable, "-m", "pipeline.weights.layout_check", "--_role", role, "--_index", str(i),
+                     "--_args", json.dumps(common)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                    preexec_fn=_die_with_parent), log, f"{role}{i}"))
+        deadline = time.monotonic() + timeout_s
+        for proc, _, name in procs:
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"{name} did not finish within {timeout_s:.0f} s") from None
+        failed = [(name, p.returncode) for p, _, name in procs if p.returncode != 0]
+        if failed:
+            tails = "\n".join(f"--- {n} (rc {rc})\n" + (out / f"{n}.log").read_text()[-3000:] for n, rc in failed)
+            raise RuntimeError(f"layout check tp={tp} ep={ep} failed in {failed}:\n{tails}")
+    finally:
+        for proc, log, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    return {"tp": tp, "ep": ep,
+            "trainer": [json.loads((out / f"trainer{i}.json").read_text()) for i in range(world)],
+            "receivers": [json.loads((out / f"receiver{i}.json").read_text()) for i in range(receivers)]}
+
+
+def _trainer_rank(rank: int, a: dict) -> dict:
+    import torch
+
+    from pipeline.trainer.config import ParallelConfig, TrainerConfig
+    from pipeline.trainer.engine import Trainer
+    from pipeline.weights.buckets import BucketPlan
+    from pipeline.weights.group import TorchDistChannel
+    from pipeline.weights.shards import ShardedWeights
+
+    torch.set_num_threads(1)
+    cfg = TrainerConfig(model_dir=a["model_dir"], parallel=ParallelConfig(tp=a["tp"], ep=a["ep"]),
+                        timeout_s=a["timeout_s"])
+    trainer = Trainer(cfg, rank=rank, world_size=a["world"], init_method=f"tcp://127.0.0.1:{a['dist_port']}")
+    shards = ShardedWeights(trainer.model, trainer.hf_config)
+    plan = BucketPlan.from_specs(shards.specs, a["bucket_bytes"])
+    channel = None
+    if shards.source is not None:
+        channel = TorchDistChannel("127.0.0.1", a["weight_port"], shards.source, shards.senders + a["receivers"],
+                                   a["timeout_s"], senders=shards.senders)
+    sent: list[str] = []
+    times = []
+    for version in range(1, a["reps"] + 1):
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        tensors = shards.tensors()
+        if channel is not None:
+            def named():
+                for name, t in tensors:
+                    if version == 1:
+                        sent.append(name)
+                    yield name, t
+            channel.send_stream(version, plan, named())
+        for _ in tensors:  # a non-sending rank's gathers
+            pass
+        torch.distributed.barrier()
+        times.append(time.perf_counter() - t0)
+    result = {"rank": rank, "source": shards.source, "sent": sent, "sync_s": times,
+              "plan_buckets": len(plan.sizes), "plan_bytes": plan.total_bytes, "max_bucket": max(plan.sizes),
+              "buffers_allocated": channel.buffers.allocated if channel else 0,
+              "buffers_resident": channel.buffers.resident if channel else 0}
+    if channel is not None:
+        channel.close()
+    trainer.close()
+    return result
+
+
+def _receiver(index: int, a: dict) -> dict:
+    import torch
+    from safetensors import safe_open
+
+    from pipeline.models.tiny import resolve_model
+    from pipeline.trainer.model import load_hf_config
+    from pipeline.weights.group import TorchDistChannel
+
+    torch.set_num_threads(1)
+    hf = load_hf_config(a["model_dir"])
+    senders = a["ep"] if getattr(hf, "num_experts", 0) else 1
+    files = sorted(resolve_model(a["model_dir"]).glob("*.safetensors"))
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    where = {n: h for h in handles for n in h.keys()}
+    channel = TorchDistChannel("127.0.0.1", a["weight_port"], senders + index, senders + a["receivers"],
+                               a["timeout_s"], senders=senders)
+    versions, times, mismatched, names = [], [], [], []
+    for _ in range(a["reps"]):
+        t0 = time.perf_counter()
+        update = channel.receive()
+        names = []
+        for name, t in update:
+            names.append(name)
+            ref = where[name].get_tensor(name) if name in where else None
+            if ref is None or ref.dtype != t.dtype or not torch.equal(ref, t):
+                mismatched.append(name)
+        times.append(time.perf_counter() - t0)
+        versions.append(update.version)
+    result = {"index": index, "versions": versions, "receive_s": times, "tensors": len(names),
+              "unique": len(set(names)), "checkpoint_tensors": len(where), "mismatched": mismatched[:10],
+              "mismatched_count": len(mismatched), "missing": sorted(set(where) - set(names))[:10],
+              "buffers_allocated": channel.buffers.allocated, "buffers_resident": channel.buffers.resident}
+    channel.close()
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model", nargs="?", default="tiny-moe")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--receivers", type=int, default=1)
+    ap.add_argument("--bucket-mb", type=float, default=1.0)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--_role", choices=("trainer", "receiver"))
+    ap.add_argument("--_index", type=int)
+    ap.add_argument("--_args")
+    args = ap.parse_args()
+    if args._role:
+        a = json.loads(args._args)
+        result = (_trainer_rank if args._role == "trainer" else _receiver)(args._index, a)
+        (Path(a["out"]) / f"{args._role}{args._index}.json").write_text(json.dumps(result))
+        return
+    from pipeline.models.tiny import resolve_model
+
+    print(json.dumps(run(str(resolve_model(args.model)), args.tp, args.ep, args.receivers, args.bucket_mb,
+                         args.reps)))
+
+
+if __name__ == "__main__":
+    main()

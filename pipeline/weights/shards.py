@@ -1,0 +1,133 @@
+"""The trainer side of a weight sync: each rank's part of the model as a stream of HF-named tensors.
+
+A `ShardedWeights` describes one sync on one trainer rank of any TP x EP (x ETP x DP) layout:
+``specs`` is the whole model's plan input (HF name, dtype, full HF shape, sending rank), computed
+from the local parameters and the HF config alone, identical on every rank, with no
+communication; `tensors()` is the collective that produces, rule by rule, the full tensors this
+rank sends. The conversion rules and the gather primitives are the trainer's own
+(`pipeline.trainer.model`: ``_rules``, ``_groups``, ``_split_qkv``), so the HF layout is the one
+checkpoints and `iter_hf_weights` use.
+
+Invariants:
+- Tensors are cast to the model's HF dtype (``config.dtype``) before any gather: a bf16 model
+  moves 2 bytes per parameter, not fp32's 4.
+- Dense (non-expert) weights are gathered inside each tensor-parallel group of data-parallel rank
+  0 only and sent by world rank 0 (sender 0). Expert weights are gathered inside each
+  expert-tensor-parallel group of expert-data-parallel rank 0 only and sent by that group's ETP
+  rank 0: sender ``ep_rank``. No expert crosses an expert-parallel boundary, so no rank ever holds
+  experts it does not own, and no rank holds more than one parameter's gather at a time.
+- Order (identical on every rank): layer by layer; inside a layer, the dense weights, then the
+  experts of EP rank 0, of EP rank 1, ... Every rank's collectives follow this order restricted
+  to its groups, and each sender sends its buckets in it, so with at most two buckets in flight
+  per sender no wait cycle can form (a sender only waits for receivers, which only wait for
+  earlier buckets, whose gathers every rank has passed).
+Example: TP2 x EP2 on 4 ranks (megatron order tp-ep-dp: TP/ETP groups {0,1} {2,3}, EP groups
+{0,2} {1,3}), 8 experts: senders are rank 0 (dense + experts 0-3) and rank 2 (experts 4-7);
+ranks 1 and 3 only take part in their gathers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One megatron parameter's worth of HF tensors in the global order."""
+
+    rule: object  # pipeline.trainer.model._Rule of the EP rank that owns it
+    source: int
+    shapes: tuple[tuple[int, ...], ...]
+
+
+class ShardedWeights:
+    """One trainer rank's view of a weight sync (module docstring). Build it on every rank."""
+
+    def __init__(self, model, hf_config):
+        import torch
+        from megatron.core import parallel_state as ps
+
+        from pipeline.trainer.model import _ep_rank_size, _groups, _hf_dtype, _rules, unwrap
+        from pipeline.weights.buckets import dtype_name
+
+        self.hf_config = hf_config
+        self.params = dict(unwrap(model).named_parameters())
+        self.dtype = _hf_dtype(hf_config)
+        ep_rank, ep_size = _ep_rank_size(hf_config)
+        self.ep_rank = ep_rank
+        expert_sender = ps.get_expert_tensor_parallel_rank() == 0 and ps.get_expert_data_parallel_rank() == 0
+        world_rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self.senders = ep_size
+        self.source = ep_rank if expert_sender else None
+        if (world_rank == 0) != (self.source == 0):
+            raise ValueError(f"world rank {world_rank} is{' not' if world_rank == 0 else ''} the sender of "
+                             f"expert-parallel rank 0: layouts where rank 0 is not ETP rank 0 of EP rank 0 "
+                             f"are not supported")
+        self.gather_dense = ps.get_data_parallel_rank() == 0
+        self.gather_experts = ps.get_expert_data_parallel_rank() == 0
+        per_rank = [_rules(hf_config, r, ep_size) for r in range(ep_size)]
+        self.units: list[_Unit] = []
+        i, base = 0, per_rank[0]
+        while i < len(base):
+            if base[i].expert is None:
+                self.units.append(self._unit(base[i], 0, _groups(base[i])[2]))
+                i += 1
+                continue
+            j = i
+            while j < len(base) and base[j].expert is not None:
+                j += 1
+            for r in range(ep_size):
+                self.units += [self._unit(rule, r, _groups(rule)[2]) for rule in per_rank[r][i:j]]
+            i = j
+        name = dtype_name(self.dtype)
+        self.specs = [(hf, name, shape, u.source) for u in self.units for hf, shape in zip(u.rule.hf, u.shapes)]
+
+    def _unit(self, rule, source: int, tp_size: int) -> _Unit:
+        import torch
+
+        from pipeline.trainer.model import _split_qkv
+
+        local = tuple(self.params[rule.megatron].shape)
+        dim = 0 if rule.kind in ("qkv", "glu") else rule.split_dim
+        full = list(local)
+        if dim is not None:
+            full[dim] *= tp_size
+        if rule.kind == "qkv":
+            shapes = tuple(tuple(t.shape) for t in _split_qkv(self.hf_config, torch.empty(full, device="meta")))
+        elif rule.kind == "glu":
+            shapes = ((full[0] // 2, *full[1:]),) * 2
+        else:
+            shapes = (tuple(full),)
+        return _Unit(rule, source, shapes)
+
+    def tensors(self) -> Iterator[tuple[str, "torch.Tensor"]]:
+        """Collective over the trainer ranks (every rank exhausts it): gathers this rank's groups'
+        parameters in the global order; yields the full HF tensors this rank sends."""
+        import torch
+
+        from pipeline.trainer.model import _all_gather, _groups, _split_qkv
+
+        for u in self.units:
+            rule = u.rule
+            expert = rule.expert is not None
+            if expert and u.source != self.ep_rank:
+                continue  # another EP rank's experts: not this rank's collective
+            if not (self.gather_experts if expert else self.gather_dense):
+                continue
+            group, _, size = _groups(rule)
+            value = self.params[rule.megatron].detach().to(self.dtype, copy=True)  # never a live view
+            shards = _all_gather(value, group, size)
+            if self.source != u.source:
+                continue
+            if rule.kind == "qkv":
+                full = _split_qkv(self.hf_config, torch.cat(shards, 0))
+            elif rule.kind == "glu":
+                halves = [s.chunk(2, dim=0) for s in shards]
+                full = (torch.cat([h[0] for h in halves], 0), torch.cat([h[1] for h in halves], 0))
+            else:
+                full = (shards[0] if rule.split_dim is None else torch.cat(shards, rule.split_dim),)
+            yield from zip(rule.hf, full)
+
