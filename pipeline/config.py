@@ -112,7 +112,8 @@ class TokenflowConfig:
 
 #: Fields whose change on resume would make the stored log mean something else.
 SCHEMA_FIELDS = ("model.name", "task.name", "task.path", "orchestrator.group_size",
-                 "orchestrator.seed", "generator.temperature", "generator.logprobs_mode")
+                 "orchestrator.seed", "generator.temperature", "generator.logprobs_mode",
+                 "generator.sampling_mask_width")
 
 
 def register() -> None:
@@ -124,8 +125,9 @@ def register() -> None:
 
 
 def record_schema(cfg: TokenflowConfig) -> RecordSchema:
-    """The optional per-token fields this run records (none are enabled by the current roles)."""
-    return RecordSchema()
+    """The optional per-token fields this run records: the sampling mask with
+    ``generator.sampling_mask_width`` > 0."""
+    return RecordSchema(sampling_mask_k=cfg.generator.sampling_mask_width or None)
 
 
 def validate(cfg: TokenflowConfig) -> None:

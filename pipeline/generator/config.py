@@ -41,6 +41,13 @@ class GeneratorConfig:
     logprobs_mode: str = "processed_logprobs"
     """vLLM logprobs mode of the behaviour logprobs: 'processed_logprobs' are after temperature and
     top-k/top-p (the distribution actually sampled), 'raw_logprobs' before them."""
+    sampling_mask_width: int = 0
+    """Keep Sampling Mask: record per generated token the ids top-k/top-p sampling kept, as a row of
+    this many ids padded with -1, so the trainer renormalises over the same set (0: off). Needs
+    processed_logprobs and >= top_k; a wider kept set fails its sample (pipeline/generator/capture.py)."""
+    allow_sampling_bias: bool = False
+    """Accept top_p < 1 or top_k > 0 without the sampling mask: the trainer then scores the full
+    vocabulary and every ratio of a truncated distribution is biased."""
     kv_cache_gib: int = 1
     """KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE); on GPU see gpu_memory_utilization."""
     gpu_memory_utilization: float = 0.85
@@ -79,6 +86,19 @@ class GeneratorConfig:
         if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
             raise ValueError(f"generator.logprobs_mode must be processed_logprobs or raw_logprobs, "
                              f"got {self.logprobs_mode!r}")
+        truncated = self.top_p < 1.0 or self.top_k > 0
+        if truncated and not self.sampling_mask_width and not self.allow_sampling_bias:
+            raise ValueError(
+                f"generator.top_p={self.top_p} / top_k={self.top_k} sample from a truncated distribution "
+                "the trainer would score over the full vocabulary (biased ratios): set "
+                "generator.sampling_mask_width (e.g. 64) to record the kept set, or "
+                "generator.allow_sampling_bias=true to accept the bias")
+        if self.sampling_mask_width:
+            if self.sampling_mask_width < max(self.top_k, 1):
+                raise ValueError(f"generator.sampling_mask_width={self.sampling_mask_width} must be >= "
+                                 f"top_k={self.top_k} (and >= 1)")
+            if self.logprobs_mode != "processed_logprobs":
+                raise ValueError("generator.sampling_mask_width needs generator.logprobs_mode=processed_logprobs")
 
 
 @dataclass(frozen=True)

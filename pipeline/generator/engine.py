@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from pipeline.generator.capture import kept_token_ids, logprobs_to_request
 from pipeline.generator.config import GeneratorConfig, GroupRequest, request_seed
 from pipeline.record import RecordSchema, RolloutSample
 
@@ -61,6 +62,8 @@ class Completion:
     logprobs: list[float]
     versions: list[int]
     finish_reason: str
+    sampling_mask: list[np.ndarray] | None = None
+    """Per segment ``[tokens, width]`` kept ids (``generator.sampling_mask_width`` > 0, sampled requests)."""
 
 
 @dataclass
@@ -88,6 +91,8 @@ def engine_args(config: GeneratorConfig, seed: int | None = None):
         # prefill is split across steps: every prompt is prefilled whole instead.
         extra = {"enable_chunked_prefill": False,
                  "max_num_batched_tokens": max(config.max_model_len, _CPU_BATCHED_TOKENS)}
+    if logprobs_to_request(config.sampling_mask_width) > 20:  # vLLM's default max_logprobs
+        extra["max_logprobs"] = logprobs_to_request(config.sampling_mask_width)
     return AsyncEngineArgs(
         model=config.model, dtype=config.dtype, max_model_len=config.max_model_len,
         enforce_eager=config.enforce_eager, seed=config.seed if seed is None else seed,
@@ -104,7 +109,7 @@ def sampling_params(config: GeneratorConfig, seed: int | None, max_tokens: int, 
     return SamplingParams(
         n=1, temperature=0.0 if greedy else config.temperature, top_p=1.0 if greedy else config.top_p,
         top_k=0 if greedy else config.top_k, max_tokens=max_tokens, seed=seed,
-        logprobs=0, flat_logprobs=True, detokenize=False,
+        logprobs=0 if greedy else logprobs_to_request(config.sampling_mask_width), flat_logprobs=True, detokenize=False,
         stop_token_ids=list(config.stop_token_ids), ignore_eos=config.ignore_eos,
         output_kind=RequestOutputKind.FINAL_ONLY)
 
@@ -172,6 +177,9 @@ class Generator:
             done.token_ids += out.token_ids
             done.logprobs += sampled_logprobs(out)
             done.versions += _token_versions(out)
+            if self.config.sampling_mask_width and not greedy:
+                done.sampling_mask = (done.sampling_mask or []) + [
+                    kept_token_ids(out, self.config.sampling_mask_width)]
             done.finish_reason = out.finish_reason
             resumable = (out.finish_reason == "abort" and epoch != self._abort_epoch
                          and len(done.token_ids) < budget)
@@ -193,7 +201,8 @@ class Generator:
             completion_ids=np.asarray(c.token_ids, dtype=np.int32),
             logprobs=np.asarray(c.logprobs, dtype=np.float32), versions=np.asarray(c.versions, dtype=np.int32),
             finish_reason=c.finish_reason, generator_id=self.generator_id, t_start=t_start,
-            t_end=time.time(), schema=self.schema)
+            t_end=time.time(), schema=self.schema,
+            sampling_mask=np.concatenate(c.sampling_mask) if self.schema.sampling_mask_k else None)
 
     async def generate_group(self, request: GroupRequest) -> list[RolloutSample]:
         """The group's ``n`` samples, in sample order."""
