@@ -150,3 +150,26 @@ def test_truncated_sampling_without_the_mask_is_refused():
     with pytest.raises(ValueError, match="processed_logprobs"):
         GeneratorConfig(top_p=0.9, sampling_mask_width=32, logprobs_mode="raw_logprobs")
     GeneratorConfig()  # the full distribution needs nothing
+
+
+def test_inspect_shows_what_a_log_carries_and_its_bytes_per_token(tmp_path, capsys):
+    import json
+
+    from pipeline.inspect_log import main
+    from pipeline.record import RecordSchema
+    from pipeline.rollout_log import RolloutLogWriter
+    from rollout_data import make_batch
+
+    for schema, want in ((RecordSchema(), None), (RecordSchema(sampling_mask_k=8), 32),
+                         (RecordSchema(routed_experts=(2, 2), sampling_mask_k=8), 32)):
+        run = tmp_path / f"run{want}{schema.routed_experts}"
+        with RolloutLogWriter(run / "rollouts", schema, "r", {}) as w:
+            w.append_samples(make_batch(schema, 1, 4))
+        assert main([str(run), "--json"]) == 0
+        got = json.loads(capsys.readouterr().out)["per_token_bytes"]
+        assert got.get("sampling_mask") == want
+        assert got.get("routed_experts") == (8 if schema.routed_experts else None)  # 2 x 2 int16
+        assert got["completion_ids"] + got["logprobs"] + got["versions"] == 12
+        assert main([str(run)]) == 0
+        text = capsys.readouterr().out
+        assert ("sampling mask 32 B" if want else "sampling mask not recorded") in text
