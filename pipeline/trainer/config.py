@@ -51,6 +51,7 @@ class TrainerConfig:
     micro_batch_tokens: int = 4096  # padded tokens per micro-batch
     mini_batches: int = 1  # optimizer steps per train_step (each on a slice of the samples)
     recompute_proximal: bool = False  # decoupled PPO: recompute old-policy logprobs before the update
+    routing_replay: bool = False  # Keep Routing: replay samples' recorded MoE routing (routing_replay.py)
     temperature: float = 1.0  # sampling temperature the generator used (logits are divided by it)
     seed: int = 1234  # seed of model-parallel RNG states
     optimizer: str = "auto"  # "torch" (AdamW, CPU) | "megatron" (distributed, CUDA) | "auto"

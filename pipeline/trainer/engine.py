@@ -28,6 +28,7 @@ from .layout import PaddedLayout, TrainSample
 from .config import TrainerConfig
 from .corrections import check_trainer_config
 from .loss import group_advantages, policy_loss
+from .routing_replay import attach_routing, enable_routing_replay, replay
 from .sampling_mask import attach_kept_ids, renormalised_logprobs
 
 
@@ -63,6 +64,8 @@ class Trainer:
         self.hf_config = load_hf_config(cfg.model_dir)
         model = build_gpt_model(self.hf_config, p)
         load_hf_weights(model, self.hf_config, cfg.model_dir)
+        if cfg.routing_replay:
+            enable_routing_replay(model)
         self.optimizer_kind = cfg.optimizer if cfg.optimizer != "auto" else (
             "megatron" if self.cuda else "torch")
         self.model = self._wrap_ddp(model)
@@ -77,6 +80,7 @@ class Trainer:
                                    device="cuda" if self.cuda else "cpu")
         self.dp_group = ps.get_data_parallel_group()
         self.tp_group = ps.get_tensor_model_parallel_group()
+        self._tp_rank, self._tp_size = ps.get_tensor_model_parallel_rank(), p.tp
         self.steps = 0
 
     # ---------------------------------------------------------------- construction helpers
@@ -123,14 +127,21 @@ class Trainer:
         most = int(self._all_reduce([len(micro_batches)], None, torch.distributed.ReduceOp.MAX)[0])
         return micro_batches + [self.layout.dummy() for _ in range(most - len(micro_batches))]
 
+    def _attach(self, samples):
+        """The layout's micro-batches with recorded sampling masks and (routing replay) routing."""
+        mbs = attach_kept_ids(self.layout.micro_batches(samples), samples, self.layout.device)
+        return attach_routing(mbs, samples, self.layout.device) if self.cfg.routing_replay else mbs
+
     # ---------------------------------------------------------------- forward
     def _token_logprobs(self, model, mb, want_entropy=False):
         """``[rows, S]`` logprobs of the labels (and entropies, no grad) under ``model``."""
         import torch
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        logits = model(mb.input_ids, mb.position_ids, mb.attention_mask,
-                       packed_seq_params=mb.packed_seq_params)
+        routed = mb.extras.get("routed_experts") if model is self.model else None
+        with replay(model, routed, self._tp_rank, self._tp_size, model.config.sequence_parallel):
+            logits = model(mb.input_ids, mb.position_ids, mb.attention_mask,
+                           packed_seq_params=mb.packed_seq_params)
         logits = logits.float() / self.cfg.temperature
         entropy = None
         if want_entropy:
@@ -162,8 +173,7 @@ class Trainer:
         out: list[np.ndarray | None] = [None] * len(samples)
         model.eval()
         with torch.no_grad():
-            for mb in self._equalised(attach_kept_ids(self.layout.micro_batches(samples), samples,
-                                                      self.layout.device)):
+            for mb in self._equalised(self._attach(samples)):
                 values, _ = self._token_logprobs(model, mb)
                 real = [i for i in mb.sample_index if i >= 0]
                 for i, arr in zip(real, self.layout.gather(mb, values)):
@@ -227,8 +237,7 @@ class Trainer:
         from megatron.core.distributed import finalize_model_grads
 
         cfg = self.cfg
-        micro_batches = self._equalised(attach_kept_ids(self.layout.micro_batches(samples), samples,
-                                                        self.layout.device))
+        micro_batches = self._equalised(self._attach(samples))
         local_rows = len(samples)
         local_tokens = sum(len(s.completion_ids) for s in samples)
         tokens, rows = self._all_reduce([local_tokens, local_rows], self.dp_group).tolist()
