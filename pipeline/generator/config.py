@@ -48,6 +48,9 @@ class GeneratorConfig:
     allow_sampling_bias: bool = False
     """Accept top_p < 1 or top_k > 0 without the sampling mask: the trainer then scores the full
     vocabulary and every ratio of a truncated distribution is biased."""
+    record_routing: bool = False
+    """Keep Routing: record the experts every MoE layer routed each prompt and completion token to
+    (``Completion.routed_experts``; pipeline/generator/routing_capture.py). Needs prefix_caching off."""
     kv_cache_gib: int = 1
     """KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE); on GPU see gpu_memory_utilization."""
     gpu_memory_utilization: float = 0.85
@@ -93,6 +96,9 @@ class GeneratorConfig:
                 "the trainer would score over the full vocabulary (biased ratios): set "
                 "generator.sampling_mask_width (e.g. 64) to record the kept set, or "
                 "generator.allow_sampling_bias=true to accept the bias")
+        if self.record_routing and self.prefix_caching:
+            raise ValueError("generator.record_routing needs generator.prefix_caching=false: tokens served "
+                             "from the prefix cache are never routed by the request")
         if self.sampling_mask_width:
             if self.sampling_mask_width < max(self.top_k, 1):
                 raise ValueError(f"generator.sampling_mask_width={self.sampling_mask_width} must be >= "

@@ -64,6 +64,9 @@ class Completion:
     finish_reason: str
     sampling_mask: list[np.ndarray] | None = None
     """Per segment ``[tokens, width]`` kept ids (``generator.sampling_mask_width`` > 0, sampled requests)."""
+    routed_experts: np.ndarray | None = None
+    """``[prompt + completion - 1, moe_layers, top_k]`` int16 experts of every position the model ran
+    (``generator.record_routing``; the last segment's, which recomputed every earlier position)."""
 
 
 @dataclass
@@ -139,6 +142,7 @@ class Generator:
         self._update_lock = asyncio.Lock()
         self._abort_epoch = 0  # bumped before every abort-mode pause
         self._ids = itertools.count()
+        self.routing_shape: tuple[int, int] | None = None  # (MoE layers, top_k) with record_routing
         self.start_s = 0.0
 
     async def start(self) -> "Generator":
@@ -147,6 +151,8 @@ class Generator:
         t0 = time.monotonic()
         self.engine = AsyncLLM.from_engine_args(engine_args(self.config))
         await self.engine.update_weight_version(str(self.version))
+        if self.config.record_routing:
+            self.routing_shape = tuple((await self.engine.collective_rpc("start_routing_capture"))[0])
         self.start_s = time.monotonic() - t0
         return self
 
@@ -156,12 +162,18 @@ class Generator:
             self.engine = None
 
     # -- generation ---------------------------------------------------------------------------
-    async def _run(self, prompt_ids: Sequence[int], params) -> Any:
+    async def _run(self, prompt_ids: Sequence[int], params) -> tuple[Any, np.ndarray | None]:
+        """The request's CompletionOutput and (``record_routing``) its routing."""
+        rid = f"r{next(self._ids)}"
         final = None
-        async for out in self.engine.generate({"prompt_token_ids": [int(t) for t in prompt_ids]}, params,
-                                              f"r{next(self._ids)}"):
+        async for out in self.engine.generate({"prompt_token_ids": [int(t) for t in prompt_ids]}, params, rid):
             final = out
-        return final.outputs[0]
+        out = final.outputs[0]
+        if self.routing_shape is None:
+            return out, None
+        positions = len(prompt_ids) + len(out.token_ids) - 1
+        raw = await self.engine.collective_rpc("take_routing", args=(rid, positions))
+        return out, np.frombuffer(raw[0], dtype=np.int16).reshape(positions, *self.routing_shape)
 
     async def complete(self, prompt_ids: Sequence[int], seed_of_segment, max_tokens: int | None = None,
                        greedy: bool = False) -> Completion:
@@ -173,7 +185,7 @@ class Generator:
         for segment in itertools.count():
             epoch = self._abort_epoch
             params = sampling_params(self.config, seed_of_segment(segment), budget - len(done.token_ids), greedy)
-            out = await self._run(list(prompt_ids) + done.token_ids, params)
+            out, done.routed_experts = await self._run(list(prompt_ids) + done.token_ids, params)
             done.token_ids += out.token_ids
             done.logprobs += sampled_logprobs(out)
             done.versions += _token_versions(out)
