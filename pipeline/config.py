@@ -145,6 +145,9 @@ def validate(cfg: TokenflowConfig) -> None:
         (abs(cfg.trainer.temperature - cfg.generator.temperature) < 1e-9,
          f"trainer.temperature ({cfg.trainer.temperature}) must equal generator.temperature "
          f"({cfg.generator.temperature}): logprobs would be of different distributions"),
+        (not cfg.trainer.routing_replay,
+         "trainer.routing_replay needs routing in the rollout record, which runs do not carry yet "
+         "(the Trainer API replays TrainSample.routed_experts; docs/corrections.md)"),
     ]
     p = cfg.trainer.parallel
     model_parallel = p.tp * (p.etp or p.tp) * p.ep
