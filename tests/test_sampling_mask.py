@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.trainer.sampling_mask import renormalised_logprobs
+from pipeline.trainer.sampling_mask import kept_log_mass
 
 torch.set_num_threads(1)
 
@@ -46,7 +46,7 @@ def full_logprobs(logits, labels):
 def test_renormalised_logprobs_match_loop_reference_and_masked_softmax_gradient():
     logits, labels, kept = random_case(0)
     x = logits.clone().requires_grad_(True)
-    got = renormalised_logprobs(x, full_logprobs(x, labels), kept)
+    got = full_logprobs(x, labels) - kept_log_mass(x, kept)
     assert torch.allclose(got, loop_reference(logits, labels, kept), atol=1e-10)
     got.sum().backward()
     # independent gradient: log-softmax with every token outside the set at -inf
@@ -62,7 +62,7 @@ def test_renormalised_logprobs_match_loop_reference_and_masked_softmax_gradient(
 def test_worked_example_from_module_docstring():
     logits = torch.tensor([[[2.0, 1.0, 0.0]]], dtype=torch.float64)
     labels = torch.tensor([[1]])
-    got = renormalised_logprobs(logits, full_logprobs(logits, labels), torch.tensor([[[0, 1]]]))
+    got = full_logprobs(logits, labels) - kept_log_mass(logits, torch.tensor([[[0, 1]]]))
     assert abs(float(got) - (-1.3133)) < 1e-4
 
 
@@ -75,7 +75,7 @@ def _vocab_split_rank(rank, port, out):
     # full-vocabulary logprobs of the labels from the shards (as vocab_parallel_cross_entropy gives)
     lse = torch.logsumexp(logits, -1)
     label_logit = logits.gather(-1, labels[..., None])[..., 0]
-    got = renormalised_logprobs(shard, label_logit - lse, kept, torch.distributed.group.WORLD)
+    got = label_logit - lse - kept_log_mass(shard, kept, torch.distributed.group.WORLD)
     got.sum().backward()
     torch.save({"value": got.detach(), "grad": shard.grad}, f"{out}/rank{rank}.pt")
     torch.distributed.destroy_process_group()
@@ -102,7 +102,7 @@ def test_vocab_split_over_two_ranks_matches_loop_reference(tmp_path):
     want = loop_reference(logits, labels, kept)
     x = logits.clone().requires_grad_(True)
     lse = torch.logsumexp(logits, -1)
-    renormalised_logprobs(x, logits.gather(-1, labels[..., None])[..., 0] - lse, kept).sum().backward()
+    (logits.gather(-1, labels[..., None])[..., 0] - lse - kept_log_mass(x, kept)).sum().backward()
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for part in parts:
         assert torch.allclose(part["value"], want, atol=1e-10)

@@ -29,7 +29,7 @@ from .config import TrainerConfig
 from .corrections import check_trainer_config
 from .loss import group_advantages, policy_loss
 from .routing_replay import attach_routing, enable_routing_replay, replay
-from .sampling_mask import attach_kept_ids, renormalised_logprobs
+from .sampling_mask import attach_kept_ids, kept_log_mass
 
 
 class Trainer:
@@ -147,10 +147,9 @@ class Trainer:
         if want_entropy:
             with torch.no_grad():
                 entropy = self._vocab_parallel_entropy(logits)
-        logp = -vocab_parallel_cross_entropy(logits, mb.labels)
-        if "kept_ids" in mb.extras:  # Keep Sampling Mask
-            logp = renormalised_logprobs(logits, logp, mb.extras["kept_ids"], self.tp_group)
-        return logp, entropy
+        kept = mb.extras.get("kept_ids")  # Keep Sampling Mask (before the CE, which works in place)
+        log_mass = kept_log_mass(logits, kept, self.tp_group) if kept is not None else 0.0
+        return -vocab_parallel_cross_entropy(logits, mb.labels) - log_mass, entropy
 
     def _vocab_parallel_entropy(self, logits):
         import torch

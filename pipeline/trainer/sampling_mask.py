@@ -44,11 +44,12 @@ def _sum_over(x: torch.Tensor, group) -> torch.Tensor:
     return _SumOverGroup.apply(x, group)
 
 
-def renormalised_logprobs(logits: torch.Tensor, logprobs: torch.Tensor, kept_ids: torch.Tensor,
-                          tp_group=None) -> torch.Tensor:
-    """``logprobs`` ([rows, S], full-vocabulary logprobs of the labels) renormalised over ``kept_ids``
-    ([rows, S, W] global token ids, -1 padded; all -1 = no set) for this rank's ``logits`` slice
-    ([rows, S, V/tp], scaled by the temperature already)."""
+def kept_log_mass(logits: torch.Tensor, kept_ids: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """``[rows, S]`` log of the probability mass of the kept set, ``log sum_{j in K} p(j)`` (0 where a
+    position has no set: all -1), for this rank's vocabulary slice ``logits`` ([rows, S, V/tp],
+    divided by the temperature already) and ``kept_ids`` ([rows, S, W] global ids, -1 padded).
+    Subtract it from the full-vocabulary logprobs. Call it BEFORE megatron's
+    ``vocab_parallel_cross_entropy``, which overwrites its input in place."""
     shard = logits.shape[-1]
     start = 0 if tp_group is None else torch.distributed.get_rank(tp_group) * shard
     with torch.no_grad():
@@ -62,9 +63,8 @@ def renormalised_logprobs(logits: torch.Tensor, logprobs: torch.Tensor, kept_ids
     picked = z.gather(-1, local.clamp(0, shard - 1).long())
     kept = _sum_over(torch.where(here, picked.exp(), torch.zeros_like(picked)).sum(dim=-1), tp_group)
     has_set = (kept_ids >= 0).any(dim=-1)
-    log_mass = torch.where(has_set, kept.clamp(min=torch.finfo(kept.dtype).tiny).log() - full.log(),
-                           torch.zeros_like(full))
-    return logprobs - log_mass
+    return torch.where(has_set, kept.clamp(min=torch.finfo(kept.dtype).tiny).log() - full.log(),
+                       torch.zeros_like(full))
 
 
 def attach_kept_ids(micro_batches: Sequence, samples: Sequence, device) -> list:
