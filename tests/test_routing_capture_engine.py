@@ -47,16 +47,16 @@ def test_recorded_routing_equals_transformers_in_the_engine_dtype(tmp_path):
                           dtype="float32", kv_cache_gib=1, max_num_seqs=16, seed=5, prefix_caching=False,
                           record_routing=True)
     prompts = [[0, 17, 30, 41, 9], [0, 55, 12, 200], [0, 3, 4, 5, 6, 7, 8]]
-    loop = asyncio.new_event_loop()
-    gen = loop.run_until_complete(Generator(cfg).start())
-    try:
-        done = loop.run_until_complete(asyncio.gather(*(gen.complete(p, lambda seg, i=i: 100 + i)
-                                                        for i, p in enumerate(prompts))))
-    finally:
-        gen.shutdown()
-        for task in asyncio.all_tasks(loop):
-            task.cancel()
-        loop.close()
+    gen = Generator(cfg)
+
+    async def run():
+        await gen.start()
+        try:
+            return await asyncio.gather(*(gen.complete(p, lambda seg, i=i: 100 + i)
+                                          for i, p in enumerate(prompts)))
+        finally:
+            gen.shutdown()
+    done = asyncio.run(run())
     sequences = [p + c.token_ids[:-1] for p, c in zip(prompts, done)]
     compared = ties = 0
     for seq, c, (want, tie) in zip(sequences, done, hf_routing(model_dir, sequences)):

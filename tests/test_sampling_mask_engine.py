@@ -48,18 +48,18 @@ def _generate(model_dir: Path):
     cfg = GeneratorConfig(model=str(model_dir), max_model_len=256, max_tokens=16, enforce_eager=True,
                           dtype="float32", kv_cache_gib=1, max_num_seqs=16, seed=77, top_k=TOP_K,
                           top_p=TOP_P, sampling_mask_width=WIDTH)
-    loop = asyncio.new_event_loop()
-    gen = loop.run_until_complete(Generator(cfg, schema=RecordSchema(sampling_mask_k=WIDTH)).start())
-    try:
-        samples = []
-        for g, prompt in enumerate([[0, 17, 30, 41, 9], [0, 55, 12, 200]]):
-            samples += loop.run_until_complete(gen.generate_group(GroupRequest(g, g, 0, prompt, 4)))
-        return samples
-    finally:
-        gen.shutdown()
-        for task in asyncio.all_tasks(loop):
-            task.cancel()
-        loop.close()
+    gen = Generator(cfg, schema=RecordSchema(sampling_mask_k=WIDTH))
+
+    async def run():
+        await gen.start()
+        try:
+            samples = []
+            for g, prompt in enumerate([[0, 17, 30, 41, 9], [0, 55, 12, 200]]):
+                samples += await gen.generate_group(GroupRequest(g, g, 0, prompt, 4))
+            return samples
+        finally:
+            gen.shutdown()
+    return asyncio.run(run())
 
 
 def test_trainer_logprobs_under_the_recorded_mask_equal_the_engines(tmp_path):
