@@ -130,7 +130,8 @@ class TokenflowConfig:
 SCHEMA_FIELDS = ("model.name", "task.name", "task.path", "orchestrator.group_size",
                  "orchestrator.seed", "generator.temperature", "generator.logprobs_mode",
                  "task.eval_path", "task.eval_size", "task.eval_fraction", "task.split_seed", "task.shuffle",
-                 "task.prompt_format", "task.system_prompt", "task.chat_template_kwargs")
+                 "task.prompt_format", "task.system_prompt", "task.chat_template_kwargs",
+                 "generator.sampling_mask_width")
 
 
 def register() -> None:
@@ -142,8 +143,9 @@ def register() -> None:
 
 
 def record_schema(cfg: TokenflowConfig) -> RecordSchema:
-    """The optional per-token fields this run records (none are enabled by the current roles)."""
-    return RecordSchema()
+    """The optional per-token fields this run records: the sampling mask with
+    ``generator.sampling_mask_width`` > 0."""
+    return RecordSchema(sampling_mask_k=cfg.generator.sampling_mask_width or None)
 
 
 def validate(cfg: TokenflowConfig) -> None:
@@ -165,6 +167,9 @@ def validate(cfg: TokenflowConfig) -> None:
         (abs(cfg.trainer.temperature - cfg.generator.temperature) < 1e-9,
          f"trainer.temperature ({cfg.trainer.temperature}) must equal generator.temperature "
          f"({cfg.generator.temperature}): logprobs would be of different distributions"),
+        (not cfg.trainer.routing_replay,
+         "trainer.routing_replay needs routing in the rollout record, which runs do not carry yet "
+         "(the Trainer API replays TrainSample.routed_experts; docs/corrections.md)"),
     ]
     p = cfg.trainer.parallel
     model_parallel = p.tp * (p.etp or p.tp) * p.ep

@@ -124,7 +124,15 @@ def summarize(log: RolloutLog, progress=None) -> dict:
                              "prompt": np.histogram(plen, edges)[0].tolist(),
                              "completion": np.histogram(clen, edges)[0].tolist()},
         "finish_reasons": {name: int((finish == i).sum()) for i, name in enumerate(FINISH_REASONS)},
+        "per_token_bytes": per_token_bytes(log.schema),
     }
+
+
+def per_token_bytes(schema) -> dict[str, int]:
+    """Bytes each per-completion-token field of ``schema`` takes per token, on the wire and in
+    the log (uncompressed): e.g. a sampling mask of width 8 is 8 int32 = 32 bytes."""
+    return {name: int(np.dtype(dtype).itemsize * math.prod(trail))
+            for name, (dtype, trail) in schema.token_fields().items()}
 
 
 def format_text(s: dict) -> str:
@@ -164,6 +172,11 @@ def format_text(s: dict) -> str:
                    f"min {x['min']}  mean {x['mean']:.1f}  p50 {x['p50']:.0f}  "
                    f"p90 {x['p90']:.0f}  max {x['max']}"))
     out.append("finish        " + ", ".join(f"{k} {v:,}" for k, v in s["finish_reasons"].items()))
+    b = s["per_token_bytes"]
+    extra = {"routed_experts": "routing", "sampling_mask": "sampling mask"}
+    out.append(f"per token     {sum(b.values())} B: " + ", ".join(f"{k} {v}" for k, v in b.items())
+               + "; " + ", ".join(f"{label} {'%d B' % b[k] if k in b else 'not recorded'}"
+                                   for k, label in extra.items()))
     return "\n".join(out)
 
 

@@ -32,7 +32,7 @@ def reference_loss(logp, behaviour, adv, mask, normaliser, cfg, proximal=None, r
         for t in range(logp.shape[1]):
             if mask[i, t] == 0:
                 continue
-            old = behaviour[i, t] if proximal is None else proximal[i, t]
+            old = logp[i, t].detach() if proximal is None else proximal[i, t]
             ratio = torch.exp(logp[i, t] - old)
             a = float(adv[i])
             lo, hi = 1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high
@@ -106,10 +106,9 @@ def test_policy_loss_and_gradient_match_loop_reference(aggregation, use_proximal
         assert torch.allclose(loss, want, atol=1e-10), (float(loss), float(want))
         assert torch.allclose(x.grad, y.grad, atol=1e-10)
         assert int(metrics["clipped"]) == clipped
-        assert int(metrics["tis_clipped"]) == tis_clipped
+        assert int(metrics["is_truncated"]) == tis_clipped
         assert int(metrics["tokens"]) == int(mask.sum())
-        if use_proximal:
-            assert tis_clipped > 0  # the cap is exercised
+        assert tis_clipped > 0  # the cap is exercised
 
 
 def test_token_loss_summed_over_splits_equals_whole_batch():
@@ -124,11 +123,26 @@ def test_token_loss_summed_over_splits_equals_whole_batch():
 
 
 def test_worked_example_from_module_docstring():
-    logp = torch.log(torch.tensor([[1.5, 0.9]], dtype=torch.float64))
+    logp = torch.log(torch.tensor([[1.5, 2.5]], dtype=torch.float64))
+    proximal = torch.log(torch.tensor([[1.0, 2.5]], dtype=torch.float64))
     loss, metrics = policy_loss(logp, torch.zeros(1, 2, dtype=torch.float64), torch.tensor([1.0]),
-                                torch.ones(1, 2), 4, LossConfig())
-    assert abs(float(loss) - (-0.525)) < 1e-9
-    assert int(metrics["clipped"]) == 1
+                                torch.ones(1, 2), 4, LossConfig(), proximal_logprobs=proximal)
+    assert abs(float(loss) - (-0.8)) < 1e-9
+    assert int(metrics["clipped"]) == 1 and int(metrics["is_truncated"]) == 1
+
+
+def test_default_without_proximal_weights_by_current_over_behaviour():
+    """One mini-batch: the proximal policy is the current one, so the default token TIS weight is
+    exp(logp - behaviour) (not 1) and the PPO ratio is 1 in value."""
+    logp = torch.log(torch.tensor([[0.5, 0.2]], dtype=torch.float64)).requires_grad_(True)
+    behaviour = torch.log(torch.tensor([[0.25, 0.2]], dtype=torch.float64))
+    loss, metrics = policy_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 2), 2,
+                                LossConfig(tis_cap=1.5))
+    loss.backward()
+    # d loss / d logp_t = -w_t * A / N, w = [min(2, 1.5), 1]
+    assert torch.allclose(logp.grad, torch.tensor([[-0.75, -0.5]], dtype=torch.float64))
+    assert float(metrics["is_weight"]) == 3.0 and float(metrics["is_weight_max"]) == 2.0
+    assert int(metrics["is_truncated"]) == 1 and int(metrics["clipped"]) == 0
 
 
 def test_bad_arguments_are_named():

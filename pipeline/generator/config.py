@@ -46,6 +46,16 @@ class GeneratorConfig:
     kv_cache_gib: int | None = None
     """KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE; None: sized for max_num_seqs sequences of
     max_model_len tokens); on GPU see gpu_memory_utilization."""
+    sampling_mask_width: int = 0
+    """Keep Sampling Mask: record per generated token the ids top-k/top-p sampling kept, as a row of
+    this many ids padded with -1, so the trainer renormalises over the same set (0: off). Needs
+    processed_logprobs and >= top_k; a wider kept set fails its sample (pipeline/generator/capture.py)."""
+    allow_sampling_bias: bool = False
+    """Accept top_p < 1 or top_k > 0 without the sampling mask: the trainer then scores the full
+    vocabulary and every ratio of a truncated distribution is biased."""
+    record_routing: bool = False
+    """Keep Routing: record the experts every MoE layer routed each prompt and completion token to
+    (``Completion.routed_experts``; pipeline/generator/routing_capture.py). Needs prefix_caching off."""
     gpu_memory_utilization: float = 0.85
     """Share of GPU memory vLLM may use (GPU only)."""
     max_num_seqs: int | None = None
@@ -101,6 +111,22 @@ class GeneratorConfig:
         if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
             raise ValueError(f"generator.logprobs_mode must be processed_logprobs or raw_logprobs, "
                              f"got {self.logprobs_mode!r}")
+        truncated = self.top_p < 1.0 or self.top_k > 0
+        if truncated and not self.sampling_mask_width and not self.allow_sampling_bias:
+            raise ValueError(
+                f"generator.top_p={self.top_p} / top_k={self.top_k} sample from a truncated distribution "
+                "the trainer would score over the full vocabulary (biased ratios): set "
+                "generator.sampling_mask_width (e.g. 64) to record the kept set, or "
+                "generator.allow_sampling_bias=true to accept the bias")
+        if self.record_routing and self.prefix_caching:
+            raise ValueError("generator.record_routing needs generator.prefix_caching=false: tokens served "
+                             "from the prefix cache are never routed by the request")
+        if self.sampling_mask_width:
+            if self.sampling_mask_width < max(self.top_k, 1):
+                raise ValueError(f"generator.sampling_mask_width={self.sampling_mask_width} must be >= "
+                                 f"top_k={self.top_k} (and >= 1)")
+            if self.logprobs_mode != "processed_logprobs":
+                raise ValueError("generator.sampling_mask_width needs generator.logprobs_mode=processed_logprobs")
 
 
 @dataclass(frozen=True)

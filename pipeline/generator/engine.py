@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from pipeline.generator.capture import kept_token_ids, logprobs_to_request
 from pipeline.generator.config import GeneratorConfig, GroupRequest, request_seed
 from pipeline.record import RecordSchema, RolloutSample
 
@@ -67,6 +68,11 @@ class Completion:
     logprobs: list[float]
     versions: list[int]
     finish_reason: str
+    sampling_mask: list[np.ndarray] | None = None
+    """Per segment ``[tokens, width]`` kept ids (``generator.sampling_mask_width`` > 0, sampled requests)."""
+    routed_experts: np.ndarray | None = None
+    """``[prompt + completion - 1, moe_layers, top_k]`` int16 experts of every position the model ran
+    (``generator.record_routing``; the last segment's, which recomputed every earlier position)."""
 
 
 @dataclass
@@ -106,6 +112,8 @@ def engine_args(config: GeneratorConfig, seed: int | None = None):
         # prefill is split across steps: every prompt is prefilled whole instead.
         extra = {"enable_chunked_prefill": False,
                  "max_num_batched_tokens": max(config.max_model_len, _CPU_BATCHED_TOKENS)}
+    if logprobs_to_request(config.sampling_mask_width) > 20:  # vLLM's default max_logprobs
+        extra["max_logprobs"] = logprobs_to_request(config.sampling_mask_width)
     return AsyncEngineArgs(
         model=config.model, dtype=config.dtype, max_model_len=config.max_model_len,
         enforce_eager=config.enforce_eager, seed=config.seed if seed is None else seed,
@@ -122,7 +130,7 @@ def sampling_params(config: GeneratorConfig, seed: int | None, max_tokens: int, 
     return SamplingParams(
         n=1, temperature=0.0 if greedy else config.temperature, top_p=1.0 if greedy else config.top_p,
         top_k=0 if greedy else config.top_k, max_tokens=max_tokens, seed=seed,
-        logprobs=0, flat_logprobs=True, detokenize=False,
+        logprobs=0 if greedy else logprobs_to_request(config.sampling_mask_width), flat_logprobs=True, detokenize=False,
         stop_token_ids=list(config.stop_token_ids), ignore_eos=config.ignore_eos,
         output_kind=RequestOutputKind.FINAL_ONLY)
 
@@ -152,6 +160,7 @@ class Generator:
         self._update_lock = asyncio.Lock()
         self._abort_epoch = 0  # bumped before every abort-mode pause
         self._ids = itertools.count()
+        self.routing_shape: tuple[int, int] | None = None  # (MoE layers, top_k) with record_routing
         self.start_s = 0.0
         self.weight_sync = resolve_weight_sync(config)
 
@@ -161,6 +170,8 @@ class Generator:
         t0 = time.monotonic()
         self.engine = AsyncLLM.from_engine_args(engine_args(self.config))
         await self.engine.update_weight_version(str(self.version))
+        if self.config.record_routing:
+            self.routing_shape = tuple((await self.engine.collective_rpc("start_routing_capture"))[0])
         self.start_s = time.monotonic() - t0
         return self
 
@@ -170,14 +181,21 @@ class Generator:
             self.engine = None
 
     # -- generation ---------------------------------------------------------------------------
-    async def _run(self, prompt_ids: Sequence[int], params) -> Any:
+    async def _run(self, prompt_ids: Sequence[int], params) -> tuple[Any, np.ndarray | None]:
+        """The request's CompletionOutput and (``record_routing``) its routing."""
+        rid = f"r{next(self._ids)}"
         final = None
         prompt: dict[str, Any] = {"prompt_token_ids": [int(t) for t in prompt_ids]}
         if self.config.interrupt == "keep_kv":
             prompt["cache_salt"] = f"v{self.version}"
-        async for out in self.engine.generate(prompt, params, f"r{next(self._ids)}"):
+        async for out in self.engine.generate(prompt, params, rid):
             final = out
-        return final.outputs[0]
+        out = final.outputs[0]
+        if self.routing_shape is None:
+            return out, None
+        positions = len(prompt_ids) + len(out.token_ids) - 1
+        raw = await self.engine.collective_rpc("take_routing", args=(rid, positions))
+        return out, np.frombuffer(raw[0], dtype=np.int16).reshape(positions, *self.routing_shape)
 
     async def complete(self, prompt_ids: Sequence[int], seed_of_segment, max_tokens: int | None = None,
                        greedy: bool = False) -> Completion:
@@ -189,10 +207,13 @@ class Generator:
         for segment in itertools.count():
             epoch = self._abort_epoch
             params = sampling_params(self.config, seed_of_segment(segment), budget - len(done.token_ids), greedy)
-            out = await self._run(list(prompt_ids) + done.token_ids, params)
+            out, done.routed_experts = await self._run(list(prompt_ids) + done.token_ids, params)
             done.token_ids += out.token_ids
             done.logprobs += sampled_logprobs(out)
             done.versions += _token_versions(out)
+            if self.config.sampling_mask_width and not greedy:
+                done.sampling_mask = (done.sampling_mask or []) + [
+                    kept_token_ids(out, self.config.sampling_mask_width)]
             done.finish_reason = out.finish_reason
             resumable = (out.finish_reason == "abort" and epoch != self._abort_epoch
                          and len(done.token_ids) < budget)
@@ -214,7 +235,8 @@ class Generator:
             completion_ids=np.asarray(c.token_ids, dtype=np.int32),
             logprobs=np.asarray(c.logprobs, dtype=np.float32), versions=np.asarray(c.versions, dtype=np.int32),
             finish_reason=c.finish_reason, generator_id=self.generator_id, t_start=t_start,
-            t_end=time.time(), schema=self.schema)
+            t_end=time.time(), schema=self.schema,
+            sampling_mask=np.concatenate(c.sampling_mask) if self.schema.sampling_mask_k else None)
 
     async def generate_group(self, request: GroupRequest) -> list[RolloutSample]:
         """The group's ``n`` samples, in sample order."""

@@ -315,3 +315,14 @@ class WeightSyncExtension:
         if channel is not None:
             channel.close()
             self._tf_channel = None
+
+    # -- Keep Routing (pipeline/generator/routing_capture.py) ----------------------------------
+    def start_routing_capture(self) -> tuple[int, int]:
+        """Install the routing recorder on this worker's MoE routers; returns (MoE layers, top_k)."""
+        from pipeline.generator.routing_capture import RoutingRecorder
+
+        self._routing = RoutingRecorder(self.model_runner)
+        return self._routing.num_layers, self._routing.top_k
+
+    def take_routing(self, request_id: str, positions: int) -> bytes:
+        return self._routing.take(request_id, positions)

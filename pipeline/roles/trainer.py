@@ -302,7 +302,9 @@ class TrainerRole:
             samples = [TrainSample(prompt_ids=batch.prompt(i), completion_ids=batch.tokens("completion_ids", i),
                                    behaviour_logprobs=batch.tokens("logprobs", i),
                                    reward=float(batch.columns["reward"][i]),
-                                   group_id=int(batch.columns["group_id"][i])) for i in range(len(batch))]
+                                   group_id=int(batch.columns["group_id"][i]),
+                                   sampling_mask=batch.tokens("sampling_mask", i)
+                                   if "sampling_mask" in batch.columns else None) for i in range(len(batch))]
             me = cfg.run.mismatch_every
             mismatch = self._mismatch(batch, samples) if me and step % me == 0 else None
             m = self.trainer.train_step(samples)

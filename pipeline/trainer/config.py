@@ -27,7 +27,10 @@ class LossConfig:
 
     clip_eps_low: float = 0.2  # PPO clip range below 1 (ratio >= 1 - eps_low)
     clip_eps_high: float = 0.2  # PPO clip range above 1 (ratio <= 1 + eps_high; 0.28 = DAPO's clip-higher)
-    tis_cap: float = 2.0  # cap of the token-level truncated importance weight proximal/behaviour
+    tis_cap: float = 2.0  # cap of the truncated importance weight proximal/behaviour (token_tis, seq_tis)
+    correction: str = "token_tis"  # importance-correction preset (pipeline/trainer/corrections.py, docs/corrections.md)
+    is_low: float | None = None  # lower bound of the weight band of masking presets (None: the preset's)
+    is_high: float | None = None  # upper bound of the weight band of masking presets (None: the preset's)
     kl_coef: float = 0.0  # weight of the k3 KL estimate to the reference policy (0: off)
     aggregation: str = "token"  # "token" (global token mean) or "sequence" (mean of row means)
     advantage_std_norm: bool = True  # GRPO: divide by the group's reward std (Dr. GRPO: False)
@@ -48,6 +51,7 @@ class TrainerConfig:
     micro_batch_tokens: int = 4096  # padded tokens per micro-batch
     mini_batches: int = 1  # optimizer steps per train_step (each on a slice of the samples)
     recompute_proximal: bool = False  # decoupled PPO: recompute old-policy logprobs before the update
+    routing_replay: bool = False  # Keep Routing: replay samples' recorded MoE routing (routing_replay.py)
     temperature: float = 1.0  # sampling temperature the generator used (logits are divided by it)
     seed: int = 1234  # seed of model-parallel RNG states
     optimizer: str = "auto"  # "torch" (AdamW, CPU) | "megatron" (distributed, CUDA) | "auto"

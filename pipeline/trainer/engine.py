@@ -26,7 +26,10 @@ import numpy as np
 
 from .layout import PaddedLayout, TrainSample
 from .config import TrainerConfig
+from .corrections import check_trainer_config
 from .loss import group_advantages, policy_loss
+from .routing_replay import attach_routing, enable_routing_replay, replay
+from .sampling_mask import attach_kept_ids, kept_log_mass
 
 
 class Trainer:
@@ -40,6 +43,7 @@ class Trainer:
 
         from .model import build_gpt_model, load_hf_config, load_hf_weights
 
+        check_trainer_config(cfg)
         self.cfg = cfg
         self.cuda = torch.cuda.is_available()
         apply_cpu_patches()
@@ -60,6 +64,8 @@ class Trainer:
         self.hf_config = load_hf_config(cfg.model_dir)
         model = build_gpt_model(self.hf_config, p)
         load_hf_weights(model, self.hf_config, cfg.model_dir)
+        if cfg.routing_replay:
+            enable_routing_replay(model)
         self.optimizer_kind = cfg.optimizer if cfg.optimizer != "auto" else (
             "megatron" if self.cuda else "torch")
         self.model = self._wrap_ddp(model)
@@ -74,6 +80,7 @@ class Trainer:
                                    device="cuda" if self.cuda else "cpu")
         self.dp_group = ps.get_data_parallel_group()
         self.tp_group = ps.get_tensor_model_parallel_group()
+        self._tp_rank, self._tp_size = ps.get_tensor_model_parallel_rank(), p.tp
         self.steps = 0
 
     # ---------------------------------------------------------------- construction helpers
@@ -120,20 +127,29 @@ class Trainer:
         most = int(self._all_reduce([len(micro_batches)], None, torch.distributed.ReduceOp.MAX)[0])
         return micro_batches + [self.layout.dummy() for _ in range(most - len(micro_batches))]
 
+    def _attach(self, samples):
+        """The layout's micro-batches with recorded sampling masks and (routing replay) routing."""
+        mbs = attach_kept_ids(self.layout.micro_batches(samples), samples, self.layout.device)
+        return attach_routing(mbs, samples, self.layout.device) if self.cfg.routing_replay else mbs
+
     # ---------------------------------------------------------------- forward
     def _token_logprobs(self, model, mb, want_entropy=False):
         """``[rows, S]`` logprobs of the labels (and entropies, no grad) under ``model``."""
         import torch
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        logits = model(mb.input_ids, mb.position_ids, mb.attention_mask,
-                       packed_seq_params=mb.packed_seq_params)
+        routed = mb.extras.get("routed_experts") if model is self.model else None
+        with replay(model, routed, self._tp_rank, self._tp_size, model.config.sequence_parallel):
+            logits = model(mb.input_ids, mb.position_ids, mb.attention_mask,
+                           packed_seq_params=mb.packed_seq_params)
         logits = logits.float() / self.cfg.temperature
         entropy = None
         if want_entropy:
             with torch.no_grad():
                 entropy = self._vocab_parallel_entropy(logits)
-        return -vocab_parallel_cross_entropy(logits, mb.labels), entropy
+        kept = mb.extras.get("kept_ids")  # Keep Sampling Mask (before the CE, which works in place)
+        log_mass = kept_log_mass(logits, kept, self.tp_group) if kept is not None else 0.0
+        return -vocab_parallel_cross_entropy(logits, mb.labels) - log_mass, entropy
 
     def _vocab_parallel_entropy(self, logits):
         import torch
@@ -156,7 +172,7 @@ class Trainer:
         out: list[np.ndarray | None] = [None] * len(samples)
         model.eval()
         with torch.no_grad():
-            for mb in self._equalised(self.layout.micro_batches(samples)):
+            for mb in self._equalised(self._attach(samples)):
                 values, _ = self._token_logprobs(model, mb)
                 real = [i for i in mb.sample_index if i >= 0]
                 for i, arr in zip(real, self.layout.gather(mb, values)):
@@ -207,8 +223,9 @@ class Trainer:
                 extra["proximal"] = [proximal[i] for i in chunk]
             if ref is not None:
                 extra["ref"] = [ref[i] for i in chunk]
-            for k, v in self._optimizer_step(part, extra).items():  # tokens: sum, others: mean
-                totals[k] = totals.get(k, 0.0) + (v if k == "tokens" else v / len(chunks))
+            for k, v in self._optimizer_step(part, extra).items():  # tokens: sum, *_max: max, others: mean
+                totals[k] = max(totals.get(k, 0.0), v) if k.endswith("_max") else \
+                    totals.get(k, 0.0) + (v if k == "tokens" else v / len(chunks))
         self.steps += 1
         totals["step_time_s"] = time.perf_counter() - start
         totals["tokens_per_s"] = totals["tokens"] / totals["step_time_s"]
@@ -219,7 +236,7 @@ class Trainer:
         from megatron.core.distributed import finalize_model_grads
 
         cfg = self.cfg
-        micro_batches = self._equalised(self.layout.micro_batches(samples))
+        micro_batches = self._equalised(self._attach(samples))
         local_rows = len(samples)
         local_tokens = sum(len(s.completion_ids) for s in samples)
         tokens, rows = self._all_reduce([local_tokens, local_rows], self.dp_group).tolist()
@@ -228,7 +245,7 @@ class Trainer:
         normaliser = tokens if cfg.loss.aggregation == "token" else rows
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad(set_to_none=True)
-        sums = torch.zeros(7, dtype=torch.float64)
+        sums: dict[str, float] = {}
         for mb in micro_batches:
             logp, entropy = self._token_logprobs(self.model, mb, want_entropy=True)
             loss, m = policy_loss(
@@ -237,16 +254,20 @@ class Trainer:
                 proximal_logprobs=self.layout.scatter(mb, extra["proximal"]) if "proximal" in extra else None,
                 ref_logprobs=self.layout.scatter(mb, extra["ref"]) if "ref" in extra else None)
             loss.backward()
-            sums += torch.stack([loss.detach().double().cpu(), m["clipped"].cpu(), m["tis_clipped"].cpu(),
-                                 m["kl"].cpu(), m["ratio"].cpu(),
-                                 (entropy * mb.loss_mask).sum().double().cpu(), m["tokens"].cpu()]).double()
+            m.update(loss=loss.detach(), entropy=(entropy * mb.loss_mask).sum())
+            for k, v in m.items():
+                sums[k] = max(sums.get(k, 0.0), float(v)) if k.endswith("_max") else sums.get(k, 0.0) + float(v)
         finalize_model_grads([self.model])
         grad_norm = self._apply_update()
-        loss_sum, clipped, tis_clipped, kl, ratio, entropy_sum, tok = \
-            self._all_reduce(sums, self.dp_group).tolist()
-        return {"loss": loss_sum, "clip_fraction": clipped / tok, "tis_clip_fraction": tis_clipped / tok,
-                "kl": kl / tok, "ratio_mean": ratio / tok, "entropy": entropy_sum / tok,
-                "grad_norm": grad_norm, "tokens": tok}
+        keys = sorted(sums)
+        maxed = self._all_reduce([sums[k] for k in keys], self.dp_group, torch.distributed.ReduceOp.MAX)
+        summed = self._all_reduce([sums[k] for k in keys], self.dp_group)
+        g = {k: float(maxed[i] if k.endswith("_max") else summed[i]) for i, k in enumerate(keys)}
+        tok = g["tokens"]
+        return {"loss": g["loss"], "clip_fraction": g["clipped"] / tok, "tis_clip_fraction": g["is_truncated"] / tok,
+                "is_mask_fraction": g["is_masked"] / tok, "is_weight_mean": g["is_weight"] / tok,
+                "is_weight_max": g["is_weight_max"], "kl": g["kl"] / tok, "ratio_mean": g["ratio"] / tok,
+                "entropy": g["entropy"] / tok, "grad_norm": grad_norm, "tokens": tok}
 
     def _apply_update(self) -> float:
         if self.optimizer_kind == "megatron":

@@ -40,6 +40,8 @@ class TrainSample:
     advantage: float | None = None  # scalar advantage; None: computed from reward by group
     reward: float = 0.0  # scalar reward (used when advantage is None)
     group_id: int = 0  # prompt group (GRPO normalises within a group)
+    sampling_mask: np.ndarray | None = None  # [C, W] ids top-k/top-p kept per token, -1 padded (sampling_mask.py)
+    routed_experts: np.ndarray | None = None  # [P + C - 1, layers, k] generator routing (routing_replay.py)
 
     def __post_init__(self):
         self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int64)

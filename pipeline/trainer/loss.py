@@ -1,34 +1,40 @@
-"""RL losses for the trainer: GRPO advantages and a PPO-clip policy loss with truncated IS and KL.
+"""RL losses for the trainer: GRPO advantages and a decoupled PPO-clip policy loss with
+importance corrections (``corrections.py``) and KL.
 
 Pure torch functions on ``[rows, tokens]`` tensors with a 0/1 ``mask`` (1 = a completion token
 that is trained on). Invariants:
 - Nothing here communicates. The caller passes the GLOBAL normaliser (token count, or sequence
   count for sequence aggregation, summed over data-parallel ranks and micro-batches), so summing
   the returned losses over all micro-batches and ranks gives exactly the loss of the whole batch.
-- Importance weights used as multipliers (TIS) are detached; the PPO ratio is not.
-- Metrics are returned as SUMS over masked tokens (or sequences); divide by the same global
-  normaliser after an all-reduce.
+- Importance weights and masks are detached; the PPO ratio is not.
+- Metrics are returned as SUMS over masked tokens (or sequences), except ``*_max`` keys (maxima);
+  divide sums by the same global normaliser after an all-reduce (SUM, MAX for ``*_max``).
 
 Definitions (per token t, ``A`` the advantage of the token's sequence):
-  old      = proximal logprobs if given (decoupled PPO), else behaviour logprobs
-  ratio    = exp(logp - old)
+  prox     = proximal logprobs if given (recomputed before the step), else logp.detach() (with one
+             mini-batch per step the current policy IS the proximal one: no extra forward)
+  ratio    = exp(logp - prox)
   pg       = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)
-  tis      = min(exp(old - behaviour), cap)            (1 when old is the behaviour policy)
+  w, keep  = importance_weights(prox - behaviour) of the preset ``cfg.correction``
+             (default token_tis: w = min(exp(prox - behaviour), tis_cap), keep = 1)
   kl (k3)  = exp(ref - logp) - (ref - logp) - 1         (only with reference logprobs)
-  loss_t   = tis * pg + kl_coef * kl
+  loss_t   = keep * w * pg + kl_coef * kl
   token aggregation:    loss = sum_t loss_t / N_tokens_global
   sequence aggregation: loss = sum_rows (mean_t over the row's tokens of loss_t) / N_rows_global
 
-Worked example (token aggregation, eps = 0.2, no proximal, no KL): one row of 2 tokens, A = +1,
-logp - behaviour = [log 1.5, log 0.9], global token count 4:
-  ratio = [1.5, 0.9]; clipped = [1.2, 0.9]; pg = [-1.2, -0.9]; loss = (-1.2 - 0.9) / 4 = -0.525;
-  the first token is clipped (clip count 1): its gradient is zero.
+Worked example (token aggregation, eps = 0.2, token_tis with cap 2, no KL): one row of 2 tokens,
+A = +1, behaviour = 0, proximal = [log 1.0, log 2.5], logp = [log 1.5, log 2.5], global token
+count 4:
+  ratio = [1.5, 1.0]; clipped = [1.2, 1.0]; pg = [-1.2, -1.0]; w = [1.0, min(2.5, 2) = 2];
+  loss = (-1.2 - 2.0) / 4 = -0.8; the first token is PPO-clipped (zero gradient), the second
+  token's weight is truncated (is_truncated 1).
 """
 from __future__ import annotations
 
 import torch
 
 from .config import LossConfig
+from .corrections import importance_weights
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, std_norm: bool = True,
@@ -58,9 +64,10 @@ def policy_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
 
     Shapes: logprobs, behaviour/proximal/ref logprobs and mask are ``[rows, tokens]``; advantages
     is ``[rows]`` (one per sequence) or ``[rows, tokens]``. ``normaliser`` is the global token count
-    (token aggregation) or global row count (sequence aggregation).
-    Metric sums (over masked tokens): ``clipped`` (tokens whose clipped branch is active),
-    ``tis_clipped`` (tokens whose IS weight hit the cap), ``kl``, ``ratio``, ``tokens``.
+    (token aggregation) or global row count (sequence aggregation). Metric sums (over masked
+    tokens): ``clipped`` (tokens whose PPO-clipped branch is active), ``kl``, ``ratio``,
+    ``tokens`` and those of ``importance_weights`` (``is_weight``, ``is_weight_max``,
+    ``is_truncated``, ``is_masked``).
     """
     if cfg.aggregation not in ("token", "sequence"):
         raise ValueError(f"aggregation must be 'token' or 'sequence', got {cfg.aggregation!r}")
@@ -71,15 +78,14 @@ def policy_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
         advantages = advantages[:, None]
     advantages = advantages.to(logprobs.dtype)
     behaviour = behaviour_logprobs.to(logprobs.dtype)
-    old = behaviour if proximal_logprobs is None else proximal_logprobs.to(logprobs.dtype)
+    prox = logprobs.detach() if proximal_logprobs is None else proximal_logprobs.to(logprobs.dtype)
 
-    ratio = torch.exp(logprobs - old)
+    ratio = torch.exp(logprobs - prox)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high) * advantages
     pg = -torch.minimum(unclipped, clipped)
-    raw_weight = torch.exp(old - behaviour).detach()
-    tis = torch.clamp(raw_weight, max=cfg.tis_cap)
-    per_token = tis * pg
+    weight, keep, is_metrics = importance_weights(prox - behaviour, mask, cfg)
+    per_token = keep * weight * pg
     kl = torch.zeros_like(logprobs)
     if ref_logprobs is not None:
         delta = ref_logprobs.to(logprobs.dtype) - logprobs
@@ -96,9 +102,9 @@ def policy_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
     with torch.no_grad():
         metrics = {
             "clipped": ((clipped < unclipped).to(mask.dtype) * mask).sum(),
-            "tis_clipped": ((raw_weight > cfg.tis_cap).to(mask.dtype) * mask).sum(),
             "kl": (kl * mask).sum(),
             "ratio": (ratio * mask).sum(),
             "tokens": mask.sum(),
+            **is_metrics,
         }
     return loss, metrics

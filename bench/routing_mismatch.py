@@ -1,0 +1,137 @@
+"""Train-inference mismatch on the tiny MoE with and without routing replay, side by side.
+
+A bf16 vLLM engine samples completions and records their routing (``generator.record_routing``);
+the fp32 megatron-core trainer then scores the same tokens twice: routing by itself, and replaying
+the engine's routing (``trainer.routing_replay``). Reported: mean |trainer - behaviour| logprob over
+completion tokens for each (and their ratio), the fraction of (token, layer) pairs whose expert set
+differs between the engine (bf16) and transformers in fp32 (the trainer's own routing, computed
+independently), and the bytes per token that routing and a sampling mask add. The model is the
+tiny Qwen3-MoE with weights re-drawn at unit scale (``sharpened_checkpoint``): the 0.02-std init
+is nearly uniform and would route on noise.
+
+    python bench/routing_mismatch.py --quick     # < 1 minute on a quiet 2-core CPU
+    python bench/routing_mismatch.py --prompts 32 --group-size 4 --max-tokens 48
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+
+TRAINER = """
+import sys, numpy as np, torch
+from pipeline.trainer.config import TrainerConfig
+from pipeline.trainer.engine import Trainer
+from pipeline.trainer.layout import TrainSample
+torch.set_num_threads(1)
+model_dir, data, out = sys.argv[1:4]
+d = np.load(data)
+n = int(d["n"])
+samples = [TrainSample(d[f"p{i}"], d[f"c{i}"], d[f"lp{i}"], routed_experts=d[f"r{i}"]) for i in range(n)]
+trainer = Trainer(TrainerConfig(model_dir=model_dir, routing_replay=True, micro_batch_tokens=512))
+replayed = trainer.logprobs(samples)
+for s in samples:
+    s.routed_experts = None
+own = trainer.logprobs(samples)
+np.savez(out, **{f"replayed{i}": replayed[i] for i in range(n)}, **{f"own{i}": own[i] for i in range(n)})
+trainer.close()
+"""
+
+
+async def _generate(model_dir: Path, args) -> list:
+    from pipeline.generator.config import GeneratorConfig
+    from pipeline.generator.engine import Generator
+
+    cfg = GeneratorConfig(model=str(model_dir), max_model_len=256, max_tokens=args.max_tokens,
+                          enforce_eager=True, dtype="bfloat16", kv_cache_gib=1, seed=3,
+                          prefix_caching=False, record_routing=True)
+    gen = await Generator(cfg).start()
+    rng = np.random.default_rng(0)
+    prompts = [[0] + rng.integers(3, 500, int(rng.integers(4, 16))).tolist() for _ in range(args.prompts)]
+    try:
+        done = await asyncio.gather(*(gen.complete(p, lambda seg, i=i, j=j: 1000 * i + j)
+                                      for i, p in enumerate(prompts) for j in range(args.group_size)))
+        return [(p, c) for p, c in zip([p for p in prompts for _ in range(args.group_size)], done)]
+    finally:
+        gen.shutdown()
+
+
+def _hf_routing(model_dir: Path, sequences) -> list[np.ndarray]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    seen: list = []
+    for layer in model.model.layers:
+        layer.mlp.gate.register_forward_hook(lambda m, i, o: seen.append(o[2]))
+    out = []
+    with torch.no_grad():
+        for ids in sequences:
+            seen.clear()
+            model(torch.tensor([ids]))
+            out.append(torch.stack(seen, 1).numpy())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    args = ap.parse_args()
+    if args.quick:
+        args.prompts, args.group_size, args.max_tokens = 4, 2, 16
+    from pipeline.inspect_log import per_token_bytes
+    from pipeline.record import RecordSchema
+    from pipeline.trainer.oracle import sharpened_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model_dir = sharpened_checkpoint("moe", tmp / "model")
+        pairs = asyncio.run(_generate(model_dir, args))
+        data = {"n": len(pairs)}
+        for i, (p, c) in enumerate(pairs):
+            data.update({f"p{i}": np.array(p), f"c{i}": np.array(c.token_ids), f"lp{i}": np.array(c.logprobs),
+                         f"r{i}": c.routed_experts})
+        np.savez(tmp / "samples.npz", **data)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                   OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+        subprocess.run([sys.executable, "-c", TRAINER, str(model_dir), str(tmp / "samples.npz"),
+                        str(tmp / "out.npz")], env=env, cwd=REPO, check=True, timeout=600)
+        out = np.load(tmp / "out.npz")
+        behaviour = np.concatenate([c.logprobs for _, c in pairs])
+        own = np.abs(np.concatenate([out[f"own{i}"] for i in range(len(pairs))]) - behaviour).mean()
+        replayed = np.abs(np.concatenate([out[f"replayed{i}"] for i in range(len(pairs))]) - behaviour).mean()
+        fp32 = _hf_routing(model_dir, [p + c.token_ids[:-1] for p, c in pairs])
+        differ = np.concatenate([(np.sort(c.routed_experts, -1) != np.sort(r, -1)).any(-1).ravel()
+                                 for (_, c), r in zip(pairs, fp32)])
+        layers, k = c.routed_experts.shape[1:]
+    result = {
+        "samples": len(pairs), "completion_tokens": int(len(behaviour)),
+        "mismatch_own_routing": float(own), "mismatch_replayed_routing": float(replayed),
+        "mismatch_ratio_replayed_over_own": float(replayed / own) if own else None,
+        "routed_differently_fraction": float(differ.mean()),
+        "routing_bytes_per_token": per_token_bytes(RecordSchema(routed_experts=(layers, k)))["routed_experts"],
+        "mask_bytes_per_token_width_64": per_token_bytes(RecordSchema(sampling_mask_k=64))["sampling_mask"],
+    }
+    print(f"mismatch |trainer fp32 - engine bf16| per token: own routing {own:.4f}, replayed {replayed:.4f}; "
+          f"(token, layer) pairs routed differently: {differ.mean():.3%}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
