@@ -3,6 +3,7 @@
     tokenflow train [OVERRIDES...]                      train (no arguments: the built-in demo)
     tokenflow replay LOG [OVERRIDES...]                 train from a recorded rollout log
     tokenflow inspect PATH [--plot OUT.png] [--json]   summarise (and plot) a rollout log
+    tokenflow export RUN [--step K] [--out DIR]        a checkpoint as a Hugging Face directory
     tokenflow orchestrate RUN_DIR                       serve a run's orchestrator (a role process)
 
 Subcommands are thin: they parse arguments and call the module that does the work, so that
@@ -20,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("pipeline.ops.status", "a run's components and Slurm states, step, versions, buffer, last error; --json"),
     "cancel": ("pipeline.ops.cancel", "stop every component of a run (scancel or local processes)"),
     "inspect": ("pipeline.inspect_log", "summarise a rollout log: counts, rewards, staleness; --plot, --json"),
+    "export": ("pipeline.trainer.export", "write a run's checkpoint as a Hugging Face directory (RUN [--step K])"),
     "orchestrate": ("pipeline.orchestrator.__main__", "run the orchestrator of RUN_DIR (role process)"),
 }
 

@@ -141,10 +141,12 @@ def ensure_tiny_model(kind: str = "dense", root: Path | None = None, spec: TinyM
 
 
 def resolve_model(name_or_path: str | Path, root: Path | None = None) -> Path:
-    """"tiny-dense" / "tiny-moe" (built on demand) or a Hugging Face checkpoint directory of a supported family."""
+    """"tiny-dense" / "tiny-moe" / "tiny-moe8" (built on demand) or a Hugging Face checkpoint directory of a supported family."""
     name = str(name_or_path)
     if name in ("tiny-dense", "tiny-moe"):
         return ensure_tiny_model(name.removeprefix("tiny-"), root=root)
+    if name == "tiny-moe8":  # 8 experts, top-2: room for 2- and 4-way expert parallelism
+        return ensure_tiny_model(root=root, spec=TinyModelSpec(kind="moe", num_experts=8))
     path = Path(name).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(
