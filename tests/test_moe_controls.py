@@ -72,6 +72,16 @@ def test_moe_config_fields_reach_megatron(tmp_path):
         transformer_config(hf, ParallelConfig(), MoEConfig(aux_loss_coef=0.1))
 
 
+def test_export_names_what_is_missing(tmp_path, capsys):
+    from pipeline.trainer.export import main
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-4").mkdir(parents=True)  # no trainer.json: incomplete
+    assert main([str(run), "--step", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "no complete checkpoint" in err and "step-4" in err
+
+
 def scenario_routing(outdir: Path, args: dict) -> None:
     from pipeline.trainer.config import MoEConfig, TrainerConfig
     from pipeline.trainer.engine import Trainer
