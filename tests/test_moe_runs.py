@@ -62,8 +62,22 @@ def check_run(run: Path, tmp_path: Path) -> None:
     assert set(a) == set(b) and all(a[k].equal(b[k]) for k in a)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(live))
-    assert model.config.num_experts == 8 and AutoTokenizer.from_pretrained(str(live)) is not None
+    model = AutoModelForCausalLM.from_pretrained(str(live)).eval()
+    assert model.config.num_experts == 8
+    # the export is the policy: its greedy held-out accuracy under transformers is the run's last
+    # evaluation (vLLM, greedy) within 3 points (greedy ties may break differently)
+    from pipeline.roles.common import load_run_config
+    from pipeline.tasks import make_task
+    from pipeline.tasks.hf_eval import evaluate
+
+    cfg = load_run_config(run)
+    task = make_task(cfg.task)
+    prompts = task.eval_prompts()
+    exported = evaluate(model, AutoTokenizer.from_pretrained(str(live)), task, prompts, k=1,
+                        max_new_tokens=cfg.run.eval_max_tokens or cfg.generator.max_tokens)["greedy_accuracy"]
+    print(f"[{run.name}] exported policy (transformers, greedy): {exported:.3f} on {len(prompts)} "
+          f"held-out prompts; the run's last evaluation: {last['accuracy']:.3f}")
+    assert len(prompts) == last["n"] and abs(exported - last["accuracy"]) <= 0.03
 
 
 @pytest.mark.slurm
