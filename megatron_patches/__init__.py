@@ -1,12 +1,14 @@
-"""Small, documented patches that let megatron-core run on CPU over gloo.
+"""Small, documented patches that let megatron-core run on CPU over gloo, and the few a GPU
+trainer needs for some layouts; chosen by device AND layout (``select_patches``).
 
 Invariants this package keeps:
-- ``apply_cpu_patches()`` is idempotent: the second call does nothing and returns the same list.
-- On a machine where CUDA is available no CPU patch is applied (megatron-core runs as shipped);
-  only version-independent feature fixes (``moe_te_general_gemm``) are applied there.
-- Every CPU patch names the megatron-core version it was written against (``TARGET_VERSION``);
-  on CPU, applying them to any other version raises ``RuntimeError`` naming both versions, because
-  the patched internals are private and may have moved.
+- ``apply_patches()`` is idempotent: a patch is applied at most once per process; a later call
+  for another layout only adds the patches that layout needs.
+- Which patches a configuration gets is a pure function (``select_patches(device,
+  sequence_parallel, apex_available)``), testable on a CPU machine for a GPU layout.
+- "cpu" patches name the megatron-core version they were written against (``TARGET_VERSION``);
+  on CPU, applying them to any other version raises ``RuntimeError`` naming both versions,
+  because the patched internals are private and may have moved.
 - Patches replace attributes only (functions on ``torch.cuda`` and megatron modules, or
   ``WrappedTorchNorm.__new__``); they never edit files on disk.
 
@@ -14,21 +16,23 @@ On CPU, "the CUDA RNG" that megatron's RNG tracker forks is mapped onto torch's 
 generator: ``tracker.add(name, seed)`` stores a CPU generator state, and ``tracker.fork(name)``
 swaps the CPU generator to it and back, which is what dropout inside tensor-parallel regions needs.
 
-Patches (each function's docstring says what, why and the version):
-  always: moe_te_general_gemm
-  cpu:    cuda_current_device, cuda_streams, cuda_rng, default_causal_mask, moe_split_sizes,
-          torch_norm_sequence_parallel
+Patches (each function's docstring says what, why and the version), by condition:
+  always:        moe_te_general_gemm
+  cpu:           cuda_current_device, cuda_streams, cuda_rng, default_causal_mask
+  gloo (= cpu):  moe_split_sizes, gloo_uneven_gather_scatter
+  torch_norm_sp: torch_norm_sequence_parallel - sequence parallelism (MoE with TP > 1) on the
+                 local layer spec without Apex, on CPU and on GPU alike
 
 Example::
 
-    from megatron_patches import apply_cpu_patches
-    applied = apply_cpu_patches()   # on CPU: all seven names above, in that order
+    from megatron_patches import apply_patches, select_patches
+    select_patches("cuda", sequence_parallel=True)  # ['moe_te_general_gemm', 'torch_norm_sequence_parallel']
+    applied = apply_patches("cpu", sequence_parallel=True)   # on CPU: all eight
     # now build megatron-core models with use_cpu_initialization=True and a gloo process group
 
-A later routing-replay patch (DESIGN §4, Keep Routing) registers itself in ``_PATCHES`` the same
-way; it is not CPU-specific and would go into the ``always`` group (feature-detected, so it can
-serve the GPU path's newer megatron-core too). ``torch_norm_sequence_parallel`` would also be
-needed on a GPU without TransformerEngine for TP > 1 MoE; it stays CPU-only until checked there.
+A later routing-replay patch (Keep Routing, see docs/architecture.md) registers itself in
+``_PATCHES`` the same way under "always" (feature-detected, so it can serve the GPU path's newer
+megatron-core too).
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ from typing import Callable
 
 TARGET_VERSION = "0.16.1"
 
-_applied: list[str] | None = None
+_applied: list[str] = []
 
 
 def _megatron_version() -> str:
@@ -240,47 +244,108 @@ def _patch_torch_norm_sequence_parallel() -> None:
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)
 
 
-# name -> (patch, group); "always" patches are feature-detected fixes, "cpu" patches are version-pinned
+def _patch_gloo_uneven_gather_scatter() -> None:
+    """What: ``tensor_parallel.mappings._gather_along_first_dim`` and
+    ``_reduce_scatter_along_first_dim`` with explicit (uneven) split sizes pad every rank's piece
+    to the largest split, run the equal-size collective, and cut the padding off again.
+
+    Why: the MoE all-to-all dispatcher with expert parallelism AND tensor parallelism gathers the
+    tokens each expert-TP rank received over that group (and reduce-scatters them back); the
+    ranks' counts differ because routing differs. megatron-core 0.16.1 calls
+    ``torch.distributed.all_gather``/``reduce_scatter`` with tensors of different sizes, which
+    NCCL accepts and gloo refuses (``invalid tensor size ... expected (688, 256), got (600, 256)``).
+    Padding rows are zeros and are dropped before anything reads them, so values are unchanged
+    bit for bit. Worked example, splits [3, 1] on 2 ranks: rank 1 sends [x, 0, 0]; the gathered
+    [6, H] tensor keeps rows 0..2 and 3, giving the [4, H] result NCCL would have produced.
+    """
+    import torch
+    from megatron.core.tensor_parallel import mappings
+
+    gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather_padded(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(s) for s in output_split_sizes]
+        most = max(sizes)
+        padded = input_.new_zeros((most, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        out = input_.new_empty((most * len(sizes), *input_.shape[1:]))
+        torch.distributed.all_gather_into_tensor(out, padded.contiguous(), group=group)
+        return torch.cat([out[r * most: r * most + n] for r, n in enumerate(sizes)])
+
+    def scatter_padded(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return scatter(input_, group, input_split_sizes, use_global_buffer)
+        sizes = [int(s) for s in input_split_sizes]
+        most = max(sizes)
+        padded = input_.new_zeros((most * len(sizes), *input_.shape[1:]))
+        for r, piece in enumerate(torch.split(input_, sizes, dim=0)):
+            padded[r * most: r * most + piece.shape[0]] = piece
+        out = input_.new_empty((most, *input_.shape[1:]))
+        torch.distributed.reduce_scatter_tensor(out, padded, group=group)
+        return out[: sizes[group.rank()]].contiguous()
+
+    mappings._gather_along_first_dim = gather_padded
+    mappings._reduce_scatter_along_first_dim = scatter_padded
+
+
+# name -> (patch, condition). Conditions: "always" (feature-detected fixes, safe on any version),
+# "cpu" (megatron-core 0.16.1 on a machine without CUDA; version-pinned), "gloo" (collectives on
+# a gloo process group), "torch_norm_sp" (sequence parallelism with megatron's torch norm, i.e.
+# the local layer spec without Apex: CPU, or a GPU without Apex - a TP>1 MoE trainer).
 _PATCHES: list[tuple[str, Callable[[], None], str]] = [
     ("moe_te_general_gemm", _patch_moe_te_general_gemm, "always"),
     ("cuda_current_device", _patch_cuda_current_device, "cpu"),
     ("cuda_streams", _patch_cuda_streams, "cpu"),
     ("cuda_rng", _patch_cuda_rng, "cpu"),
     ("default_causal_mask", _patch_default_causal_mask, "cpu"),
-    ("moe_split_sizes", _patch_moe_split_sizes, "cpu"),
-    ("torch_norm_sequence_parallel", _patch_torch_norm_sequence_parallel, "cpu"),
+    ("moe_split_sizes", _patch_moe_split_sizes, "gloo"),
+    ("gloo_uneven_gather_scatter", _patch_gloo_uneven_gather_scatter, "gloo"),
+    ("torch_norm_sequence_parallel", _patch_torch_norm_sequence_parallel, "torch_norm_sp"),
 ]
 
 
-def apply_cpu_patches(force_cpu: bool = False) -> list[str]:
-    """Apply the patches this machine needs; return their names. Idempotent.
+def select_patches(device: str, sequence_parallel: bool, apex_available: bool = False) -> list[str]:
+    """Names of the patches a trainer on ``device`` ("cpu" or "cuda") needs; pure (applies
+    nothing), so which patches a GPU layout would get can be checked on a CPU machine.
 
-    On a CUDA machine (unless ``force_cpu``) only the ``always`` patches are applied, so the GPU
-    path tolerates any megatron-core version (e.g. 0.17+ on Python 3.12). On CPU the installed
+    The backend follows the device (gloo on CPU, NCCL on CUDA). Example: a TP=2 MoE trainer on a
+    GPU without Apex (sequence parallelism on) gets ``["moe_te_general_gemm",
+    "torch_norm_sequence_parallel"]``; the same layout on CPU gets all eight patches.
+    """
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    wanted = {"always": True, "cpu": device == "cpu", "gloo": device == "cpu",
+              "torch_norm_sp": sequence_parallel and not apex_available}
+    return [name for name, _, condition in _PATCHES if wanted[condition]]
+
+
+def apply_patches(device: str | None = None, sequence_parallel: bool = True) -> list[str]:
+    """Apply the patches ``select_patches`` names for this machine and layout; return every
+    patch applied in this process so far. Idempotent: a patch is applied at most once.
+
+    ``device`` None: "cuda" when CUDA is available, else "cpu". On CPU the installed
     megatron-core must be ``TARGET_VERSION``; otherwise ``RuntimeError`` is raised before anything
     is changed.
     """
-    global _applied
-    if _applied is not None:
-        return list(_applied)
+    import importlib.util
+
     import torch
 
-    on_cpu = force_cpu or not torch.cuda.is_available()
-    if on_cpu:
-        installed = _megatron_version()
-        if installed != TARGET_VERSION:
-            raise RuntimeError(
-                f"megatron_patches targets megatron-core {TARGET_VERSION} for CPU, but "
-                f"{installed} is installed; re-check each patch in megatron_patches/ against it")
-    applied = []
-    for name, patch, group in _PATCHES:
-        if group == "always" or on_cpu:
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu" and _megatron_version() != TARGET_VERSION:
+        raise RuntimeError(
+            f"megatron_patches targets megatron-core {TARGET_VERSION} for CPU, but "
+            f"{_megatron_version()} is installed; re-check each patch in megatron_patches/ against it")
+    names = select_patches(device, sequence_parallel, importlib.util.find_spec("apex") is not None)
+    for name, patch, _ in _PATCHES:
+        if name in names and name not in _applied:
             patch()
-            applied.append(name)
-    _applied = applied
-    return list(applied)
+            _applied.append(name)
+    return list(_applied)
 
 
 def applied_patches() -> list[str]:
-    """Names of the patches applied in this process (empty before ``apply_cpu_patches``)."""
-    return list(_applied or [])
+    """Names of the patches applied in this process (empty before ``apply_patches``)."""
+    return list(_applied)

@@ -4,6 +4,7 @@
     tokenflow replay LOG [OVERRIDES...]                 train from a recorded rollout log
     tokenflow inspect PATH [--plot OUT.png] [--json]   summarise (and plot) a rollout log
     tokenflow compare PATH... [--json|--csv] [--plot OUT.png]   runs / a sweep side by side
+    tokenflow export RUN [--step K] [--out DIR]        a checkpoint as a Hugging Face directory
     tokenflow orchestrate RUN_DIR                       serve a run's orchestrator (a role process)
 
 Subcommands are thin: they parse arguments and call the module that does the work, so that
@@ -23,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                 "state; --json, --csv, --plot"),
     "cancel": ("pipeline.ops.cancel", "stop every component of a run (scancel or local processes)"),
     "inspect": ("pipeline.inspect_log", "summarise a rollout log: counts, rewards, staleness; --plot, --json"),
+    "export": ("pipeline.trainer.export", "write a run's checkpoint as a Hugging Face directory (RUN [--step K])"),
     "orchestrate": ("pipeline.orchestrator.__main__", "run the orchestrator of RUN_DIR (role process)"),
 }
 

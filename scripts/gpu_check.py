@@ -4,8 +4,10 @@ For the tiny dense and MoE models (weights re-drawn at unit scale, pipeline.trai
   1. trainer logprobs vs Hugging Face transformers on the same GPU (float32, TF32 off);
   2. one train step with megatron's distributed optimizer, then HF export -> transformers load ->
      logprobs vs the trainer's (the weight conversion/gather path on CUDA);
-  3. train-step throughput (tokens/s) on a larger batch;
-  4. weight packing on CUDA and a same-GPU hand-over through CUDA IPC (scripts/gpu_weights_check.py).
+  3. a checkpoint save and restore (megatron's distributed optimizer on CUDA): the step after the
+     restore equals the step after the save; MoE routing statistics (expert loads sum to 1);
+  4. train-step throughput (tokens/s) on a larger batch;
+  5. weight packing on CUDA and a same-GPU hand-over through CUDA IPC (scripts/gpu_weights_check.py).
 Not covered here: vLLM (the check machine cannot install it), packed (THD) batches (no packed
 layout yet: the padded layout runs on GPU too).
 
@@ -89,6 +91,20 @@ def check_model(kind: str, workdir: Path, quick: bool) -> dict:
                         for a, b in zip(after, hf_logprobs(export, samples, device)))
         moved = max(float(np.abs(a - b).max()) for a, b in zip(before, after))
 
+        # checkpoint save/restore (the distributed optimizer on CUDA): the step after a restore
+        # must equal the step taken straight after the save
+        trainer.save(workdir / f"{kind}-ckpt")
+        direct = trainer.train_step(samples)
+        w_direct = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        trainer.load(workdir / f"{kind}-ckpt")
+        resumed = trainer.train_step(samples)
+        resume_err = max(float((p.detach() - w_direct[n]).abs().max())
+                         for n, p in trainer.model.named_parameters())
+        resume_err = max(resume_err, abs(direct["loss"] - resumed["loss"]))
+        routing = {k: v for k, v in metrics.items() if k.startswith("moe_")}
+        loads_ok = all(abs(sum(v for k, v in routing.items() if k.startswith(f"moe_load_l{layer}_")) - 1) < 1e-6
+                       for layer in range(trainer.hf_config.num_hidden_layers)) if routing else True
+
         big = make_samples(2, 32 if quick else 256, trainer.hf_config.vocab_size,
                            min_len=64, max_len=256)
         for s in big:
@@ -109,8 +125,10 @@ def check_model(kind: str, workdir: Path, quick: bool) -> dict:
     return {"hf_logprob_err_loaded": err_before, "hf_logprob_err_exported": err_after,
             "step_moved_logprobs": moved, "step_loss": metrics["loss"],
             "grad_norm": metrics["grad_norm"], "optimizer": trainer.optimizer_kind,
-            "train_tokens_per_s": tokens_per_s,
-            "ok": err_before < HF_LOGPROB_TOL and err_after < HF_LOGPROB_TOL and moved > 1e-3}
+            "train_tokens_per_s": tokens_per_s, "checkpoint_resume_err": resume_err,
+            "routing": {k: v for k, v in routing.items() if not k.startswith("moe_load_")},
+            "ok": err_before < HF_LOGPROB_TOL and err_after < HF_LOGPROB_TOL and moved > 1e-3
+            and resume_err < 1e-6 and loads_ok and (kind != "moe" or bool(routing))}
 
 
 def main(argv: list[str] | None = None) -> dict:

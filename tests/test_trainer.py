@@ -34,8 +34,8 @@ def perturb_behaviour(samples, logprobs, seed):
         s.behaviour_logprobs = (lp + rng.normal(0, 0.1, len(lp))).astype(np.float32)
 
 
-def launch(scenario: str, world: int, outdir: Path, args: dict) -> None:
-    """Run ``scenario`` on ``world`` ranks (gloo), failing with the ranks' stderr."""
+def launch(scenario: str, world: int, outdir: Path, args: dict, script: Path = Path(__file__)) -> None:
+    """Run ``scenario`` of ``script`` on ``world`` ranks (gloo), failing with the ranks' stderr."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -46,7 +46,7 @@ def launch(scenario: str, world: int, outdir: Path, args: dict) -> None:
                    WORLD_SIZE=str(world), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
                    PYTHONWARNINGS="ignore")
         log = open(outdir / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, __file__, scenario, str(outdir), json.dumps(args)],
+        procs.append((subprocess.Popen([sys.executable, str(script), scenario, str(outdir), json.dumps(args)],
                                        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO), log))
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S
     try:
@@ -228,8 +228,8 @@ def test_allgather_dispatcher_refused_with_expert_parallelism(checkpoints):
 
 def test_cpu_patches_idempotent():
     """In a fresh process (the patches change torch.cuda process-wide)."""
-    code = ("import json, torch; from megatron_patches import apply_cpu_patches; a = apply_cpu_patches(); "
-            "b = apply_cpu_patches(); print(json.dumps([a, b, str(torch.cuda.current_device())]))")
+    code = ("import json, torch; from megatron_patches import apply_patches; a = apply_patches(); "
+            "b = apply_patches(); print(json.dumps([a, b, str(torch.cuda.current_device())]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=REPO, env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert out.returncode == 0, out.stderr[-2000:]

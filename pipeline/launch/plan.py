@@ -52,6 +52,18 @@ class ComponentSpec:
     def num_tasks(self) -> int:
         return self.nodes * self.tasks_per_node
 
+    def gpus_of(self, rank: int, visible: List[str] | None = None) -> List[str]:
+        """The GPUs task ``rank`` of this component uses: its node-local index (tasks fill a node
+        before the next, Slurm's block distribution) picks an equal slice of the node's GPUs
+        (``visible``: the node's CUDA_VISIBLE_DEVICES entries; default 0..gpus_per_node-1).
+        Example: gpus_per_node=4, tasks_per_node=2 -> ranks 0,1,2,3 get [0,1], [2,3], [0,1], [2,3]."""
+        if not self.gpus_per_node:
+            return []
+        visible = visible or [str(i) for i in range(self.gpus_per_node)]
+        each = self.gpus_per_node // self.tasks_per_node
+        local = rank % self.tasks_per_node
+        return visible[local * each:(local + 1) * each]
+
 
 @dataclass
 class JobPlan:
@@ -82,6 +94,10 @@ class JobPlan:
                     problems.append(f"{role}: {name}={value!r} must be an integer >= 1")
             if not isinstance(spec.gpus_per_node, int) or spec.gpus_per_node < 0:
                 problems.append(f"{role}: gpus_per_node={spec.gpus_per_node!r} must be an integer >= 0")
+            elif isinstance(spec.tasks_per_node, int) and spec.tasks_per_node >= 1 and \
+                    spec.gpus_per_node % spec.tasks_per_node:
+                problems.append(f"{role}: gpus_per_node={spec.gpus_per_node} is not a multiple of "
+                                f"tasks_per_node={spec.tasks_per_node} (each task gets an equal share)")
             if not spec.mem_gb > 0:
                 problems.append(f"{role}: mem_gb={spec.mem_gb!r} must be > 0")
             for line in spec.extra_sbatch:

@@ -215,6 +215,11 @@ def run_task(plan: JobPlan, run_dir: Path, launch_index: int, environ: Mapping[s
     result_file.parent.mkdir(parents=True, exist_ok=True)
     result_file.unlink(missing_ok=True)
     os.environ.update(plan.env)
+    gpus = plan.components[role].gpus_of(rank, environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if
+                                          environ.get("CUDA_VISIBLE_DEVICES") else None)
+    if gpus:  # this task's share of the node's GPUs (several generators/ranks per node)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        os.environ["LOCAL_RANK"] = "0"
     task = TaskInfo(role=role, rank=rank, role_size=plan.components[role].num_tasks,
                     roles={r: spec.num_tasks for r, spec in plan.components.items()}, global_rank=global_rank,
                     world_size=len(plan.task_layout()), run_dir=run_dir, attempt=attempt, node=node,

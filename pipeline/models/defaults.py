@@ -33,7 +33,7 @@ import logging
 import math
 from pathlib import Path
 
-from pipeline.models.tiny import TINY_MODELS, TinyModelSpec
+from pipeline.models.tiny import TINY_MODELS, tiny_spec
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def model_config(name: str):
     """The transformers config of `model.name` (a tiny model's without building it); refuses an
     unsupported family or option."""
     if name in TINY_MODELS:
-        return TinyModelSpec(kind=name.removeprefix("tiny-")).hf_config()
+        return tiny_spec(name).hf_config()
     from pipeline.models.tiny import resolve_model
     from transformers import AutoConfig
 

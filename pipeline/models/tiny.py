@@ -28,8 +28,9 @@ from pipeline.trainer.families import SUPPORTED_MODEL_TYPES, check_supported
 # Bump when the on-disk layout or the build procedure changes (invalidates every cached tiny model).
 FORMAT_VERSION = 1
 
-# `model.name`s of the built-in checkpoints (the demo's models).
-TINY_MODELS = ("tiny-dense", "tiny-moe")
+# `model.name`s of the built-in checkpoints (the demo's models; tiny-moe8: 8 experts, top-2, room for
+# 2- and 4-way expert parallelism).
+TINY_MODELS = ("tiny-dense", "tiny-moe", "tiny-moe8")
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,6 +132,13 @@ def _build_tiny(spec: TinyModelSpec, out: Path) -> None:
     (out / "tokenflow_spec.json").write_text(json.dumps({**asdict(spec), "eos": IM_END, "pad": PAD}, indent=1))
 
 
+def tiny_spec(name: str) -> "TinyModelSpec":
+    """The spec of a built-in `model.name` (one of TINY_MODELS)."""
+    if name == "tiny-moe8":
+        return TinyModelSpec(kind="moe", num_experts=8)
+    return TinyModelSpec(kind=name.removeprefix("tiny-"))
+
+
 def ensure_tiny_model(kind: str = "dense", root: Path | None = None, spec: TinyModelSpec | None = None) -> Path:
     """Path of the cached tiny checkpoint of `kind` ("dense" | "moe"), built on first use.
 
@@ -142,11 +150,11 @@ def ensure_tiny_model(kind: str = "dense", root: Path | None = None, spec: TinyM
 
 
 def resolve_model(name_or_path: str | Path, root: Path | None = None) -> Path:
-    """"tiny-dense" / "tiny-moe" (built on demand) or a Hugging Face checkpoint directory of a supported
-    family and options (pipeline.trainer.families.check_supported)."""
+    """"tiny-dense" / "tiny-moe" / "tiny-moe8" (built on demand) or a Hugging Face checkpoint directory of
+    a supported family and options (pipeline.trainer.families.check_supported)."""
     name = str(name_or_path)
     if name in TINY_MODELS:
-        return ensure_tiny_model(name.removeprefix("tiny-"), root=root)
+        return ensure_tiny_model(root=root, spec=tiny_spec(name))
     path = Path(name).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(

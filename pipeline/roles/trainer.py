@@ -372,6 +372,9 @@ class TrainerRole:
             (tmp / "COMPLETE").write_text(str(steps_done))
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
+        export = self.cfg.trainer.export
+        if export == "checkpoints" or (export == "end" and steps_done == self.cfg.run.steps):
+            self.trainer.export_hf(self.run_dir / "export" / f"step-{steps_done}")  # collective
 
     def finish(self) -> None:
         if self.leader:

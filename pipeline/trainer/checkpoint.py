@@ -1,26 +1,39 @@
-"""Per-rank trainer checkpoints: safetensors for tensors, JSON for scalars, no pickle.
+"""Trainer checkpoints that any parallel layout can resume: tensors in Hugging Face names and shapes.
 
-Layout of a checkpoint directory (one set of files per world rank r)::
+Layout of a checkpoint directory (tensor sets as in ``hf_shards``: files per writing rank plus an
+index)::
 
-    rank00000.model.safetensors   this rank's megatron parameter shards (names as in the model)
-    rank00000.optim.safetensors   AdamW moments "<param>.exp_avg", "<param>.exp_avg_sq", "<param>.step"
-    rank00000.rng.safetensors     "cpu" (torch CPU RNG), "cuda" (on GPU), "tracker.<name>" (megatron)
-    rank00000.json                scalars: trainer steps, optimizer hyper-parameters, layout
+    model-r*.safetensors     + model.safetensors.index.json       float32 weights, HF names
+    exp_avg-r*.safetensors   + exp_avg.safetensors.index.json     Adam first moments, HF names
+    exp_avg_sq-r*.safetensors + exp_avg_sq.safetensors.index.json Adam second moments
+    rng-r00000.safetensors   one per world rank: "cpu", "cuda" (on GPU), "tracker.<name>"
+    trainer.json             {"format": 2, "steps", "adam_step", "param_groups", "layout"}
 
-Invariants: ``load`` after ``save`` restores parameters, optimizer state and RNG states bit for bit;
-``load`` refuses a checkpoint written with another world size or TP/EP/ETP layout, naming both.
-Only the torch optimizer (CPU path) is supported; the megatron distributed optimizer is refused.
+Resharding (own, not megatron's dist-checkpointing, which on megatron-core 0.16.1 needs CUDA for
+the distributed optimizer and stores pickled common state): an Adam moment has exactly its
+parameter's shape and is element-wise, so it is converted to and from Hugging Face layout by the
+SAME rules as the weight it belongs to (QKV regrouping, gate/up halves, TP splits, expert ids per
+EP rank) and cut for the loading rank like the weight. Adam's step count is one scalar for all
+parameters (every parameter is updated every step) and is stored once.
+
+- torch AdamW (CPU): moments are ``optimizer.state[param]``, already parameter-shaped per rank.
+- megatron's distributed optimizer (CUDA): each data-parallel rank owns a contiguous range of
+  each parameter's flattened moments; the full parameter-shaped moment is the sum over the DP group
+  of zero tensors holding each rank's range (disjoint ranges, so the sum is exact). On load each
+  rank copies its range back, then refreshes its main parameters from the model's.
+
+Invariants: ``load`` after ``save`` restores weights and optimizer state bit for bit on ANY
+TP/EP/DP layout of the same model (and the RNG states when the layout and world size are the
+ones that saved); ``trainer.json`` is written last, after every rank's files, so a directory
+without it is an incomplete checkpoint and ``load`` refuses it.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-
-def _rank_prefix(directory: Path) -> Path:
-    import torch
-
-    return directory / f"rank{torch.distributed.get_rank():05d}"
+FORMAT = 2
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _layout(trainer) -> dict:
@@ -30,80 +43,175 @@ def _layout(trainer) -> dict:
     return {"world_size": torch.distributed.get_world_size(), "tp": p.tp, "ep": p.ep, "etp": p.expert_tp}
 
 
-def _check_torch_optimizer(trainer) -> None:
-    if trainer.optimizer_kind != "torch":
-        raise NotImplementedError("checkpointing the megatron distributed optimizer is not "
-                                  "implemented; use optimizer='torch'")
+def _distributed_optimizers(trainer):
+    return list(getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]))
 
 
-def save_rank_state(trainer, directory: Path) -> None:
+def _owning_distopt(trainer, param):
+    for opt in _distributed_optimizers(trainer):
+        if param in opt.model_param_gbuf_map:
+            return opt
+    raise KeyError("parameter not handled by any distributed optimizer")
+
+
+def _moment(trainer, key: str):
+    """``value_of(name, param)`` giving this rank's parameter-shaped moment ``key``."""
+    import torch
+
+    if trainer.optimizer_kind == "torch":
+        def torch_moment(name, param):
+            state = trainer.optimizer.state.get(param, {})
+            return state[key] if key in state else torch.zeros_like(param)
+        return torch_moment
+
+    def distopt_moment(name, param):  # a collective over the optimizer's DP group
+        opt = _owning_distopt(trainer, param)
+        full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+        if param in opt.model_param_group_index_map:
+            span = opt._get_model_param_range_map(param)["param"]
+            state = opt._get_main_param_and_optimizer_states(param)
+            if key in state:
+                full[span.start:span.end] = state[key].view(-1).float()
+        torch.distributed.all_reduce(full, group=opt.data_parallel_group)
+        return full.view(param.shape)
+    return distopt_moment
+
+
+def _adam_step(trainer) -> int:
+    """Adam's step count, checked to be the same for every parameter of this rank."""
+    if trainer.optimizer_kind == "torch":
+        states = list(trainer.optimizer.state.values())
+    else:
+        states = [opt.optimizer.state[p] for opt in _distributed_optimizers(trainer)
+                  for g in opt.optimizer.param_groups for p in g["params"]]
+    steps = {int(s["step"]) for s in states if "step" in s}
+    if len(steps) > 1:
+        raise ValueError(f"parameters have different Adam step counts {sorted(steps)}; "
+                         "a checkpoint stores one")
+    return steps.pop() if steps else 0
+
+
+def _param_groups(trainer) -> list[dict]:
+    opt = trainer.optimizer if trainer.optimizer_kind == "torch" else _distributed_optimizers(trainer)[0].optimizer
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.state_dict()["param_groups"]]
+
+
+def save_checkpoint(trainer, directory: Path) -> None:
+    """Write the checkpoint (collective: every rank calls it)."""
     import torch
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
     from safetensors.torch import save_file
 
-    _check_torch_optimizer(trainer)
+    from .hf_shards import write_tensor_set
+
     directory.mkdir(parents=True, exist_ok=True)
-    prefix = _rank_prefix(directory)
-    named = list(trainer.model.named_parameters())
-    save_file({n: p.detach().cpu().contiguous() for n, p in named},
-              str(prefix) + ".model.safetensors")
-    state = trainer.optimizer.state_dict()
-    moments = {}
-    for idx, (name, _) in enumerate(named):
-        for key, value in state["state"].get(idx, {}).items():
-            moments[f"{name}.{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
-    save_file(moments, str(prefix) + ".optim.safetensors")
+    rank = torch.distributed.get_rank()
+    if rank == 0 and (directory / "trainer.json").exists():
+        (directory / "trainer.json").unlink()  # incomplete until rewritten below
+    torch.distributed.barrier()
+    write_tensor_set(trainer.model, trainer.hf_config, directory, "model", lambda n, p: p)
+    for key in MOMENTS:
+        write_tensor_set(trainer.model, trainer.hf_config, directory, key, _moment(trainer, key))
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state().cpu()
     for name, value in get_cuda_rng_tracker().get_states().items():
         rng[f"tracker.{name}"] = value.cpu().contiguous()
-    save_file(rng, str(prefix) + ".rng.safetensors")
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
-    scalars = {"steps": trainer.steps, "param_groups": groups, "layout": _layout(trainer)}
-    Path(str(prefix) + ".json").write_text(json.dumps(scalars, indent=1, default=list))
+    save_file(rng, str(directory / f"rng-r{rank:05d}.safetensors"))
+    step = _adam_step(trainer)
+    steps = trainer._all_reduce([step, -step], None, torch.distributed.ReduceOp.MAX).tolist()
+    if steps[0] != -steps[1]:
+        raise ValueError(f"ranks disagree on Adam's step count ({-steps[1]}..{steps[0]})")
+    torch.distributed.barrier()
+    if rank == 0:
+        meta = {"format": FORMAT, "steps": trainer.steps, "adam_step": step,
+                "param_groups": _param_groups(trainer), "layout": _layout(trainer)}
+        tmp = directory / "trainer.json.tmp"
+        tmp.write_text(json.dumps(meta, indent=1, default=list))
+        tmp.replace(directory / "trainer.json")
     torch.distributed.barrier()
 
 
-def load_rank_state(trainer, directory: Path) -> None:
+def load_checkpoint(trainer, directory: Path) -> None:
+    """Restore weights, Adam state and (same layout only) RNG states from ``directory``."""
     import torch
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
     from safetensors.torch import load_file
 
-    _check_torch_optimizer(trainer)
-    prefix = _rank_prefix(directory)
-    meta_path = Path(str(prefix) + ".json")
+    from .hf_shards import set_reader
+    from .model import iter_megatron_shards, unwrap
+
+    meta_path = directory / "trainer.json"
     if not meta_path.exists():
-        raise FileNotFoundError(f"no trainer checkpoint for this rank at {meta_path}")
-    scalars = json.loads(meta_path.read_text())
-    if scalars["layout"] != _layout(trainer):
-        raise ValueError(f"checkpoint layout {scalars['layout']} differs from this trainer's "
-                         f"{_layout(trainer)}")
-    named = list(trainer.model.named_parameters())
-    weights = load_file(str(prefix) + ".model.safetensors")
+        raise FileNotFoundError(f"{directory} is not a complete trainer checkpoint (no trainer.json)")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{meta_path}: checkpoint format {meta.get('format')!r}, this trainer "
+                         f"reads format {FORMAT}")
+    params = dict(unwrap(trainer.model).named_parameters())
     with torch.no_grad():
-        for name, p in named:
-            p.copy_(weights[name])
-    moments = load_file(str(prefix) + ".optim.safetensors")
+        for name, shard in iter_megatron_shards(trainer.model, trainer.hf_config,
+                                                set_reader(directory, "model")):
+            params[name].copy_(shard.to(params[name].dtype))
+        moments = {key: dict(iter_megatron_shards(trainer.model, trainer.hf_config,
+                                                  set_reader(directory, key))) for key in MOMENTS}
+    if trainer.optimizer_kind == "torch":
+        _load_torch_adam(trainer, params, moments, meta)
+    else:
+        _load_distopt(trainer, params, moments, meta)
+    if meta["layout"] == _layout(trainer):
+        rng = load_file(str(directory / f"rng-r{torch.distributed.get_rank():05d}.safetensors"))
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+        get_cuda_rng_tracker().set_states(
+            {k[len("tracker."):]: v for k, v in rng.items() if k.startswith("tracker.")})
+    trainer.steps = meta["steps"]
+    torch.distributed.barrier()
+
+
+def _load_torch_adam(trainer, params, moments, meta) -> None:
+    import torch
+
+    order = {id(p): i for i, p in enumerate(trainer.model.parameters())}
     state = {}
-    for idx, (name, p) in enumerate(named):
-        entry = {key: moments[f"{name}.{key}"] for key in ("step", "exp_avg", "exp_avg_sq")
-                 if f"{name}.{key}" in moments}
-        if entry:
-            state[idx] = {k: (v if k == "step" else v.to(p.device)) for k, v in entry.items()}
+    if meta["adam_step"]:
+        for name, p in params.items():
+            state[order[id(p)]] = {"step": torch.tensor(float(meta["adam_step"])),
+                                   **{k: moments[k][name].to(p.device, p.dtype) for k in MOMENTS}}
     groups = []
-    for group in scalars["param_groups"]:
+    for group in meta["param_groups"]:
         group = dict(group)
         if "betas" in group:
             group["betas"] = tuple(group["betas"])
         groups.append(group)
-    groups[0]["params"] = list(range(len(named)))
+    groups[0]["params"] = list(range(len(order)))
     trainer.optimizer.load_state_dict({"state": state, "param_groups": groups})
-    rng = load_file(str(prefix) + ".rng.safetensors")
-    torch.set_rng_state(rng["cpu"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"])
-    get_cuda_rng_tracker().set_states(
-        {k[len("tracker."):]: v for k, v in rng.items() if k.startswith("tracker.")})
-    trainer.steps = scalars["steps"]
-    torch.distributed.barrier()
+
+
+def _load_distopt(trainer, params, moments, meta) -> None:
+    import torch
+
+    for opt in _distributed_optimizers(trainer):
+        opt.reload_model_params()
+        if meta["adam_step"] and opt.init_state_fn is not None:
+            opt.init_state_fn(opt.optimizer, opt.config)
+    if not meta["adam_step"]:
+        return
+    with torch.no_grad():
+        for name, p in params.items():
+            opt = _owning_distopt(trainer, p)
+            if p not in opt.model_param_group_index_map:
+                continue
+            span = opt._get_model_param_range_map(p)["param"]
+            group_index, order = opt.model_param_group_index_map[p]
+            main = opt.optimizer.param_groups[group_index]["params"][order]
+            state = opt.optimizer.state[main]
+            for key in MOMENTS:
+                state[key].copy_(moments[key][name].reshape(-1)[span.start:span.end].to(state[key].device))
+            step = torch.tensor(float(meta["adam_step"]))
+            if "step" in state:
+                state["step"].copy_(step)
+            else:
+                state["step"] = step.to(state["exp_avg"].device) if opt.optimizer.defaults.get(
+                    "capturable") or opt.optimizer.defaults.get("fused") else step

@@ -22,6 +22,23 @@ class ParallelConfig:
 
 
 @dataclass
+class MoEConfig:
+    """Router losses and expert capacity of an MoE model (ignored for dense models).
+
+    Defaults suit RL fine-tuning of a pretrained MoE: no auxiliary losses (they add a gradient
+    that is not the policy's, and megatron computes them per micro-batch, so their value would
+    depend on the parallel layout) and no capacity limit (dropping tokens in the trainer that the
+    generator did route recreates the train-inference mismatch routing replay removes).
+    """
+
+    load_balancing: str = "none"  # megatron's moe_router_load_balancing_type: "none", "aux_loss" (per micro-batch), "seq_aux_loss" (per sequence), "global_aux_loss"
+    aux_loss_coef: float = 0.0  # weight of the load-balancing loss (needs load_balancing != "none")
+    z_loss_coef: float = 0.0  # weight of the router z-loss (mean squared logsumexp of router logits; 0: off)
+    capacity_factor: float | None = None  # expert capacity = factor * tokens * top-k / experts; None: no limit, no drops
+    drop_policy: str = "probs"  # with a capacity: drop the lowest-probability ("probs") or latest ("position") tokens
+
+
+@dataclass
 class LossConfig:
     """Hyper-parameters of the policy loss."""
 
@@ -42,6 +59,7 @@ class TrainerConfig:
 
     model_dir: str = ""  # HF checkpoint directory to start from
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # TP / EP / ETP layout
+    moe: MoEConfig = field(default_factory=MoEConfig)  # router losses, expert capacity
     loss: LossConfig = field(default_factory=LossConfig)  # policy-loss hyper-parameters
     lr: float = 1e-6  # learning rate (constant)
     weight_decay: float = 0.0  # AdamW weight decay
@@ -56,3 +74,4 @@ class TrainerConfig:
     seed: int = 1234  # seed of model-parallel RNG states
     optimizer: str = "auto"  # "torch" (AdamW, CPU) | "megatron" (distributed, CUDA) | "auto"
     timeout_s: float = 600.0  # timeout of every collective
+    export: str = "end"  # Hugging Face export to RUN/export/step-K: "end" (of the run), "checkpoints" (every checkpoint too), "never"

@@ -10,8 +10,8 @@ Invariants:
   micro-batch split give the same update (up to float rounding).
 - Ranks run the same number of micro-batches (padded with token-free dummies) because MoE
   expert-parallel dispatch is a collective in every forward.
-- Checkpoints (``save``/``load``) hold this rank's parameter shards, optimizer moments and RNG
-  states as safetensors plus a JSON of scalars; they restore exactly, for the same layout.
+- Checkpoints (``save``/``load``, see ``checkpoint``) hold weights and Adam moments in Hugging
+  Face names and shapes; they restore exactly on any TP/EP/DP layout of the same model.
 """
 from __future__ import annotations
 
@@ -39,14 +39,16 @@ class Trainer:
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-        from megatron_patches import apply_cpu_patches
+        from megatron_patches import apply_patches
 
-        from .model import build_gpt_model, load_hf_config, load_hf_weights
+        from .model import build_gpt_model, load_hf_config, load_hf_weights, uses_sequence_parallel
 
         check_trainer_config(cfg)
         self.cfg = cfg
         self.cuda = torch.cuda.is_available()
-        apply_cpu_patches()
+        self.hf_config = load_hf_config(cfg.model_dir)
+        apply_patches("cuda" if self.cuda else "cpu",
+                      sequence_parallel=uses_sequence_parallel(self.hf_config, cfg.parallel))
         if not torch.distributed.is_initialized():
             rank = int(os.environ.get("RANK", 0)) if rank is None else rank
             world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
@@ -61,8 +63,7 @@ class Trainer:
             expert_tensor_parallel_size=p.expert_tp,
             distributed_timeout_minutes=max(1, int(cfg.timeout_s // 60)))
         model_parallel_cuda_manual_seed(cfg.seed)
-        self.hf_config = load_hf_config(cfg.model_dir)
-        model = build_gpt_model(self.hf_config, p)
+        model = build_gpt_model(self.hf_config, p, cfg.moe)
         load_hf_weights(model, self.hf_config, cfg.model_dir)
         if cfg.routing_replay:
             enable_routing_replay(model)
@@ -72,10 +73,15 @@ class Trainer:
         self.optimizer = self._make_optimizer()
         self.ref_model = None
         if cfg.loss.kl_coef:
-            self.ref_model = build_gpt_model(self.hf_config, p)
+            self.ref_model = build_gpt_model(self.hf_config, p, cfg.moe)
             load_hf_weights(self.ref_model, self.hf_config, cfg.model_dir)
             self.ref_model.requires_grad_(False)
         sp = self.model.module.config.sequence_parallel
+        self.routing = None
+        if self.model.module.config.num_moe_experts:
+            from .routing_stats import RoutingStats
+
+            self.routing = RoutingStats(self.model, sp)
         self.layout = PaddedLayout(cfg.micro_batch_tokens, pad_multiple=p.tp if sp else 1,
                                    device="cuda" if self.cuda else "cpu")
         self.dp_group = ps.get_data_parallel_group()
@@ -226,6 +232,8 @@ class Trainer:
             for k, v in self._optimizer_step(part, extra).items():  # tokens: sum, *_max: max, others: mean
                 totals[k] = max(totals.get(k, 0.0), v) if k.endswith("_max") else \
                     totals.get(k, 0.0) + (v if k == "tokens" else v / len(chunks))
+        if self.routing is not None:
+            totals.update(self.routing.collect(self._all_reduce, self.cfg.parallel.tp))
         self.steps += 1
         totals["step_time_s"] = time.perf_counter() - start
         totals["tokens_per_s"] = totals["tokens"] / totals["step_time_s"]
@@ -247,6 +255,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         for mb in micro_batches:
+            if self.routing is not None:
+                self.routing.track([st + c if i >= 0 else 0
+                                    for i, st, c in zip(mb.sample_index, mb.starts, mb.lengths)])
             logp, entropy = self._token_logprobs(self.model, mb, want_entropy=True)
             loss, m = policy_loss(
                 logp, mb.extras["behaviour"], mb.extras["advantage"], mb.loss_mask, normaliser,
@@ -257,6 +268,8 @@ class Trainer:
             m.update(loss=loss.detach(), entropy=(entropy * mb.loss_mask).sum())
             for k, v in m.items():
                 sums[k] = max(sums.get(k, 0.0), float(v)) if k.endswith("_max") else sums.get(k, 0.0) + float(v)
+        if self.routing is not None:
+            self.routing.track(None)
         finalize_model_grads([self.model])
         grad_norm = self._apply_update()
         keys = sorted(sums)
@@ -305,20 +318,21 @@ class Trainer:
 
     # ---------------------------------------------------------------- export / checkpoints
     def export_hf(self, out_dir: str | Path) -> Path | None:
-        """Write an HF checkpoint of the current weights (collective; rank 0 writes)."""
-        from .model import export_hf_checkpoint
+        """Write a Hugging Face directory of the current weights (collective; each rank writes
+        the tensors it owns). Returns the directory on world rank 0, None elsewhere."""
+        from .export import export_live
 
-        return export_hf_checkpoint(self.model, self.hf_config, out_dir, self.cfg.model_dir)
+        return export_live(self, Path(out_dir))
 
     def save(self, directory: str | Path) -> None:
-        from .checkpoint import save_rank_state
+        from .checkpoint import save_checkpoint
 
-        save_rank_state(self, Path(directory))
+        save_checkpoint(self, Path(directory))
 
     def load(self, directory: str | Path) -> None:
-        from .checkpoint import load_rank_state
+        from .checkpoint import load_checkpoint
 
-        load_rank_state(self, Path(directory))
+        load_checkpoint(self, Path(directory))
 
     def close(self) -> None:
         import torch

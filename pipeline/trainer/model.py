@@ -26,12 +26,11 @@ Invariants:
 from __future__ import annotations
 
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from .config import ParallelConfig
+from .config import MoEConfig, ParallelConfig
 from .families import check_supported, has_qk_norm, has_qkv_bias, is_moe, rope_inv_freq, rope_parameters
 
 
@@ -46,7 +45,15 @@ def load_hf_config(model_dir: str | Path):
     return config
 
 
-def transformer_config(hf_config, parallel: ParallelConfig):
+def uses_sequence_parallel(hf_config, parallel: ParallelConfig) -> bool:
+    """Sequence parallelism in effect: as configured, else on for an MoE model with TP > 1
+    (megatron-core requires it there)."""
+    if parallel.sequence_parallel is not None:
+        return bool(parallel.sequence_parallel)
+    return is_moe(hf_config) and parallel.tp > 1
+
+
+def transformer_config(hf_config, parallel: ParallelConfig, moe_cfg: MoEConfig | None = None):
     """The megatron ``TransformerConfig`` equivalent to ``hf_config`` (dropout off, no fusions)."""
     import torch
     import torch.nn.functional as F
@@ -57,9 +64,7 @@ def transformer_config(hf_config, parallel: ParallelConfig):
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[parallel.params_dtype]
     moe = is_moe(hf_config)
     etp = parallel.expert_tp
-    sequence_parallel = parallel.sequence_parallel
-    if sequence_parallel is None:
-        sequence_parallel = moe and parallel.tp > 1
+    sequence_parallel = uses_sequence_parallel(hf_config, parallel)
     kwargs = dict(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
@@ -92,6 +97,14 @@ def transformer_config(hf_config, parallel: ParallelConfig):
         persist_layer_norm=False,
     )
     if moe:
+        moe_cfg = moe_cfg or MoEConfig()
+        if moe_cfg.load_balancing not in ("none", "aux_loss", "seq_aux_loss", "global_aux_loss"):
+            raise ValueError(f"trainer.moe.load_balancing must be none, aux_loss, seq_aux_loss or "
+                             f"global_aux_loss, got {moe_cfg.load_balancing!r}")
+        if moe_cfg.aux_loss_coef and moe_cfg.load_balancing == "none":
+            raise ValueError("trainer.moe.aux_loss_coef > 0 needs trainer.moe.load_balancing != 'none'")
+        if moe_cfg.drop_policy not in ("probs", "position"):
+            raise ValueError(f"trainer.moe.drop_policy must be probs or position, got {moe_cfg.drop_policy!r}")
         if parallel.moe_dispatcher != "alltoall" and parallel.ep * parallel.tp > 1:
             raise ValueError(
                 f"moe_dispatcher={parallel.moe_dispatcher!r} with tp*ep > 1 needs identical "
@@ -110,8 +123,11 @@ def transformer_config(hf_config, parallel: ParallelConfig):
             # megatron: pre_softmax -> softmax then top-k (no renormalisation);
             #           otherwise top-k then softmax over the k (= renormalised).
             moe_router_pre_softmax=not hf_config.norm_topk_prob,
-            moe_router_load_balancing_type="none",
-            moe_aux_loss_coeff=0.0,
+            moe_router_load_balancing_type=moe_cfg.load_balancing,
+            moe_aux_loss_coeff=moe_cfg.aux_loss_coef,
+            moe_z_loss_coeff=moe_cfg.z_loss_coef or None,
+            moe_expert_capacity_factor=moe_cfg.capacity_factor,
+            moe_token_drop_policy=moe_cfg.drop_policy,
             moe_token_dispatcher_type=parallel.moe_dispatcher,
             moe_grouped_gemm=False,
             moe_router_dtype="fp32",
@@ -124,12 +140,12 @@ def transformer_config(hf_config, parallel: ParallelConfig):
     return TransformerConfig(**kwargs)
 
 
-def build_gpt_model(hf_config, parallel: ParallelConfig):
+def build_gpt_model(hf_config, parallel: ParallelConfig, moe_cfg: MoEConfig | None = None):
     """A randomly initialised megatron ``GPTModel`` matching ``hf_config`` (load weights after)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    config = transformer_config(hf_config, parallel)
+    config = transformer_config(hf_config, parallel, moe_cfg)
     spec = get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm,
         normalization="RMSNorm")
@@ -256,41 +272,63 @@ def unwrap(model):
     return model
 
 
-def load_hf_weights(model, hf_config, model_dir: str | Path) -> None:
-    """Copy this rank's shard of every weight from the HF safetensors in ``model_dir``."""
+def shard_of(rule: _Rule, tensors, hf_config):
+    """This rank's megatron shard of ``rule``'s parameter from the full HF ``tensors`` (in
+    ``rule.hf`` order); no communication. The inverse of ``gather_full``."""
     import torch
-    from safetensors import safe_open
 
-    model = unwrap(model)
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
-    handles = [safe_open(str(f), framework="pt") for f in files]
-    where = {name: h for h in handles for name in h.keys()}
-    params = dict(model.named_parameters())
+    _, rank, size = _groups(rule)
+    if rule.kind == "qkv":
+        return _shard(_merge_qkv(hf_config, *tensors), 0, rank, size)
+    if rule.kind == "glu":
+        return torch.cat([_shard(t, 0, rank, size) for t in tensors], dim=0)
+    return _shard(tensors[0], rule.split_dim, rank, size)
+
+
+def iter_megatron_shards(model, hf_config, read) -> Iterator[tuple[str, "torch.Tensor"]]:
+    """``(megatron name, this rank's shard)`` for every parameter of ``model``, cut from full HF
+    tensors that ``read(hf_name)`` returns; checks shapes and that every parameter is covered."""
+    params = dict(unwrap(model).named_parameters())
     ep_rank, ep_size = _ep_rank_size(hf_config)
     expected = set(params)
     for rule in _rules(hf_config, ep_rank, ep_size):
-        missing = [n for n in rule.hf if n not in where]
-        if missing:
-            raise KeyError(f"{model_dir} lacks tensors {missing} (needed for {rule.megatron})")
-        tensors = [where[n].get_tensor(n) for n in rule.hf]
-        _, rank, size = _groups(rule)
-        if rule.kind == "qkv":
-            shard = _shard(_merge_qkv(hf_config, *tensors), 0, rank, size)
-        elif rule.kind == "glu":
-            shard = torch.cat([_shard(t, 0, rank, size) for t in tensors], dim=0)
-        else:
-            shard = _shard(tensors[0], rule.split_dim, rank, size)
-        param = params[rule.megatron]
-        if param.shape != shard.shape:
+        shard = shard_of(rule, [read(n) for n in rule.hf], hf_config)
+        shape = tuple(params[rule.megatron].shape)
+        if tuple(shard.shape) != shape:
             raise ValueError(f"{rule.megatron}: shard shape {tuple(shard.shape)} from HF does not "
-                             f"match the model's {tuple(param.shape)}")
-        with torch.no_grad():
-            param.copy_(shard.to(param.dtype))
+                             f"match the model's {shape}")
         expected.discard(rule.megatron)
+        yield rule.megatron, shard
     if expected:
         raise KeyError(f"megatron parameters without an HF source: {sorted(expected)}")
+
+
+def hf_tensor_reader(files, what: str):
+    """``read(hf_name)`` over safetensors ``files`` (opened lazily, one tensor read per call);
+    a missing name raises KeyError naming ``what``."""
+    from safetensors import safe_open
+
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {what}")
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    where = {name: h for h in handles for name in h.keys()}
+
+    def read(name):
+        if name not in where:
+            raise KeyError(f"{what} lacks tensor {name!r}")
+        return where[name].get_tensor(name)
+    return read
+
+
+def load_hf_weights(model, hf_config, model_dir: str | Path) -> None:
+    """Copy this rank's shard of every weight from the HF safetensors in ``model_dir``."""
+    import torch
+
+    params = dict(unwrap(model).named_parameters())
+    read = hf_tensor_reader(sorted(Path(model_dir).glob("*.safetensors")), str(model_dir))
+    with torch.no_grad():
+        for name, shard in iter_megatron_shards(model, hf_config, read):
+            params[name].copy_(shard.to(params[name].dtype))
 
 
 def _all_gather(tensor, group, size):
@@ -301,6 +339,26 @@ def _all_gather(tensor, group, size):
     out = [torch.empty_like(tensor) for _ in range(size)]
     torch.distributed.all_gather(out, tensor.contiguous(), group=group)
     return out
+
+
+def gather_full(rule: _Rule, value, hf_config) -> list:
+    """The full HF tensors of ``rule`` (in ``rule.hf`` order) from this rank's shard ``value``:
+    a collective over the rule's tensor-parallel group (expert-TP for experts), fresh tensors."""
+    import torch
+
+    group, _, size = _groups(rule)
+    shards = _all_gather(value, group, size)
+    if rule.kind == "qkv":
+        return [*_split_qkv(hf_config, torch.cat(shards, 0))]
+    if rule.kind == "glu":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [torch.cat([h[0] for h in halves], 0), torch.cat([h[1] for h in halves], 0)]
+    return [shards[0].clone() if rule.split_dim is None else torch.cat(shards, rule.split_dim)]
+
+
+def conversion_rules(hf_config) -> list[_Rule]:
+    """This rank's conversion rules (its EP rank's experts)."""
+    return _rules(hf_config, *_ep_rank_size(hf_config))
 
 
 def iter_hf_weights(model, hf_config, grads: bool = False) -> Iterator[tuple[str, "torch.Tensor"]]:
@@ -326,15 +384,7 @@ def iter_hf_weights(model, hf_config, grads: bool = False) -> Iterator[tuple[str
             if value is None:
                 value = param.grad if param.grad is not None else torch.zeros_like(param)
         value = value.detach().to(torch.float32, copy=True)  # never a view of live memory
-        group, _, size = _groups(rule)
-        shards = _all_gather(value, group, size)
-        if rule.kind == "qkv":
-            full = [*_split_qkv(hf_config, torch.cat(shards, 0))]
-        elif rule.kind == "glu":
-            halves = [s.chunk(2, dim=0) for s in shards]
-            full = [torch.cat([h[0] for h in halves], 0), torch.cat([h[1] for h in halves], 0)]
-        else:
-            full = [shards[0] if rule.split_dim is None else torch.cat(shards, rule.split_dim)]
+        full = gather_full(rule, value, hf_config)
         if rule.expert is not None and ep_size > 1:
             per_rank = [_all_gather(t, ep_group, ep_size) for t in full]
             n_local = hf_config.num_experts // ep_size
@@ -346,41 +396,3 @@ def iter_hf_weights(model, hf_config, grads: bool = False) -> Iterator[tuple[str
                     yield from zip(names, [t[r] for t in per_rank])
         elif is_root:
             yield from zip(rule.hf, full)
-
-
-def export_hf_checkpoint(model, hf_config, out_dir: str | Path,
-                         source_dir: str | Path | None = None) -> Path | None:
-    """Write a transformers/vLLM-loadable checkpoint (safetensors + config) on world rank 0.
-
-    Collective: call on every rank. Tokenizer and generation files are copied from
-    ``source_dir`` when given. Returns the directory on rank 0, None elsewhere.
-    """
-    import torch
-    from safetensors.torch import save_file
-
-    tensors = {name: t.to(_hf_dtype(hf_config)).contiguous()
-               for name, t in iter_hf_weights(model, hf_config)}
-    if torch.distributed.get_rank() != 0:
-        return None
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    hf_config.save_pretrained(str(out))
-    if source_dir is not None:
-        for f in Path(source_dir).iterdir():
-            if f.is_file() and (f.name.startswith("tokenizer") or f.name in
-                                ("special_tokens_map.json", "generation_config.json",
-                                 "chat_template.jinja", "vocab.json", "merges.txt")):
-                shutil.copy2(f, out / f.name)
-    return out
-
-
-def _hf_dtype(hf_config):
-    import torch
-
-    name = getattr(hf_config, "dtype", None)
-    if isinstance(name, torch.dtype):
-        return name
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(str(name), torch.float32)
-
-

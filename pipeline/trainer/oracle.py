@@ -14,16 +14,22 @@ from pathlib import Path
 import numpy as np
 
 
-def sharpened_checkpoint(kind: str, out: Path, seed: int = 7) -> Path:
+def sharpened_checkpoint(kind: str, out: Path, seed: int = 7, spec=None) -> Path:
+    """``kind``: a tiny model name without "tiny-" ("dense", "moe", "moe8"), or ``spec``: a
+    ``TinyModelSpec`` whose config is used (no tokenizer; for trainer-only tests)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipeline.models.tiny import ensure_tiny_model
+    from pipeline.models.tiny import resolve_model
 
     out = Path(out)
     if (out / "config.json").exists():
         return out
-    model = AutoModelForCausalLM.from_pretrained(str(ensure_tiny_model(kind)), dtype=torch.float32)
+    if spec is not None:
+        model = AutoModelForCausalLM.from_config(spec.hf_config(), dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(resolve_model(f"tiny-{kind}")),
+                                                     dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
