@@ -9,7 +9,11 @@ Invariants:
 - a group's result is sent once all of its samples are complete; the link keeps it until the
   orchestrator acknowledges it (and re-sends it otherwise);
 - an announced version is loaded at most once, in order; while it loads, generation is paused per
-  ``generator.interrupt`` and resumes on the new weights.
+  ``generator.interrupt`` and resumes on the new weights;
+- a dead engine (its processes killed or crashed) ends the role with an error within a second, so
+  the task's supervisor ends what is left of the engine and restarts the role, which joins the
+  weight group and takes work only after loading the current weights; a stop signal
+  (``task.stop_requested``: preemption, scancel) ends it cleanly.
 """
 from __future__ import annotations
 
@@ -65,7 +69,7 @@ class GeneratorRole:
         controls: asyncio.Queue[Control] = asyncio.Queue()
         tasks: set[asyncio.Task] = {asyncio.create_task(self._apply_controls(controls))}
         t_start = last_metrics = time.monotonic()
-        while not self.stop:
+        while not self.stop and not self.task.stop_requested.is_set():
             # Credits are sent only once weights are loaded: no work before the current version.
             for item in self.link.poll(0.002, send_credit=self.loaded):
                 if isinstance(item, Control):
@@ -81,15 +85,16 @@ class GeneratorRole:
             tasks -= done
             await asyncio.sleep(0.003)
             now = time.monotonic()
-            if now - last_metrics >= 2.0:
+            if now - last_metrics >= 1.0:
+                if self.gen.engine.errored:
+                    raise RuntimeError(f"the vLLM engine died: {self.gen.engine.dead_error!r}")
                 self._log_metrics(now - t_start)
                 last_metrics = now
         for t in tasks:
             t.cancel()
         self._log_metrics(time.monotonic() - t_start)
         self.link.close()
-        self.gen.shutdown()
-        _reap_engine_processes()
+        self.gen.shutdown()  # engine processes vLLM's shutdown leaves behind: ended with the task's tree
         return {"tokens": self.tokens, "version": self.gen.version}
 
     async def _apply_controls(self, queue: "asyncio.Queue[Control]") -> None:
@@ -180,20 +185,7 @@ class GeneratorRole:
                          tokens=self.tokens, tokens_per_s=self.tokens / max(elapsed, 1e-9),
                          idle_frac=1 - busy / max(elapsed, 1e-9), stall_s=self.stall_s,
                          in_flight_groups=self.in_flight, unacked=len(self.link.unacked),
-                         sync_failures=self.sync_failures, weight_epoch=self.epoch)
-
-
-def _reap_engine_processes(grace_s: float = 10.0) -> None:
-    """Stop engine processes vLLM's shutdown left behind (they would outlive the run)."""
-    import multiprocessing
-
-    children = multiprocessing.active_children()
-    for child in children:
-        child.terminate()
-    for child in children:
-        child.join(grace_s)
-        if child.is_alive():
-            child.kill()
+                         sync_failures=self.sync_failures, weight_epoch=self.epoch, restart=self.task.restart)
 
 
 def main(task) -> dict:
