@@ -92,6 +92,17 @@ def result_path(run_dir: Path, role: str, rank: int) -> Path:
     return Path(run_dir) / "results" / f"{role}.{rank}.json"
 
 
+def abandoned_tasks(run_dir: Path, role: str, count: int) -> int:
+    """How many of the ``count`` tasks of ``role`` abandoned (their restarts used up; see supervisor)."""
+    n = 0
+    for rank in range(count):
+        try:
+            n += bool(json.loads(result_path(run_dir, role, rank).read_text()).get("abandoned"))
+        except (FileNotFoundError, ValueError):
+            pass
+    return n
+
+
 def locate(plan: JobPlan, environ: Mapping[str, str]) -> Tuple[int, str, int]:
     """(global rank, role, rank in role) of this task, from the launcher's environment."""
     layout = plan.task_layout()

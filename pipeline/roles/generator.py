@@ -13,7 +13,9 @@ Invariants:
 - a dead engine (its processes killed or crashed) ends the role with an error within a second, so
   the task's supervisor ends what is left of the engine and restarts the role, which joins the
   weight group and takes work only after loading the current weights; a stop signal
-  (``task.stop_requested``: preemption, scancel) ends it cleanly.
+  (``task.stop_requested``: preemption, scancel) ends it cleanly, and so does the end of the run
+  (trainer rank 0's result of this attempt exists: a generator restarted after the orchestrator
+  said ``stop`` hears it no more).
 """
 from __future__ import annotations
 
@@ -58,6 +60,8 @@ class GeneratorRole:
         cfg, timeout = self.cfg, self.cfg.run.timeout_s
         cores = cpu_cores_for("generator", self.rank, cfg)
         pin_process(cores)
+        if self._run_over():
+            return {"tokens": 0, "version": None}
         model = str(model_dir(self.run_dir, timeout))
         gcfg = replace(cfg.generator, model=model, seed=cfg.orchestrator.seed,
                        cpu_cores=cfg.generator.cpu_cores or (",".join(map(str, cores)) if cores else ""))
@@ -88,6 +92,7 @@ class GeneratorRole:
             if now - last_metrics >= 1.0:
                 if self.gen.engine.errored:
                     raise RuntimeError(f"the vLLM engine died: {self.gen.engine.dead_error!r}")
+                self.stop = self.stop or self._run_over()
                 self._log_metrics(now - t_start)
                 last_metrics = now
         for t in tasks:
@@ -96,6 +101,16 @@ class GeneratorRole:
         self.link.close()
         self.gen.shutdown()  # engine processes vLLM's shutdown leaves behind: ended with the task's tree
         return {"tokens": self.tokens, "version": self.gen.version}
+
+    def _run_over(self) -> bool:
+        """True once trainer rank 0 of this attempt wrote its result (the run ended, well or not)."""
+        import json
+
+        from pipeline.launch.task import result_path
+        try:
+            return json.loads(result_path(self.run_dir, "trainer", 0).read_text())["attempt"] == self.task.attempt
+        except (FileNotFoundError, ValueError, KeyError):
+            return False
 
     async def _apply_controls(self, queue: "asyncio.Queue[Control]") -> None:
         """Apply weight-group changes and updates one at a time, beside the polling loop (which

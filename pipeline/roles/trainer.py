@@ -172,21 +172,12 @@ class TrainerRole:
 
     def _check_generators_left(self) -> None:
         """Raise once every generator task gave up (abandoned after its restarts): nobody to train on."""
-        import json
-
-        from pipeline.launch.task import result_path
+        from pipeline.launch.task import abandoned_tasks
 
         n = self.cfg.cluster.generators
-        gone = 0
-        for rank in range(n):
-            path = result_path(self.run_dir, "generator", rank)
-            try:
-                gone += bool(json.loads(path.read_text()).get("abandoned"))
-            except (FileNotFoundError, ValueError):
-                pass
-        if gone == n:
+        if abandoned_tasks(self.run_dir, "generator", n) == n:
             raise RuntimeError(f"all {n} generator(s) died and used up their restarts "
-                               f"(cluster.generator_max_restarts); see logs/generator.*.out")
+                               f"(cluster.generator.max_restarts); see logs/generator.*.out")
 
     def _build_group(self, members: dict[str, int]) -> None:
         from pipeline.launch.rendezvous import free_port
@@ -269,8 +260,11 @@ class TrainerRole:
             if self.leader and every and step % every == 0:
                 self.link.request_eval(step, self.version)
             t0 = time.monotonic()
-            batch, _ = self.link.get_batch(step, self.version, self.dp_size, cfg.run.timeout_s,
-                                                dp_rank=self.dp_rank)
+            batch = self._batch_or_stop(step)
+            if batch is None:  # stopped while waiting (generators stop too): nothing more to train on
+                if self.world == 1 and step != self.start_step and step % cfg.run.checkpoint_every:
+                    self._checkpoint(step)
+                return {"steps": step, "version": self.version, "stopped": True}
             t1 = time.monotonic()
             samples = [TrainSample(prompt_ids=batch.prompt(i), completion_ids=batch.tokens("completion_ids", i),
                                    behaviour_logprobs=batch.tokens("logprobs", i),
@@ -300,6 +294,26 @@ class TrainerRole:
         if self.leader and every:
             self.link.request_eval(steps, self.version)
         return {"steps": steps, "version": self.version}
+
+    def _batch_or_stop(self, step: int):
+        """Step ``step``'s batch; None if a stop signal came while waiting for it (``run.timeout_s``).
+
+        With several ranks a stop during the wait is not agreed collectively: the run then resumes
+        from the last periodic checkpoint (the orchestrator returns later steps' groups)."""
+        from pipeline.transport import TransportError
+
+        deadline = time.monotonic() + self.cfg.run.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return self.link.get_batch(step, self.version, self.dp_size, min(5.0, max(left, 0.1)),
+                                           dp_rank=self.dp_rank)[0]
+            except TransportError:
+                if self.task.stop_requested.is_set():
+                    log.warning("stop requested while waiting for the batch of step %d", step)
+                    return None
+                if left <= 0:
+                    raise TransportError(f"no batch for step {step} within {self.cfg.run.timeout_s:.0f}s") from None
 
     def _stop_agreed(self) -> bool:
         """True on every trainer rank once any rank got the stop signal (so all stop at the same step)."""
