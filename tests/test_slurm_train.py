@@ -203,8 +203,8 @@ def test_a_role_that_fails_to_start_stops_the_job_and_names_the_cause(tmp_path):
 
 
 def test_kill_9_of_orchestrator_generator_and_engine_then_preemption(tmp_path):
-    """On the cluster: kill -9 of the orchestrator, of the generator's role process and of its
-    restarted engine, at seeded steps (seed printed), all recovered inside the job (no requeue, no
+    """On the cluster: kill -9 of the orchestrator, of the generator's engine and of its restarted
+    role process, at seeded steps (seed printed), all recovered inside the job (no requeue, no
     trainer restart); then a higher-priority job preempts it (partition `urgent` over
     `preemptible`): SIGTERM, the trainer checkpoints at its step boundary, Slurm requeues the job
     (no task requeues it), and the requeued job resumes exactly after the last step trained."""
@@ -217,19 +217,23 @@ def test_kill_9_of_orchestrator_generator_and_engine_then_preemption(tmp_path):
                              "generator.weight_timeout_s=30", *TINY, "cluster.trainer.partition=preemptible",
                              "cluster.generator.partition=preemptible"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=REPO)
-    chaos = Chaos(run, ["orchestrator", "generator", "engine"], first=1, spread=1)
-    orch, gen, engine = chaos.kills
+    chaos = Chaos(run, ["orchestrator", "engine", "generator"], first=1, spread=1)
+    orch, engine, gen = chaos.kills
     urgent = None
     try:
         job_id = wait_until(lambda: (run / "launch/launches.jsonl").exists() and
                             json.loads((run / "launch/launches.jsonl").read_text().splitlines()[-1])["job_id"],
                             60, "the job was submitted")
         trainer_pid = wait_for(lambda: role_process(run, 0), 240, "the trainer role process")
+        first_gen = wait_for(lambda: role_process(run, 1), 240, "the generator role process")
         chaos.strike(orch, lambda: orchestrator_process(run))
-        chaos.strike(gen, lambda: role_process(run, 1))
-        chaos.strike(engine, lambda: loaded_after_restart(run, "generator", 0, 1) and engine_process(run, 1))
-        wait_for(lambda: [r for r in read_metrics(run, "train_step") if r["t"] > engine.t], 400,
-                 "training after the engine kill")
+        chaos.strike(engine, lambda: engine_process(run, 1))
+        restarted = lambda: role_process(run, 1) not in (None, first_gen) and role_process(run, 1)
+        wait_for(lambda: loaded_after_restart(run, "generator", 0, 1), 400, "the restarted generator to load weights")
+        chaos.strike(gen, restarted)
+        wait_for(lambda: loaded_after_restart(run, "generator", 0, 2), 400, "the generator's second restart")
+        wait_for(lambda: [r for r in read_metrics(run, "train_step") if r["t"] > gen.t], 400,
+                 "training after the second generator kill")
         assert role_process(run, 0) == trainer_pid, "the trainer restarted"
         node = status_of(run)["components"][0]["nodes"]
         urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-w", node, "--exclusive", "-t", "2",

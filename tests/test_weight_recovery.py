@@ -1,8 +1,9 @@
 """kill -9 of every kind of process of a local run, mid-run at seeded steps (seed printed;
-TOKENFLOW_CHAOS_SEED replays it): orchestrator, a generator's role process, then the restarted
-generator's vLLM engine, then trainer rank 0. The run recovers by itself from the first three (the
-orchestrator restarted by the trainer from the log; the generator restarted twice by its task's
-supervisor, rejoining the weight group, without a trainer restart), stops within seconds naming
+TOKENFLOW_CHAOS_SEED replays it): orchestrator, a generator's vLLM engine, then the restarted
+generator's role process while its new engine starts (orphaning it), then trainer rank 0. The run
+recovers by itself from the first three (the orchestrator restarted by the trainer from the log;
+the generator restarted twice by its task's supervisor, which ends the orphaned engine, rejoining
+the weight group, without a trainer restart), stops within seconds naming
 trainer.0 after the fourth with no process left, and the same command completes it. The record
 shows no group lost or stored twice and staleness in bound. Real engines, trainer and launcher."""
 from __future__ import annotations
@@ -47,15 +48,20 @@ def test_kill_9_of_each_process_mid_run_and_the_run_completes(tmp_path):
                   "orchestrator.groups_per_step=4", "generator.weight_timeout_s=30",
                   "orchestrator.generator_dead_after_s=5", "run.timeout_s=300")
     prepare_run_dir(cfg)
-    chaos = Chaos(run, ["orchestrator", "generator", "engine", "trainer"])
-    orch, gen, engine, trainer = chaos.kills
+    chaos = Chaos(run, ["orchestrator", "engine", "generator", "trainer"])
+    orch, engine, gen, trainer = chaos.kills
     launched = LocalLauncher().launch(job_plan(cfg, run), run)
     trainer_pid = wait_for(lambda: role_process(run, 0), 120, "the trainer role process")
+    first_gen1 = wait_for(lambda: role_process(run, GEN1), 120, "generator 1")
 
     chaos.strike(orch, lambda: orchestrator_process(run))
-    chaos.strike(gen, lambda: role_process(run, GEN1))
-    chaos.strike(engine, lambda: loaded_after_restart(run, "generator", 1, 1) and engine_process(run, GEN1))
-    wait_for(lambda: last_after(run, engine.t), 600, "training after the engine kill")
+    chaos.strike(engine, lambda: engine_process(run, GEN1))
+    # the restarted generator 1 is killed again while its new engine starts: the engine is orphaned
+    restarted = lambda: role_process(run, GEN1) not in (None, first_gen1) and role_process(run, GEN1)
+    orphan = wait_for(lambda: restarted() and engine_process(run, GEN1), 600, "the restarted generator's engine")
+    chaos.strike(gen, restarted)
+    wait_for(lambda: not alive(orphan), 60, f"the orphaned engine {orphan} to be ended")
+    wait_for(lambda: last_after(run, gen.t), 600, "training after the second generator kill")
     assert role_process(run, 0) == trainer_pid, "the trainer restarted"
     assert launched.state() == "RUNNING"
     assert max(r["orchestrator_restarts"] for r in read_metrics(run, "train_step")) == 1
@@ -74,6 +80,13 @@ def test_kill_9_of_each_process_mid_run_and_the_run_completes(tmp_path):
               "recoveries": [chaos.recovery(k) for k in chaos.kills]}
     print("recovery " + json.dumps(report), flush=True)
     assert all(r["to_training_s"] is not None for r in report["recoveries"])
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def last_after(run: Path, t: float) -> bool:

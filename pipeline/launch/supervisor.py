@@ -12,10 +12,12 @@ set, so the child runs the role entry; see `pipeline.launch.task`). Then:
   ``{"ok": false, "abandoned": true}``, exit 0: the run goes on without it), any other task fails
   (exit 1: the launcher, or ``srun --kill-on-bad-exit``, ends the run);
 - SIGTERM (preemption, ``scancel``, the local launcher stopping a run) and the checkpoint signal
-  (USR2) are forwarded to the child, which stops at its next step boundary; no restart follows.
-  On the checkpoint signal, under submitit, global rank 0 requeues the job once the child exited
-  (at most ``stop_grace_s`` later). SIGTERM never requeues: Slurm requeues a preempted job itself
-  (``PreemptMode=REQUEUE``), and ``scancel`` must stay a cancel;
+  (USR2) are forwarded to the child, which stops at its next step boundary; no restart follows,
+  and the task exits 0 however the child ended (a preempted job must not look failed: ``srun
+  --kill-on-bad-exit`` would end the trainer's checkpoint). On the checkpoint signal, under
+  submitit, global rank 0 requeues the job once the child exited (at most ``stop_grace_s`` later)
+  and every task waits for that requeue. SIGTERM never requeues: Slurm requeues a preempted job
+  itself (``PreemptMode=REQUEUE``), and ``scancel`` must stay a cancel;
 - the child gets SIGTERM if the supervisor dies (parent-death signal) and, being a subreaper
   itself, ends its own tree on the way out.
 
@@ -49,10 +51,11 @@ ROLE_PROCESS_ENV = "TOKENFLOW_ROLE_PROCESS"
 class TaskSupervisor:
     def __init__(self, argv: list[str], env: Mapping[str, str], result_file: Path, max_restarts: int,
                  optional: bool, stop_grace_s: float, requeue: Callable[[], None] | None,
-                 kill_grace_s: float = 10.0) -> None:
+                 wait_for_requeue: bool, kill_grace_s: float = 10.0) -> None:
         self.argv, self.env, self.result_file = argv, dict(env), result_file
         self.max_restarts, self.optional = max_restarts, optional
         self.stop_grace_s, self.requeue, self.kill_grace_s = stop_grace_s, requeue, kill_grace_s
+        self.wait_for_requeue = wait_for_requeue  # under submitit: a checkpoint stop ends in a requeue
         self.child: subprocess.Popen | None = None
         self.stop_signal: int | None = None
         self.restarts = 0
@@ -91,9 +94,9 @@ class TaskSupervisor:
             if code == 0:
                 return self._after_success()
             why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-            if self.stop_signal is not None:
+            if self.stop_signal is not None:  # asked to stop: ending badly now is no failure of the run
                 self._record_death(why)
-                return 1
+                return 0
             if self.restarts < self.max_restarts:
                 self.restarts += 1
                 print(f"tokenflow supervisor: role process {self.child.pid} died ({why}); restart "
@@ -115,7 +118,7 @@ class TaskSupervisor:
 
     def _after_success(self) -> int:
         stopped = _read(self.result_file).get("stopped", False)
-        if stopped and self.requeue is not None:
+        if stopped and self.wait_for_requeue and self.stop_signal != signal.SIGTERM:
             time.sleep(self.stop_grace_s + 120)  # the requeue thread ends this task long before
             print(f"tokenflow supervisor: stopped for requeue but the job was not requeued", flush=True)
             return 1

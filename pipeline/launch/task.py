@@ -225,7 +225,8 @@ def run_task(plan: JobPlan, run_dir: Path, launch_index: int, environ: Mapping[s
     requeue = _submitit_requeue(checkpoint_signal()) if global_rank == 0 and _under_submitit() else None
     supervisor = TaskSupervisor(role_argv(run_dir, launch_index),
                                 {**environ, "TOKENFLOW_GLOBAL_RANK": str(global_rank)}, result_file,
-                                spec.max_restarts, spec.optional, plan.stop_grace_s, requeue)
+                                spec.max_restarts, spec.optional, plan.stop_grace_s, requeue,
+                                wait_for_requeue=_under_submitit())
     code = supervisor.run((signal.SIGTERM, checkpoint_signal()))
     if code != 0:
         record = json.loads(result_file.read_text()) if result_file.exists() else {}

@@ -84,13 +84,13 @@ class GeneratorRole:
                     tasks.add(asyncio.create_task(self._eval(item)))
             done = {t for t in tasks if t.done()}
             for t in done:
-                if t.exception() is not None:  # a failed group or eval must not pass silently
-                    raise t.exception()
+                if t.exception() is not None and not self.task.stop_requested.is_set():
+                    raise t.exception()  # a failed group or eval must not pass silently
             tasks -= done
             await asyncio.sleep(0.003)
             now = time.monotonic()
             if now - last_metrics >= 1.0:
-                if self.gen.engine.errored:
+                if self.gen.engine.errored and not self.task.stop_requested.is_set():
                     raise RuntimeError(f"the vLLM engine died: {self.gen.engine.dead_error!r}")
                 self.stop = self.stop or self._run_over()
                 self._log_metrics(now - t_start)
