@@ -120,13 +120,29 @@ def _signal_all(pids: list[int], sig: int) -> None:
 def end_tree(root: int | None = None, grace_s: float = 10.0) -> list[int]:
     """End every descendant of ``root`` (default: this process); returns the pids it signalled."""
     root = os.getpid() if root is None else root
+    return _end(lambda: descendants(root), grace_s)
+
+
+def end_processes(pids: list[int], grace_s: float = 10.0) -> list[int]:
+    """End ``pids`` and their descendants (e.g. the engine processes a library started)."""
+    def left() -> list[int]:
+        out = []
+        for pid in pids:
+            st = _stat(pid)
+            if st is not None and st[1] != "Z":
+                out += [pid] + descendants(pid)
+        return out
+
+    return _end(left, grace_s)
+
+
+def _end(left_now, grace_s: float) -> list[int]:
     signalled: list[int] = []
     deadline = time.monotonic() + grace_s
     sig = signal.SIGTERM
     while True:
-        if root == os.getpid():
-            _reap_adopted()
-        left = descendants(root)
+        _reap_adopted()
+        left = left_now()
         if not left:
             return signalled
         if time.monotonic() > deadline:

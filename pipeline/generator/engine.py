@@ -135,20 +135,31 @@ class Generator:
         self._abort_epoch = 0  # bumped before every abort-mode pause
         self._ids = itertools.count()
         self.start_s = 0.0
+        self._engine_pids: list[int] = []  # processes the engine started (ended by `shutdown`)
 
     async def start(self) -> "Generator":
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from pipeline.supervise import descendants
+
         t0 = time.monotonic()
+        before = set(descendants(os.getpid()))
         self.engine = AsyncLLM.from_engine_args(engine_args(self.config))
+        self._engine_pids = [p for p in descendants(os.getpid()) if p not in before]
         await self.engine.update_weight_version(str(self.version))
         self.start_s = time.monotonic() - t0
         return self
 
     def shutdown(self) -> None:
+        """Stop the engine and every process it started (vLLM's shutdown may leave its engine core
+        and worker running: they would outlive the caller)."""
+        from pipeline.supervise import end_processes
+
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        end_processes(self._engine_pids)
+        self._engine_pids = []
 
     # -- generation ---------------------------------------------------------------------------
     async def _run(self, prompt_ids: Sequence[int], params) -> Any:
