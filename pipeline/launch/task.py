@@ -255,9 +255,11 @@ def _run_role(plan: JobPlan, run_dir: Path, where: Tuple[int, str, int], attempt
         _write_result(result_file, {"ok": False, "attempt": attempt, "node": node, "restart": restart,
                                     "error": traceback.format_exc()})
         traceback.print_exc()
-        raise
-    finally:
         end_tree()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # a failed role's library threads (vLLM, ZeroMQ) could hold the interpreter's exit
+    end_tree()
     _write_result(result_file, {"ok": True, "attempt": attempt, "node": node, "restart": restart,
                                 "result": value, "stopped": task.stop_requested.is_set()})
     sys.stdout.flush()
@@ -291,6 +293,10 @@ def main(argv: list[str] | None = None) -> None:
     except RoleFailed as exc:
         print(f"tokenflow supervisor: {exc}", flush=True)
         sys.exit(1)
+    if ROLE_PROCESS_ENV in os.environ:  # the role is done and its result written: leave now (library
+        sys.stdout.flush()               # threads must not hold the exit; the supervisor waits on it)
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":  # also `python -m pipeline.launch.task ...` (kept for callers of this module path)
