@@ -103,4 +103,7 @@ def cli() -> None:
 
 
 if __name__ == "__main__":
-    cli()
+    from leftovers import no_process_left  # bench/ is this script's directory
+
+    with no_process_left():
+        cli()

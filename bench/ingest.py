@@ -256,4 +256,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from leftovers import no_process_left  # bench/ is this script's directory
+
+    with no_process_left():
+        main()

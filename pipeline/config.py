@@ -100,7 +100,7 @@ class ClusterConfig:
     trainer: ComponentSpec = field(default_factory=lambda: ComponentSpec(
         entry="pipeline.roles.trainer:main", cpus_per_task=1, mem_gb=8.0))
     generator: ComponentSpec = field(default_factory=lambda: ComponentSpec(
-        entry="pipeline.roles.generator:main", cpus_per_task=1, mem_gb=8.0))
+        entry="pipeline.roles.generator:main", cpus_per_task=1, mem_gb=8.0, max_restarts=3, optional=True))
     max_requeues: int = 3
     """Requeues after preemption or time limit (Slurm)."""
 

@@ -1,8 +1,10 @@
-"""Shared pytest set-up: resource markers skip with a printed reason when the resource is absent."""
+"""Shared pytest set-up: resource markers skip with a printed reason when the resource is absent;
+every test fails if a process it started outlives it (`no_process_left_behind`)."""
 from __future__ import annotations
 
 import shutil
 import subprocess
+import uuid
 
 import pytest
 
@@ -49,3 +51,19 @@ def pytest_report_header(config):
         r = probe()
         lines.append(f"{marker} tests: " + ("enabled" if r is None else f"SKIPPED ({r})"))
     return lines
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind(monkeypatch):
+    """Fail the test if any process it started (marked through the environment every child
+    inherits, Slurm jobs included) is still alive 20 s after it; such processes are killed.
+    Processes of other tests and other users of the machine carry other markers, or none."""
+    from pipeline.supervise import MARKER_ENV, leftovers
+
+    marker = uuid.uuid4().hex
+    monkeypatch.setenv(MARKER_ENV, marker)
+    yield
+    left = leftovers(marker, wait_s=20.0)
+    if left:
+        pytest.fail("processes left behind (killed now): " +
+                    "; ".join(f"{pid}: {cmd[:160]}" for pid, cmd in sorted(left.items())), pytrace=False)

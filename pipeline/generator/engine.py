@@ -163,12 +163,17 @@ class Generator:
         self.routing_shape: tuple[int, int] | None = None  # (MoE layers, top_k) with record_routing
         self.start_s = 0.0
         self.weight_sync = resolve_weight_sync(config)
+        self._engine_pids: list[int] = []  # processes the engine started (ended by `shutdown`)
 
     async def start(self) -> "Generator":
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from pipeline.supervise import descendants
+
         t0 = time.monotonic()
+        before = set(descendants(os.getpid()))
         self.engine = AsyncLLM.from_engine_args(engine_args(self.config))
+        self._engine_pids = [p for p in descendants(os.getpid()) if p not in before]
         await self.engine.update_weight_version(str(self.version))
         if self.config.record_routing:
             self.routing_shape = tuple((await self.engine.collective_rpc("start_routing_capture"))[0])
@@ -176,9 +181,15 @@ class Generator:
         return self
 
     def shutdown(self) -> None:
+        """Stop the engine and every process it started (vLLM's shutdown may leave its engine core
+        and worker running: they would outlive the caller)."""
+        from pipeline.supervise import end_processes
+
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        end_processes(self._engine_pids)
+        self._engine_pids = []
 
     # -- generation ---------------------------------------------------------------------------
     async def _run(self, prompt_ids: Sequence[int], params) -> tuple[Any, np.ndarray | None]:

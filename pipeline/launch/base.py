@@ -12,7 +12,7 @@ layout, so everything after the launch reads files, not launcher internals:
     RUN/rendezvous/attempt-<n>/     rendezvous files (see pipeline.launch.rendezvous)
 
 Invariants: `Run.wait` never blocks past its timeout; when it returns, every task of the plan
-succeeded (results by role and rank); otherwise it raises `TaskFailed` naming the first failed
+succeeded or, for an optional component, was abandoned after its restarts (result None); otherwise it raises `TaskFailed` naming the first failed
 task with the tail of its log, or `TimeoutError` naming the run's state.
 """
 from __future__ import annotations
@@ -77,7 +77,8 @@ class Run(ABC):
             time.sleep(poll_s)
         records = self.read_results()
         tasks = self.plan.task_layout()
-        failed = [(role, rank) for role, rank in tasks if records[role][rank] and not records[role][rank]["ok"]]
+        failed = [(role, rank) for role, rank in tasks if records[role][rank] and not records[role][rank]["ok"]
+                  and not records[role][rank].get("abandoned")]  # an optional task the run went on without
         missing = [(role, rank) for role, rank in tasks if records[role][rank] is None]
         if failed:  # the tasks whose entry raised come first: the others may only be their victims
             role, rank = failed[0]
@@ -88,7 +89,7 @@ class Run(ABC):
         if failed or missing:
             raise TaskFailed(f"task {role}.{rank} failed: {why}\n--- {log_path(self.run_dir, role, rank)}:\n"
                              f"{log_tail(self.run_dir, role, rank)}")
-        return {role: [r["result"] for r in rs] for role, rs in records.items()}
+        return {role: [r.get("result") for r in rs] for role, rs in records.items()}
 
 
 class Launcher(ABC):

@@ -47,6 +47,8 @@ class ComponentSpec:
     account: Optional[str] = None  # Slurm account to charge; None = the user's default
     time_min: int = 60  # wall-clock limit in minutes (Slurm --time)
     extra_sbatch: List[str] = field(default_factory=list)  # raw sbatch options for this component, e.g. "--constraint=h100"
+    max_restarts: int = 0  # times a task's supervisor restarts its role process in place after it died
+    optional: bool = False  # past max_restarts the task abandons (exit 0) and the run goes on without it
 
     @property
     def num_tasks(self) -> int:
@@ -98,6 +100,8 @@ class JobPlan:
                     spec.gpus_per_node % spec.tasks_per_node:
                 problems.append(f"{role}: gpus_per_node={spec.gpus_per_node} is not a multiple of "
                                 f"tasks_per_node={spec.tasks_per_node} (each task gets an equal share)")
+            if not isinstance(spec.max_restarts, int) or spec.max_restarts < 0:
+                problems.append(f"{role}: max_restarts={spec.max_restarts!r} must be an integer >= 0")
             if not spec.mem_gb > 0:
                 problems.append(f"{role}: mem_gb={spec.mem_gb!r} must be > 0")
             for line in spec.extra_sbatch:

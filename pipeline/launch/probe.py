@@ -10,6 +10,10 @@ Point any component's `entry` at "pipeline.launch.probe:probe" to check a cluste
                        seconds for the stop signal or a requeue (for preemption tests): return
                        when stopped (as a role returns after checkpointing), fail if never
     fail_role: str     tasks of this role raise before the rendezvous (for failure-handling tests)
+    crash_role: str, crash_times: int   the role process of tasks of this role starts a child
+                       process (standing in for a vLLM engine; its pid is in the report as
+                       "child_pid"), then kills itself with SIGKILL, on its first crash_times
+                       starts (for supervision tests: restarts in place, nothing left behind)
     timeout_s: float   rendezvous timeout (default 60)
 Each task writes its report to RUN/probe/<role>.<rank>.attempt-<n>.json and returns it, e.g.
     {"role": "generator", "rank": 1, "node": "node3", "attempt": 0, "peers": {"trainer": {...}}, ...}
@@ -18,7 +22,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from typing import Any, Dict
 
@@ -35,6 +42,8 @@ def probe(task: TaskInfo) -> Dict[str, Any]:
         "attempt": task.attempt, "resumed": task.resumed, "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
         "het_size": os.environ.get("SLURM_HET_SIZE")}
     print(f"probe {task.role}.{task.rank} on {task.node} attempt {task.attempt}", flush=True)
+    if options.get("crash_role") == task.role:
+        _crash_with_a_child(task, report, int(options.get("crash_times", 1)))
     if options.get("fail_role") == task.role:
         raise RuntimeError(f"probe: role {task.role} was told to fail")
     if options.get("rendezvous"):
@@ -59,3 +68,13 @@ def probe(task: TaskInfo) -> Dict[str, Any]:
         report["stop_requested"] = True  # a real role would checkpoint here, then return
         out.write_text(json.dumps(report))
     return report
+
+
+def _crash_with_a_child(task: TaskInfo, report: Dict[str, Any], times: int) -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    report["child_pid"] = child.pid
+    out = task.run_dir / "probe" / f"{task.role}.{task.rank}.restart-{task.restart}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report))
+    if task.restart < times:
+        os.kill(os.getpid(), signal.SIGKILL)

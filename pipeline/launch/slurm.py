@@ -5,7 +5,9 @@ submitit has no heterogeneous-job support; this module adds the missing pieces:
   submitit's `setup` lines, which it places right after its `#SBATCH` block, so sbatch still reads
   them as directives ("#SBATCH hetjob" starts each new component);
 - srun gets `--het-group=0,...,k` (one step over every component, SLURM_PROCID numbered component
-  after component) and `--kill-on-bad-exit=1` (a task that dies takes the step down: no hang);
+  after component) and `--kill-on-bad-exit=1` (a task that fails takes the step down: no hang; a
+  task's supervisor restarts a dead generator role in place first, and an optional task that used
+  up its restarts exits 0, so the job goes on without it: see pipeline.launch.supervisor);
 - submitit counts tasks from component 0 only: `HetSlurmExecutor` reports the plan's total;
 - sacct reports a heterogeneous job N as rows `N+0`, `N+1`, ...; submitit's watcher only knows `N`,
   so `HetInfoWatcher` folds the component rows into one state for `N` (see `fold_states`);
@@ -20,7 +22,9 @@ and SLURM_PROCID 0 is trainer.0, 1..2 are generator.0..1.
 
 Preemption/time limit: the checkpoint signal stops every role (see pipeline.launch.task); rank 0 then
 runs submitit's handler, which calls `RoleDispatcher.checkpoint()` and requeues the job; the requeued
-tasks see SLURM_RESTART_COUNT+1 as their attempt.
+tasks see SLURM_RESTART_COUNT+1 as their attempt. Preemption by Slurm (`PreemptMode=REQUEUE`) sends
+SIGTERM: every role stops the same way (the trainer checkpoints at its step boundary) and exits 0,
+and Slurm requeues the job itself; no task requeues on SIGTERM (scancel sends it too).
 """
 from __future__ import annotations
 

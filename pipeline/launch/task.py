@@ -16,15 +16,20 @@ Invariants:
   when its entry returns or raises; a stale file from an earlier attempt is removed at start;
 - `attempt` counts the starts of this run: launches before this one in the same run directory plus
   Slurm requeues of this job (`SLURM_RESTART_COUNT`); `resumed` is `attempt > 0`;
-- the checkpoint signal (USR2: Slurm sends it `signal_delay_s` before the time limit, and
-  `SlurmRun.preempt()` sends it) sets `task.stop_requested` in every task; it is blocked in the
-  task's threads and taken by a watcher thread (`sigwait`), so child processes (vLLM engine cores,
-  the orchestrator) inherit it blocked and survive it. Global rank 0 then gives its entry up to
-  `JobPlan.stop_grace_s` to return (the trainer checkpoints at the next step boundary) before it
-  runs submitit's handler (checkpoint the dispatcher + `scontrol requeue`); a task whose entry
-  returned because of the stop waits for the requeue instead of reporting success. Outside
-  submitit (slurm/train.sbatch) the task records `"stopped": true` and exits; the batch script
-  requeues.
+- the task process is a supervisor (`pipeline.launch.supervisor`): it runs the role in a child
+  process (`ROLE_PROCESS_ENV` set), ends whatever the role leaves behind, and restarts the role
+  where the component allows it;
+- the stop signals, SIGTERM (preemption, scancel) and the checkpoint signal (USR2: Slurm sends it
+  `signal_delay_s` before the time limit, and `SlurmRun.preempt()` sends it), set
+  `task.stop_requested` in the role; the checkpoint signal is blocked in the role's threads and
+  taken by a watcher thread (`sigwait`), so its child processes (vLLM engine cores, the
+  orchestrator) inherit it blocked and survive it. On the checkpoint signal, global rank 0's
+  supervisor gives the role up to `JobPlan.stop_grace_s` to return (the trainer checkpoints at the
+  next step boundary) before it runs submitit's handler (checkpoint the dispatcher + `scontrol
+  requeue`); a task whose role returned because of the stop waits for the requeue instead of
+  reporting success. SIGTERM never requeues (Slurm's preemption requeues by itself; scancel
+  cancels). Outside submitit (slurm/train.sbatch) the task records `"stopped": true` and exits; the
+  batch script requeues.
 
 Example: the time limit is 60 min, signal_delay_s=90: at 58:30 every task sees stop_requested, the
 trainer finishes step k, saves checkpoints/step-(k+1) and returns; rank 0 requeues the job at once
@@ -47,6 +52,8 @@ from typing import Any, Callable, Dict, Mapping, Tuple
 
 from pipeline.launch.plan import JobPlan, LaunchError
 from pipeline.launch.rendezvous import Rendezvous
+from pipeline.launch.supervisor import ROLE_PROCESS_ENV, RoleFailed, TaskSupervisor, role_argv
+from pipeline.supervise import become_subreaper, end_tree
 
 PLAN_FILE = "launch/plan.json"
 
@@ -66,6 +73,7 @@ class TaskInfo:
     node: str  # Slurm node name (SLURMD_NODENAME) or the host name locally
     config: Dict[str, Any]  # JobPlan.config
     stop_requested: threading.Event = field(default_factory=threading.Event)  # set on preemption / time limit
+    restart: int = 0  # restarts of this task's role process in place (by its supervisor) before this one
 
     @property
     def resumed(self) -> bool:
@@ -82,6 +90,17 @@ def log_path(run_dir: Path, role: str, rank: int) -> Path:
 
 def result_path(run_dir: Path, role: str, rank: int) -> Path:
     return Path(run_dir) / "results" / f"{role}.{rank}.json"
+
+
+def abandoned_tasks(run_dir: Path, role: str, count: int) -> int:
+    """How many of the ``count`` tasks of ``role`` abandoned (their restarts used up; see supervisor)."""
+    n = 0
+    for rank in range(count):
+        try:
+            n += bool(json.loads(result_path(run_dir, role, rank).read_text()).get("abandoned"))
+        except (FileNotFoundError, ValueError):
+            pass
+    return n
 
 
 def locate(plan: JobPlan, environ: Mapping[str, str]) -> Tuple[int, str, int]:
@@ -135,48 +154,34 @@ def _write_result(path: Path, record: Dict[str, Any]) -> None:
 
 
 class StopWatcher:
-    """Turns the checkpoint signal into `task.stop_requested` (see the module docstring).
+    """Turns the stop signals into `task.stop_requested` in the role process (module docstring).
 
-    The signal is blocked in the main thread (so child processes inherit it blocked) and caught two
-    ways, whichever comes first: a thread in `sigwait` (when every thread blocks it) and a Python
-    handler (when a thread that existed before, e.g. a BLAS pool, takes it: Python then runs the
-    handler in the main thread at its next bytecode).
+    The checkpoint signal is blocked in the main thread (so child processes inherit it blocked) and
+    caught two ways, whichever comes first: a thread in `sigwait` (when every thread blocks it) and
+    a Python handler (when a thread that existed before, e.g. a BLAS pool, takes it: Python then
+    runs the handler in the main thread at its next bytecode). SIGTERM gets a Python handler only:
+    child processes start with its default action.
     """
 
-    def __init__(self, event: threading.Event, requeue: Callable[[], None] | None, grace_s: float) -> None:
+    def __init__(self, event: threading.Event) -> None:
         self.event = event
-        self.requeue = requeue  # submitit's checkpoint-and-requeue (rank 0 under submitit), else None
-        self.grace_s = grace_s
-        self.entry_returned = threading.Event()
         self._lock = threading.Lock()
         self.signum = checkpoint_signal()
-        signal.signal(self.signum, lambda sig, frame: self._stop())
+        for sig in (self.signum, signal.SIGTERM):
+            signal.signal(sig, lambda s, frame: self._stop(s))
         signal.pthread_sigmask(signal.SIG_BLOCK, {self.signum})  # inherited by threads and child processes
         threading.Thread(target=self._watch, name="stop-watcher", daemon=True).start()
 
     def _watch(self) -> None:
-        signal.sigwait({self.signum})
-        self._stop()
+        self._stop(signal.sigwait({self.signum}))
 
-    def _stop(self) -> None:
+    def _stop(self, sig: int) -> None:
         with self._lock:
             if self.event.is_set():
                 return
-            print(f"tokenflow: checkpoint signal received at {time.strftime('%H:%M:%S')}: stopping", flush=True)
+            print(f"tokenflow: {signal.Signals(sig).name} received at {time.strftime('%H:%M:%S')}: stopping",
+                  flush=True)
             self.event.set()
-        if self.requeue is not None:
-            threading.Thread(target=self._requeue_when_returned, name="requeue", daemon=True).start()
-
-    def _requeue_when_returned(self) -> None:
-        self.entry_returned.wait(self.grace_s)
-        self.requeue()  # submitit: dumps the checkpointed dispatcher, scontrol requeue (ends every task)
-
-    def after_entry(self) -> None:
-        """Called when the entry returned: if it returned because of the stop, wait for the requeue."""
-        self.entry_returned.set()
-        if self.event.is_set() and _under_submitit():
-            time.sleep(self.grace_s + 120)  # the requeue ends this task long before
-            raise RuntimeError(f"stopped for requeue but the job was not requeued within {self.grace_s + 120:g} s")
 
 
 def checkpoint_signal() -> int:
@@ -203,43 +208,65 @@ def _submitit_requeue(signum: int) -> Callable[[], None] | None:
 
 
 def run_task(plan: JobPlan, run_dir: Path, launch_index: int, environ: Mapping[str, str]) -> Any:
-    """Run this task's role entry; returns what the entry returned."""
+    """Run this task: the supervisor, or (in its child, `ROLE_PROCESS_ENV` set) the role entry."""
     run_dir = Path(run_dir)
     global_rank, role, rank = locate(plan, environ)
     attempt = launch_index + int(environ.get("SLURM_RESTART_COUNT", "0"))
     node = environ.get("SLURMD_NODENAME") or socket.gethostname()
+    result_file = result_path(run_dir, role, rank)
+    if ROLE_PROCESS_ENV in environ:
+        return _run_role(plan, run_dir, (global_rank, role, rank), attempt, node, result_file)
     _redirect_output(log_path(run_dir, role, rank),
                      f"=== {role}.{rank} attempt {attempt} global_rank {global_rank} on {node} "
-                     f"pid {os.getpid()} at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
-    result_file = result_path(run_dir, role, rank)
+                     f"supervisor pid {os.getpid()} at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
     result_file.parent.mkdir(parents=True, exist_ok=True)
     result_file.unlink(missing_ok=True)
+    spec = plan.components[role]
+    requeue = _submitit_requeue(checkpoint_signal()) if global_rank == 0 and _under_submitit() else None
+    supervisor = TaskSupervisor(role_argv(run_dir, launch_index),
+                                {**environ, "TOKENFLOW_GLOBAL_RANK": str(global_rank)}, result_file,
+                                spec.max_restarts, spec.optional, plan.stop_grace_s, requeue,
+                                wait_for_requeue=_under_submitit())
+    code = supervisor.run((signal.SIGTERM, checkpoint_signal()))
+    if code != 0:
+        record = json.loads(result_file.read_text()) if result_file.exists() else {}
+        raise RoleFailed(f"{role}.{rank} failed: " + (record.get("error") or "no result").strip().splitlines()[-1])
+    record = json.loads(result_file.read_text())
+    return record.get("result")
+
+
+def _run_role(plan: JobPlan, run_dir: Path, where: Tuple[int, str, int], attempt: int, node: str,
+              result_file: Path) -> Any:
+    global_rank, role, rank = where
+    restart = int(os.environ[ROLE_PROCESS_ENV])
+    print(f"--- {role}.{rank} role process pid {os.getpid()} (restart {restart}) at "
+          f"{time.strftime('%Y-%m-%dT%H:%M:%S')}", flush=True)
+    become_subreaper()  # orphans of its children (an engine's worker) stay in its tree, ended at exit
+    result_file.unlink(missing_ok=True)
     os.environ.update(plan.env)
-    gpus = plan.components[role].gpus_of(rank, environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if
-                                          environ.get("CUDA_VISIBLE_DEVICES") else None)
+    gpus = plan.components[role].gpus_of(rank, os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if
+                                          os.environ.get("CUDA_VISIBLE_DEVICES") else None)
     if gpus:  # this task's share of the node's GPUs (several generators/ranks per node)
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         os.environ["LOCAL_RANK"] = "0"
     task = TaskInfo(role=role, rank=rank, role_size=plan.components[role].num_tasks,
                     roles={r: spec.num_tasks for r, spec in plan.components.items()}, global_rank=global_rank,
                     world_size=len(plan.task_layout()), run_dir=run_dir, attempt=attempt, node=node,
-                    config=plan.config)
-    watcher = None
-    if threading.current_thread() is threading.main_thread():
-        requeue = _submitit_requeue(checkpoint_signal()) if global_rank == 0 else None  # before StopWatcher replaces it
-        watcher = StopWatcher(task.stop_requested, requeue, plan.stop_grace_s)
+                    config=plan.config, restart=restart)
+    StopWatcher(task.stop_requested)
     try:
         value = resolve_entry(plan.components[role].entry)(task)
-        if watcher is not None:
-            watcher.after_entry()
-    except BaseException as exc:
-        if not isinstance(exc, SystemExit):  # SystemExit = submitit's requeue exit, not a failure
-            _write_result(result_file, {"ok": False, "attempt": attempt, "node": node,
-                                        "error": traceback.format_exc()})
-            traceback.print_exc()
-        raise
-    _write_result(result_file, {"ok": True, "attempt": attempt, "node": node, "result": value,
-                                "stopped": task.stop_requested.is_set()})
+    except BaseException:
+        _write_result(result_file, {"ok": False, "attempt": attempt, "node": node, "restart": restart,
+                                    "error": traceback.format_exc()})
+        traceback.print_exc()
+        end_tree()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # a failed role's library threads (vLLM, ZeroMQ) could hold the interpreter's exit
+    end_tree()
+    _write_result(result_file, {"ok": True, "attempt": attempt, "node": node, "restart": restart,
+                                "result": value, "stopped": task.stop_requested.is_set()})
     sys.stdout.flush()
     return value
 
@@ -266,7 +293,15 @@ def main(argv: list[str] | None = None) -> None:
     """Task entry: python -m pipeline.launch RUN_DIR LAUNCH_INDEX (rank: TOKENFLOW_GLOBAL_RANK or SLURM_PROCID)."""
     run_dir, launch_index = (argv or sys.argv[1:])[:2]
     plan = JobPlan.from_json((Path(run_dir) / PLAN_FILE).read_text())
-    run_task(plan, Path(run_dir), int(launch_index), os.environ)
+    try:
+        run_task(plan, Path(run_dir), int(launch_index), os.environ)
+    except RoleFailed as exc:
+        print(f"tokenflow supervisor: {exc}", flush=True)
+        sys.exit(1)
+    if ROLE_PROCESS_ENV in os.environ:  # the role is done and its result written: leave now (library
+        sys.stdout.flush()               # threads must not hold the exit; the supervisor waits on it)
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":  # also `python -m pipeline.launch.task ...` (kept for callers of this module path)

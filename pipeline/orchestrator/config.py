@@ -20,6 +20,8 @@ class OrchestratorConfig:
     """A group not returned within this many seconds is re-issued."""
     generator_dead_after_s: float = 20.0
     """A generator silent this long is dropped: its leases are re-issued at once."""
+    max_restarts: int = 3
+    """Times trainer rank 0 restarts a dead orchestrator (from the log) before the run stops."""
     memory_token_budget: int = 4_000_000
     """Tokens of buffered samples held in memory; beyond it they are read back from the log."""
     group_filter: str = "none"

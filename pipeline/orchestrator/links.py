@@ -117,19 +117,23 @@ class _Link:
         self.run_dir = Path(run_dir)
         self.cfg = cfg
         self.key = load_or_create_secret(self.run_dir)
-        self.address = read_rendezvous(self.run_dir, timeout_s)["address"]
+        info = read_rendezvous(self.run_dir, timeout_s)
+        self.address, self.orchestrator_epoch = info["address"], info.get("epoch")
         self.client = MessageClient(self.key, self.address, cfg, identity)
 
-    def refresh_address(self) -> None:
-        """Reconnect if the orchestrator came back on another address."""
+    def refresh_address(self) -> bool:
+        """Reconnect if the orchestrator came back on another address; True if it restarted."""
         try:
-            addr = read_rendezvous(self.run_dir, 0.0)["address"]
+            info = read_rendezvous(self.run_dir, 0.0)
         except TransportError:
-            return
+            return False
+        addr, restarted = info["address"], info.get("epoch") != self.orchestrator_epoch
+        self.orchestrator_epoch = info.get("epoch")
         if addr != self.address:
             self.client.close()
             self.address = addr
             self.client = MessageClient(self.key, addr, self.cfg, self.client.sock.identity.decode())
+        return restarted
 
     def close(self) -> None:
         self.client.close()
@@ -160,8 +164,14 @@ class GeneratorLink(_Link):
         return {"free": free, "received": self.received, "epoch": self.epoch,
                 "loaded": self.loaded_version}
 
+    def follow_orchestrator(self) -> None:
+        """Reconnect to a restarted orchestrator and introduce ourselves again (it then sends the
+        weight group and version to load, like to any new generator)."""
+        if self.refresh_address():
+            self.client.send("hello", {"generator_id": self.generator_id})
+
     def send_want(self, open_: bool = True) -> None:
-        self.refresh_address()  # a restarted orchestrator may listen elsewhere
+        self.follow_orchestrator()
         self.client.send("want", self.credit(open_))
         self._last_want = time.monotonic()
 
@@ -173,7 +183,7 @@ class GeneratorLink(_Link):
             self.send_want(send_credit)
         for key, (t, arrays) in list(self.unacked.items()):
             if now - t > self.resend_after_s:
-                self.refresh_address()
+                self.follow_orchestrator()
                 self.client.send("result", {"group_id": key[0], "attempt": key[1]}, arrays)
                 self.unacked[key] = (now, arrays)
         items: list[WorkItem | EvalItem | Control] = []

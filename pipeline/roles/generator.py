@@ -9,7 +9,13 @@ Invariants:
 - a group's result is sent once all of its samples are complete; the link keeps it until the
   orchestrator acknowledges it (and re-sends it otherwise);
 - an announced version is loaded at most once, in order; while it loads, generation is paused per
-  ``generator.interrupt`` and resumes on the new weights.
+  ``generator.interrupt`` and resumes on the new weights;
+- a dead engine (its processes killed or crashed) ends the role with an error within a second, so
+  the task's supervisor ends what is left of the engine and restarts the role, which joins the
+  weight group and takes work only after loading the current weights; a stop signal
+  (``task.stop_requested``: preemption, scancel) ends it cleanly, and so does the end of the run
+  (trainer rank 0's result of this attempt exists: a generator restarted after the orchestrator
+  said ``stop`` hears it no more).
 """
 from __future__ import annotations
 
@@ -54,6 +60,8 @@ class GeneratorRole:
         cfg, timeout = self.cfg, self.cfg.run.timeout_s
         cores = cpu_cores_for("generator", self.rank, cfg)
         pin_process(cores)
+        if self._run_over():
+            return {"tokens": 0, "version": None}
         model = str(model_dir(self.run_dir, timeout))
         gcfg = replace(cfg.generator, model=model, seed=cfg.orchestrator.seed,
                        cpu_cores=cfg.generator.cpu_cores or (",".join(map(str, cores)) if cores else ""))
@@ -65,7 +73,7 @@ class GeneratorRole:
         controls: asyncio.Queue[Control] = asyncio.Queue()
         tasks: set[asyncio.Task] = {asyncio.create_task(self._apply_controls(controls))}
         t_start = last_metrics = time.monotonic()
-        while not self.stop:
+        while not self.stop and not self.task.stop_requested.is_set():
             # Credits are sent only once weights are loaded: no work before the current version.
             for item in self.link.poll(0.002, send_credit=self.loaded):
                 if isinstance(item, Control):
@@ -76,21 +84,33 @@ class GeneratorRole:
                     tasks.add(asyncio.create_task(self._eval(item)))
             done = {t for t in tasks if t.done()}
             for t in done:
-                if t.exception() is not None:  # a failed group or eval must not pass silently
-                    raise t.exception()
+                if t.exception() is not None and not self.task.stop_requested.is_set():
+                    raise t.exception()  # a failed group or eval must not pass silently
             tasks -= done
             await asyncio.sleep(0.003)
             now = time.monotonic()
-            if now - last_metrics >= 2.0:
+            if now - last_metrics >= 1.0:
+                if self.gen.engine.errored and not self.task.stop_requested.is_set():
+                    raise RuntimeError(f"the vLLM engine died: {self.gen.engine.dead_error!r}")
+                self.stop = self.stop or self._run_over()
                 self._log_metrics(now - t_start)
                 last_metrics = now
         for t in tasks:
             t.cancel()
         self._log_metrics(time.monotonic() - t_start)
         self.link.close()
-        self.gen.shutdown()
-        _reap_engine_processes()
+        self.gen.shutdown()  # engine processes vLLM's shutdown leaves behind: ended with the task's tree
         return {"tokens": self.tokens, "version": self.gen.version}
+
+    def _run_over(self) -> bool:
+        """True once trainer rank 0 of this attempt wrote its result (the run ended, well or not)."""
+        import json
+
+        from pipeline.launch.task import result_path
+        try:
+            return json.loads(result_path(self.run_dir, "trainer", 0).read_text())["attempt"] == self.task.attempt
+        except (FileNotFoundError, ValueError, KeyError):
+            return False
 
     async def _apply_controls(self, queue: "asyncio.Queue[Control]") -> None:
         """Apply weight-group changes and updates one at a time, beside the polling loop (which
@@ -180,20 +200,7 @@ class GeneratorRole:
                          tokens=self.tokens, tokens_per_s=self.tokens / max(elapsed, 1e-9),
                          idle_frac=1 - busy / max(elapsed, 1e-9), stall_s=self.stall_s,
                          in_flight_groups=self.in_flight, unacked=len(self.link.unacked),
-                         sync_failures=self.sync_failures, weight_epoch=self.epoch)
-
-
-def _reap_engine_processes(grace_s: float = 10.0) -> None:
-    """Stop engine processes vLLM's shutdown left behind (they would outlive the run)."""
-    import multiprocessing
-
-    children = multiprocessing.active_children()
-    for child in children:
-        child.terminate()
-    for child in children:
-        child.join(grace_s)
-        if child.is_alive():
-            child.kill()
+                         sync_failures=self.sync_failures, weight_epoch=self.epoch, restart=self.task.restart)
 
 
 def main(task) -> dict:

@@ -1,7 +1,7 @@
 """The trainer role: megatron-core ranks pulling step batches and pushing weights to the generators.
 
 Rank 0 also prepares the run's starting checkpoint (tiny model + warm-start, cached), starts the
-orchestrator beside itself, and leads the weight broadcast.
+orchestrator beside itself and keeps it alive, and leads the weight broadcast.
 
 Per step k (all ranks): ask the orchestrator for this DP rank's share of step k's batch; train;
 gather the new weights (version k+1) and broadcast them, packed in buckets, to every generator;
@@ -13,7 +13,15 @@ Invariants:
 - a step's samples are the orchestrator's recorded batch for that step; the generators hold the
   weights of version v only after the broadcast of v completed; versions equal optimizer steps;
 - a checkpoint directory is complete or absent (written under a temporary name, then renamed);
-- every wait (batch, rendezvous, broadcast) has a timeout (``run.timeout_s``).
+- every wait (batch, rendezvous, broadcast) has a timeout (``run.timeout_s``);
+- the orchestrator is a child of rank 0 that dies with it (parent-death signal); when it dies it is
+  restarted from the log within a second (`KeptProcess`; the trainer and the generators reconnect to
+  the same address), at most ``orchestrator.max_restarts`` times, counted as
+  ``orchestrator_restarts`` in every ``train_step`` record; past that the trainer stops with an
+  error naming it and the tail of ``logs/orchestrator.out``. It ignores SIGTERM (a preempted job's
+  tasks all get one): it serves until the trainer has checkpointed and stops it with SIGINT;
+- a stop signal (``task.stop_requested``) ends the run at the next step boundary with a
+  checkpoint; a weight broadcast failing meanwhile (generators stopping too) is not retried.
 """
 from __future__ import annotations
 
@@ -32,6 +40,7 @@ from pipeline.config import TokenflowConfig, record_schema
 from pipeline.metrics import MetricsWriter
 from pipeline.orchestrator.links import TrainerLink
 from pipeline.roles.common import cpu_cores_for, load_run_config, model_dir, pin_process, publish_model
+from pipeline.supervise import KeptProcess, die_with_parent
 
 log = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
@@ -67,18 +76,24 @@ def latest_checkpoint(run_dir: Path) -> tuple[int, Path | None]:
     return best
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the parent (trainer rank 0) dies, however it dies."""
-    import ctypes
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+def _orchestrator_preexec() -> None:
+    """In the child: SIGINT (a clean stop) when trainer rank 0 dies, however it dies; SIGTERM blocked."""
+    die_with_parent(signal.SIGINT)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
 
 def start_orchestrator(run_dir: Path) -> subprocess.Popen:
     logs = run_dir / "logs"
     logs.mkdir(exist_ok=True)
-    return subprocess.Popen([sys.executable, "-m", "pipeline.orchestrator", str(run_dir)],
-                            stdout=open(logs / "orchestrator.out", "a"), stderr=subprocess.STDOUT,
-                            preexec_fn=_die_with_parent)
+    with open(logs / "orchestrator.out", "a") as out:
+        return subprocess.Popen([sys.executable, "-m", "pipeline.orchestrator", str(run_dir)],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=_orchestrator_preexec)
+
+
+def _interrupt_main(why: str) -> None:
+    import _thread
+    _thread.interrupt_main()  # the main thread may wait in a batch request: wake it with KeyboardInterrupt
 
 
 class TrainerRole:
@@ -90,7 +105,7 @@ class TrainerRole:
         self.leader = self.rank == 0
         self.rdv = task.rendezvous
         self.metrics = MetricsWriter(self.run_dir, "trainer") if self.leader else None
-        self.orchestrator: subprocess.Popen | None = None
+        self.orchestrator: KeptProcess | None = None
         self.channel = None
         self.epoch = 0  # weight group epoch (leader)
         self.group_members: dict[str, int] = {}
@@ -102,7 +117,8 @@ class TrainerRole:
         pin_process(cpu_cores_for("trainer", self.rank, cfg))
         if self.leader:
             prepare_model(self.run_dir, cfg)
-            self.orchestrator = start_orchestrator(self.run_dir)
+            self.orchestrator = KeptProcess("orchestrator", lambda: start_orchestrator(self.run_dir),
+                                            cfg.orchestrator.max_restarts, _interrupt_main)
             from pipeline.launch.rendezvous import free_port
             self.rdv.publish("trainer_dist", {"host": self._host(), "port": free_port()})
         dist = self.rdv.wait("trainer_dist", timeout)
@@ -148,6 +164,7 @@ class TrainerRole:
             members = self.link.members(cfg.run.timeout_s)
             if len(members) >= want:
                 break
+            self._check_generators_left()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"only {len(members)} of {want} generator(s) alive after "
                                    f"{cfg.run.timeout_s:.0f}s")
@@ -155,6 +172,15 @@ class TrainerRole:
         if self.channel is not None and members == self.group_members:
             return
         self._build_group(members, senders)
+
+    def _check_generators_left(self) -> None:
+        """Raise once every generator task gave up (abandoned after its restarts): nobody to train on."""
+        from pipeline.launch.task import abandoned_tasks
+
+        n = self.cfg.cluster.generators
+        if abandoned_tasks(self.run_dir, "generator", n) == n:
+            raise RuntimeError(f"all {n} generator(s) died and used up their restarts "
+                               f"(cluster.generator.max_restarts); see logs/generator.*.out")
 
     def _build_group(self, members: dict[str, int], senders: int) -> None:
         from pipeline.launch.rendezvous import free_port
@@ -264,6 +290,9 @@ class TrainerRole:
                 break
             self.sync_failures += 1
             self._close_channel()
+            if self._agree(int(self.task.stop_requested.is_set())):  # stopping: generators stop too
+                log.warning("stop requested: version %d is not broadcast", version)
+                return time.monotonic() - t0
             if attempt == SYNC_ATTEMPTS - 1:
                 raise WeightSyncError(f"weight sync of version {version} failed {SYNC_ATTEMPTS} times")
             if self.leader:
@@ -296,8 +325,11 @@ class TrainerRole:
             if self.leader and every and step % every == 0:
                 self.link.request_eval(step, self.version)
             t0 = time.monotonic()
-            batch, _ = self.link.get_batch(step, self.version, self.dp_size, cfg.run.timeout_s,
-                                                dp_rank=self.dp_rank)
+            batch = self._batch_or_stop(step)
+            if batch is None:  # stopped while waiting (generators stop too): nothing more to train on
+                if self.world == 1 and step != self.start_step and step % cfg.run.checkpoint_every:
+                    self._checkpoint(step)
+                return {"steps": step, "version": self.version, "stopped": True}
             t1 = time.monotonic()
             samples = [TrainSample(prompt_ids=batch.prompt(i), completion_ids=batch.tokens("completion_ids", i),
                                    behaviour_logprobs=batch.tokens("logprobs", i),
@@ -323,11 +355,32 @@ class TrainerRole:
                                  samples=len(batch), staleness_mean=float(stale.mean()),
                                  staleness_max=int(stale.max()), wait_s=t1 - t0, step_s=t2 - t1,
                                  sync_s=sync_s, mismatch=mismatch, sync_failures=self.sync_failures,
+                                 orchestrator_restarts=self.orchestrator.restarts,
                                  trainer_idle_frac=1 - busy / max(1e-9, time.monotonic() - t_run),
                                  **m)
         if self.leader and every:
             self.link.request_eval(steps, self.version)
         return {"steps": steps, "version": self.version}
+
+    def _batch_or_stop(self, step: int):
+        """Step ``step``'s batch; None if a stop signal came while waiting for it (``run.timeout_s``).
+
+        With several ranks a stop during the wait is not agreed collectively: the run then resumes
+        from the last periodic checkpoint (the orchestrator returns later steps' groups)."""
+        from pipeline.transport import TransportError
+
+        deadline = time.monotonic() + self.cfg.run.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return self.link.get_batch(step, self.version, self.dp_size, min(5.0, max(left, 0.1)),
+                                           dp_rank=self.dp_rank)[0]
+            except TransportError:
+                if self.task.stop_requested.is_set():
+                    log.warning("stop requested while waiting for the batch of step %d", step)
+                    return None
+                if left <= 0:
+                    raise TransportError(f"no batch for step {step} within {self.cfg.run.timeout_s:.0f}s") from None
 
     def _stop_agreed(self) -> bool:
         """True on every trainer rank once any rank got the stop signal (so all stop at the same step)."""
@@ -379,12 +432,12 @@ class TrainerRole:
     def finish(self) -> None:
         if self.leader:
             self._wait_for_final_eval()
+            self.orchestrator.release()  # it exits after `finish`: no restart
             self.link.finish()
-            if self.orchestrator is not None:
-                try:
-                    self.orchestrator.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    log.warning("the orchestrator did not stop within 60s of finish")
+            try:
+                self.orchestrator.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                log.warning("the orchestrator did not stop within 60s of finish")
             if self.channel is not None:
                 self.channel.close()
         self.link.close()
@@ -392,12 +445,8 @@ class TrainerRole:
 
     def abort(self) -> None:
         """Leave nothing running behind (after a failure, or after `finish`)."""
-        if self.orchestrator is not None and self.orchestrator.poll() is None:
-            self.orchestrator.send_signal(signal.SIGTERM)
-            try:
-                self.orchestrator.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.orchestrator.kill()
+        if self.orchestrator is not None:
+            self.orchestrator.stop(signal.SIGINT)
 
     def _wait_for_final_eval(self) -> None:
         from pipeline.metrics import read_metrics
@@ -420,5 +469,12 @@ def main(task) -> dict:
         if not result.get("stopped"):
             role.finish()
         return result
+    except KeyboardInterrupt:  # the orchestrator's keeper gave up (see `_interrupt_main`)
+        failure = role.orchestrator.failure if role.orchestrator is not None else None
+        if failure is None:
+            raise
+        tail = "\n".join((role.run_dir / "logs" / "orchestrator.out").read_text(errors="replace")
+                         .splitlines()[-20:])
+        raise RuntimeError(f"{failure}; the run stops.\n--- logs/orchestrator.out:\n{tail}") from None
     finally:
         role.abort()

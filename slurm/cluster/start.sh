@@ -6,6 +6,10 @@
 #   slurmctld, and one slurmd per fake node node1..nodeN (this Slurm build has MULTIPLE_SLURMD).
 # Partition `debug` (default) holds every node; each node claims $NODE_CPUS CPUs and
 # $NODE_MEM_MB MB whatever the machine has (SlurmdParameters=config_overrides).
+# Preemption (for the preemption tests): partition `preemptible` (PriorityTier 1, PreemptMode
+# REQUEUE, GraceTime 60 s) is preempted by jobs of partition `urgent` (PriorityTier 10); jobs of
+# `debug` are never preempted (PreemptMode=OFF). A running cluster without these partitions gets
+# them live (slurm.conf rewritten, `scontrol reconfigure`: running jobs keep running).
 #
 # Idempotent: if every recorded daemon is alive and the nodes answer, it only reports that.
 # Environment knobs: TOKENFLOW_SLURM_STATE (default /var/tmp/tokenflow-slurm),
@@ -40,6 +44,19 @@ tail_logs() {
 NODE_LAST_PORT=$((FIRST_NODE_PORT + NODES - 1))
 NODE_RANGE="node[1-$NODES]"; [ "$NODES" = 1 ] && NODE_RANGE=node1
 
+# ---------------------------------------------------------------- preemption settings
+add_preemption() {  # $1: slurm.conf; the debug partition line must exist
+  sed -i -e '/^PreemptType=/d' -e '/^PreemptMode=/d' -e '/^PartitionName=preemptible /d' \
+      -e '/^PartitionName=urgent /d' "$1"
+  sed -i 's/^PartitionName=debug .*/PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=OFF/' "$1"
+  cat >> "$1" <<'PREEMPT'
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+PartitionName=preemptible Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=60
+PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
+PREEMPT
+}
+
 # ---------------------------------------------------------------- already running?
 nodes_ready() { [ "$(sinfo -h -N -t idle,mix,alloc -o %N 2>/dev/null | sort -u | wc -l)" -ge "$NODES" ]; }
 if [ -s "$STATE/pids" ] && command -v sinfo >/dev/null; then
@@ -48,6 +65,11 @@ if [ -s "$STATE/pids" ] && command -v sinfo >/dev/null; then
     want=${name%%.*}; [ "$want" = mariadb ] && want=mariadbd
     [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$want" ] || { alive=0; log "$name (pid $pid) is gone"; }
   done < "$STATE/pids"
+  if [ "$alive" = 1 ] && nodes_ready && ! scontrol show partition preemptible >/dev/null 2>&1; then
+    add_preemption "$STATE/etc/slurm.conf"
+    scontrol reconfigure || die "scontrol reconfigure failed after adding the preemption partitions"
+    log "added the preemption partitions to the running cluster"
+  fi
   if [ "$alive" = 1 ] && nodes_ready; then
     log "cluster already running ($(sinfo -h -o '%P %D %T' | paste -sd' ')); nothing to do ($(elapsed) s)"
     exit 0
@@ -135,6 +157,7 @@ NodeName=$NODE_RANGE NodeHostname=localhost NodeAddr=127.0.0.1 Port=$FIRST_NODE_
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
 [ "$NODES" = 1 ] && sed -i "s/Port=$FIRST_NODE_PORT-$NODE_LAST_PORT/Port=$FIRST_NODE_PORT/" "$STATE/etc/slurm.conf"
+add_preemption "$STATE/etc/slurm.conf"
 
 MYSOCK=$STATE/mysql/mysqld.sock
 cat > "$STATE/etc/slurmdbd.conf" <<CONF

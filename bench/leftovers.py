@@ -1,0 +1,30 @@
+"""Shared by every benchmark: on exit, no process the benchmark started may still be alive.
+
+    with no_process_left():          # marks this process's environment; children inherit the mark
+        print(json.dumps(main()))
+
+On leaving the block, processes carrying the mark (wherever they were reparented to) get up to
+15 s to finish; any still alive are killed, listed on stderr, and the benchmark exits 1 (its JSON
+line stays the last line of stdout).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import uuid
+
+from pipeline.supervise import MARKER_ENV, leftovers
+
+
+@contextlib.contextmanager
+def no_process_left():
+    marker = os.environ.setdefault(MARKER_ENV, uuid.uuid4().hex)  # under a test: the test's mark
+    try:
+        yield
+    finally:
+        left = leftovers(marker, wait_s=15.0)
+        if left:
+            print(f"benchmark left {len(left)} process(es) behind (killed): " +
+                  "; ".join(f"{pid}: {cmd[:120]}" for pid, cmd in sorted(left.items())), file=sys.stderr)
+            raise SystemExit(1)

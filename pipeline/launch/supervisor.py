@@ -1,0 +1,146 @@
+"""The supervisor every task runs: the role in a child process, restarted in place, nothing left behind.
+
+A task (`python -m pipeline.launch`, or submitit's call of `RoleDispatcher`) does not run its role
+itself: it becomes a child subreaper and starts the role as a child process (`ROLE_PROCESS_ENV`
+set, so the child runs the role entry; see `pipeline.launch.task`). Then:
+
+- the child exits 0 -> the task is done (its result file is the child's);
+- the child dies otherwise (an exception, ``kill -9``, an engine crash that took it down) -> every
+  process left in the task's tree (vLLM engines, an orchestrator) is ended (`end_tree`); if the
+  component allows restarts (`ComponentSpec.max_restarts`) and none of the stop signals came, the
+  role is started again; past the bound an `optional` component's task *abandons* (result
+  ``{"ok": false, "abandoned": true}``, exit 0: the run goes on without it), any other task fails
+  (exit 1: the launcher, or ``srun --kill-on-bad-exit``, ends the run);
+- SIGTERM (preemption, ``scancel``, the local launcher stopping a run) and the checkpoint signal
+  (USR2) are forwarded to the child, which stops at its next step boundary; no restart follows,
+  and the task exits 0 however the child ended (a preempted job must not look failed: ``srun
+  --kill-on-bad-exit`` would end the trainer's checkpoint). On the checkpoint signal, under
+  submitit, global rank 0 requeues the job once the child exited (at most ``stop_grace_s`` later)
+  and every task waits for that requeue. SIGTERM never requeues: Slurm requeues a preempted job
+  itself (``PreemptMode=REQUEUE``), and ``scancel`` must stay a cancel;
+- the child gets SIGTERM if the supervisor dies (parent-death signal) and, being a subreaper
+  itself, ends its own tree on the way out.
+
+Example: generator.1 with max_restarts=2. Its engine core is killed at 12:00:00; the role raises
+(EngineDeadError) and exits 1; the supervisor ends the orphaned engine worker and starts the role
+again (restart 1 of 2, logged in ``logs/generator.1.out``); the new role joins the weight group and
+takes work once it holds the current weights.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Mapping
+
+from pipeline.supervise import become_subreaper, die_with_parent, end_tree, own
+
+class RoleFailed(RuntimeError):
+    """The task's role died and was not (or no longer) restarted."""
+
+
+ROLE_PROCESS_ENV = "TOKENFLOW_ROLE_PROCESS"
+"""Set (to the restart count) in the role's child process: it runs the role instead of supervising."""
+
+
+class TaskSupervisor:
+    def __init__(self, argv: list[str], env: Mapping[str, str], result_file: Path, max_restarts: int,
+                 optional: bool, stop_grace_s: float, requeue: Callable[[], None] | None,
+                 wait_for_requeue: bool, kill_grace_s: float = 10.0) -> None:
+        self.argv, self.env, self.result_file = argv, dict(env), result_file
+        self.max_restarts, self.optional = max_restarts, optional
+        self.stop_grace_s, self.requeue, self.kill_grace_s = stop_grace_s, requeue, kill_grace_s
+        self.wait_for_requeue = wait_for_requeue  # under submitit: a checkpoint stop ends in a requeue
+        self.child: subprocess.Popen | None = None
+        self.stop_signal: int | None = None
+        self.restarts = 0
+
+    def _on_signal(self, sig: int, frame) -> None:
+        first = self.stop_signal is None
+        self.stop_signal = sig if first else self.stop_signal
+        print(f"tokenflow supervisor: {signal.Signals(sig).name} at {time.strftime('%H:%M:%S')}: "
+              f"forwarding to the role (no restart)", flush=True)
+        if self.child is not None and self.child.poll() is None:
+            self.child.send_signal(sig)
+        if first and sig != signal.SIGTERM and self.requeue is not None:
+            threading.Thread(target=self._requeue_after_child, name="requeue", daemon=True).start()
+
+    def _requeue_after_child(self) -> None:
+        deadline = time.monotonic() + self.stop_grace_s
+        while self.child is not None and self.child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self.requeue()  # submitit: dumps the checkpointed dispatcher, scontrol requeue (ends every task)
+
+    def run(self, stop_signals: tuple[int, ...]) -> int:
+        """Supervise until the role is done; returns the task's exit code."""
+        become_subreaper()
+        for sig in stop_signals:
+            signal.signal(sig, self._on_signal)
+        while True:
+            env = {**self.env, ROLE_PROCESS_ENV: str(self.restarts)}
+            self.child = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL,
+                                          preexec_fn=die_with_parent)
+            own(self.child.pid)
+            code = self._wait_child()
+            left = end_tree(grace_s=self.kill_grace_s)
+            if left:
+                print(f"tokenflow supervisor: ended {len(left)} process(es) the role left behind: {left}",
+                      flush=True)
+            if code == 0:
+                return self._after_success()
+            why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            if self.stop_signal is not None:  # asked to stop: ending badly now is no failure of the run
+                self._record_death(why)
+                return 0
+            if self.restarts < self.max_restarts:
+                self.restarts += 1
+                print(f"tokenflow supervisor: role process {self.child.pid} died ({why}); restart "
+                      f"{self.restarts} of {self.max_restarts} at {time.strftime('%H:%M:%S')}", flush=True)
+                continue
+            self._record_death(why)
+            if self.optional:
+                print(f"tokenflow supervisor: role died ({why}) after {self.restarts} restart(s): "
+                      f"abandoned, the run goes on without it", flush=True)
+                return 0
+            return 1
+
+    def _wait_child(self) -> int:
+        while True:
+            try:
+                return self.child.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                continue
+
+    def _after_success(self) -> int:
+        stopped = _read(self.result_file).get("stopped", False)
+        if stopped and self.wait_for_requeue and self.stop_signal != signal.SIGTERM:
+            time.sleep(self.stop_grace_s + 120)  # the requeue thread ends this task long before
+            print(f"tokenflow supervisor: stopped for requeue but the job was not requeued", flush=True)
+            return 1
+        return 0
+
+    def _record_death(self, why: str) -> None:
+        """Write the task's result when the role could not (killed), or mark it abandoned."""
+        record = _read(self.result_file)
+        if not record or record.get("ok"):
+            record = {"ok": False, "error": f"role process {self.child.pid} died ({why}) without a result\n"}
+        record.update(restarts=self.restarts, abandoned=self.optional and self.stop_signal is None)
+        tmp = self.result_file.with_name(f".{self.result_file.name}.tmp")
+        tmp.write_text(json.dumps(record, default=str))
+        os.replace(tmp, self.result_file)
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def role_argv(run_dir: Path, launch_index: int) -> list[str]:
+    return [sys.executable, "-u", "-m", "pipeline.launch", str(run_dir), str(launch_index)]

@@ -1,0 +1,258 @@
+"""Process supervision: nothing a run starts outlives it, however its parent dies.
+
+Linux gives three tools, used together (`docs/architecture.md`, "Processes and failures"):
+- a *child subreaper* (``PR_SET_CHILD_SUBREAPER``) adopts the orphans of its descendants instead
+  of init, so a process whose parent was ``kill -9``'d (a vLLM ``EngineCore`` whose generator
+  died) stays in the tree of the task that started it, where `end_tree` finds and ends it;
+- a *parent-death signal* (``PR_SET_PDEATHSIG``) makes a child hear of its parent's death at once;
+- a *marker* environment variable, inherited by every descendant, names the processes of a test or
+  benchmark wherever they were reparented to (`marked_processes`), without matching process names
+  (other runs on the same machine are not touched).
+
+Invariants:
+- `end_tree(root)` returns only once no descendant of ``root`` is left (SIGTERM, then SIGKILL after
+  ``grace_s``); zombies it adopted are reaped;
+- `descendants` reads ``/proc`` once per call; a process that forks while it is read may be missed,
+  so `end_tree` re-reads until the tree is empty.
+
+Example: a generator task runs as supervisor (subreaper, pid 100) -> generator role (pid 101,
+subreaper) -> EngineCore (pid 102) -> worker (pid 103). ``kill -9 101``: 102 is reparented to 100
+(the nearest living subreaper), the supervisor sees 101 exit, calls ``end_tree(100)``: SIGTERM to
+102 and 103, SIGKILL to whatever is left after ``grace_s``, then restarts the role.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+MARKER_ENV = "TOKENFLOW_PROCESS_MARKER"
+"""Environment variable tests and benchmarks set to a unique value; every process they start inherits it."""
+
+
+def _prctl(option: int, arg: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, arg, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl({option}, {arg}) failed: {os.strerror(err)}")
+
+
+def become_subreaper() -> None:
+    """Adopt orphaned descendants of this process (they stay findable by `descendants`)."""
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Get ``sig`` when the parent exits (call in the child, e.g. as ``preexec_fn``)."""
+    parent = os.getppid()
+    _prctl(PR_SET_PDEATHSIG, int(sig))
+    if os.getppid() != parent:  # the parent died before the prctl took effect
+        os.kill(os.getpid(), sig)
+
+
+def _stat(pid: int) -> tuple[int, str] | None:
+    """(parent pid, state letter) of ``pid``, None if it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # the command name may hold spaces and parentheses
+    return int(fields[1]), fields[0]
+
+
+def _pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def descendants(root: int) -> list[int]:
+    """Live (non-zombie) descendants of ``root``, parents before children."""
+    children: dict[int, list[int]] = {}
+    states: dict[int, str] = {}
+    for pid in _pids():
+        st = _stat(pid)
+        if st is not None:
+            children.setdefault(st[0], []).append(pid)
+            states[pid] = st[1]
+    out, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop(0)
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return [p for p in out if states.get(p) != "Z"]
+
+
+def _reap_adopted() -> None:
+    """Reap zombie children of this process that no `subprocess.Popen` owns (adopted orphans)."""
+    me = os.getpid()
+    for pid in _pids():
+        st = _stat(pid)
+        if st is not None and st[0] == me and st[1] == "Z" and _adopted(pid):
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+
+
+_owned: set[int] = set()
+"""Children this process started itself (their owners wait for them); never reaped here."""
+
+
+def own(pid: int) -> None:
+    _owned.add(pid)
+
+
+def _adopted(pid: int) -> bool:
+    return pid not in _owned
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def end_tree(root: int | None = None, grace_s: float = 10.0) -> list[int]:
+    """End every descendant of ``root`` (default: this process); returns the pids it signalled."""
+    root = os.getpid() if root is None else root
+    return _end(lambda: descendants(root), grace_s)
+
+
+def end_processes(pids: list[int], grace_s: float = 10.0) -> list[int]:
+    """End ``pids`` and their descendants (e.g. the engine processes a library started)."""
+    def left() -> list[int]:
+        out = []
+        for pid in pids:
+            st = _stat(pid)
+            if st is not None and st[1] != "Z":
+                out += [pid] + descendants(pid)
+        return out
+
+    return _end(left, grace_s)
+
+
+def _end(left_now, grace_s: float) -> list[int]:
+    signalled: list[int] = []
+    deadline = time.monotonic() + grace_s
+    sig = signal.SIGTERM
+    while True:
+        _reap_adopted()
+        left = left_now()
+        if not left:
+            return signalled
+        if time.monotonic() > deadline:
+            sig = signal.SIGKILL
+        _signal_all(left, sig)
+        signalled.extend(p for p in left if p not in signalled)
+        time.sleep(0.1)
+
+
+def marked_processes(marker: str, exclude: set[int] = frozenset()) -> dict[int, str]:
+    """pid -> command line of every live process whose environment holds ``MARKER_ENV=marker``."""
+    needle = f"{MARKER_ENV}={marker}".encode()
+    found = {}
+    for pid in _pids():
+        if pid in exclude:
+            continue
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if needle not in env.split(b"\0"):
+            continue
+        st = _stat(pid)
+        if st is None or st[1] == "Z":
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        found[pid] = cmd.strip()
+    return found
+
+
+def leftovers(marker: str, wait_s: float = 15.0, kill: bool = True) -> dict[int, str]:
+    """Processes still carrying ``marker`` after up to ``wait_s`` (they may be stopping); ended if ``kill``.
+
+    The caller's own process and its ancestors are excluded (they carry the marker by design).
+    """
+    exclude = {os.getpid()}
+    pid = os.getpid()
+    while pid > 1:
+        st = _stat(pid)
+        if st is None:
+            break
+        pid = st[0]
+        exclude.add(pid)
+    deadline = time.monotonic() + wait_s
+    found = marked_processes(marker, exclude)
+    while found and time.monotonic() < deadline:
+        time.sleep(0.5)
+        found = marked_processes(marker, exclude)
+    if found and kill:
+        _signal_all(list(found), signal.SIGKILL)
+    return found
+
+
+class KeptProcess:
+    """A child process kept alive by a watcher thread: restarted when it dies, at most ``max_restarts`` times.
+
+    ``start()`` launches it (and is called again for each restart); past the bound ``on_give_up``
+    is called once with a message naming the process and its exit. `stop` ends it on purpose (no
+    restart). Example: the orchestrator beside trainer rank 0 (`pipeline.roles.trainer`).
+    """
+
+    def __init__(self, name: str, start, max_restarts: int, on_give_up, poll_s: float = 0.2) -> None:
+        import threading
+
+        self.name, self._start, self.max_restarts, self.on_give_up = name, start, max_restarts, on_give_up
+        self.poll_s = poll_s
+        self.restarts = 0
+        self.failure: str | None = None
+        self._stopping = threading.Event()
+        self.proc = start()
+        own(self.proc.pid)
+        self._thread = threading.Thread(target=self._watch, name=f"keep-{name}", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(self.poll_s):
+            code = self.proc.poll()
+            if code is None:
+                continue
+            if self._stopping.is_set():
+                return
+            why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            if self.restarts >= self.max_restarts:
+                self.failure = (f"the {self.name} (pid {self.proc.pid}) died ({why}) after "
+                                f"{self.restarts} restart(s)")
+                self.on_give_up(self.failure)
+                return
+            self.restarts += 1
+            print(f"tokenflow: the {self.name} (pid {self.proc.pid}) died ({why}) at "
+                  f"{time.strftime('%H:%M:%S')}; restart {self.restarts} of {self.max_restarts}", flush=True)
+            self.proc = self._start()
+            own(self.proc.pid)
+
+    def release(self) -> None:
+        """Stop restarting it (it is about to exit on purpose)."""
+        self._stopping.set()
+        self._thread.join(timeout=5)
+
+    def stop(self, sig: int = signal.SIGTERM, grace_s: float = 30.0) -> None:
+        """Release it and end it: ``sig``, then SIGKILL after ``grace_s``."""
+        import subprocess
+
+        self.release()
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)

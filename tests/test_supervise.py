@@ -1,0 +1,106 @@
+"""Supervision without models: the task supervisor restarts a role killed with SIGKILL and ends
+what it left behind; past the bound an optional task abandons and the run goes on; a stop signal
+is forwarded and never followed by a restart; a kept process is restarted, then given up on."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pipeline.launch import ComponentSpec, JobPlan, LocalLauncher, TaskFailed
+from pipeline.supervise import KeptProcess, MARKER_ENV, leftovers
+
+PROBE = "pipeline.launch.probe:probe"
+
+
+def plan(max_restarts: int, optional: bool, **probe) -> JobPlan:
+    return JobPlan(name="sup", components={
+        "trainer": ComponentSpec(entry=PROBE),
+        "generator": ComponentSpec(entry=PROBE, max_restarts=max_restarts, optional=optional)},
+        config={"probe": {"timeout_s": 60, "crash_role": "generator", **probe}})
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_a_killed_role_is_restarted_and_what_it_left_is_ended(tmp_path):
+    run = LocalLauncher(kill_grace_s=5).launch(plan(max_restarts=2, optional=True, crash_times=2), tmp_path / "run")
+    results = run.wait(timeout_s=120)
+    assert results["generator"][0]["role"] == "generator"  # the third start completed
+    reports = [json.loads((tmp_path / f"run/probe/generator.0.restart-{k}.json").read_text()) for k in range(3)]
+    assert [alive(r["child_pid"]) for r in reports[:2]] == [False, False], "an orphan outlived its dead role"
+    log = (tmp_path / "run/logs/generator.0.out").read_text()
+    assert "restart 1 of 2" in log and "restart 2 of 2" in log and "left behind" in log
+
+
+def test_past_its_restarts_an_optional_task_abandons_and_the_run_goes_on(tmp_path):
+    run = LocalLauncher(kill_grace_s=5).launch(plan(max_restarts=1, optional=True, crash_times=5), tmp_path / "run")
+    results = run.wait(timeout_s=120)
+    assert results["generator"] == [None] and results["trainer"][0]["role"] == "trainer"
+    record = json.loads((tmp_path / "run/results/generator.0.json").read_text())
+    assert record["abandoned"] and record["restarts"] == 1 and "SIGKILL" in record["error"]
+
+
+def test_past_its_restarts_a_required_task_fails_the_run(tmp_path):
+    launched = LocalLauncher(kill_grace_s=5).launch(plan(max_restarts=0, optional=False), tmp_path / "run")
+    with pytest.raises(TaskFailed, match="generator.0 failed: role process .* died \\(signal SIGKILL\\)"):
+        launched.wait(timeout_s=120)
+
+
+def test_sigterm_is_forwarded_as_a_stop_and_never_restarts(tmp_path):
+    p = plan(max_restarts=3, optional=True, hold_s=120)
+    p.config["probe"].pop("crash_role")
+    p.components.pop("generator")
+    launched = LocalLauncher(kill_grace_s=5).launch(p, tmp_path / "run")
+    deadline = time.monotonic() + 60
+    while not list((tmp_path / "run/probe").glob("trainer.0.*.json")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.kill(launched.pids[0], signal.SIGTERM)  # the supervisor only, as Slurm's preemption would too
+    results = launched.wait(timeout_s=60)
+    assert results["trainer"][0]["stop_requested"] is True
+    record = json.loads((tmp_path / "run/results/trainer.0.json").read_text())
+    assert record["stopped"] and record["restart"] == 0
+    assert "SIGTERM received" in (tmp_path / "run/logs/trainer.0.out").read_text()
+
+
+def test_a_kept_process_is_restarted_then_given_up_on(tmp_path):
+    given_up = []
+    starts = []
+
+    def start():
+        starts.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]))
+        return starts[-1]
+
+    kept = KeptProcess("sleeper", start, max_restarts=2, on_give_up=given_up.append, poll_s=0.05)
+    for _ in range(3):
+        pid = kept.proc.pid
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while kept.proc.pid == pid and not given_up and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert len(starts) == 3 and kept.restarts == 2
+    assert given_up and "the sleeper" in given_up[0] and "SIGKILL" in given_up[0]
+    kept.stop()
+
+
+def test_leftovers_finds_marked_processes_wherever_they_were_reparented():
+    marker = os.environ[MARKER_ENV]
+    orphan = subprocess.run([sys.executable, "-c", "import subprocess, sys; print(subprocess.Popen("
+                             "[sys.executable, '-c', 'import time; time.sleep(600)'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)"],
+                            capture_output=True, text=True, timeout=60)
+    pid = int(orphan.stdout)  # its parent exited: it was reparented away from this test's tree
+    assert pid in leftovers(marker, wait_s=0.5)  # found, and killed
+    deadline = time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(pid)
