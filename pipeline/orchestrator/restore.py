@@ -2,6 +2,9 @@
 
 Invariants:
 - resolved groups (any outcome) are never issued again; unresolved ids below the cursor are;
+- ``kept`` is what admission would count had the orchestrator never stopped: every group ever
+  stored minus every stored group released since (evicted as stale or dropped by a rollback),
+  consumed groups included; it is derived from the log's group rows, never from the buffer;
 - the buffer gets back exactly the stored groups that no recorded step consumed and that were not
   evicted as stale, oldest first, as spilled rows (read back from the log when a step takes them);
 - the step record (step -> rows, DP ranks) is restored so a trainer asking again for a recorded
@@ -26,6 +29,8 @@ class RestoredState:
     buffered: list[BufferedGroup] = field(default_factory=list)
     step_rows: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     last_trainer_version: int = 0
+    kept: int = 0
+    """Groups stored and not released since (see the module invariants)."""
     outcome_counts: dict[str, int] = field(default_factory=dict)
 
 
@@ -45,6 +50,7 @@ def restore_from_log(log_dir: Path) -> RestoredState:
         evicted = set(rs.resolved[GroupOutcome.EVICTED_STALE].tolist())
         consumed = rs.consumed_rows
         st = rs.stored
+        state.kept = len(st["group_id"]) - len(evicted & set(st["group_id"].tolist()))
         order = np.argsort(st["first_row"], kind="stable")
         all_rows = log.rows()
         tokens = log.column("samples/prompt_len").astype(np.int64) + log.column("samples/completion_len")

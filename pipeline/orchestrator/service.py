@@ -68,7 +68,7 @@ class Orchestrator:
         self.writer = RolloutLogWriter(log_dir, schema, run_id,
                                        {"group_size": cfg.group_size, "seed": cfg.seed})
         self.buffer = RolloutBuffer(cfg.memory_token_budget, self.writer.read_samples)
-        self.admission.restore(state.resolved, len(state.buffered), state.attempts)
+        self.admission.restore(state.resolved, state.kept, state.attempts)
         for g in state.buffered:
             self.buffer.add(g)
         self.counts.update(state.outcome_counts)
