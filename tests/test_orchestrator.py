@@ -238,7 +238,7 @@ def test_fuzzed_frames_are_dropped_and_the_run_goes_on(tmp_path):
     check_log_invariants(tmp_path, max_staleness=1)
     last = list(read_metrics(tmp_path, "orchestrator"))[-1]
     dropped = sum(v for k, v in last.items() if k.startswith("frames_dropped_"))
-    rejected = dropped + last.get("count_bad_request", 0) + last.get("count_unknown_kind", 0) \
+    rejected = dropped + last.get("count_bad_message", 0) \
         + last.get("count_invalid_result", 0) + last.get("count_unleased", 0) \
         + last.get("count_duplicate", 0)
     assert rejected >= sent * 0.9, last

@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from pipeline.orchestrator.messages import Credit
+
 
 @dataclass
 class GeneratorState:
@@ -42,14 +44,14 @@ class GeneratorPool:
         if g is not None:
             g.last_seen = time.monotonic()
 
-    def set_credit(self, peer: bytes, credit: dict, epoch: str) -> None:
+    def set_credit(self, peer: bytes, credit: Credit, epoch: str) -> None:
         g = self.gens.get(peer)
         if g is None:  # a generator from before an orchestrator restart: adopt it
             g = self.gens[peer] = GeneratorState(self._next())
-        received = int(credit["received"]) if credit.get("epoch") == epoch else 0
-        g.credit = max(0, int(credit["free"]) - (g.granted - received))
-        if credit.get("loaded") is not None:
-            g.loaded = int(credit["loaded"])
+        received = credit.received if credit.epoch == epoch else 0
+        g.credit = max(0, credit.free - (g.granted - received))
+        if credit.loaded is not None:
+            g.loaded = credit.loaded
 
     def loaded_floor(self) -> int | None:
         """Lowest loaded version among generators that report one (None if none does)."""

@@ -28,6 +28,7 @@ import uuid
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import zmq
@@ -38,7 +39,8 @@ from pipeline.orchestrator.buffer import BufferedGroup, RolloutBuffer
 from pipeline.orchestrator.config import OrchestratorConfig
 from pipeline.orchestrator.evaluation import Evaluator
 from pipeline.orchestrator.members import GeneratorPool
-from pipeline.orchestrator.links import batch_from_arrays, read_rendezvous, write_rendezvous
+from pipeline.orchestrator import messages as m
+from pipeline.orchestrator.links import batch_from_arrays, prompt_arrays, read_rendezvous, write_rendezvous
 from pipeline.orchestrator.prompts import PromptSource
 from pipeline.orchestrator.replay import LogFeeder
 from pipeline.orchestrator.scoring import GROUP_FILTERS, AsyncScoring, Scorer
@@ -136,46 +138,56 @@ class Orchestrator:
         if now - self._last_metrics >= self.cfg.metrics_interval_s:
             self._write_metrics(now)
 
-    def handle(self, peer: bytes, msg: Message) -> None:
+    def handle(self, peer: bytes, raw: Message) -> None:
+        """Decode a message into its record and dispatch it; a malformed, unknown or misdirected
+        message is counted (``bad_message``) and answered with an `Error` naming the problem."""
         try:
-            handler = {"hello": self._on_hello, "want": self._on_want, "result": self._on_result,
-                       "members": self._on_members, "regroup": self._on_regroup,
-                       "get_batch": self.desk.on_get_batch, "version": self._on_version,
-                       "resume": self.desk.on_resume, "eval_request": self._on_eval_request,
-                       "eval_result": self._on_eval_result, "weights": self._on_weights,
-                       "finish": self._on_finish}[msg.kind]
-        except KeyError:
-            self.counts["unknown_kind"] += 1
+            msg = m.decode(raw)
+            handler = self._handlers.get(type(msg))
+            if handler is None:
+                raise m.MessageError(raw.kind, "not a message the orchestrator takes")
+        except m.MessageError as exc:
+            self.counts["bad_message"] += 1
+            log.warning("bad message from %r: %s", peer, exc)
+            self.server.send(peer, *m.encode(m.Error(exc.kind, exc.detail)))
             return
         self.generators.seen(peer)
-        try:
-            handler(peer, msg)
-        except (KeyError, TypeError, ValueError) as exc:  # well-signed but nonsensical content
-            self.counts["bad_request"] += 1
-            log.warning("bad %s from %r: %s", msg.kind, peer, exc)
+        handler(peer, msg)
+
+    @property
+    def _handlers(self) -> dict[type, Callable]:
+        return {m.Hello: self._on_hello, m.Want: self._on_want, m.Result: self._on_result,
+                m.ListMembers: self._on_members, m.Regroup: self._on_regroup,
+                m.GetBatch: self.desk.on_get_batch, m.TrainerVersion: self._on_version,
+                m.Resume: self.desk.on_resume, m.EvalRequest: self._on_eval_request,
+                m.EvalResult: self._on_eval_result, m.WeightsAnnounced: self._on_weights,
+                m.Finish: self._on_finish}
+
+    def _send(self, peer: bytes, msg) -> None:
+        self.server.send(peer, *m.encode(msg))
 
     # -- generators ------------------------------------------------------------------------
-    def _on_hello(self, peer: bytes, msg: Message) -> None:
+    def _on_hello(self, peer: bytes, msg: m.Hello) -> None:
         if self.generators.hello(peer):  # restarted: the old process's leases never come back
             self.counts["leases_released"] += self.admission.release_holder(peer)
         if self.group_epoch is not None:  # it must join the weight group before taking weights
-            self.server.send(peer, "regroup", {"epoch": self.group_epoch})
+            self._send(peer, m.Regroup(self.group_epoch))
         if self.announced_version is not None:
-            self.server.send(peer, "update", {"version": self.announced_version})
+            self._send(peer, m.Update(self.announced_version))
 
-    def _on_want(self, peer: bytes, msg: Message) -> None:
-        self.generators.set_credit(peer, msg.meta, self.epoch)
+    def _on_want(self, peer: bytes, msg: m.Want) -> None:
+        self.generators.set_credit(peer, msg.credit, self.epoch)
 
-    def _on_members(self, peer: bytes, msg: Message) -> None:
+    def _on_members(self, peer: bytes, msg: m.ListMembers) -> None:
         """The trainer asks which generators are alive (to build the weight group)."""
         self._reap_dead()
-        self.server.send(peer, "members", {"members": self.generators.members()})
+        self._send(peer, m.Members(self.generators.members()))
 
-    def _on_regroup(self, peer: bytes, msg: Message) -> None:
-        """The trainer rebuilt the weight group (epoch in meta): every generator must join it."""
-        self.group_epoch = int(msg.meta["epoch"])
+    def _on_regroup(self, peer: bytes, msg: m.Regroup) -> None:
+        """The trainer rebuilt the weight group: every generator must join it."""
+        self.group_epoch = msg.epoch
         for gen in self.generators:
-            self.server.send(gen, "regroup", {"epoch": self.group_epoch})
+            self._send(gen, msg)
 
     def _reap_dead(self) -> None:
         for peer in self.generators.reap():
@@ -206,10 +218,8 @@ class Orchestrator:
                 gen.granted += 1
                 progress = True
         for peer, (items, prompts) in grants.items():
-            self.server.send(peer, "work", {"epoch": self.epoch, "version": self.admission.effective_version,
-                                            "items": items},
-                             {"prompt_ids": np.concatenate(prompts),
-                              "prompt_len": np.array([len(p) for p in prompts], np.int32)})
+            self._send(peer, m.Work(self.epoch, self.admission.effective_version, items,
+                                    prompt_arrays(prompts)))
 
     def _feed_from_log(self) -> None:
         """Replay: keep two steps' worth of recorded groups buffered, as generators would."""
@@ -225,10 +235,10 @@ class Orchestrator:
             self.admission.resolve(gid, kept=True)
             self._store(gid, int(group.columns["attempt"][0]), group)
 
-    def _on_result(self, peer: bytes, msg: Message) -> None:
-        gid, attempt = int(msg.meta["group_id"]), int(msg.meta["attempt"])
-        if "credit" in msg.meta:
-            self.generators.set_credit(peer, msg.meta["credit"], self.epoch)
+    def _on_result(self, peer: bytes, msg: m.Result) -> None:
+        gid, attempt = msg.group_id, msg.attempt
+        if msg.credit is not None:
+            self.generators.set_credit(peer, msg.credit, self.epoch)
         verdict = self.admission.classify_result(gid)
         if verdict != "accept":
             self.counts[verdict] += 1
@@ -313,35 +323,35 @@ class Orchestrator:
         for peer, gid, attempt, outcome in self.to_ack:
             by_peer.setdefault(peer, []).append([gid, attempt, outcome])
         for peer, groups in by_peer.items():
-            self.server.send(peer, "ack", {"groups": groups})
+            self._send(peer, m.Ack(groups))
         self.to_ack.clear()
 
     # -- trainer ---------------------------------------------------------------------------
-    def _on_version(self, peer: bytes, msg: Message) -> None:
-        self.admission.version = int(msg.meta["version"])
+    def _on_version(self, peer: bytes, msg: m.TrainerVersion) -> None:
+        self.admission.version = msg.version
 
-    def _on_eval_request(self, peer: bytes, msg: Message) -> None:
+    def _on_eval_request(self, peer: bytes, msg: m.EvalRequest) -> None:
         if self.evaluator is None:
             self.counts["eval_unavailable"] += 1
             return
-        self.evaluator.start(int(msg.meta["step"]), int(msg.meta["version"]))
+        self.evaluator.start(msg.step, msg.version)
         self.evaluator.send_work(self.server, list(self.generators))
 
-    def _on_eval_result(self, peer: bytes, msg: Message) -> None:
+    def _on_eval_result(self, peer: bytes, msg: m.EvalResult) -> None:
         if self.evaluator is None:
             return
         summary = self.evaluator.on_result(peer, msg, self.counts)
         if summary is not None:
             self.metrics.log("eval", **summary)
 
-    def _on_weights(self, peer: bytes, msg: Message) -> None:
-        self.announced_version = int(msg.meta["version"])
+    def _on_weights(self, peer: bytes, msg: m.WeightsAnnounced) -> None:
+        self.announced_version = msg.version
         for gen in self.generators:
-            self.server.send(gen, "update", {"version": self.announced_version})
+            self._send(gen, m.Update(msg.version))
 
-    def _on_finish(self, peer: bytes, msg: Message) -> None:
+    def _on_finish(self, peer: bytes, msg: m.Finish) -> None:
         for gen in self.generators:
-            self.server.send(gen, "stop", {})
+            self._send(gen, m.Stop())
         self.stopping = True
 
     # -- metrics and shutdown -----------------------------------------------------------------

@@ -25,10 +25,10 @@ from pipeline.orchestrator.batching import split_by_tokens
 from pipeline.orchestrator.buffer import BufferedGroup, RolloutBuffer
 from pipeline.orchestrator.config import OrchestratorConfig
 from pipeline.orchestrator.links import batch_arrays
+from pipeline.orchestrator.messages import Batch, GetBatch, Resume, encode
 from pipeline.record import SampleBatch
 from pipeline.rollout_log import RolloutLogWriter
 from pipeline.transport import MessageServer
-from pipeline.wire import Message
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +49,9 @@ class StepDesk:
         """trainer peer -> (step, dp_size, dp_rank) it waits for."""
         self._stale_checked_for = -1
 
-    def on_get_batch(self, peer: bytes, msg: Message) -> None:
-        step, dp_size = int(msg.meta["step"]), int(msg.meta["dp_size"])
-        dp_rank = msg.meta.get("dp_rank")
-        self.admission.version = int(msg.meta["version"])
+    def on_get_batch(self, peer: bytes, msg: GetBatch) -> None:
+        step, dp_size, dp_rank = msg.step, msg.dp_size, msg.dp_rank
+        self.admission.version = msg.version
         if step in self.step_rows:
             rows, ranks = self.step_rows[step]
             self._send(peer, step, self.writer.read_samples(rows), ranks, dp_rank)
@@ -60,14 +59,14 @@ class StepDesk:
             self.trainer_version = max(self.trainer_version, step)
             self.waiting[peer] = (step, dp_size, dp_rank)
 
-    def on_resume(self, peer: bytes, msg: Message) -> None:
+    def on_resume(self, peer: bytes, msg: Resume) -> None:
         """The trainer restarted from the checkpoint taken after ``step`` steps (DESIGN §6).
 
         Steps recorded at or after it are forgotten; their groups go back to the front of the
         buffer, except groups holding tokens of versions above ``step`` (weights that no longer
         exist), which are dropped and counted.
         """
-        k = int(msg.meta["step"])
+        k = msg.step
         later = sorted((s for s in self.step_rows if s >= k), reverse=True)
         for s in later:
             rows, _ = self.step_rows.pop(s)
@@ -134,5 +133,5 @@ class StepDesk:
             batch, ranks = batch.take(sel), ranks[sel]
         arrays = batch_arrays(batch)
         arrays["dp_rank"] = ranks
-        self.server.send(peer, "batch", {"step": step, "trainer_version": self.trainer_version}, arrays)
+        self.server.send(peer, *encode(Batch(step, self.trainer_version, arrays)))
         self.counts["batches_sent"] += 1
