@@ -24,7 +24,7 @@ EXAMPLES = [
     m.Result(7, 1, m.Credit(1, 9, "e", 2), {"reward": np.zeros(4, np.float32)}), m.Result(7, 2),
     m.EvalResult(3, {"eval_index": np.arange(2)}), m.Work("e", 4, [[1, 0, 11, 8], [2, 1, 12, 8]], PROMPTS),
     m.Ack([[1, 0, "stored"], [2, 1, "filtered"]]), m.EvalWork(6, [0, 1], PROMPTS), m.Update(5), m.Stop(),
-    m.GetBatch(4, 3, 2, 1), m.GetBatch(4, 3, 1), m.Batch(4, 4, {"dp_rank": np.zeros(3, np.int16)}),
+    m.GetBatch(4, 3, 2, 1), m.GetBatch(4, 3, 1), m.Batch(4, 1, {"dp_rank": np.zeros(3, np.int16)}),
     m.TrainerVersion(9), m.Resume(8), m.EvalRequest(3, 3), m.WeightsAnnounced(6), m.ListMembers(),
     m.Members({"gen-0": 1, "gen-1": 3}), m.Regroup(2), m.Finish(), m.Error("want", "credit.free: expected int"),
 ]

@@ -273,7 +273,7 @@ class TrainerLink(_Link):
                 msg = self.recv(max(0.0, until - time.monotonic()))
                 if msg is None:
                     break
-                if isinstance(msg, m.Batch) and msg.step == step:
+                if isinstance(msg, m.Batch) and (msg.step, msg.dp_rank) == (step, dp_rank):
                     try:
                         batch = batch_from_arrays(msg.arrays, self.schema, ("dp_rank",))
                     except RecordError as exc:

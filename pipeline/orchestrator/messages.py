@@ -173,10 +173,13 @@ class GetBatch:
 @message
 @dataclass(frozen=True)
 class Batch:
+    """Step ``step``'s samples (``dp_rank``'s share, None: all); ``arrays``: SampleBatch columns
+    plus ``dp_rank`` of each sample."""
     KIND: ClassVar[str] = "batch"
     ARRAYS: ClassVar[tuple[str, ...]] = ("dp_rank",)
     step: int
-    trainer_version: int
+    dp_rank: int | None
+    """The share asked for (a late reply to an earlier request is told apart by it)."""
     arrays: dict[str, np.ndarray] = _arrays()
 
 

@@ -6,11 +6,16 @@ scored groups (filter, staleness, store); flushes the rollout log once and only 
 the results that flush covers; grants work within the admission bound; serves a waiting step
 batch; writes metrics.
 
-Invariants (DESIGN §4, §6):
+Invariants (`docs/architecture.md`, "Staleness, admission and the policy clock", "Crash resume"):
 - each admitted group is resolved once: stored, filtered or dropped (by reason); a result is
   acknowledged only after the flush that covers its resolution;
-- a group is stored only if ``trainer_version - min_version <= max_staleness``, checked when it is
-  scored, while it waits in the buffer and again when a step takes it;
+- every version fact lives in the policy clock (`pipeline.orchestrator.clock`), changed only by the
+  handlers of the typed messages that report it;
+- a group is stored only if it is not stale (`clock.is_stale`), checked when it is scored and
+  again, for every buffered group, whenever the trainer's step advances, before a step takes any;
+- a result holding tokens of weights a rollback discarded (`clock.rolled_back`) is not stored but
+  re-issued (a new attempt regenerates it); stored groups of such weights (buffered, or of the
+  forgotten steps) are released as ``DROPPED_ROLLBACK``;
 - a step's batch is recorded in the log (which samples, which DP rank) and flushed before the
   trainer sees it; asking again for a recorded step returns the same samples;
 - restarting on the same run directory rebuilds everything from the log: resolved groups, the
@@ -36,6 +41,7 @@ import zmq
 from pipeline.metrics import MetricsWriter
 from pipeline.orchestrator.admission import Admission
 from pipeline.orchestrator.buffer import BufferedGroup, RolloutBuffer
+from pipeline.orchestrator.clock import PolicyClock
 from pipeline.orchestrator.config import OrchestratorConfig
 from pipeline.orchestrator.evaluation import Evaluator
 from pipeline.orchestrator.members import GeneratorPool
@@ -61,12 +67,12 @@ class Orchestrator:
         cfg.validate()
         self.run_dir, self.cfg, self.prompts, self.schema = Path(run_dir), cfg, prompts, schema
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.staleness = cfg.staleness_limit()
         self.group_filter = GROUP_FILTERS[cfg.group_filter]
-        self.admission = Admission(cfg.groups_per_step, cfg.max_async, cfg.lease_timeout_s)
         self.counts: Counter[str] = Counter()
         log_dir = self.run_dir / "rollouts"
         state = restore_from_log(log_dir)
+        self.clock = PolicyClock(cfg.staleness_limit(), trainer_step=state.last_trainer_version)
+        self.admission = Admission(cfg.groups_per_step, cfg.max_async, cfg.lease_timeout_s, self.clock)
         self.writer = RolloutLogWriter(log_dir, schema, run_id,
                                        {"group_size": cfg.group_size, "seed": cfg.seed})
         self.buffer = RolloutBuffer(cfg.memory_token_budget, self.writer.read_samples)
@@ -84,11 +90,9 @@ class Orchestrator:
         self.generators = GeneratorPool(cfg.generator_dead_after_s)
         self.to_ack: list[tuple[bytes, int, int, str]] = []
         self.group_rows: list[tuple] = []  # resolutions waiting for the next flush
-        self.announced_version: int | None = None
         self.group_epoch: int | None = None
-        self.desk = StepDesk(cfg, self.staleness, self.server, self.writer, self.buffer, self.admission,
-                             self.counts, self.group_rows, self._flush, state.step_rows,
-                             state.last_trainer_version)
+        self.desk = StepDesk(cfg.groups_per_step, self.writer, self.buffer, state.step_rows)
+        self._stale_checked_for = -1
         self.stopping = False
         self._last_flush = self._last_metrics = self._last_expiry = time.monotonic()
         self._ingested_tokens = self._ingested_total = 0
@@ -132,7 +136,7 @@ class Orchestrator:
             self._feed_from_log()
         else:
             self._grant_work()
-        self.desk.serve()
+        self._serve_steps()
         if self.evaluator is not None and self.evaluator.round is not None:
             self.evaluator.send_work(self.server, list(self.generators))
         if now - self._last_metrics >= self.cfg.metrics_interval_s:
@@ -158,8 +162,8 @@ class Orchestrator:
     def _handlers(self) -> dict[type, Callable]:
         return {m.Hello: self._on_hello, m.Want: self._on_want, m.Result: self._on_result,
                 m.ListMembers: self._on_members, m.Regroup: self._on_regroup,
-                m.GetBatch: self.desk.on_get_batch, m.TrainerVersion: self._on_version,
-                m.Resume: self.desk.on_resume, m.EvalRequest: self._on_eval_request,
+                m.GetBatch: self._on_get_batch, m.TrainerVersion: self._on_version,
+                m.Resume: self._on_resume, m.EvalRequest: self._on_eval_request,
                 m.EvalResult: self._on_eval_result, m.WeightsAnnounced: self._on_weights,
                 m.Finish: self._on_finish}
 
@@ -170,13 +174,18 @@ class Orchestrator:
     def _on_hello(self, peer: bytes, msg: m.Hello) -> None:
         if self.generators.hello(peer):  # restarted: the old process's leases never come back
             self.counts["leases_released"] += self.admission.release_holder(peer)
+        self.clock.generator_joined(peer)
         if self.group_epoch is not None:  # it must join the weight group before taking weights
             self._send(peer, m.Regroup(self.group_epoch))
-        if self.announced_version is not None:
-            self._send(peer, m.Update(self.announced_version))
+        if self.clock.announced is not None:
+            self._send(peer, m.Update(self.clock.announced))
 
     def _on_want(self, peer: bytes, msg: m.Want) -> None:
-        self.generators.set_credit(peer, msg.credit, self.epoch)
+        self._credit(peer, msg.credit)
+
+    def _credit(self, peer: bytes, credit: m.Credit) -> None:
+        self.generators.set_credit(peer, credit, self.epoch)
+        self.clock.generator_loaded(peer, credit.loaded)
 
     def _on_members(self, peer: bytes, msg: m.ListMembers) -> None:
         """The trainer asks which generators are alive (to build the weight group)."""
@@ -192,6 +201,7 @@ class Orchestrator:
     def _reap_dead(self) -> None:
         for peer in self.generators.reap():
             self.counts["generators_lost"] += 1
+            self.clock.generator_lost(peer)
             self.counts["leases_released"] += self.admission.release_holder(peer)
             log.warning("generator %r silent for %.0fs: its leases are re-issued", peer,
                         self.cfg.generator_dead_after_s)
@@ -199,7 +209,6 @@ class Orchestrator:
     def _grant_work(self) -> None:
         """One group at a time to each generator with credit in turn, so none is starved."""
         now = time.time()
-        self.admission.loaded_floor = self.generators.loaded_floor()
         grants: dict[bytes, tuple[list, list]] = {}
         progress = True
         while progress:
@@ -218,7 +227,7 @@ class Orchestrator:
                 gen.granted += 1
                 progress = True
         for peer, (items, prompts) in grants.items():
-            self._send(peer, m.Work(self.epoch, self.admission.effective_version, items,
+            self._send(peer, m.Work(self.epoch, self.clock.admission_version, items,
                                     prompt_arrays(prompts)))
 
     def _feed_from_log(self) -> None:
@@ -238,7 +247,7 @@ class Orchestrator:
     def _on_result(self, peer: bytes, msg: m.Result) -> None:
         gid, attempt = msg.group_id, msg.attempt
         if msg.credit is not None:
-            self.generators.set_credit(peer, msg.credit, self.epoch)
+            self._credit(peer, msg.credit)
         verdict = self.admission.classify_result(gid)
         if verdict != "accept":
             self.counts[verdict] += 1
@@ -281,10 +290,15 @@ class Orchestrator:
                 log.warning("scoring group %d failed: %s", gid, err)
                 self._resolve(gid, attempt, GroupOutcome.DROPPED_INVALID, None, peer, "score_error")
                 continue
+            if self.clock.rolled_back(self.admission.lease_epoch(gid, attempt), group.columns["versions"]):
+                self.admission.reject_processing(gid, attempt)  # regenerated by a new attempt
+                self.counts["rollback_regenerated"] += 1
+                self.to_ack.append((peer, gid, attempt, "rolled_back"))
+                continue
             group = _with_rewards(group, rewards)
             if not self.group_filter(rewards):
                 self._resolve(gid, attempt, GroupOutcome.FILTERED, group, peer, "filtered")
-            elif self.desk.trainer_version - int(group.min_versions().min()) > self.staleness:
+            elif self.clock.is_stale(int(group.min_versions().min())):
                 self._resolve(gid, attempt, GroupOutcome.DROPPED_STALE, group, peer, "dropped_stale")
             else:
                 self._resolve(gid, attempt, GroupOutcome.STORED, group, peer, "stored")
@@ -327,8 +341,63 @@ class Orchestrator:
         self.to_ack.clear()
 
     # -- trainer ---------------------------------------------------------------------------
+    def _release(self, g: BufferedGroup, outcome: GroupOutcome, reason: str) -> None:
+        """A stored group leaves unconsumed: its admission slot is freed, a second row logged."""
+        self.admission.unkeep()
+        self.counts[reason] += 1
+        self.group_rows.append((g.group_id, g.attempt, outcome, int(g.rows[0]), len(g.rows),
+                                g.min_version, time.time()))
+
+    def _on_get_batch(self, peer: bytes, msg: m.GetBatch) -> None:
+        self.clock.trainer_at_step(msg.step, msg.version)
+        reply = self.desk.request(peer, msg)
+        if reply is not None:
+            self._send_batch(peer, reply)
+
+    def _serve_steps(self) -> None:
+        if self.clock.trainer_step != self._stale_checked_for:  # staleness only grows with it
+            for g in self.buffer.drop(lambda g: self.clock.is_stale(g.min_version)):
+                self._release(g, GroupOutcome.EVICTED_STALE, "dropped_stale_buffered")
+            self._stale_checked_for = self.clock.trainer_step
+        replies, recorded = self.desk.serve(self.clock.trainer_step)
+        if recorded:
+            self._flush()  # the step record is durable before any rank sees the step
+            self.counts["steps_recorded"] += 1
+        for peer, reply in replies:
+            self._send_batch(peer, reply)
+
+    def _send_batch(self, peer: bytes, batch: m.Batch) -> None:
+        self._send(peer, batch)
+        self.counts["batches_sent"] += 1
+
+    def _on_resume(self, peer: bytes, msg: m.Resume) -> None:
+        """The trainer restarted from the checkpoint taken after ``msg.step`` steps: a rollback.
+
+        Steps recorded at or after it are forgotten; their groups go back to the front of the
+        buffer, and every group (those and the buffered ones) holding tokens of a version above
+        the checkpoint (weights that no longer exist) is released as ``DROPPED_ROLLBACK``.
+        """
+        k = msg.step
+        returned = self.desk.forget_from(k)
+        self.clock.trainer_resumed(k)
+
+        def discarded(g: BufferedGroup) -> bool:
+            return int(_group_batch(g, self.writer).columns["versions"].max()) > k
+
+        for g in self.buffer.drop(discarded):
+            self._release(g, GroupOutcome.DROPPED_ROLLBACK, "dropped_rollback")
+        for g in reversed(returned):  # the oldest ends up first
+            if discarded(g):
+                self._release(g, GroupOutcome.DROPPED_ROLLBACK, "dropped_rollback")
+            else:
+                self.buffer.add(g, front=True)
+        self._stale_checked_for = -1
+        self.counts["trainer_resumes"] += 1
+        log.info("trainer resumes at step %d: %d group(s) of later steps returned to the buffer", k,
+                 len(returned))
+
     def _on_version(self, peer: bytes, msg: m.TrainerVersion) -> None:
-        self.admission.version = msg.version
+        self.clock.trainer_reported(msg.version)
 
     def _on_eval_request(self, peer: bytes, msg: m.EvalRequest) -> None:
         if self.evaluator is None:
@@ -345,7 +414,7 @@ class Orchestrator:
             self.metrics.log("eval", **summary)
 
     def _on_weights(self, peer: bytes, msg: m.WeightsAnnounced) -> None:
-        self.announced_version = msg.version
+        self.clock.weights_announced(msg.version)
         for gen in self.generators:
             self._send(gen, m.Update(msg.version))
 
@@ -357,10 +426,11 @@ class Orchestrator:
     # -- metrics and shutdown -----------------------------------------------------------------
     def _write_metrics(self, now: float) -> None:
         dt = now - self._last_metrics
-        a = self.admission
+        a, c = self.admission, self.clock
         self.metrics.log(
             "orchestrator", generators=len(self.generators), admitted=a.next_group_id, kept=a.kept, in_flight=a.in_flight,
-            bound=a.bound, version=a.version, trainer_version=self.desk.trainer_version,
+            bound=a.bound, version=c.reported, admission_version=c.admission_version,
+            trainer_version=c.trainer_step, clock_epoch=c.epoch,
             buffer_groups=len(self.buffer), buffer_spilled=self.buffer.spilled,
             buffer_memory_tokens=self.buffer.memory_tokens, leases=len(a.leases),
             reissued=a.reissued_total, cpu_s=_cpu_seconds(), ingested_tokens=self._ingested_total,
@@ -397,6 +467,11 @@ def _bind(run_dir: Path, cfg: TransportConfig) -> MessageServer:
         except (TransportError, ValueError, KeyError, zmq.ZMQError):
             pass
     return MessageServer(key, cfg)
+
+
+def _group_batch(g: BufferedGroup, writer: RolloutLogWriter) -> SampleBatch:
+    """A buffered group's samples (read back from the log when spilled)."""
+    return g.batch if g.batch is not None else writer.read_samples(g.rows)
 
 
 def _with_rewards(batch: SampleBatch, rewards: np.ndarray) -> SampleBatch:

@@ -30,6 +30,7 @@ import numpy as np
 
 from pipeline.config import TokenflowConfig, record_schema
 from pipeline.metrics import MetricsWriter
+from pipeline.orchestrator.clock import staleness
 from pipeline.orchestrator.links import TrainerLink
 from pipeline.roles.common import cpu_cores_for, load_run_config, model_dir, pin_process, publish_model
 
@@ -250,7 +251,7 @@ class TrainerRole:
                 self._checkpoint(step + 1)
             busy += time.monotonic() - t1
             if self.leader:
-                stale = self.version - 1 - batch.min_versions()
+                stale = staleness(step, batch.min_versions())
                 self.metrics.log("train_step", step=step, version=self.version,
                                  reward_mean=float(np.mean(batch.columns["reward"])),
                                  samples=len(batch), staleness_mean=float(stale.mean()),
