@@ -111,7 +111,7 @@ class PolicyClock:
         self.epoch += 1
         self.rollback_points.append(k)
         for g in self.generators.values():  # those holding versions above k hold discarded weights
-            if g.loaded is None or g.loaded <= k:
+            if g.confirmed_epoch == self.epoch - 1 and (g.loaded is None or g.loaded <= k):
                 g.confirmed_epoch = self.epoch
         self.trainer_step = k
         if self.reported is not None:  # else admission opens once the trainer pushed weights
