@@ -34,12 +34,12 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.record import PROMPT_COLUMN, SCALAR_COLUMNS, RecordSchema
+from pipeline.run_files import ROLLOUTS_DIR
 
 #: Version of this file layout; readers refuse files of a newer version.
 SCHEMA_VERSION = 1
 
 SEGMENT_RE = re.compile(r"^segment-(\d{5,})\.h5$")
-LOG_DIRNAME = "rollouts"
 
 #: Tables, in the order of a commit row's counts (after its seq column).
 TABLES = ("samples", "prompt_tokens", "completion_tokens", "groups", "steps", "step_meta")
@@ -171,7 +171,7 @@ def resolve_log_path(path: str | os.PathLike) -> tuple[list[Path], str | None]:
     if not p.exists():
         raise LogNotFoundError(f"{p}: no such file or directory")
     if p.is_dir():
-        log_dir = p / LOG_DIRNAME if (p / LOG_DIRNAME).is_dir() else p
+        log_dir = p / ROLLOUTS_DIR if (p / ROLLOUTS_DIR).is_dir() else p
         segs = list_segments(log_dir)
         if not segs:
             raise LogNotFoundError(f"{p}: no rollout log here (expected {log_dir}/segment-NNNNN.h5)")

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-METRICS_FILE = "metrics.jsonl"
+from pipeline.run_files import METRICS_FILE
 
 
 def _clean(v: Any) -> Any:

@@ -53,7 +53,8 @@ def job_plan(cfg: TokenflowConfig, run_dir: Path):
 def prepare_run_dir(cfg: TokenflowConfig) -> Path:
     from omegaconf import OmegaConf
 
-    from pipeline.roles.common import CONFIG_FILE, save_run_config
+    from pipeline.roles.common import save_run_config
+    from pipeline.run_files import CONFIG_FILE
 
     run_dir = Path(cfg.run.dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)

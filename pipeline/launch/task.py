@@ -47,8 +47,8 @@ from typing import Any, Callable, Dict, Mapping, Tuple
 
 from pipeline.launch.plan import JobPlan, LaunchError
 from pipeline.launch.rendezvous import Rendezvous
+from pipeline.run_files import LOGS_DIR, PLAN_FILE, RESULTS_DIR
 
-PLAN_FILE = "launch/plan.json"
 
 
 @dataclass
@@ -77,11 +77,11 @@ class TaskInfo:
 
 
 def log_path(run_dir: Path, role: str, rank: int) -> Path:
-    return Path(run_dir) / "logs" / f"{role}.{rank}.out"
+    return Path(run_dir) / LOGS_DIR / f"{role}.{rank}.out"
 
 
 def result_path(run_dir: Path, role: str, rank: int) -> Path:
-    return Path(run_dir) / "results" / f"{role}.{rank}.json"
+    return Path(run_dir) / RESULTS_DIR / f"{role}.{rank}.json"
 
 
 def locate(plan: JobPlan, environ: Mapping[str, str]) -> Tuple[int, str, int]:

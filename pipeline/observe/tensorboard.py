@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.observe.follow import MetricsFollower
+from pipeline.run_files import TENSORBOARD_DIR
 
 SKIP = {"t", "role", "kind", "step"}
 
@@ -17,7 +18,7 @@ class TensorBoardMirror:
     def __init__(self, run_dir: Path):
         from torch.utils.tensorboard import SummaryWriter
         self.follow = MetricsFollower(run_dir)
-        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR))
         self.step = 0
 
     def update(self) -> int:

@@ -29,15 +29,13 @@ import numpy as np
 
 from pipeline.orchestrator import messages as m
 from pipeline.record import RecordError, RecordSchema, SampleBatch
+from pipeline.run_files import ORCHESTRATOR_RENDEZVOUS
 from pipeline.transport import MessageClient, TransportConfig, TransportError, load_or_create_secret
 
 log = logging.getLogger(__name__)
 
-RENDEZVOUS = "rendezvous/orchestrator.json"
-
-
 def write_rendezvous(run_dir: Path, info: dict) -> None:
-    path = Path(run_dir) / RENDEZVOUS
+    path = Path(run_dir) / ORCHESTRATOR_RENDEZVOUS
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(info))
@@ -45,7 +43,7 @@ def write_rendezvous(run_dir: Path, info: dict) -> None:
 
 
 def read_rendezvous(run_dir: Path, timeout_s: float) -> dict:
-    path = Path(run_dir) / RENDEZVOUS
+    path = Path(run_dir) / ORCHESTRATOR_RENDEZVOUS
     deadline = time.monotonic() + timeout_s
     while True:
         try:

@@ -56,6 +56,7 @@ from pipeline.rollout_log import GroupOutcome, RolloutLogWriter
 from pipeline.orchestrator.restore import restore_from_log
 from pipeline.transport import MessageServer, TransportConfig, TransportError, load_or_create_secret
 from pipeline.wire import Message
+from pipeline.run_files import ROLLOUTS_DIR
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class Orchestrator:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.group_filter = GROUP_FILTERS[cfg.group_filter]
         self.counts: Counter[str] = Counter()
-        log_dir = self.run_dir / "rollouts"
+        log_dir = self.run_dir / ROLLOUTS_DIR
         state = restore_from_log(log_dir)
         self.clock = PolicyClock(cfg.staleness_limit(), trainer_step=state.last_trainer_version)
         self.admission = Admission(cfg.groups_per_step, cfg.max_async, cfg.lease_timeout_s, self.clock)

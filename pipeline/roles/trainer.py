@@ -33,9 +33,9 @@ from pipeline.metrics import MetricsWriter
 from pipeline.orchestrator.clock import staleness
 from pipeline.orchestrator.links import TrainerLink
 from pipeline.roles.common import cpu_cores_for, load_run_config, model_dir, pin_process, publish_model
+from pipeline.run_files import CHECKPOINTS_DIR, LOGS_DIR, checkpoint_name
 
 log = logging.getLogger(__name__)
-CHECKPOINTS = "checkpoints"
 SYNC_ATTEMPTS = 3  # tries of one version's broadcast, each on a group rebuilt from the survivors
 
 
@@ -57,7 +57,7 @@ def prepare_model(run_dir: Path, cfg: TokenflowConfig) -> Path:
 def latest_checkpoint(run_dir: Path) -> tuple[int, Path | None]:
     """(steps done, directory) of the newest complete checkpoint, (0, None) if none."""
     best = (0, None)
-    for d in (run_dir / CHECKPOINTS).glob("step-*"):
+    for d in (run_dir / CHECKPOINTS_DIR).glob(checkpoint_name("*")):
         if d.is_dir() and (d / "COMPLETE").exists():
             k = int(d.name.split("-")[1])
             if k > best[0]:
@@ -72,7 +72,7 @@ def _die_with_parent() -> None:
 
 
 def start_orchestrator(run_dir: Path) -> subprocess.Popen:
-    logs = run_dir / "logs"
+    logs = run_dir / LOGS_DIR
     logs.mkdir(exist_ok=True)
     return subprocess.Popen([sys.executable, "-m", "pipeline.orchestrator", str(run_dir)],
                             stdout=open(logs / "orchestrator.out", "a"), stderr=subprocess.STDOUT,
@@ -293,7 +293,7 @@ class TrainerRole:
         return diff / count if count else None
 
     def _checkpoint(self, steps_done: int) -> None:
-        final = self.run_dir / CHECKPOINTS / f"step-{steps_done}"
+        final = self.run_dir / CHECKPOINTS_DIR / checkpoint_name(steps_done)
         tmp = final.with_name(final.name + ".partial")
         if self.leader:
             shutil.rmtree(tmp, ignore_errors=True)
