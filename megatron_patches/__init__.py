@@ -25,7 +25,7 @@ Example::
     applied = apply_cpu_patches()   # on CPU: all seven names above, in that order
     # now build megatron-core models with use_cpu_initialization=True and a gloo process group
 
-A later routing-replay patch (DESIGN §4, Keep Routing) registers itself in ``_PATCHES`` the same
+A later routing-replay patch (Keep Routing) registers itself in ``_PATCHES`` the same
 way; it is not CPU-specific and would go into the ``always`` group (feature-detected, so it can
 serve the GPU path's newer megatron-core too). ``torch_norm_sequence_parallel`` would also be
 needed on a GPU without TransformerEngine for TP > 1 MoE; it stays CPU-only until checked there.

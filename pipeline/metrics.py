@@ -1,4 +1,4 @@
-"""One JSONL metrics stream per run (DESIGN §6): ``RUN/metrics.jsonl``.
+"""One JSONL metrics stream per run (`docs/architecture.md`, "Contracts"): ``RUN/metrics.jsonl``.
 
 Each line is one JSON object ``{"t": unix_time, "role": ..., "kind": ..., <scalars>}``. The stream
 is append-only and line-buffered, so the progress display, TensorBoard export, plots and

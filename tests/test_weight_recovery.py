@@ -1,4 +1,4 @@
-"""Weight-group membership (DESIGN §5): a generator dies mid-run, the run goes on with the
+"""Weight-group membership (`docs/architecture.md`, "Weight sync"): a generator dies mid-run, the run goes on with the
 survivor; the generator is restarted, rejoins at a new epoch and loads the current weights before
 taking work. Real engines, real gloo broadcasts, the real local launcher's task processes."""
 from __future__ import annotations

@@ -4,7 +4,7 @@ Invariants:
 - the prompt of a group is a pure function of (source, seed, group id): group g takes position g of
   a stream that walks seeded permutations of the dataset, epoch after epoch. The cursor is thus just
   the next group id, and a re-issued or resumed group gets exactly the prompt it had before;
-- each prompt is tokenized once (DESIGN §6) and cached; generators and the trainer receive ids.
+- each prompt is tokenized once (`docs/architecture.md`, "Contracts") and cached; generators and the trainer receive ids.
 
 Worked example: 3 prompts, seed 7: epoch 0 might be the permutation [2, 0, 1] and epoch 1 [1, 2, 0],
 so groups 0..5 get prompts 2, 0, 1, 1, 2, 0.

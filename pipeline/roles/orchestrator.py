@@ -1,6 +1,6 @@
 """Build the orchestrator of a run from its config: prompt sources, scorer and record schema.
 
-Tasks are tokenized once here (DESIGN §6): each prompt becomes chat-templated token ids with the
+Tasks are tokenized once here (`docs/architecture.md`, "Contracts"): each prompt becomes chat-templated token ids with the
 model's tokenizer; the verifier scores decoded completion text with the task's exact checker.
 ``task.name=synthetic`` is the data plane's own load (random token prompts, a token-level
 verifier, no tokenizer) used by tests and benchmarks of the transport, buffer and log.

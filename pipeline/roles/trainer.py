@@ -7,7 +7,7 @@ Per step k (all ranks): ask the orchestrator for this DP rank's share of step k'
 gather the new weights (version k+1) and broadcast them, packed in buckets, to every generator;
 report the version; every ``checkpoint_every`` steps save model, optimizer and RNG states. On a
 restart the latest checkpoint is loaded and the orchestrator told to roll its step record back to
-it (DESIGN §6).
+it (`docs/architecture.md`, "Crash resume").
 
 Invariants:
 - a step's samples are the orchestrator's recorded batch for that step; the generators hold the

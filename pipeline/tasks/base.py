@@ -7,7 +7,7 @@ Invariants every task keeps:
   ever appears in a training stream.
 - `score(prompt, completion_text)` is a pure function returning a reward in [0, 1].
 - `messages(prompt)` turns a prompt into chat messages for the tokenizer's chat template; the
-  orchestrator tokenizes once (DESIGN §6).
+  orchestrator tokenizes once (`docs/architecture.md`, "Contracts").
 - `reference_completion(prompt)` is the completion a perfect policy would write (used by the supervised
   warm-start); `score(prompt, reference_completion(prompt)) == 1.0`.
 - `distractor_completion(prompt)` is None or a plausible wrong completion (score 0.0) that a noisy
