@@ -71,6 +71,10 @@ class RolloutBuffer:
             self.memory_tokens -= g.num_tokens
         return g
 
+    def samples(self, group: BufferedGroup) -> SampleBatch:
+        """A buffered group's samples (read back from the log when spilled; it stays spilled)."""
+        return group.batch if group.batch is not None else self.read_rows(group.rows)
+
     def drop(self, which: Callable[[BufferedGroup], bool]) -> list[BufferedGroup]:
         """Remove and return the groups ``which`` selects (stale ones, rolled-back ones)."""
         return [self._remove(gid) for gid in [gid for gid, g in self.groups.items() if which(g)]]

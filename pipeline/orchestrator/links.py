@@ -22,15 +22,17 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import zmq
 
 from pipeline.orchestrator import messages as m
 from pipeline.record import RecordError, RecordSchema, SampleBatch
 from pipeline.run_files import ORCHESTRATOR_RENDEZVOUS
-from pipeline.transport import MessageClient, TransportConfig, TransportError, load_or_create_secret
+from pipeline.transport import (MessageClient, MessageServer, TransportConfig, TransportError,
+                                load_or_create_secret)
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,19 @@ def batch_from_arrays(arrays: dict[str, np.ndarray], schema: RecordSchema,
                       extra: tuple[str, ...] = ()) -> SampleBatch:
     cols = {k: v for k, v in arrays.items() if k not in extra}
     return SampleBatch(cols, schema, validate=True)
+
+
+def bind_server(run_dir: Path, cfg: TransportConfig) -> MessageServer:
+    """The orchestrator's endpoint: where the previous incarnation listened if possible, so peers
+    reconnect by themselves."""
+    key = load_or_create_secret(run_dir)
+    if cfg.port == 0:
+        try:
+            prev = int(read_rendezvous(run_dir, 0.0)["address"].rsplit(":", 1)[1])
+            return MessageServer(key, replace(cfg, port=prev))
+        except (TransportError, ValueError, KeyError, zmq.ZMQError):
+            pass
+    return MessageServer(key, cfg)
 
 
 class _Link:

@@ -17,6 +17,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from pipeline.record import RecordError, SampleBatch
+
 
 @dataclass(frozen=True)
 class PromptItem:
@@ -95,3 +97,20 @@ class TextPromptSource(PromptSource):
         if ids.size == 0:
             raise ValueError(f"prompt {prompt_id} tokenizes to nothing")
         return PromptItem(prompt_id, ids, answer)
+
+
+def check_result(batch: SampleBatch, gid: int, attempt: int, group_size: int, prompt: PromptItem) -> None:
+    """Raise `RecordError` unless ``batch`` is a whole group answering ``prompt`` as leased."""
+    c = batch.columns
+    if len(batch) != group_size:
+        raise RecordError(f"{len(batch)} samples, group size is {group_size}")
+    if (c["group_id"] != gid).any() or (c["attempt"] != attempt).any():
+        raise RecordError("samples carry another group id or attempt than the message")
+    if not np.array_equal(np.sort(c["sample_index"]), np.arange(len(batch))):
+        raise RecordError("sample indices are not 0..G-1")
+    if (c["prompt_id"] != prompt.prompt_id).any():
+        raise RecordError(f"prompt id differs from the group's prompt {prompt.prompt_id}")
+    if ((c["prompt_len"] != len(prompt.token_ids)).any()
+            or not np.array_equal(c["prompt_ids"].reshape(len(batch), -1),
+                                  np.broadcast_to(prompt.token_ids, (len(batch), len(prompt.token_ids))))):
+        raise RecordError("prompt tokens differ from the issued prompt")

@@ -31,32 +31,29 @@ import signal
 import time
 import uuid
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import zmq
 
 from pipeline.metrics import MetricsWriter
+from pipeline.orchestrator import messages as m
 from pipeline.orchestrator.admission import Admission
 from pipeline.orchestrator.buffer import BufferedGroup, RolloutBuffer
 from pipeline.orchestrator.clock import PolicyClock
 from pipeline.orchestrator.config import OrchestratorConfig
 from pipeline.orchestrator.evaluation import Evaluator
+from pipeline.orchestrator.links import batch_from_arrays, bind_server, prompt_arrays, write_rendezvous
 from pipeline.orchestrator.members import GeneratorPool
-from pipeline.orchestrator import messages as m
-from pipeline.orchestrator.links import batch_from_arrays, prompt_arrays, read_rendezvous, write_rendezvous
-from pipeline.orchestrator.prompts import PromptSource
+from pipeline.orchestrator.prompts import PromptSource, check_result
 from pipeline.orchestrator.replay import LogFeeder
-from pipeline.orchestrator.scoring import GROUP_FILTERS, AsyncScoring, Scorer
+from pipeline.orchestrator.restore import restore_from_log
+from pipeline.orchestrator.scoring import GROUP_FILTERS, AsyncScoring, Scorer, with_rewards
 from pipeline.orchestrator.steps import StepDesk
 from pipeline.record import RecordError, RecordSchema, SampleBatch
 from pipeline.rollout_log import GroupOutcome, RolloutLogWriter
-from pipeline.orchestrator.restore import restore_from_log
-from pipeline.transport import MessageServer, TransportConfig, TransportError, load_or_create_secret
-from pipeline.wire import Message
 from pipeline.run_files import ROLLOUTS_DIR
+from pipeline.wire import Message
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +81,7 @@ class Orchestrator:
         self.scoring = AsyncScoring(scorer, cfg.scorer_threads)
         self.evaluator = Evaluator(eval_prompts, scorer, schema) if eval_prompts else None
         self.feeder = LogFeeder(replay_source, set(state.resolved)) if replay_source else None
-        self.server = _bind(self.run_dir, cfg.transport)
+        self.server = bind_server(self.run_dir, cfg.transport)
         self.epoch = uuid.uuid4().hex[:12]
         write_rendezvous(self.run_dir, {"address": self.server.address, "epoch": self.epoch})
         self.metrics = MetricsWriter(self.run_dir, "orchestrator")
@@ -257,7 +254,7 @@ class Orchestrator:
             return
         try:
             batch = batch_from_arrays(msg.arrays, self.schema)
-            self._check_group(batch, gid, attempt)
+            check_result(batch, gid, attempt, self.cfg.group_size, self.prompts.for_group(gid))
         except RecordError as exc:
             self.counts["invalid_result"] += 1
             log.warning("invalid result for group %d from %r: %s", gid, peer, exc)
@@ -267,22 +264,6 @@ class Orchestrator:
         self._ingested_tokens += batch.num_tokens
         self._ingested_total += batch.num_tokens
         self.scoring.submit((gid, attempt, peer), batch, self.prompts.for_group(gid))
-
-    def _check_group(self, batch: SampleBatch, gid: int, attempt: int) -> None:
-        c = batch.columns
-        if len(batch) != self.cfg.group_size:
-            raise RecordError(f"{len(batch)} samples, group size is {self.cfg.group_size}")
-        if (c["group_id"] != gid).any() or (c["attempt"] != attempt).any():
-            raise RecordError("samples carry another group id or attempt than the message")
-        if not np.array_equal(np.sort(c["sample_index"]), np.arange(len(batch))):
-            raise RecordError("sample indices are not 0..G-1")
-        prompt = self.prompts.for_group(gid)
-        if (c["prompt_id"] != prompt.prompt_id).any():
-            raise RecordError(f"prompt id differs from the group's prompt {prompt.prompt_id}")
-        if ((c["prompt_len"] != len(prompt.token_ids)).any()
-                or not np.array_equal(c["prompt_ids"].reshape(len(batch), -1),
-                                      np.broadcast_to(prompt.token_ids, (len(batch), len(prompt.token_ids))))):
-            raise RecordError("prompt tokens differ from the issued prompt")
 
     # -- resolution ------------------------------------------------------------------------
     def _resolve_scored(self) -> None:
@@ -296,7 +277,7 @@ class Orchestrator:
                 self.counts["rollback_regenerated"] += 1
                 self.to_ack.append((peer, gid, attempt, "rolled_back"))
                 continue
-            group = _with_rewards(group, rewards)
+            group = with_rewards(group, rewards)
             if not self.group_filter(rewards):
                 self._resolve(gid, attempt, GroupOutcome.FILTERED, group, peer, "filtered")
             elif self.clock.is_stale(int(group.min_versions().min())):
@@ -383,7 +364,7 @@ class Orchestrator:
         self.clock.trainer_resumed(k)
 
         def discarded(g: BufferedGroup) -> bool:
-            return int(_group_batch(g, self.writer).columns["versions"].max()) > k
+            return int(self.buffer.samples(g).columns["versions"].max()) > k
 
         for g in self.buffer.drop(discarded):
             self._release(g, GroupOutcome.DROPPED_ROLLBACK, "dropped_rollback")
@@ -456,26 +437,3 @@ class Orchestrator:
 def _cpu_seconds() -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
-
-
-def _bind(run_dir: Path, cfg: TransportConfig) -> MessageServer:
-    """Listen where the previous incarnation listened if possible, so peers reconnect by themselves."""
-    key = load_or_create_secret(run_dir)
-    if cfg.port == 0:
-        try:
-            prev = int(read_rendezvous(run_dir, 0.0)["address"].rsplit(":", 1)[1])
-            return MessageServer(key, replace(cfg, port=prev))
-        except (TransportError, ValueError, KeyError, zmq.ZMQError):
-            pass
-    return MessageServer(key, cfg)
-
-
-def _group_batch(g: BufferedGroup, writer: RolloutLogWriter) -> SampleBatch:
-    """A buffered group's samples (read back from the log when spilled)."""
-    return g.batch if g.batch is not None else writer.read_samples(g.rows)
-
-
-def _with_rewards(batch: SampleBatch, rewards: np.ndarray) -> SampleBatch:
-    cols = dict(batch.columns)
-    cols["reward"] = rewards.astype(np.float32)
-    return SampleBatch(cols, batch.schema, validate=False)
