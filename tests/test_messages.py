@@ -64,6 +64,13 @@ def test_the_worked_example_of_the_module_docstring():
     ("get_batch", {"step": 1, "version": 1, "dp_size": 1, "dp_rank": 1.5}, None, "dp_rank: expected"),
     ("stop", {}, {"x": np.zeros(1)}, "carries array frames"),
     ("ack", [], None, "expected a map"),
+    ("get_batch", {"step": 1, "version": 1, "dp_size": 0}, None, "dp_size must be >= 1, got 0"),
+    ("get_batch", {"step": 1, "version": 1, "dp_size": 2, "dp_rank": 2}, None, "dp_rank 2 is not below"),
+    ("work", {"epoch": "e", "version": 1, "items": [[1, 0, 2]]}, PROMPTS, "items must be"),
+    ("ack", {"groups": [[1, 0]]}, None, "groups must be"),
+    ("resume", {"step": -1}, None, "step must be >= 0, got -1"),
+    ("result", {"group_id": 1, "attempt": 0, "credit": {"free": -1, "received": 0, "epoch": None,
+                                                        "loaded": None}}, None, "free must be >= 0"),
 ])
 def test_malformed_messages_raise_one_clear_error(kind, meta, arrays, problem):
     raw = wire.Message(kind, meta, arrays or {}) if not isinstance(meta, dict) else through_wire(kind, meta, arrays)

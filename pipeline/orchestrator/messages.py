@@ -10,8 +10,9 @@ Invariants:
 - a kind names exactly one record class (`KINDS`); the record's fields are the header's ``meta``
   (nested records travel as maps), except the field ``arrays``, which travels as raw frames and
   must hold at least the record's ``ARRAYS``;
-- `decode` never raises anything but `MessageError`: an unknown kind, a missing, extra-typed or
-  ill-typed field, a missing frame all become one clear error, which the orchestrator counts
+- `decode` never raises anything but `MessageError`: an unknown kind, a missing, unknown or
+  ill-typed field, a value out of range (a record's ``__post_init__`` checks, which also stop a
+  sender from building it), a missing frame all become one clear error, which the orchestrator counts
   (``bad_message``) and answers with an `Error` record;
 - `encode(decode(m))` reproduces ``m``'s kind, meta and arrays.
 
@@ -60,6 +61,14 @@ def _arrays() -> dict[str, np.ndarray]:
     return field(default_factory=dict, repr=False)
 
 
+def _at_least(record: Any, low: int, *names: str) -> None:
+    """Value checks of a record (run when it is built, on either end): `ValueError` naming the field."""
+    for name in names:
+        value = getattr(record, name)
+        if value is not None and value < low:
+            raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
 # -- generator -> orchestrator ------------------------------------------------------------------
 @dataclass(frozen=True)
 class Credit:
@@ -72,6 +81,9 @@ class Credit:
     """The orchestrator epoch ``received`` counts in (None: none yet)."""
     loaded: int | None
     """Weights version the generator holds (None: it does not say)."""
+
+    def __post_init__(self) -> None:
+        _at_least(self, 0, "free", "received", "loaded")
 
 
 @message
@@ -99,6 +111,9 @@ class Result:
     """The freed slot travels with the result (None on a re-send)."""
     arrays: dict[str, np.ndarray] = _arrays()
 
+    def __post_init__(self) -> None:
+        _at_least(self, 0, "group_id", "attempt")
+
 
 @message
 @dataclass(frozen=True)
@@ -108,6 +123,9 @@ class EvalResult:
     ARRAYS: ClassVar[tuple[str, ...]] = ("eval_index",)
     step: int
     arrays: dict[str, np.ndarray] = _arrays()
+
+    def __post_init__(self) -> None:
+        _at_least(self, 0, "step")
 
 
 # -- orchestrator -> generator ------------------------------------------------------------------
@@ -123,6 +141,11 @@ class Work:
     items: list[list[int]]
     arrays: dict[str, np.ndarray] = _arrays()
 
+    def __post_init__(self) -> None:
+        _at_least(self, 0, "version")
+        if any(len(item) != 4 or min(item) < 0 for item in self.items):
+            raise ValueError("items must be [group_id, attempt, prompt_id, n] of non-negative ints")
+
 
 @message
 @dataclass(frozen=True)
@@ -130,6 +153,10 @@ class Ack:
     """Resolved results: [group_id, attempt, outcome] per group."""
     KIND: ClassVar[str] = "ack"
     groups: list[list[Union[int, str]]]
+
+    def __post_init__(self) -> None:
+        if any(len(g) != 3 or not isinstance(g[2], str) for g in self.groups):
+            raise ValueError("groups must be [group_id, attempt, outcome]")
 
 
 @message
@@ -148,6 +175,9 @@ class Update:
     """Join the broadcast of weights ``version`` and load them."""
     KIND: ClassVar[str] = "update"
     version: int
+
+    def __post_init__(self) -> None:
+        _at_least(self, 0, "version")
 
 
 @message
@@ -168,6 +198,12 @@ class GetBatch:
     dp_size: int
     dp_rank: int | None = None
     """Only this data-parallel rank's share (None: the whole batch)."""
+
+    def __post_init__(self) -> None:
+        _at_least(self, 0, "step", "version", "dp_rank")
+        _at_least(self, 1, "dp_size")
+        if self.dp_rank is not None and self.dp_rank >= self.dp_size:
+            raise ValueError(f"dp_rank {self.dp_rank} is not below dp_size {self.dp_size}")
 
 
 @message
@@ -190,6 +226,9 @@ class TrainerVersion:
     KIND: ClassVar[str] = "version"
     version: int
 
+    def __post_init__(self) -> None:
+        _at_least(self, 0, "version")
+
 
 @message
 @dataclass(frozen=True)
@@ -197,6 +236,9 @@ class Resume:
     """The trainer restarted from the checkpoint taken after ``step`` steps."""
     KIND: ClassVar[str] = "resume"
     step: int
+
+    def __post_init__(self) -> None:
+        _at_least(self, 0, "step")
 
 
 @message
@@ -206,6 +248,9 @@ class EvalRequest:
     step: int
     version: int
 
+    def __post_init__(self) -> None:
+        _at_least(self, 0, "step", "version")
+
 
 @message
 @dataclass(frozen=True)
@@ -213,6 +258,9 @@ class WeightsAnnounced:
     """The trainer is about to broadcast weights ``version``."""
     KIND: ClassVar[str] = "weights"
     version: int
+
+    def __post_init__(self) -> None:
+        _at_least(self, 0, "version")
 
 
 @message
@@ -236,6 +284,9 @@ class Regroup:
     """A new weight group at ``epoch`` (trainer -> orchestrator -> every generator)."""
     KIND: ClassVar[str] = "regroup"
     epoch: int
+
+    def __post_init__(self) -> None:
+        _at_least(self, 0, "epoch")
 
 
 @message
@@ -269,16 +320,16 @@ def decode(raw: Message) -> Any:
         raise MessageError(raw.kind, "unknown message kind")
     try:
         values = _record(cls, raw.meta, "")
-    except _Bad as exc:
+        if any(f.name == "arrays" for f in dataclasses.fields(cls)):
+            missing = [a for a in getattr(cls, "ARRAYS", ()) if a not in raw.arrays]
+            if missing:
+                raise _Bad(f"missing array frame(s) {', '.join(missing)}")
+            values["arrays"] = raw.arrays
+        elif raw.arrays:
+            raise _Bad("carries array frames it does not define")
+        return cls(**values)
+    except (_Bad, ValueError) as exc:  # ValueError: a record's own value checks
         raise MessageError(raw.kind, str(exc)) from None
-    if any(f.name == "arrays" for f in dataclasses.fields(cls)):
-        missing = [a for a in getattr(cls, "ARRAYS", ()) if a not in raw.arrays]
-        if missing:
-            raise MessageError(raw.kind, f"missing array frame(s) {', '.join(missing)}")
-        values["arrays"] = raw.arrays
-    elif raw.arrays:
-        raise MessageError(raw.kind, "carries array frames it does not define")
-    return cls(**values)
 
 
 class _Bad(Exception):
