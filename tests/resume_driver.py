@@ -3,9 +3,10 @@ with the same command, and count what the run wasted (used by `test_resume_waste
 on its own to measure a checkout: ``PYTHONPATH=CHECKOUT python tests/resume_driver.py RUN_ROOT``).
 
 Counted from the run's rollout log and metrics (independent of the orchestrator's own counters):
-evicted groups (``EVICTED_STALE`` rows), groups dropped by the rollback (``DROPPED_ROLLBACK`` rows,
-where the code has that outcome), the stored groups, and the lowest ``kept`` any orchestrator
-metric line reported.
+groups wasted as stale (``EVICTED_STALE`` rows: stored, then evicted; ``DROPPED_STALE`` rows:
+generated, too stale when scored), groups dropped by the rollback (``DROPPED_ROLLBACK`` rows, where
+the code has that outcome), the stored and the resolved groups, and the lowest ``kept`` any
+orchestrator metric line reported.
 """
 from __future__ import annotations
 
@@ -88,6 +89,8 @@ def waste(run_dir: Path) -> dict:
         stored = g["group_id"][outcome == GroupOutcome.STORED]
         result = {"stored": int(len(stored)), "stored_twice": int(len(stored) - len(np.unique(stored))),
                   "evicted_stale": int((outcome == GroupOutcome.EVICTED_STALE).sum()),
+                  "dropped_stale": int((outcome == GroupOutcome.DROPPED_STALE).sum()),
+                  "resolved": int(len(np.unique(g["group_id"]))),
                   "dropped_rollback": int((outcome == rollback).sum()) if rollback is not None else None,
                   "steps": sorted(log.resume_state().step_rows)}
     kept = [json.loads(line).get("kept") for line in (run_dir / "metrics.jsonl").read_text().splitlines()

@@ -2,7 +2,8 @@
 nothing beyond the rollback itself (real vLLM generator, real megatron trainer, real log).
 
 The kill step is drawn from a seed, printed (``TOKENFLOW_TEST_SEED`` fixes it). From the rollout
-log and the metric stream: at most 2 groups evicted as stale (an uninterrupted run's level), the
+log and the metric stream: at most 2 groups wasted as stale (evicted from the buffer or dropped
+when scored: an uninterrupted run's level), the
 groups dropped by the rollback within (steps since the checkpoint + max_async + 1) x
 groups_per_step, no orchestrator metric line with ``kept < 0``, every step trained once, no group
 stored twice.
@@ -43,6 +44,6 @@ def test_a_trainer_killed_after_a_checkpoint_resumes_without_extra_waste(tmp_pat
     k, last = resume_point(run_dir)
     assert k % CHECKPOINT_EVERY == 0 and k <= last + 1, (k, last)
     assert got["steps"] == list(range(STEPS)) and got["stored_twice"] == 0
-    assert got["evicted_stale"] <= 2, got
+    assert got["evicted_stale"] + got["dropped_stale"] <= 2, got  # an uninterrupted run's level
     assert got["dropped_rollback"] <= (last + 1 - k + MAX_ASYNC + 1) * GROUPS_PER_STEP, (got, k, last)
     assert got["min_kept"] >= 0, got
