@@ -160,6 +160,7 @@ def analyse(run_dir: Path) -> dict:
 
     from pipeline.log_reader import RolloutLog
     from pipeline.metrics import read_metrics
+    from pipeline.run_files import ROLLOUTS_DIR
 
     steps = sorted(read_metrics(run_dir, "train_step"), key=lambda r: r["step"])
     if not steps:
@@ -167,7 +168,7 @@ def analyse(run_dir: Path) -> dict:
     first = steps[0]
     trainer_start = first["t"] - (first["wait_s"] + first["step_s"] + first["sync_s"])
     train_s = [r["step_s"] + r["sync_s"] for r in steps]
-    with RolloutLog.open(run_dir / "rollouts") as log:
+    with RolloutLog.open(run_dir / ROLLOUTS_DIR) as log:
         t0s, t1s = log.column("samples/t_start"), log.column("samples/t_end")
         lens, prompt_ids = log.column("samples/completion_len"), log.column("samples/prompt_id")
         index = {int(r): i for i, r in enumerate(log.rows())}

@@ -38,6 +38,7 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline import wire  # noqa: E402
 from pipeline.metrics import read_metrics  # noqa: E402
+from pipeline.run_files import ORCHESTRATOR_RENDEZVOUS  # noqa: E402
 
 COMPLETION = 1024
 PROMPT = 64
@@ -62,7 +63,7 @@ def run_orchestrator(groups: int, producers: int, root: Path) -> dict:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     orch = subprocess.Popen([sys.executable, "-m", "pipeline.orchestrator", str(run)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    while not (run / "rendezvous" / "orchestrator.json").exists():
+    while not (run / ORCHESTRATOR_RENDEZVOUS).exists():
         time.sleep(0.05)
     # a trainer that reports version 0 opens admission; it takes no batches
     from pipeline.orchestrator.links import TrainerLink

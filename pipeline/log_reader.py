@@ -31,7 +31,7 @@ import numpy as np
 
 from pipeline.log_format import (
     GROUP_COLUMNS, STEP_COLUMNS, STEP_META_COLUMNS, CorruptSegmentError, GroupOutcome, LogError,
-    LogDamageWarning, SchemaMismatchError, dataset_layout, resolve_log_path)
+    LogDamageWarning, RELEASE_OUTCOMES, SchemaMismatchError, dataset_layout, resolve_log_path)
 from pipeline.log_scan import LogScan, open_segments, scan_log
 from pipeline.log_segment import Segment
 from pipeline.record import RecordSchema, SampleBatch
@@ -46,7 +46,7 @@ class ResumeState:
     """Next global row id (rows below it exist, except rows lost to damage)."""
     stored: dict[str, np.ndarray]
     """Groups with outcome STORED: group_id, attempt, first_row, n_samples, min_version (by group
-    id); those later evicted from the buffer are also in ``resolved[EVICTED_STALE]``."""
+    id); those later released from the buffer are also in ``resolved[o]`` for o in `RELEASE_OUTCOMES`."""
     resolved: dict[GroupOutcome, np.ndarray]
     """Group ids of every resolved group, by outcome."""
     counts: dict[str, int]
@@ -54,7 +54,7 @@ class ResumeState:
     max_group_id: int
     """Largest group id in the groups table or among stored samples; -1 if none."""
     duplicate_groups: int
-    """Resolving group rows (all but EVICTED_STALE, which follows a group's STORED row) whose
+    """Resolving group rows (all but `RELEASE_OUTCOMES`, which follow a group's STORED row) whose
     group id was already resolved earlier in the log (0 in a correct run)."""
     step_rows: dict[int, np.ndarray]
     """Step -> global rows it consumed (the latest record of each step)."""
@@ -280,7 +280,7 @@ class RolloutLog:
 
     def resume_state(self) -> ResumeState:
         g = self.groups()
-        resolving = g["group_id"][g["outcome"] != GroupOutcome.EVICTED_STALE]
+        resolving = g["group_id"][~np.isin(g["outcome"], RELEASE_OUTCOMES)]
         duplicates = len(resolving) - len(np.unique(resolving))
         stored_mask = g["outcome"] == GroupOutcome.STORED
         stored_idx = np.flatnonzero(stored_mask)

@@ -1,4 +1,4 @@
-"""One JSONL metrics stream per run (DESIGN §6): ``RUN/metrics.jsonl``.
+"""One JSONL metrics stream per run (`docs/architecture.md`, "Contracts"): ``RUN/metrics.jsonl``.
 
 Each line is one JSON object ``{"t": unix_time, "role": ..., "kind": ..., <scalars>}``. The stream
 is append-only and line-buffered, so the progress display, TensorBoard export, plots and
@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-METRICS_FILE = "metrics.jsonl"
+from pipeline.run_files import METRICS_FILE
 
 
 def _clean(v: Any) -> Any:

@@ -18,12 +18,13 @@ def source_defaults(log_path: Path) -> list[str]:
     """Overrides taken from the recorded run's directory, when the log sits in one."""
     from omegaconf import OmegaConf
 
-    run_dir = log_path if (log_path / "config.yaml").exists() else log_path.parent
+    from pipeline.roles.common import model_dir
+    from pipeline.run_files import CONFIG_FILE, MODEL_FILE
+
+    run_dir = log_path if (log_path / CONFIG_FILE).exists() else log_path.parent
     if log_path.suffix == ".h5":
         run_dir = log_path.parent.parent
     out = [f"run.name={run_dir.name}-replay"]
-    from pipeline.roles.common import CONFIG_FILE, MODEL_FILE, model_dir
-
     cfg_file = run_dir / CONFIG_FILE
     if (run_dir / MODEL_FILE).exists():
         out += [f"model.name={model_dir(run_dir)}", "model.warmstart_steps=0"]

@@ -54,7 +54,8 @@ def job_plan(cfg: TokenflowConfig, run_dir: Path):
 def prepare_run_dir(cfg: TokenflowConfig) -> Path:
     from omegaconf import OmegaConf
 
-    from pipeline.roles.common import CONFIG_FILE, save_run_config
+    from pipeline.roles.common import save_run_config
+    from pipeline.run_files import CONFIG_FILE
 
     run_dir = Path(cfg.run.dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -85,9 +86,10 @@ def train(cfg: TokenflowConfig) -> int:
                   f"(choose another run.name to start a new run, or ask for more run.steps)")
             return 0
         done.unlink()  # more steps asked for: resume from the last checkpoint
-    from pipeline.log_format import LOG_DIRNAME, UnsupportedFilesystemError, check_log_filesystem
+    from pipeline.log_format import UnsupportedFilesystemError, check_log_filesystem
+    from pipeline.run_files import ROLLOUTS_DIR
     try:  # before any role starts: none of them may wait for an orchestrator that cannot log
-        check_log_filesystem(run_dir / LOG_DIRNAME)
+        check_log_filesystem(run_dir / ROLLOUTS_DIR)
     except UnsupportedFilesystemError as exc:
         print(f"tokenflow: cannot start the run: {exc}", file=sys.stderr)
         return 2

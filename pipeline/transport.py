@@ -32,11 +32,9 @@ import numpy as np
 import zmq
 
 from pipeline import wire
+from pipeline.run_files import SECRET_FILE
 
 log = logging.getLogger(__name__)
-
-SECRET_FILE = "secret"
-
 
 @dataclass
 class TransportConfig:

@@ -54,7 +54,7 @@ def test_json_summary_values(known_log, capsys):
     assert s["meta"] == {"group_size": 4} and s["record_schema"] == SCHEMA.to_dict()
     assert s["samples"] == 20 and s["consumed_samples"] == 12 and s["lost_rows"] == 0
     assert s["groups"] == {"total": 8, "stored": 5, "filtered": 2, "dropped_stale": 1,
-                           "dropped_invalid": 0, "evicted_stale": 0}
+                           "dropped_invalid": 0, "evicted_stale": 0, "dropped_rollback": 0}
     assert s["steps"] == 2 and s["last_step"] == 1
     assert s["tokens"] == {"prompt": int(c["prompt_len"].sum()),
                            "completion": int(c["completion_len"].sum()),

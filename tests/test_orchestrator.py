@@ -238,7 +238,7 @@ def test_fuzzed_frames_are_dropped_and_the_run_goes_on(tmp_path):
     check_log_invariants(tmp_path, max_staleness=1)
     last = list(read_metrics(tmp_path, "orchestrator"))[-1]
     dropped = sum(v for k, v in last.items() if k.startswith("frames_dropped_"))
-    rejected = dropped + last.get("count_bad_request", 0) + last.get("count_unknown_kind", 0) \
+    rejected = dropped + last.get("count_bad_message", 0) \
         + last.get("count_invalid_result", 0) + last.get("count_unleased", 0) \
         + last.get("count_duplicate", 0)
     assert rejected >= sent * 0.9, last
@@ -314,3 +314,27 @@ def test_replay_feeds_recorded_groups_in_order_once_across_a_crash(tmp_path):
         original, replayed = per_sample(src), per_sample(rep)
     assert replayed and all(original[k] == v for k, v in replayed.items()), \
         "replay changed a recorded reward or behaviour logprob"
+
+
+def test_a_restarted_orchestrator_counts_kept_groups_as_if_it_never_stopped(tmp_path):
+    """Regression: admission's ``kept`` after a restart equals the count the stopped incarnation
+    reached (every kept group since the run began, consumed ones included), not the buffer size."""
+    write_spec(tmp_path)
+    orch = start_orchestrator(tmp_path, "0")
+    gens = [start_generator(tmp_path, i) for i in range(2)]
+    try:
+        run_trainer(tmp_path, steps=4)
+        stop(*gens)
+        stop(orch)  # SIGTERM: the last metric line is written after the final flush
+        first = list(read_metrics(tmp_path, "orchestrator"))
+        orch = start_orchestrator(tmp_path, "1")  # its first metric line is the restored state
+    finally:
+        stop(*gens)
+        stop(orch)
+    before, restored = first[-1], list(read_metrics(tmp_path, "orchestrator"))[len(first)]
+    with RolloutLog.open(tmp_path / "rollouts") as log:
+        g = log.groups()
+        stored = set(g["group_id"][g["outcome"] == GroupOutcome.STORED].tolist())
+        evicted = set(g["group_id"][g["outcome"] == GroupOutcome.EVICTED_STALE].tolist())
+    assert restored["kept"] == before["kept"] == len(stored) - len(evicted), (before, restored)
+    assert restored["kept"] >= 16 + restored["buffer_groups"]  # 4 consumed steps of 4 groups

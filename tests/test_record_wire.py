@@ -136,12 +136,12 @@ def test_tampered_or_foreign_frames_are_rejected_by_reason():
 
 def test_signed_but_inconsistent_array_specs_are_malformed():
     import msgpack
-    header = msgpack.packb({"v": 1, "kind": "x", "meta": {}, "arrays": [["v", "<f4", [5]]]})
+    header = msgpack.packb({"v": wire.PROTOCOL_VERSION, "kind": "x", "meta": {}, "arrays": [["v", "<f4", [5]]]})
     body = np.ones(4, np.float32).tobytes()
     frames = [wire._mac(KEY, [header, body]), header, body]
     with pytest.raises(wire.FrameError, match="16 bytes for shape"):
         wire.decode(KEY, frames, 1 << 20)
-    header = msgpack.packb({"v": 1, "kind": "x", "meta": {}, "arrays": [["v", "|O", [2]]]})
+    header = msgpack.packb({"v": wire.PROTOCOL_VERSION, "kind": "x", "meta": {}, "arrays": [["v", "|O", [2]]]})
     frames = [wire._mac(KEY, [header, body]), header, body]
     with pytest.raises(wire.FrameError, match="not allowed"):
         wire.decode(KEY, frames, 1 << 20)

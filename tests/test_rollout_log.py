@@ -327,7 +327,7 @@ def test_groups_steps_and_resume_state(tmp_path):
         assert st.resolved[GroupOutcome.FILTERED].tolist() == [2]
         assert st.resolved[GroupOutcome.DROPPED_INVALID].tolist() == [7]
         assert st.counts == {"stored": 2, "filtered": 1, "dropped_stale": 1, "dropped_invalid": 1,
-                             "evicted_stale": 0}
+                             "evicted_stale": 0, "dropped_rollback": 0}
         assert st.max_group_id == 7 and st.duplicate_groups == 0
         assert {k: v.tolist() for k, v in st.step_rows.items()} == {0: [0, 1, 2, 3], 1: [4, 5, 6]}
         assert st.consumed_rows.tolist() == [0, 1, 2, 3, 4, 5, 6]

@@ -10,6 +10,7 @@ import pytest
 
 from pipeline.loadgen import synthetic_group
 from pipeline.orchestrator.buffer import BufferedGroup, RolloutBuffer
+from pipeline.orchestrator.clock import is_stale
 from pipeline.orchestrator.links import WorkItem
 from pipeline.record import RecordSchema
 from pipeline.rollout_log import RolloutLogWriter
@@ -73,7 +74,7 @@ def test_buffer_spills_beyond_its_budget_and_reads_back_identical_samples(tmp_pa
         buf.add(BufferedGroup(gid, 0, rows, gid, batch.num_tokens, batch))
     writer.flush()
     assert buf.memory_tokens == 72 and buf.spilled == 3
-    dropped = buf.drop_stale(trainer_version=2, max_staleness=1)  # version 0 is 2 behind
+    dropped = buf.drop(lambda g: is_stale(2, g.min_version, 1))  # version 0 is 2 behind
     assert [g.group_id for g in dropped] == [0]
     taken = buf.take(2)
     assert [g.group_id for g in taken] == [1, 2] and len(buf) == 1

@@ -6,7 +6,7 @@ Invariants:
   samples differently; an abort-resumed sample's continuation (segment 1, 2, ...) gets its own seed,
   so a synchronous run that aborts at the same points reproduces exactly.
   Example: ``request_seed(0, 5, 1, 0) == request_seed(0, 5, 1, 0) != request_seed(0, 5, 1, 1)``.
-- Prompts are token ids (DESIGN §6): the driver never tokenizes.
+- Prompts are token ids (`docs/architecture.md`, "Contracts"): the driver never tokenizes.
 """
 from __future__ import annotations
 

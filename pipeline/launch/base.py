@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 from pipeline.launch.plan import JobPlan
-from pipeline.launch.task import PLAN_FILE, log_path, result_path
+from pipeline.launch.task import log_path, result_path
+from pipeline.run_files import LAUNCHES_FILE, PLAN_FILE
 
-LAUNCHES_FILE = "launch/launches.jsonl"
 
 
 class TaskFailed(RuntimeError):
@@ -101,7 +101,7 @@ class Launcher(ABC):
         plan.validate()
         run_dir = Path(run_dir).absolute()
         self.check(plan)
-        (run_dir / "launch").mkdir(parents=True, exist_ok=True)
+        (run_dir / PLAN_FILE).parent.mkdir(parents=True, exist_ok=True)
         launches = run_dir / LAUNCHES_FILE
         launch_index = len(launches.read_text().splitlines()) if launches.exists() else 0
         (run_dir / PLAN_FILE).write_text(plan.to_json())

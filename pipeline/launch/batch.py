@@ -29,9 +29,10 @@ import time
 from pathlib import Path
 from typing import List
 
-from pipeline.launch.base import LAUNCHES_FILE, log_tail
+from pipeline.launch.base import log_tail
 from pipeline.launch.plan import JobPlan
-from pipeline.launch.task import PLAN_FILE, result_path
+from pipeline.launch.task import result_path
+from pipeline.run_files import CONFIG_FILE, LAUNCHES_FILE, PLAN_FILE
 
 
 def _record_launch(run_dir: Path, job_id: str) -> int:
@@ -71,7 +72,7 @@ def prepare(argv: List[str]) -> Path:
     run_dir = prepare_run_dir(cfg)
     plan = job_plan(cfg, run_dir)
     plan.validate()
-    (run_dir / "launch").mkdir(parents=True, exist_ok=True)
+    (run_dir / PLAN_FILE).parent.mkdir(parents=True, exist_ok=True)
     (run_dir / PLAN_FILE).write_text(plan.to_json())
     return run_dir
 
@@ -94,13 +95,13 @@ def finish(run_dir: Path) -> int:
         why = record["error"].strip().splitlines()[-1] if record else "no result"
         print(f"tokenflow: task {role}.{rank} failed: {why}\n{log_tail(run_dir, role, rank)}", file=sys.stderr)
         return 1
-    if (run_dir / "config.yaml").exists() and "trainer" in plan.components:
+    if (run_dir / CONFIG_FILE).exists() and "trainer" in plan.components:
         from omegaconf import OmegaConf
 
         from pipeline.observe.plots import plot_run
         from pipeline.train import COMPLETE
         print(f"tokenflow: done; learning curve in {plot_run(run_dir)}")
-        steps = OmegaConf.load(run_dir / "config.yaml").run.steps  # the marker `tokenflow train` writes
+        steps = OmegaConf.load(run_dir / CONFIG_FILE).run.steps  # the marker `tokenflow train` writes
         (run_dir / COMPLETE).write_text(f"{steps} steps, finished {time.strftime('%Y-%m-%d %H:%M:%S')}")
     return 0
 

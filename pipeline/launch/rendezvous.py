@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from pipeline.run_files import RENDEZVOUS_DIR
+
 _KEY = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -36,7 +38,7 @@ class Rendezvous:
     """Publish/wait key -> JSON dict for one attempt of one run."""
 
     def __init__(self, run_dir: os.PathLike | str, attempt: int) -> None:
-        self.directory = Path(run_dir) / "rendezvous" / f"attempt-{attempt}"
+        self.directory = Path(run_dir) / RENDEZVOUS_DIR / f"attempt-{attempt}"
 
     def _path(self, key: str) -> Path:
         if not _KEY.match(key):

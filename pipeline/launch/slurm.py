@@ -40,6 +40,7 @@ from pipeline.launch.base import Launcher, Run
 from pipeline.launch.plan import ComponentSpec, JobPlan, LaunchError
 from pipeline.launch.slurm_checks import check_plan, query_cluster
 from pipeline.launch.task import RoleDispatcher
+from pipeline.run_files import SUBMITIT_DIR
 
 # Slurm states in which a job may still run tasks (everything else is final).
 ACTIVE_STATES = ("PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "COMPLETING",
@@ -176,7 +177,7 @@ class SlurmLauncher(Launcher):
         check_plan(plan, partitions, nodes)
 
     def _start(self, plan: JobPlan, run_dir: Path, launch_index: int) -> SlurmRun:
-        executor = HetSlurmExecutor(run_dir / "submitit", total_tasks=len(plan.task_layout()),
+        executor = HetSlurmExecutor(run_dir / SUBMITIT_DIR, total_tasks=len(plan.task_layout()),
                                     max_num_timeout=plan.max_requeues, python=self.python)
         executor.update_parameters(**executor_parameters(plan))
         try:

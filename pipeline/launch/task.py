@@ -54,8 +54,8 @@ from pipeline.launch.plan import JobPlan, LaunchError
 from pipeline.launch.rendezvous import Rendezvous
 from pipeline.launch.supervisor import ROLE_PROCESS_ENV, RoleFailed, TaskSupervisor, role_argv
 from pipeline.supervise import become_subreaper, end_tree
+from pipeline.run_files import LOGS_DIR, PLAN_FILE, RESULTS_DIR
 
-PLAN_FILE = "launch/plan.json"
 
 
 @dataclass
@@ -85,11 +85,11 @@ class TaskInfo:
 
 
 def log_path(run_dir: Path, role: str, rank: int) -> Path:
-    return Path(run_dir) / "logs" / f"{role}.{rank}.out"
+    return Path(run_dir) / LOGS_DIR / f"{role}.{rank}.out"
 
 
 def result_path(run_dir: Path, role: str, rank: int) -> Path:
-    return Path(run_dir) / "results" / f"{role}.{rank}.json"
+    return Path(run_dir) / RESULTS_DIR / f"{role}.{rank}.json"
 
 
 def abandoned_tasks(run_dir: Path, role: str, count: int) -> int:

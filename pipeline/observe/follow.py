@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.metrics import METRICS_FILE
+from pipeline.run_files import METRICS_FILE
 
 
 class MetricsFollower:

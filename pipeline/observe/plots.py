@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.metrics import read_metrics
+from pipeline.run_files import PLOT_FILE
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:
@@ -14,7 +15,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    out = out or run_dir / "training.png"
+    out = out or run_dir / PLOT_FILE
     steps = list(read_metrics(run_dir, "train_step"))
     evals = list(read_metrics(run_dir, "eval"))
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.observe.follow import MetricsFollower
+from pipeline.run_files import TENSORBOARD_DIR
 
 SKIP = {"t", "role", "kind", "step"}
 #: Summary numbers written as HParams metrics (``hparams/<name>``).
@@ -27,7 +28,7 @@ class TensorBoardMirror:
         from torch.utils.tensorboard import SummaryWriter
         self.run_dir = Path(run_dir)
         self.follow = MetricsFollower(run_dir)
-        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR))
         self.step = 0
 
     def update(self) -> int:

@@ -30,6 +30,9 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from pipeline.launch.task import log_path
+from pipeline.run_files import CONFIG_FILE, RESULTS_DIR
+
 LAUNCHES = "launch/launches.jsonl"
 PLAN = "launch/plan.json"
 #: Component states in which nothing of it runs: Slurm's final states, local EXITED, and UNKNOWN
@@ -93,7 +96,7 @@ def _last(run_dir: Path, kind: str, role: Optional[str] = None) -> Optional[Dict
 
 def latest_attempt(run_dir: Path, role: str) -> Optional[int]:
     """The attempt of the latest start of `role` rank 0 (launches and Slurm requeues), from its log header."""
-    path = run_dir / "logs" / f"{role}.0.out"
+    path = log_path(run_dir, role, 0)
     if not path.exists():
         return None
     heads = [line.split()[3] for line in path.read_text(errors="replace").splitlines()
@@ -104,7 +107,7 @@ def latest_attempt(run_dir: Path, role: str) -> Optional[int]:
 def last_error(run_dir: Path) -> Optional[str]:
     """The last line of the newest failed task's error, else None."""
     failed = []
-    for path in (run_dir / "results").glob("*.json"):
+    for path in (run_dir / RESULTS_DIR).glob("*.json"):
         try:
             record = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
@@ -136,16 +139,16 @@ def run_status(run_dir: Path) -> Dict[str, Any]:
             alive = sum(_alive(p, run_dir) for p in mine)
             comp.update(state="RUNNING" if alive else "EXITED", nodes="localhost", pids=mine, alive=alive)
     for comp in components:
-        comp["logs"] = [str(run_dir / "logs" / f"{comp['role']}.{r}.out") for r in range(comp["tasks"])]
+        comp["logs"] = [str(log_path(run_dir, comp["role"], r)) for r in range(comp["tasks"])]
     step, orch, ev = _last(run_dir, "train_step"), _last(run_dir, "orchestrator"), _last(run_dir, "eval")
     from pipeline.metrics import read_metrics
     generators: Dict[str, int] = {}
     for rec in read_metrics(run_dir, "generator"):
         generators[rec["role"]] = rec.get("version")
     cfg_steps = None
-    if (run_dir / "config.yaml").exists():
+    if (run_dir / CONFIG_FILE).exists():
         from omegaconf import OmegaConf
-        cfg_steps = OmegaConf.load(run_dir / "config.yaml").get("run", {}).get("steps")
+        cfg_steps = OmegaConf.load(run_dir / CONFIG_FILE).get("run", {}).get("steps")
     return {
         "run_dir": str(run_dir), "launcher": launcher, "job_id": launch.get("job_id"),
         "launch_index": launch.get("launch_index"), "attempt": latest_attempt(run_dir, components[0]["role"]),

@@ -29,7 +29,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-CONFIG_FILE = "config.yaml"
+from pipeline.run_files import CONFIG_FILE  # noqa: E402
 OVERRIDES_FILE = ".hydra/overrides.yaml"
 #: Keys that differ between any two runs by construction: never a column, never an hparam.
 IDENTITY_KEYS = ("run.dir", "run.name")

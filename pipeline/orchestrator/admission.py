@@ -1,10 +1,16 @@
 """Admission control and leases: which prompt group may be generated next, and by whom.
 
-Invariants (DESIGN §4):
+Invariants (`docs/architecture.md`, "Staleness, admission and the policy clock"):
 - a new group is handed out only while ``kept + in_flight < (max_async + version + 1) * groups_per_step``
-  (so that after the hand-out ``kept + in_flight <= bound``); ``kept`` counts groups kept after
-  filtering and not dropped since, ``in_flight`` counts groups leased or received-but-unresolved;
-  nothing is handed out before the trainer has reported a version;
+  (so that after the hand-out ``kept + in_flight <= bound``), ``version`` being the policy clock's
+  ``admission_version``; ``kept`` counts groups kept after filtering and not released since
+  (evicted as stale, dropped by a rollback), consumed ones included, so ``kept >= 0``;
+  ``in_flight`` counts groups leased, queued for re-issue or received-but-unresolved; nothing is
+  handed out while the clock's admission version is None;
+- after a rollback lowers the bound, ``kept + in_flight`` may exceed it: the excess drains as
+  groups resolve and is never topped up (a re-issue leases a group already in flight, no new one);
+- every lease records the clock epoch it was issued in (`lease_epoch`), so a result is checked
+  against the rollbacks that happened since;
 - a lease not returned within ``lease_timeout_s`` is re-issued with ``attempt + 1``; its group stays
   in flight, so expiry never opens extra admission;
 - each group is resolved exactly once: the first valid result of any attempt of a leased, unresolved
@@ -21,6 +27,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
 
+from pipeline.orchestrator.clock import UNKNOWN_EPOCH, PolicyClock
+
 
 @dataclass
 class Lease:
@@ -28,6 +36,8 @@ class Lease:
     attempt: int
     holder: bytes
     deadline: float
+    epoch: int
+    """The policy clock's epoch when it was issued."""
 
 
 class ResolvedSet:
@@ -57,16 +67,15 @@ class ResolvedSet:
 class Admission:
     """Lease book-keeping and the admission bound for one orchestrator incarnation."""
 
-    def __init__(self, groups_per_step: int, max_async: int, lease_timeout_s: float):
+    def __init__(self, groups_per_step: int, max_async: int, lease_timeout_s: float, clock: PolicyClock):
         if groups_per_step < 1 or max_async < 0 or lease_timeout_s <= 0:
             raise ValueError("need groups_per_step >= 1, max_async >= 0, lease_timeout_s > 0")
         self.groups_per_step = groups_per_step
         self.max_async = max_async
         self.lease_timeout_s = lease_timeout_s
-        self.version: int | None = None
-        """Version the trainer reports as broadcast (None until it speaks)."""
-        self.loaded_floor: int | None = None
-        """Lowest version the live generators report as loaded (None: they do not report)."""
+        self.clock = clock
+        self.issued: dict[int, tuple[int, int]] = {}
+        """group -> (attempt, clock epoch) of its latest lease in this incarnation."""
         self.kept = 0
         self.next_group_id = 0
         self.leases: dict[int, Lease] = {}
@@ -97,16 +106,8 @@ class Admission:
         return len(self.leases) + len(self.processing) + len(self.reissue)
 
     @property
-    def effective_version(self) -> int | None:
-        """The version every generator has loaded: the trainer's report, capped by the lowest
-        version the generators say they hold (when they say it)."""
-        if self.version is None or self.loaded_floor is None:
-            return self.version
-        return min(self.version, self.loaded_floor)
-
-    @property
     def bound(self) -> int:
-        v = self.effective_version
+        v = self.clock.admission_version
         if v is None:
             return 0
         return (self.max_async + v + 1) * self.groups_per_step
@@ -117,7 +118,7 @@ class Admission:
 
     def issue(self, holder: bytes, now: float) -> Lease | None:
         """Lease the next group (a re-issue first) to ``holder``, or None if admission is closed."""
-        if self.effective_version is None:
+        if self.clock.admission_version is None:
             return None
         if self.reissue:
             gid, attempt = self.reissue.popleft()
@@ -127,9 +128,16 @@ class Admission:
             self.next_group_id += 1
         else:
             return None
-        lease = Lease(gid, attempt, holder, now + self.lease_timeout_s)
+        lease = Lease(gid, attempt, holder, now + self.lease_timeout_s, self.clock.epoch)
         self.leases[gid] = lease
+        self.issued[gid] = (attempt, lease.epoch)
         return lease
+
+    def lease_epoch(self, gid: int, attempt: int) -> int:
+        """The clock epoch the result ``(gid, attempt)`` was leased in (`UNKNOWN_EPOCH` for an
+        attempt leased by an earlier incarnation or superseded by a re-issue)."""
+        issued = self.issued.get(gid)
+        return issued[1] if issued is not None and issued[0] == attempt else UNKNOWN_EPOCH
 
     def expire(self, now: float) -> list[Lease]:
         """Move leases past their deadline to the re-issue queue."""
@@ -168,11 +176,14 @@ class Admission:
 
     def resolve(self, gid: int, kept: bool) -> None:
         self.processing.discard(gid)
+        self.issued.pop(gid, None)
         self.resolved.add(gid)
         if kept:
             self.kept += 1
 
-    def unkeep(self, n: int = 1) -> None:
-        """Kept groups dropped later (stale in the buffer) free their slots."""
-        self.kept -= n
+    def unkeep(self) -> None:
+        """A kept group released later (stale in the buffer, dropped by a rollback) frees its slot."""
+        if self.kept < 1:
+            raise ValueError("unkeep without a kept group")
+        self.kept -= 1
 

@@ -6,7 +6,7 @@ back from the log when a step takes it.
 
 Invariants:
 - groups leave in arrival order (oldest first), each at most once: by `take` into a step or by
-  `drop_stale` when ``trainer_version - min_version > max_staleness``;
+  `drop` (the orchestrator releases stale groups and groups a rollback discarded);
 - tokens held in memory never exceed ``memory_token_budget`` (a single group larger than the whole
   budget is spilled at once).
 
@@ -71,10 +71,13 @@ class RolloutBuffer:
             self.memory_tokens -= g.num_tokens
         return g
 
-    def drop_stale(self, trainer_version: int, max_staleness: int) -> list[BufferedGroup]:
-        stale = [gid for gid, g in self.groups.items()
-                 if trainer_version - g.min_version > max_staleness]
-        return [self._remove(gid) for gid in stale]
+    def samples(self, group: BufferedGroup) -> SampleBatch:
+        """A buffered group's samples (read back from the log when spilled; it stays spilled)."""
+        return group.batch if group.batch is not None else self.read_rows(group.rows)
+
+    def drop(self, which: Callable[[BufferedGroup], bool]) -> list[BufferedGroup]:
+        """Remove and return the groups ``which`` selects (stale ones, rolled-back ones)."""
+        return [self._remove(gid) for gid in [gid for gid, g in self.groups.items() if which(g)]]
 
     def take(self, n_groups: int) -> list[BufferedGroup]:
         """The ``n_groups`` oldest groups with their samples loaded (spilled ones read back)."""

@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeline.orchestrator.links import prompt_arrays
+from pipeline.orchestrator.messages import EvalResult, EvalWork, encode
 from pipeline.orchestrator.prompts import PromptItem, PromptSource
 from pipeline.orchestrator.scoring import Scorer
 from pipeline.record import RecordError, RecordSchema, SampleBatch
 from pipeline.transport import MessageServer
-from pipeline.wire import Message
 
 log = logging.getLogger(__name__)
 
@@ -78,23 +79,19 @@ class Evaluator:
             return
         for peer, indices in self.assignments(generators).items():
             prompts = [self.prompt(i).token_ids for i in indices]
-            server.send(peer, "eval_work", {"step": self.round.step, "indices": indices},
-                        {"prompt_ids": np.concatenate(prompts),
-                         "prompt_len": np.array([len(p) for p in prompts], np.int32)})
+            server.send(peer, *encode(EvalWork(self.round.step, indices, prompt_arrays(prompts))))
 
-    def on_result(self, peer: bytes, msg: Message, counts: Counter) -> dict | None:
+    def on_result(self, peer: bytes, msg: EvalResult, counts: Counter) -> dict | None:
         """Record a generator's answers; the round's summary once it is complete."""
         arrays = dict(msg.arrays)
-        indices = arrays.pop("eval_index", None)
+        indices = arrays.pop("eval_index")  # a frame `EvalResult` requires
         try:
-            if indices is None:
-                raise RecordError("eval result without eval_index")
             batch = SampleBatch(arrays, self.schema)
         except RecordError as exc:
             counts["invalid_eval_result"] += 1
             log.warning("invalid eval result from %r: %s", peer, exc)
             return None
-        return self.record(int(msg.meta["step"]), indices, batch)
+        return self.record(msg.step, indices, batch)
 
     def record(self, step: int, indices: np.ndarray, batch: SampleBatch) -> dict | None:
         """Score answers of a round; returns the round's summary once it is complete."""

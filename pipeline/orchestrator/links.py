@@ -1,33 +1,11 @@
 """The other roles' side of the orchestrator protocol: generator and trainer links.
 
-Messages (kinds) and their meta; arrays travel as raw frames (see `pipeline.wire`):
-
-==============  =========================  ===================================================
-kind            direction                  meta / arrays
-==============  =========================  ===================================================
-``hello``       generator -> orchestrator  generator_id; (a repeated hello re-issues its leases)
-``want``        generator -> orchestrator  free (slots), received (work items got this epoch), epoch
-``work``        orchestrator -> generator  epoch, version, items [[group, attempt, prompt, n]];
-                                           arrays prompt_ids (flat), prompt_len
-``result``      generator -> orchestrator  group_id, attempt, credit (a ``want``'s meta);
-                                           arrays: the group's SampleBatch columns
-``ack``         orchestrator -> generator  groups [[group, attempt, outcome]]
-``get_batch``   trainer -> orchestrator    step, version (loaded by every generator), dp_size
-``batch``       orchestrator -> trainer    step, trainer_version; arrays: SampleBatch columns,
-                                           dp_rank
-``version``     trainer -> orchestrator    version
-``resume``      trainer -> orchestrator    step (the trainer restarted from the checkpoint after it)
-``eval_request`` trainer -> orchestrator   step, version: run a held-out evaluation round
-``eval_work``   orchestrator -> generator  step, indices; arrays prompt_ids (flat), prompt_len
-``eval_result`` generator -> orchestrator  step; arrays: SampleBatch columns, eval_index
-``weights``     trainer -> orchestrator    version: the trainer is about to broadcast it
-``update``      orchestrator -> generator  version: join the broadcast and load it
-``members``     trainer <-> orchestrator   (reply: members {identity: incarnation} of alive generators)
-``regroup``     trainer -> orchestrator    epoch: a new weight group; forwarded to every generator,
-                -> generator               which joins it (ranks and address in the rendezvous)
-``finish``      trainer -> orchestrator    the run is over: stop the generators, then exit
-``stop``        orchestrator -> generator  no more work will come: finish and exit
-==============  =========================  ===================================================
+Messages are the typed records of `pipeline.orchestrator.messages` (one per kind; who sends
+which is written there). A generator sends `Hello`, then `Want` credit updates, `Result` and
+`EvalResult`; it receives `Work`, `Ack`, `EvalWork`, `Update`, `Regroup`, `Stop`. The trainer sends
+`TrainerVersion`, `Resume`, `GetBatch`, `EvalRequest`, `WeightsAnnounced`, `ListMembers`,
+`Regroup`, `Finish` and receives `Batch` and `Members`. Either may receive an `Error` naming a
+message of its own the orchestrator could not take; it is logged and counted (``errors``).
 
 Credits are absolute and idempotent: a generator says how many slots are free and how many work
 items it has received from the orchestrator's current epoch; the orchestrator grants
@@ -41,21 +19,25 @@ deduplicates, so a crash on either side loses no kept group and stores none twic
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import zmq
 
+from pipeline.orchestrator import messages as m
 from pipeline.record import RecordError, RecordSchema, SampleBatch
-from pipeline.transport import MessageClient, TransportConfig, TransportError, load_or_create_secret
+from pipeline.run_files import ORCHESTRATOR_RENDEZVOUS
+from pipeline.transport import (MessageClient, MessageServer, TransportConfig, TransportError,
+                                load_or_create_secret)
 
-RENDEZVOUS = "rendezvous/orchestrator.json"
-
+log = logging.getLogger(__name__)
 
 def write_rendezvous(run_dir: Path, info: dict) -> None:
-    path = Path(run_dir) / RENDEZVOUS
+    path = Path(run_dir) / ORCHESTRATOR_RENDEZVOUS
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(info))
@@ -63,7 +45,7 @@ def write_rendezvous(run_dir: Path, info: dict) -> None:
 
 
 def read_rendezvous(run_dir: Path, timeout_s: float) -> dict:
-    path = Path(run_dir) / RENDEZVOUS
+    path = Path(run_dir) / ORCHESTRATOR_RENDEZVOUS
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -82,13 +64,8 @@ class EvalItem:
     prompt_ids: np.ndarray
 
 
-@dataclass
-class Control:
-    """An instruction to the generator: ``regroup`` (join weight group ``epoch``), ``update``
-    (load weights ``version``) or ``stop``."""
-    kind: str
-    version: int | None = None
-    epoch: int | None = None
+Control = m.Regroup | m.Update | m.Stop
+"""An instruction to the generator: join weight group ``epoch``, load weights ``version``, stop."""
 
 
 @dataclass
@@ -112,6 +89,19 @@ def batch_from_arrays(arrays: dict[str, np.ndarray], schema: RecordSchema,
     return SampleBatch(cols, schema, validate=True)
 
 
+def bind_server(run_dir: Path, cfg: TransportConfig) -> MessageServer:
+    """The orchestrator's endpoint: where the previous incarnation listened if possible, so peers
+    reconnect by themselves."""
+    key = load_or_create_secret(run_dir)
+    if cfg.port == 0:
+        try:
+            prev = int(read_rendezvous(run_dir, 0.0)["address"].rsplit(":", 1)[1])
+            return MessageServer(key, replace(cfg, port=prev))
+        except (TransportError, ValueError, KeyError, zmq.ZMQError):
+            pass
+    return MessageServer(key, cfg)
+
+
 class _Link:
     def __init__(self, run_dir: Path, identity: str, cfg: TransportConfig, timeout_s: float):
         self.run_dir = Path(run_dir)
@@ -120,6 +110,31 @@ class _Link:
         info = read_rendezvous(self.run_dir, timeout_s)
         self.address, self.orchestrator_epoch = info["address"], info.get("epoch")
         self.client = MessageClient(self.key, self.address, cfg, identity)
+        self.errors = 0
+        """Messages rejected by either end (an `Error` answer, or a malformed message received)."""
+
+    def send(self, msg) -> None:
+        self.client.send(*m.encode(msg))
+
+    def recv(self, timeout_s: float):
+        """The next well-formed record within ``timeout_s`` (None if none); `Error` answers and
+        malformed messages are logged and counted, never returned."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            raw = self.client.recv(max(0.0, deadline - time.monotonic()))
+            if raw is None:
+                return None
+            try:
+                msg = m.decode(raw)
+            except m.MessageError as exc:
+                self.errors += 1
+                log.warning("malformed message from the orchestrator: %s", exc)
+                continue
+            if isinstance(msg, m.Error):
+                self.errors += 1
+                log.warning("the orchestrator rejected our %s: %s", msg.kind, msg.detail)
+                continue
+            return msg
 
     def refresh_address(self) -> bool:
         """Reconnect if the orchestrator came back on another address; True if it restarted."""
@@ -156,23 +171,22 @@ class GeneratorLink(_Link):
         self.active: set[int] = set()
         self.unacked: dict[tuple[int, int], tuple[float, dict]] = {}
         self.outcomes: dict[str, int] = {}
-        self.client.send("hello", {"generator_id": generator_id})
+        self.send(m.Hello(generator_id))
         self._last_want = 0.0
 
-    def credit(self, open_: bool = True) -> dict:
+    def credit(self, open_: bool = True) -> m.Credit:
         free = self.slots - len(self.active) if open_ else 0
-        return {"free": free, "received": self.received, "epoch": self.epoch,
-                "loaded": self.loaded_version}
+        return m.Credit(free, self.received, self.epoch, self.loaded_version)
 
     def follow_orchestrator(self) -> None:
         """Reconnect to a restarted orchestrator and introduce ourselves again (it then sends the
         weight group and version to load, like to any new generator)."""
         if self.refresh_address():
-            self.client.send("hello", {"generator_id": self.generator_id})
+            self.send(m.Hello(self.generator_id))
 
     def send_want(self, open_: bool = True) -> None:
         self.follow_orchestrator()
-        self.client.send("want", self.credit(open_))
+        self.send(m.Want(self.credit(open_)))
         self._last_want = time.monotonic()
 
     def poll(self, timeout_s: float, send_credit: bool = True) -> list[WorkItem | EvalItem | Control]:
@@ -184,35 +198,31 @@ class GeneratorLink(_Link):
         for key, (t, arrays) in list(self.unacked.items()):
             if now - t > self.resend_after_s:
                 self.follow_orchestrator()
-                self.client.send("result", {"group_id": key[0], "attempt": key[1]}, arrays)
+                self.send(m.Result(key[0], key[1], None, arrays))
                 self.unacked[key] = (now, arrays)
         items: list[WorkItem | EvalItem | Control] = []
         deadline = now + timeout_s
         while True:
-            msg = self.client.recv(max(0.0, deadline - time.monotonic()))
+            msg = self.recv(max(0.0, deadline - time.monotonic()))
             if msg is None:
                 return items
-            if msg.kind in ("update", "stop", "regroup"):
-                items.append(Control(msg.kind, msg.meta.get("version"), msg.meta.get("epoch")))
+            if isinstance(msg, Control):
+                items.append(msg)
                 return items
-            if msg.kind == "eval_work":
-                ids, lens = msg.arrays["prompt_ids"], msg.arrays["prompt_len"]
-                off = np.concatenate(([0], np.cumsum(lens)))
-                items.extend(EvalItem(msg.meta["step"], idx, ids[off[j]:off[j + 1]])
-                             for j, idx in enumerate(msg.meta["indices"]))
+            if isinstance(msg, m.EvalWork):
+                items.extend(EvalItem(msg.step, idx, p)
+                             for idx, p in zip(msg.indices, _split_prompts(msg.arrays)))
                 return items
-            if msg.kind == "work":
-                if msg.meta["epoch"] != self.epoch:
-                    self.epoch, self.received = msg.meta["epoch"], 0
-                ids, lens = msg.arrays["prompt_ids"], msg.arrays["prompt_len"]
-                off = np.concatenate(([0], np.cumsum(lens)))
-                for j, (gid, attempt, pid, n) in enumerate(msg.meta["items"]):
+            if isinstance(msg, m.Work):
+                if msg.epoch != self.epoch:
+                    self.epoch, self.received = msg.epoch, 0
+                for (gid, attempt, pid, n), prompt in zip(msg.items, _split_prompts(msg.arrays)):
                     self.received += 1
                     self.active.add(gid)
-                    items.append(WorkItem(gid, attempt, pid, n, ids[off[j]:off[j + 1]], msg.meta["version"]))
+                    items.append(WorkItem(gid, attempt, pid, n, prompt, msg.version))
                 return items
-            if msg.kind == "ack":
-                for gid, attempt, outcome in msg.meta["groups"]:
+            if isinstance(msg, m.Ack):
+                for gid, attempt, outcome in msg.groups:
                     self.unacked.pop((gid, attempt), None)
                     self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
@@ -221,14 +231,12 @@ class GeneratorLink(_Link):
         self.unacked[(item.group_id, item.attempt)] = (time.monotonic(), arrays)
         self.active.discard(item.group_id)
         # the freed slot travels with the result: no separate ``want`` message per group
-        self.client.send("result", {"group_id": item.group_id, "attempt": item.attempt,
-                                    "credit": self.credit()}, arrays)
-
+        self.send(m.Result(item.group_id, item.attempt, self.credit(), arrays))
 
     def send_eval_result(self, step: int, indices: np.ndarray, batch: SampleBatch) -> None:
         arrays = batch_arrays(batch)
         arrays["eval_index"] = np.asarray(indices, np.int64)
-        self.client.send("eval_result", {"step": step}, arrays)
+        self.send(m.EvalResult(step, arrays))
 
 
 class TrainerLink(_Link):
@@ -240,37 +248,37 @@ class TrainerLink(_Link):
         self.schema = schema
 
     def report_version(self, version: int) -> None:
-        self.client.send("version", {"version": version})
+        self.send(m.TrainerVersion(version))
 
     def resume(self, step: int) -> None:
         """Tell the orchestrator the trainer restarted from the checkpoint taken after ``step`` steps."""
-        self.client.send("resume", {"step": step})
+        self.send(m.Resume(step))
 
     def request_eval(self, step: int, version: int) -> None:
-        self.client.send("eval_request", {"step": step, "version": version})
+        self.send(m.EvalRequest(step, version))
 
     def announce_weights(self, version: int) -> None:
         """Ask every generator to join the broadcast of ``version`` that follows."""
-        self.client.send("weights", {"version": version})
+        self.send(m.WeightsAnnounced(version))
 
     def finish(self) -> None:
-        self.client.send("finish", {})
+        self.send(m.Finish())
 
     def members(self, timeout_s: float) -> dict[str, int]:
         """Alive generators (identity -> incarnation), as the orchestrator sees them."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            self.client.send("members", {})
-            msg = self.client.recv(min(2.0, max(0.0, deadline - time.monotonic())))
-            while msg is not None and msg.kind != "members":
-                msg = self.client.recv(0.5)  # a stray batch reply of an earlier retry
+            self.send(m.ListMembers())
+            msg = self.recv(min(2.0, max(0.0, deadline - time.monotonic())))
+            while msg is not None and not isinstance(msg, m.Members):
+                msg = self.recv(0.5)  # a stray batch reply of an earlier retry
             if msg is not None:
-                return {str(k): int(v) for k, v in msg.meta["members"].items()}
+                return msg.members
             self.refresh_address()
         raise TransportError(f"the orchestrator did not list the generators within {timeout_s:.0f}s")
 
     def regroup(self, epoch: int) -> None:
-        self.client.send("regroup", {"epoch": epoch})
+        self.send(m.Regroup(epoch))
 
     def get_batch(self, step: int, version: int, dp_size: int, timeout_s: float,
                   dp_rank: int | None = None,
@@ -282,14 +290,13 @@ class TrainerLink(_Link):
         """
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            self.client.send("get_batch", {"step": step, "version": version, "dp_size": dp_size,
-                                           "dp_rank": dp_rank})
+            self.send(m.GetBatch(step, version, dp_size, dp_rank))
             until = min(deadline, time.monotonic() + retry_s)
             while time.monotonic() < until:
-                msg = self.client.recv(max(0.0, until - time.monotonic()))
+                msg = self.recv(max(0.0, until - time.monotonic()))
                 if msg is None:
                     break
-                if msg.kind == "batch" and msg.meta.get("step") == step:
+                if isinstance(msg, m.Batch) and (msg.step, msg.dp_rank) == (step, dp_rank):
                     try:
                         batch = batch_from_arrays(msg.arrays, self.schema, ("dp_rank",))
                     except RecordError as exc:
@@ -297,3 +304,15 @@ class TrainerLink(_Link):
                     return batch, msg.arrays["dp_rank"]
             self.refresh_address()
         raise TransportError(f"no batch for step {step} within {timeout_s:.0f}s")
+
+
+def _split_prompts(arrays: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """The flat ``prompt_ids`` frame cut by ``prompt_len``."""
+    ids, lens = arrays["prompt_ids"], arrays["prompt_len"]
+    off = np.concatenate(([0], np.cumsum(lens)))
+    return [ids[off[j]:off[j + 1]] for j in range(len(lens))]
+
+
+def prompt_arrays(prompts: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """Prompts as the ``prompt_ids`` (flat) and ``prompt_len`` frames of `Work` / `EvalWork`."""
+    return {"prompt_ids": np.concatenate(prompts), "prompt_len": np.array([len(p) for p in prompts], np.int32)}

@@ -13,12 +13,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from pipeline.orchestrator.messages import Credit
+
 
 @dataclass
 class GeneratorState:
     incarnation: int
-    loaded: int | None = None
-    """Weights version the generator says it holds (None: it does not say)."""
     granted: int = 0
     credit: int = 0
     last_seen: float = field(default_factory=time.monotonic)
@@ -42,19 +42,13 @@ class GeneratorPool:
         if g is not None:
             g.last_seen = time.monotonic()
 
-    def set_credit(self, peer: bytes, credit: dict, epoch: str) -> None:
+    def set_credit(self, peer: bytes, credit: Credit, epoch: str) -> None:
+        """Apply a credit update (the version it reports loaded is a fact of the policy clock)."""
         g = self.gens.get(peer)
         if g is None:  # a generator from before an orchestrator restart: adopt it
             g = self.gens[peer] = GeneratorState(self._next())
-        received = int(credit["received"]) if credit.get("epoch") == epoch else 0
-        g.credit = max(0, int(credit["free"]) - (g.granted - received))
-        if credit.get("loaded") is not None:
-            g.loaded = int(credit["loaded"])
-
-    def loaded_floor(self) -> int | None:
-        """Lowest loaded version among generators that report one (None if none does)."""
-        versions = [g.loaded for g in self.gens.values() if g.loaded is not None]
-        return min(versions) if versions else None
+        received = credit.received if credit.epoch == epoch else 0
+        g.credit = max(0, credit.free - (g.granted - received))
 
     def _next(self) -> int:
         self._incarnations += 1

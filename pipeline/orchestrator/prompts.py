@@ -4,7 +4,7 @@ Invariants:
 - the prompt of a group is a pure function of (source, seed, group id): group g takes position g of
   a stream that walks seeded permutations of the dataset, epoch after epoch. The cursor is thus just
   the next group id, and a re-issued or resumed group gets exactly the prompt it had before;
-- each prompt is tokenized once (DESIGN §6) and cached; generators and the trainer receive ids.
+- each prompt is tokenized once (`docs/architecture.md`, "Contracts") and cached; generators and the trainer receive ids.
 
 Worked example: 3 prompts, seed 7: epoch 0 might be the permutation [2, 0, 1] and epoch 1 [1, 2, 0],
 so groups 0..5 get prompts 2, 0, 1, 1, 2, 0.
@@ -16,6 +16,8 @@ from functools import lru_cache
 from typing import Any, Callable, Sequence
 
 import numpy as np
+
+from pipeline.record import RecordError, SampleBatch
 
 
 @dataclass(frozen=True)
@@ -95,3 +97,20 @@ class TextPromptSource(PromptSource):
         if ids.size == 0:
             raise ValueError(f"prompt {prompt_id} tokenizes to nothing")
         return PromptItem(prompt_id, ids, answer)
+
+
+def check_result(batch: SampleBatch, gid: int, attempt: int, group_size: int, prompt: PromptItem) -> None:
+    """Raise `RecordError` unless ``batch`` is a whole group answering ``prompt`` as leased."""
+    c = batch.columns
+    if len(batch) != group_size:
+        raise RecordError(f"{len(batch)} samples, group size is {group_size}")
+    if (c["group_id"] != gid).any() or (c["attempt"] != attempt).any():
+        raise RecordError("samples carry another group id or attempt than the message")
+    if not np.array_equal(np.sort(c["sample_index"]), np.arange(len(batch))):
+        raise RecordError("sample indices are not 0..G-1")
+    if (c["prompt_id"] != prompt.prompt_id).any():
+        raise RecordError(f"prompt id differs from the group's prompt {prompt.prompt_id}")
+    if ((c["prompt_len"] != len(prompt.token_ids)).any()
+            or not np.array_equal(c["prompt_ids"].reshape(len(batch), -1),
+                                  np.broadcast_to(prompt.token_ids, (len(batch), len(prompt.token_ids))))):
+        raise RecordError("prompt tokens differ from the issued prompt")

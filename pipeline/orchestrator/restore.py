@@ -1,9 +1,12 @@
-"""Rebuild the orchestrator's state from the run's rollout log (DESIGN §6 resume).
+"""Rebuild the orchestrator's state from the run's rollout log (`docs/architecture.md`, "Crash resume").
 
 Invariants:
 - resolved groups (any outcome) are never issued again; unresolved ids below the cursor are;
+- ``kept`` is what admission would count had the orchestrator never stopped: every group ever
+  stored minus every stored group released since (evicted as stale or dropped by a rollback),
+  consumed groups included; it is derived from the log's group rows, never from the buffer;
 - the buffer gets back exactly the stored groups that no recorded step consumed and that were not
-  evicted as stale, oldest first, as spilled rows (read back from the log when a step takes them);
+  released (evicted as stale, dropped by a rollback), oldest first, as spilled rows (read back from the log when a step takes them);
 - the step record (step -> rows, DP ranks) is restored so a trainer asking again for a recorded
   step receives the same samples.
 """
@@ -14,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.log_format import GroupOutcome, LogNotFoundError
+from pipeline.log_format import RELEASE_OUTCOMES, LogNotFoundError
 from pipeline.log_reader import RolloutLog
 from pipeline.orchestrator.buffer import BufferedGroup
 
@@ -26,6 +29,8 @@ class RestoredState:
     buffered: list[BufferedGroup] = field(default_factory=list)
     step_rows: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     last_trainer_version: int = 0
+    kept: int = 0
+    """Groups stored and not released since (see the module invariants)."""
     outcome_counts: dict[str, int] = field(default_factory=dict)
 
 
@@ -42,16 +47,17 @@ def restore_from_log(log_dir: Path) -> RestoredState:
         state.resolved = [int(g) for g in np.unique(groups["group_id"])]
         state.attempts = {int(g): int(a) for g, a in zip(groups["group_id"], groups["attempt"])}
         state.outcome_counts = {f"restored_{k}": v for k, v in rs.counts.items() if v}
-        evicted = set(rs.resolved[GroupOutcome.EVICTED_STALE].tolist())
+        released = set().union(*(rs.resolved[o].tolist() for o in RELEASE_OUTCOMES))
         consumed = rs.consumed_rows
         st = rs.stored
+        state.kept = len(st["group_id"]) - len(released & set(st["group_id"].tolist()))
         order = np.argsort(st["first_row"], kind="stable")
         all_rows = log.rows()
         tokens = log.column("samples/prompt_len").astype(np.int64) + log.column("samples/completion_len")
         for i in order:
             gid, first, n = int(st["group_id"][i]), int(st["first_row"][i]), int(st["n_samples"][i])
             rows = np.arange(first, first + n, dtype=np.int64)
-            if gid in evicted or np.isin(rows, consumed).any():
+            if gid in released or np.isin(rows, consumed).any():
                 continue
             n_tokens = int(tokens[np.searchsorted(all_rows, rows)].sum())
             state.buffered.append(BufferedGroup(gid, int(st["attempt"][i]), rows,

@@ -98,3 +98,10 @@ GROUP_FILTERS: dict[str, Callable[[np.ndarray], bool]] = {
     "none": keep_all,
     "zero_variance": drop_zero_variance,
 }
+
+
+def with_rewards(batch: SampleBatch, rewards: np.ndarray) -> SampleBatch:
+    """The group with its scored rewards filled in."""
+    cols = dict(batch.columns)
+    cols["reward"] = rewards.astype(np.float32)
+    return SampleBatch(cols, batch.schema, validate=False)

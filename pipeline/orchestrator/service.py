@@ -6,11 +6,16 @@ scored groups (filter, staleness, store); flushes the rollout log once and only 
 the results that flush covers; grants work within the admission bound; serves a waiting step
 batch; writes metrics.
 
-Invariants (DESIGN §4, §6):
+Invariants (`docs/architecture.md`, "Staleness, admission and the policy clock", "Crash resume"):
 - each admitted group is resolved once: stored, filtered or dropped (by reason); a result is
   acknowledged only after the flush that covers its resolution;
-- a group is stored only if ``trainer_version - min_version <= max_staleness``, checked when it is
-  scored, while it waits in the buffer and again when a step takes it;
+- every version fact lives in the policy clock (`pipeline.orchestrator.clock`), changed only by the
+  handlers of the typed messages that report it;
+- a group is stored only if it is not stale (`clock.is_stale`), checked when it is scored and
+  again, for every buffered group, whenever the trainer's step advances, before a step takes any;
+- a result holding tokens of weights a rollback discarded (`clock.rolled_back`) is not stored but
+  re-issued (a new attempt regenerates it); stored groups of such weights (buffered, or of the
+  forgotten steps) are released as ``DROPPED_ROLLBACK``;
 - a step's batch is recorded in the log (which samples, which DP rank) and flushed before the
   trainer sees it; asking again for a recorded step returns the same samples;
 - restarting on the same run directory rebuilds everything from the log: resolved groups, the
@@ -26,27 +31,28 @@ import signal
 import time
 import uuid
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
-import zmq
 
 from pipeline.metrics import MetricsWriter
+from pipeline.orchestrator import messages as m
 from pipeline.orchestrator.admission import Admission
 from pipeline.orchestrator.buffer import BufferedGroup, RolloutBuffer
+from pipeline.orchestrator.clock import PolicyClock
 from pipeline.orchestrator.config import OrchestratorConfig
 from pipeline.orchestrator.evaluation import Evaluator
+from pipeline.orchestrator.links import batch_from_arrays, bind_server, prompt_arrays, write_rendezvous
 from pipeline.orchestrator.members import GeneratorPool
-from pipeline.orchestrator.links import batch_from_arrays, read_rendezvous, write_rendezvous
-from pipeline.orchestrator.prompts import PromptSource
+from pipeline.orchestrator.prompts import PromptSource, check_result
 from pipeline.orchestrator.replay import LogFeeder
-from pipeline.orchestrator.scoring import GROUP_FILTERS, AsyncScoring, Scorer
+from pipeline.orchestrator.restore import restore_from_log
+from pipeline.orchestrator.scoring import GROUP_FILTERS, AsyncScoring, Scorer, with_rewards
 from pipeline.orchestrator.steps import StepDesk
 from pipeline.record import RecordError, RecordSchema, SampleBatch
 from pipeline.rollout_log import GroupOutcome, RolloutLogWriter
-from pipeline.orchestrator.restore import restore_from_log
-from pipeline.transport import MessageServer, TransportConfig, TransportError, load_or_create_secret
+from pipeline.run_files import ROLLOUTS_DIR
 from pipeline.wire import Message
 
 log = logging.getLogger(__name__)
@@ -59,36 +65,34 @@ class Orchestrator:
         cfg.validate()
         self.run_dir, self.cfg, self.prompts, self.schema = Path(run_dir), cfg, prompts, schema
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.staleness = cfg.staleness_limit()
         self.group_filter = GROUP_FILTERS[cfg.group_filter]
-        self.admission = Admission(cfg.groups_per_step, cfg.max_async, cfg.lease_timeout_s)
         self.counts: Counter[str] = Counter()
-        log_dir = self.run_dir / "rollouts"
+        log_dir = self.run_dir / ROLLOUTS_DIR
         state = restore_from_log(log_dir)
+        self.clock = PolicyClock(cfg.staleness_limit(), trainer_step=state.last_trainer_version)
+        self.admission = Admission(cfg.groups_per_step, cfg.max_async, cfg.lease_timeout_s, self.clock)
         self.writer = RolloutLogWriter(log_dir, schema, run_id,
                                        {"group_size": cfg.group_size, "seed": cfg.seed},
                                        seal_interval_s=cfg.log_seal_interval_s,
                                        seal_bytes=cfg.log_seal_bytes)
         self.buffer = RolloutBuffer(cfg.memory_token_budget, self.writer.read_samples)
-        self.admission.restore(state.resolved, len(state.buffered), state.attempts)
+        self.admission.restore(state.resolved, state.kept, state.attempts)
         for g in state.buffered:
             self.buffer.add(g)
         self.counts.update(state.outcome_counts)
         self.scoring = AsyncScoring(scorer, cfg.scorer_threads)
         self.evaluator = Evaluator(eval_prompts, scorer, schema) if eval_prompts else None
         self.feeder = LogFeeder(replay_source, set(state.resolved)) if replay_source else None
-        self.server = _bind(self.run_dir, cfg.transport)
+        self.server = bind_server(self.run_dir, cfg.transport)
         self.epoch = uuid.uuid4().hex[:12]
         write_rendezvous(self.run_dir, {"address": self.server.address, "epoch": self.epoch})
         self.metrics = MetricsWriter(self.run_dir, "orchestrator")
         self.generators = GeneratorPool(cfg.generator_dead_after_s)
         self.to_ack: list[tuple[bytes, int, int, str]] = []
         self.group_rows: list[tuple] = []  # resolutions waiting for the next flush
-        self.announced_version: int | None = None
         self.group_epoch: int | None = None
-        self.desk = StepDesk(cfg, self.staleness, self.server, self.writer, self.buffer, self.admission,
-                             self.counts, self.group_rows, self._flush, state.step_rows,
-                             state.last_trainer_version)
+        self.desk = StepDesk(cfg.groups_per_step, self.writer, self.buffer, state.step_rows)
+        self._stale_checked_for = -1
         self.stopping = False
         self._last_flush = self._last_metrics = self._last_expiry = time.monotonic()
         self._ingested_tokens = self._ingested_total = 0
@@ -132,56 +136,72 @@ class Orchestrator:
             self._feed_from_log()
         else:
             self._grant_work()
-        self.desk.serve()
+        self._serve_steps()
         if self.evaluator is not None and self.evaluator.round is not None:
             self.evaluator.send_work(self.server, list(self.generators))
         if now - self._last_metrics >= self.cfg.metrics_interval_s:
             self._write_metrics(now)
 
-    def handle(self, peer: bytes, msg: Message) -> None:
+    def handle(self, peer: bytes, raw: Message) -> None:
+        """Decode a message into its record and dispatch it; a malformed, unknown or misdirected
+        message is counted (``bad_message``) and answered with an `Error` naming the problem."""
         try:
-            handler = {"hello": self._on_hello, "want": self._on_want, "result": self._on_result,
-                       "members": self._on_members, "regroup": self._on_regroup,
-                       "get_batch": self.desk.on_get_batch, "version": self._on_version,
-                       "resume": self.desk.on_resume, "eval_request": self._on_eval_request,
-                       "eval_result": self._on_eval_result, "weights": self._on_weights,
-                       "finish": self._on_finish}[msg.kind]
-        except KeyError:
-            self.counts["unknown_kind"] += 1
+            msg = m.decode(raw)
+            handler = self._handlers.get(type(msg))
+            if handler is None:
+                raise m.MessageError(raw.kind, "not a message the orchestrator takes")
+        except m.MessageError as exc:
+            self.counts["bad_message"] += 1
+            log.warning("bad message from %r: %s", peer, exc)
+            self.server.send(peer, *m.encode(m.Error(exc.kind, exc.detail)))
             return
         self.generators.seen(peer)
-        try:
-            handler(peer, msg)
-        except (KeyError, TypeError, ValueError) as exc:  # well-signed but nonsensical content
-            self.counts["bad_request"] += 1
-            log.warning("bad %s from %r: %s", msg.kind, peer, exc)
+        handler(peer, msg)
+
+    @property
+    def _handlers(self) -> dict[type, Callable]:
+        return {m.Hello: self._on_hello, m.Want: self._on_want, m.Result: self._on_result,
+                m.ListMembers: self._on_members, m.Regroup: self._on_regroup,
+                m.GetBatch: self._on_get_batch, m.TrainerVersion: self._on_version,
+                m.Resume: self._on_resume, m.EvalRequest: self._on_eval_request,
+                m.EvalResult: self._on_eval_result, m.WeightsAnnounced: self._on_weights,
+                m.Finish: self._on_finish}
+
+    def _send(self, peer: bytes, msg) -> None:
+        self.server.send(peer, *m.encode(msg))
 
     # -- generators ------------------------------------------------------------------------
-    def _on_hello(self, peer: bytes, msg: Message) -> None:
+    def _on_hello(self, peer: bytes, msg: m.Hello) -> None:
         if self.generators.hello(peer):  # restarted: the old process's leases never come back
             self.counts["leases_released"] += self.admission.release_holder(peer)
+        self.clock.generator_joined(peer)
         if self.group_epoch is not None:  # it must join the weight group before taking weights
-            self.server.send(peer, "regroup", {"epoch": self.group_epoch})
-        if self.announced_version is not None:
-            self.server.send(peer, "update", {"version": self.announced_version})
+            self._send(peer, m.Regroup(self.group_epoch))
+        if self.clock.announced is not None:
+            self._send(peer, m.Update(self.clock.announced))
 
-    def _on_want(self, peer: bytes, msg: Message) -> None:
-        self.generators.set_credit(peer, msg.meta, self.epoch)
+    def _on_want(self, peer: bytes, msg: m.Want) -> None:
+        self._credit(peer, msg.credit)
 
-    def _on_members(self, peer: bytes, msg: Message) -> None:
+    def _credit(self, peer: bytes, credit: m.Credit) -> None:
+        self.generators.set_credit(peer, credit, self.epoch)
+        self.clock.generator_loaded(peer, credit.loaded)
+
+    def _on_members(self, peer: bytes, msg: m.ListMembers) -> None:
         """The trainer asks which generators are alive (to build the weight group)."""
         self._reap_dead()
-        self.server.send(peer, "members", {"members": self.generators.members()})
+        self._send(peer, m.Members(self.generators.members()))
 
-    def _on_regroup(self, peer: bytes, msg: Message) -> None:
-        """The trainer rebuilt the weight group (epoch in meta): every generator must join it."""
-        self.group_epoch = int(msg.meta["epoch"])
+    def _on_regroup(self, peer: bytes, msg: m.Regroup) -> None:
+        """The trainer rebuilt the weight group: every generator must join it."""
+        self.group_epoch = msg.epoch
         for gen in self.generators:
-            self.server.send(gen, "regroup", {"epoch": self.group_epoch})
+            self._send(gen, msg)
 
     def _reap_dead(self) -> None:
         for peer in self.generators.reap():
             self.counts["generators_lost"] += 1
+            self.clock.generator_lost(peer)
             self.counts["leases_released"] += self.admission.release_holder(peer)
             log.warning("generator %r silent for %.0fs: its leases are re-issued", peer,
                         self.cfg.generator_dead_after_s)
@@ -189,7 +209,6 @@ class Orchestrator:
     def _grant_work(self) -> None:
         """One group at a time to each generator with credit in turn, so none is starved."""
         now = time.time()
-        self.admission.loaded_floor = self.generators.loaded_floor()
         grants: dict[bytes, tuple[list, list]] = {}
         progress = True
         while progress:
@@ -208,10 +227,8 @@ class Orchestrator:
                 gen.granted += 1
                 progress = True
         for peer, (items, prompts) in grants.items():
-            self.server.send(peer, "work", {"epoch": self.epoch, "version": self.admission.effective_version,
-                                            "items": items},
-                             {"prompt_ids": np.concatenate(prompts),
-                              "prompt_len": np.array([len(p) for p in prompts], np.int32)})
+            self._send(peer, m.Work(self.epoch, self.clock.admission_version, items,
+                                    prompt_arrays(prompts)))
 
     def _feed_from_log(self) -> None:
         """Replay: keep two steps' worth of recorded groups buffered, as generators would."""
@@ -227,10 +244,10 @@ class Orchestrator:
             self.admission.resolve(gid, kept=True)
             self._store(gid, int(group.columns["attempt"][0]), group)
 
-    def _on_result(self, peer: bytes, msg: Message) -> None:
-        gid, attempt = int(msg.meta["group_id"]), int(msg.meta["attempt"])
-        if "credit" in msg.meta:
-            self.generators.set_credit(peer, msg.meta["credit"], self.epoch)
+    def _on_result(self, peer: bytes, msg: m.Result) -> None:
+        gid, attempt = msg.group_id, msg.attempt
+        if msg.credit is not None:
+            self._credit(peer, msg.credit)
         verdict = self.admission.classify_result(gid)
         if verdict != "accept":
             self.counts[verdict] += 1
@@ -239,7 +256,7 @@ class Orchestrator:
             return
         try:
             batch = batch_from_arrays(msg.arrays, self.schema)
-            self._check_group(batch, gid, attempt)
+            check_result(batch, gid, attempt, self.cfg.group_size, self.prompts.for_group(gid))
         except RecordError as exc:
             self.counts["invalid_result"] += 1
             log.warning("invalid result for group %d from %r: %s", gid, peer, exc)
@@ -250,22 +267,6 @@ class Orchestrator:
         self._ingested_total += batch.num_tokens
         self.scoring.submit((gid, attempt, peer), batch, self.prompts.for_group(gid))
 
-    def _check_group(self, batch: SampleBatch, gid: int, attempt: int) -> None:
-        c = batch.columns
-        if len(batch) != self.cfg.group_size:
-            raise RecordError(f"{len(batch)} samples, group size is {self.cfg.group_size}")
-        if (c["group_id"] != gid).any() or (c["attempt"] != attempt).any():
-            raise RecordError("samples carry another group id or attempt than the message")
-        if not np.array_equal(np.sort(c["sample_index"]), np.arange(len(batch))):
-            raise RecordError("sample indices are not 0..G-1")
-        prompt = self.prompts.for_group(gid)
-        if (c["prompt_id"] != prompt.prompt_id).any():
-            raise RecordError(f"prompt id differs from the group's prompt {prompt.prompt_id}")
-        if ((c["prompt_len"] != len(prompt.token_ids)).any()
-                or not np.array_equal(c["prompt_ids"].reshape(len(batch), -1),
-                                      np.broadcast_to(prompt.token_ids, (len(batch), len(prompt.token_ids))))):
-            raise RecordError("prompt tokens differ from the issued prompt")
-
     # -- resolution ------------------------------------------------------------------------
     def _resolve_scored(self) -> None:
         for (gid, attempt, peer), group, rewards, err in self.scoring.completed():
@@ -273,10 +274,15 @@ class Orchestrator:
                 log.warning("scoring group %d failed: %s", gid, err)
                 self._resolve(gid, attempt, GroupOutcome.DROPPED_INVALID, None, peer, "score_error")
                 continue
-            group = _with_rewards(group, rewards)
+            if self.clock.rolled_back(self.admission.lease_epoch(gid, attempt), group.columns["versions"]):
+                self.admission.reject_processing(gid, attempt)  # regenerated by a new attempt
+                self.counts["rollback_regenerated"] += 1
+                self.to_ack.append((peer, gid, attempt, "rolled_back"))
+                continue
+            group = with_rewards(group, rewards)
             if not self.group_filter(rewards):
                 self._resolve(gid, attempt, GroupOutcome.FILTERED, group, peer, "filtered")
-            elif self.desk.trainer_version - int(group.min_versions().min()) > self.staleness:
+            elif self.clock.is_stale(int(group.min_versions().min())):
                 self._resolve(gid, attempt, GroupOutcome.DROPPED_STALE, group, peer, "dropped_stale")
             else:
                 self._resolve(gid, attempt, GroupOutcome.STORED, group, peer, "stored")
@@ -315,44 +321,100 @@ class Orchestrator:
         for peer, gid, attempt, outcome in self.to_ack:
             by_peer.setdefault(peer, []).append([gid, attempt, outcome])
         for peer, groups in by_peer.items():
-            self.server.send(peer, "ack", {"groups": groups})
+            self._send(peer, m.Ack(groups))
         self.to_ack.clear()
 
     # -- trainer ---------------------------------------------------------------------------
-    def _on_version(self, peer: bytes, msg: Message) -> None:
-        self.admission.version = int(msg.meta["version"])
+    def _release(self, g: BufferedGroup, outcome: GroupOutcome, reason: str) -> None:
+        """A stored group leaves unconsumed: its admission slot is freed, a second row logged."""
+        self.admission.unkeep()
+        self.counts[reason] += 1
+        self.group_rows.append((g.group_id, g.attempt, outcome, int(g.rows[0]), len(g.rows),
+                                g.min_version, time.time()))
 
-    def _on_eval_request(self, peer: bytes, msg: Message) -> None:
+    def _on_get_batch(self, peer: bytes, msg: m.GetBatch) -> None:
+        self.clock.trainer_at_step(msg.step, msg.version)
+        reply = self.desk.request(peer, msg)
+        if reply is not None:
+            self._send_batch(peer, reply)
+
+    def _serve_steps(self) -> None:
+        if self.clock.trainer_step != self._stale_checked_for:  # staleness only grows with it
+            for g in self.buffer.drop(lambda g: self.clock.is_stale(g.min_version)):
+                self._release(g, GroupOutcome.EVICTED_STALE, "dropped_stale_buffered")
+            self._stale_checked_for = self.clock.trainer_step
+        replies, recorded = self.desk.serve(self.clock.trainer_step)
+        if recorded:
+            self._flush()  # the step record is durable before any rank sees the step
+            self.counts["steps_recorded"] += 1
+        for peer, reply in replies:
+            self._send_batch(peer, reply)
+
+    def _send_batch(self, peer: bytes, batch: m.Batch) -> None:
+        self._send(peer, batch)
+        self.counts["batches_sent"] += 1
+
+    def _on_resume(self, peer: bytes, msg: m.Resume) -> None:
+        """The trainer restarted from the checkpoint taken after ``msg.step`` steps: a rollback.
+
+        Steps recorded at or after it are forgotten; their groups go back to the front of the
+        buffer, and every group (those and the buffered ones) holding tokens of a version above
+        the checkpoint (weights that no longer exist) is released as ``DROPPED_ROLLBACK``.
+        """
+        k = msg.step
+        returned = self.desk.forget_from(k)
+        self.clock.trainer_resumed(k)
+
+        def discarded(g: BufferedGroup) -> bool:
+            return int(self.buffer.samples(g).columns["versions"].max()) > k
+
+        for g in self.buffer.drop(discarded):
+            self._release(g, GroupOutcome.DROPPED_ROLLBACK, "dropped_rollback")
+        for g in reversed(returned):  # the oldest ends up first
+            if discarded(g):
+                self._release(g, GroupOutcome.DROPPED_ROLLBACK, "dropped_rollback")
+            else:
+                self.buffer.add(g, front=True)
+        self._stale_checked_for = -1
+        self.counts["trainer_resumes"] += 1
+        log.info("trainer resumes at step %d: %d group(s) of later steps returned to the buffer", k,
+                 len(returned))
+
+    def _on_version(self, peer: bytes, msg: m.TrainerVersion) -> None:
+        self.clock.trainer_reported(msg.version)
+
+    def _on_eval_request(self, peer: bytes, msg: m.EvalRequest) -> None:
         if self.evaluator is None:
             self.counts["eval_unavailable"] += 1
             return
-        self.evaluator.start(int(msg.meta["step"]), int(msg.meta["version"]))
+        self.evaluator.start(msg.step, msg.version)
         self.evaluator.send_work(self.server, list(self.generators))
 
-    def _on_eval_result(self, peer: bytes, msg: Message) -> None:
+    def _on_eval_result(self, peer: bytes, msg: m.EvalResult) -> None:
         if self.evaluator is None:
             return
         summary = self.evaluator.on_result(peer, msg, self.counts)
         if summary is not None:
             self.metrics.log("eval", **summary)
 
-    def _on_weights(self, peer: bytes, msg: Message) -> None:
-        self.announced_version = int(msg.meta["version"])
+    def _on_weights(self, peer: bytes, msg: m.WeightsAnnounced) -> None:
+        self.clock.weights_announced(msg.version)
         for gen in self.generators:
-            self.server.send(gen, "update", {"version": self.announced_version})
+            self._send(gen, m.Update(msg.version))
 
-    def _on_finish(self, peer: bytes, msg: Message) -> None:
+    def _on_finish(self, peer: bytes, msg: m.Finish) -> None:
         for gen in self.generators:
-            self.server.send(gen, "stop", {})
+            self._send(gen, m.Stop())
         self.stopping = True
 
     # -- metrics and shutdown -----------------------------------------------------------------
     def _write_metrics(self, now: float) -> None:
         dt = now - self._last_metrics
-        a = self.admission
+        a, c = self.admission, self.clock
         self.metrics.log(
             "orchestrator", generators=len(self.generators), admitted=a.next_group_id, kept=a.kept, in_flight=a.in_flight,
-            bound=a.bound, version=a.version, trainer_version=self.desk.trainer_version,
+            bound=a.bound, version=c.reported, admission_version=c.admission_version,
+            trainer_version=c.trainer_step, clock_epoch=c.epoch,
             buffer_groups=len(self.buffer), buffer_spilled=self.buffer.spilled,
             buffer_memory_tokens=self.buffer.memory_tokens, leases=len(a.leases),
             reissued=a.reissued_total, cpu_s=_cpu_seconds(), ingested_tokens=self._ingested_total,
@@ -377,21 +439,3 @@ class Orchestrator:
 def _cpu_seconds() -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
-
-
-def _bind(run_dir: Path, cfg: TransportConfig) -> MessageServer:
-    """Listen where the previous incarnation listened if possible, so peers reconnect by themselves."""
-    key = load_or_create_secret(run_dir)
-    if cfg.port == 0:
-        try:
-            prev = int(read_rendezvous(run_dir, 0.0)["address"].rsplit(":", 1)[1])
-            return MessageServer(key, replace(cfg, port=prev))
-        except (TransportError, ValueError, KeyError, zmq.ZMQError):
-            pass
-    return MessageServer(key, cfg)
-
-
-def _with_rewards(batch: SampleBatch, rewards: np.ndarray) -> SampleBatch:
-    cols = dict(batch.columns)
-    cols["reward"] = rewards.astype(np.float32)
-    return SampleBatch(cols, batch.schema, validate=False)

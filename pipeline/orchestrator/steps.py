@@ -1,138 +1,104 @@
-"""The trainer's side of the orchestrator: step batches, the step record, staleness in the buffer.
+"""The step desk: step batches and the step record (`docs/architecture.md`, "Staleness,
+admission and the policy clock" and "Contracts").
 
-Invariants (DESIGN §4, §6):
-- step k's batch is the ``groups_per_step`` oldest buffered groups (ordered by group id), recorded
-  in the log with the data-parallel rank of every sample and flushed before any trainer rank sees
-  it; asking again for
-  a recorded step returns the same samples (each rank gets its own share);
-- before a step takes groups, buffered groups with ``trainer_version - min_version > max_staleness``
-  are evicted (their slots freed, an ``EVICTED_STALE`` row logged);
-- a trainer resuming from the checkpoint after step k forgets the steps recorded from k on: their
-  groups go back to the front of the buffer, except those holding tokens of versions above k.
+Invariants:
+- step k's batch is the ``groups_per_step`` oldest buffered groups (ordered by group id within the
+  step), recorded in the log with the data-parallel rank of every sample; `serve` returns the
+  replies only after recording, and the caller flushes the log before sending them, so no trainer
+  rank sees a step the log does not hold; asking again for a recorded step returns the same
+  samples (each rank gets its own share);
+- `forget_from(k)` (a trainer resuming from the checkpoint after k steps) drops the record of
+  steps k and later and returns their groups, oldest step first, for the caller to decide (back to
+  the front of the buffer, or dropped by the rollback); ranks still waiting for those steps are
+  forgotten too.
+
+The desk does not judge staleness, count or log outcomes: the orchestrator does (with the policy
+clock) before calling `serve`.
 """
 from __future__ import annotations
 
-import logging
 import time
-from collections import Counter
-from typing import Callable
 
 import numpy as np
 
-from pipeline.log_format import GroupOutcome
-from pipeline.orchestrator.admission import Admission
 from pipeline.orchestrator.batching import split_by_tokens
 from pipeline.orchestrator.buffer import BufferedGroup, RolloutBuffer
-from pipeline.orchestrator.config import OrchestratorConfig
 from pipeline.orchestrator.links import batch_arrays
+from pipeline.orchestrator.messages import Batch, GetBatch
 from pipeline.record import SampleBatch
 from pipeline.rollout_log import RolloutLogWriter
-from pipeline.transport import MessageServer
-from pipeline.wire import Message
-
-log = logging.getLogger(__name__)
 
 
 class StepDesk:
-    def __init__(self, cfg: OrchestratorConfig, staleness: int, server: MessageServer,
-                 writer: RolloutLogWriter, buffer: RolloutBuffer, admission: Admission,
-                 counts: Counter, group_rows: list, flush: Callable[[], None],
-                 step_rows: dict[int, tuple[np.ndarray, np.ndarray]], trainer_version: int):
-        self.cfg, self.staleness, self.server, self.writer = cfg, staleness, server, writer
-        self.buffer, self.admission, self.counts = buffer, admission, counts
-        self.group_rows, self.flush = group_rows, flush
+    def __init__(self, groups_per_step: int, writer: RolloutLogWriter, buffer: RolloutBuffer,
+                 step_rows: dict[int, tuple[np.ndarray, np.ndarray]]):
+        self.groups_per_step, self.writer, self.buffer = groups_per_step, writer, buffer
         self.step_rows = step_rows
         """step -> (log rows, DP rank of each row) of every recorded step."""
-        self.trainer_version = trainer_version
-        """Optimizer steps the trainer has done (the step it asks for)."""
-        self.waiting: dict[bytes, tuple[int, int, int | None]] = {}
-        """trainer peer -> (step, dp_size, dp_rank) it waits for."""
-        self._stale_checked_for = -1
+        self.waiting: dict[bytes, GetBatch] = {}
+        """trainer peer -> the request it waits on."""
 
-    def on_get_batch(self, peer: bytes, msg: Message) -> None:
-        step, dp_size = int(msg.meta["step"]), int(msg.meta["dp_size"])
-        dp_rank = msg.meta.get("dp_rank")
-        self.admission.version = int(msg.meta["version"])
-        if step in self.step_rows:
-            rows, ranks = self.step_rows[step]
-            self._send(peer, step, self.writer.read_samples(rows), ranks, dp_rank)
-        else:
-            self.trainer_version = max(self.trainer_version, step)
-            self.waiting[peer] = (step, dp_size, dp_rank)
+    def request(self, peer: bytes, req: GetBatch) -> Batch | None:
+        """The reply to a recorded step at once; else None and the request waits for `serve`."""
+        if req.step in self.step_rows:
+            self.waiting.pop(peer, None)
+            return self._reply(req, *self._read(req.step))
+        self.waiting[peer] = req
+        return None
 
-    def on_resume(self, peer: bytes, msg: Message) -> None:
-        """The trainer restarted from the checkpoint taken after ``step`` steps (DESIGN §6).
-
-        Steps recorded at or after it are forgotten; their groups go back to the front of the
-        buffer, except groups holding tokens of versions above ``step`` (weights that no longer
-        exist), which are dropped and counted.
-        """
-        k = int(msg.meta["step"])
-        later = sorted((s for s in self.step_rows if s >= k), reverse=True)
-        for s in later:
-            rows, _ = self.step_rows.pop(s)
-            batch = self.writer.read_samples(rows)
-            gids = batch.columns["group_id"]
-            for gid in list(dict.fromkeys(gids.tolist()))[::-1]:
-                sel = np.flatnonzero(gids == gid)
-                group = batch.take(sel)
-                if int(group.columns["versions"].max()) > k:
-                    self.admission.unkeep()
-                    self.counts["dropped_future_version"] += 1
-                    self.group_rows.append((gid, int(group.columns["attempt"][0]),
-                                            GroupOutcome.EVICTED_STALE, int(rows[sel[0]]), len(sel),
-                                            int(group.min_versions().min()), time.time()))
-                    continue
-                self.buffer.add(BufferedGroup(gid, int(group.columns["attempt"][0]), rows[sel],
-                                              int(group.min_versions().min()), group.num_tokens, group),
-                                front=True)
-        self.trainer_version = k
-        if self.admission.version is not None:  # else it opens once the trainer pushed weights
-            self.admission.version = min(self.admission.version, k)
-        self.waiting = {p: w for p, w in self.waiting.items() if w[0] < k}
-        self.counts["trainer_resumes"] += 1
-        log.info("trainer resumes at step %d: %d later step(s) returned to the buffer", k, len(later))
-
-    def _drop_stale_buffered(self) -> None:
-        for g in self.buffer.drop_stale(self.trainer_version, self.staleness):
-            self.admission.unkeep()
-            self.counts["dropped_stale_buffered"] += 1
-            self.group_rows.append((g.group_id, g.attempt, GroupOutcome.EVICTED_STALE,
-                                    int(g.rows[0]), len(g.rows), g.min_version, time.time()))
-
-    def serve(self) -> None:
-        if self.trainer_version != self._stale_checked_for:  # staleness only grows with it
-            self._drop_stale_buffered()
-            self._stale_checked_for = self.trainer_version
-        for peer, (step, dp_size, dp_rank) in list(self.waiting.items()):
-            if step in self.step_rows:  # another trainer rank asked first
-                del self.waiting[peer]
-                rows, ranks = self.step_rows[step]
-                self._send(peer, step, self.writer.read_samples(rows), ranks, dp_rank)
+    def serve(self, trainer_step: int) -> tuple[list[tuple[bytes, Batch]], bool]:
+        """Replies for waiting ranks whose step is recorded or can be recorded now from the
+        buffer; and whether a step was recorded (the caller flushes the log before sending)."""
+        replies, recorded = [], False
+        for peer, req in list(self.waiting.items()):
+            if req.step in self.step_rows:  # another trainer rank asked first
+                batch, ranks = self._read(req.step)
+            elif len(self.buffer) >= self.groups_per_step:
+                batch, ranks = self._record(req, trainer_step)
+                recorded = True
+            else:
                 continue
-            if len(self.buffer) < self.cfg.groups_per_step:
-                continue
-            # Oldest groups first; within the step in group order, so that a synchronous run whose
-            # groups finished in another order still trains on an identical batch.
-            groups = sorted(self.buffer.take(self.cfg.groups_per_step), key=lambda g: g.group_id)
-            batch = SampleBatch.concat([g.batch for g in groups])
-            rows = np.concatenate([g.rows for g in groups])
-            lengths = batch.columns["prompt_len"] + batch.columns["completion_len"]
-            ranks = split_by_tokens(lengths, dp_size)
-            self.writer.append_steps(step, rows, ranks, self.trainer_version, time.time())
-            self.flush()
-            self.step_rows[step] = (rows, ranks)
-            self.counts["steps_recorded"] += 1
             del self.waiting[peer]
-            self._send(peer, step, batch, ranks, dp_rank)
+            replies.append((peer, self._reply(req, batch, ranks)))
+        return replies, recorded
 
-    def _send(self, peer: bytes, step: int, batch: SampleBatch, ranks: np.ndarray,
-              dp_rank: int | None) -> None:
-        """Send a step's samples (only ``dp_rank``'s share if given) with their DP ranks."""
-        if dp_rank is not None:
-            sel = np.flatnonzero(ranks == int(dp_rank))
+    def _record(self, req: GetBatch, trainer_step: int) -> tuple[SampleBatch, np.ndarray]:
+        # Oldest groups first; within the step in group order, so that a synchronous run whose
+        # groups finished in another order still trains on an identical batch.
+        groups = sorted(self.buffer.take(self.groups_per_step), key=lambda g: g.group_id)
+        batch = SampleBatch.concat([g.batch for g in groups])
+        rows = np.concatenate([g.rows for g in groups])
+        lengths = batch.columns["prompt_len"] + batch.columns["completion_len"]
+        ranks = split_by_tokens(lengths, req.dp_size)
+        self.writer.append_steps(req.step, rows, ranks, trainer_step, time.time())
+        self.step_rows[req.step] = (rows, ranks)
+        return batch, ranks
+
+    def _read(self, step: int) -> tuple[SampleBatch, np.ndarray]:
+        rows, ranks = self.step_rows[step]
+        return self.writer.read_samples(rows), ranks
+
+    @staticmethod
+    def _reply(req: GetBatch, batch: SampleBatch, ranks: np.ndarray) -> Batch:
+        """A step's samples (only ``req.dp_rank``'s share if given) with their DP ranks."""
+        if req.dp_rank is not None:
+            sel = np.flatnonzero(ranks == req.dp_rank)
             batch, ranks = batch.take(sel), ranks[sel]
         arrays = batch_arrays(batch)
         arrays["dp_rank"] = ranks
-        self.server.send(peer, "batch", {"step": step, "trainer_version": self.trainer_version}, arrays)
-        self.counts["batches_sent"] += 1
+        return Batch(req.step, req.dp_rank, arrays)
+
+    def forget_from(self, k: int) -> list[BufferedGroup]:
+        """Drop the record of steps >= k; their groups, oldest step first, in group order."""
+        groups = []
+        for s in sorted(s for s in self.step_rows if s >= k):
+            rows, _ = self.step_rows.pop(s)
+            batch = self.writer.read_samples(rows)
+            gids = batch.columns["group_id"]
+            for gid in dict.fromkeys(gids.tolist()):
+                sel = np.flatnonzero(gids == gid)
+                group = batch.take(sel)
+                groups.append(BufferedGroup(gid, int(group.columns["attempt"][0]), rows[sel],
+                                            int(group.min_versions().min()), group.num_tokens, group))
+        self.waiting = {p: w for p, w in self.waiting.items() if w.step < k}
+        return groups

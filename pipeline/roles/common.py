@@ -7,9 +7,8 @@ import time
 from pathlib import Path
 
 from pipeline.config import TokenflowConfig
+from pipeline.run_files import CONFIG_FILE, MODEL_FILE
 
-CONFIG_FILE = "config.yaml"
-MODEL_FILE = "model.json"
 
 
 def load_run_config(run_dir: Path) -> TokenflowConfig:

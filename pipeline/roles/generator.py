@@ -30,6 +30,7 @@ import numpy as np
 from pipeline.config import record_schema
 from pipeline.metrics import MetricsWriter
 from pipeline.orchestrator.links import Control, EvalItem, GeneratorLink, WorkItem
+from pipeline.orchestrator.messages import Regroup, Stop, Update
 from pipeline.record import RolloutSample, SampleBatch
 from pipeline.roles.common import cpu_cores_for, load_run_config, model_dir, pin_process
 
@@ -120,13 +121,13 @@ class GeneratorRole:
 
         while True:
             item = await queue.get()
-            if item.kind == "stop":
+            if isinstance(item, Stop):
                 self.stop = True
                 return
             try:
-                if item.kind == "regroup" and item.epoch is not None:
+                if isinstance(item, Regroup):
                     await self._join(item.epoch)
-                elif item.kind == "update" and item.version is not None and (
+                elif isinstance(item, Update) and (
                         item.version != self.gen.version or not self.loaded) and self.epoch is not None:
                     report = await self.gen.update_weights(item.version)
                     self.loaded = True
@@ -139,7 +140,7 @@ class GeneratorRole:
                 # The trainer sees the failure too and rebuilds the group; wait for its regroup.
                 self.sync_failures += 1
                 self.epoch = None
-                log.error("weight %s failed (%s); waiting for the trainer to regroup", item.kind, exc)
+                log.error("weight %s failed (%s); waiting for the trainer to regroup", item.KIND, exc)
 
     async def _join(self, epoch: int) -> None:
         if self.epoch is not None and epoch <= self.epoch:

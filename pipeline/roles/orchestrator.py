@@ -1,7 +1,7 @@
 """Build the orchestrator of a run from its config: prompt sources, scorer and record schema.
 
 Tasks are served by pipeline.tasks.sources: each prompt is tokenized once with the model's tokenizer
-(chat template or raw, pipeline.tasks.prompting); the verifier scores decoded completion text with
+(chat template or raw, pipeline.tasks.prompting); (`docs/architecture.md`, "Contracts"); the verifier scores decoded completion text with
 the task's checker.
 ``task.name=synthetic`` is the data plane's own load (random token prompts, a token-level
 verifier, no tokenizer) used by tests and benchmarks of the transport, buffer and log.

@@ -7,7 +7,7 @@ Per step k (all ranks): ask the orchestrator for this DP rank's share of step k'
 gather the new weights (version k+1) and broadcast them, packed in buckets, to every generator;
 report the version; every ``checkpoint_every`` steps save model, optimizer and RNG states. On a
 restart the latest checkpoint is loaded and the orchestrator told to roll its step record back to
-it (DESIGN §6).
+it (`docs/architecture.md`, "Crash resume").
 
 Invariants:
 - a step's samples are the orchestrator's recorded batch for that step; the generators hold the
@@ -38,12 +38,13 @@ import numpy as np
 
 from pipeline.config import TokenflowConfig, record_schema
 from pipeline.metrics import MetricsWriter
+from pipeline.orchestrator.clock import staleness
 from pipeline.orchestrator.links import TrainerLink
 from pipeline.roles.common import cpu_cores_for, load_run_config, model_dir, pin_process, publish_model
 from pipeline.supervise import KeptProcess, die_with_parent
+from pipeline.run_files import CHECKPOINTS_DIR, LOGS_DIR, checkpoint_name
 
 log = logging.getLogger(__name__)
-CHECKPOINTS = "checkpoints"
 SYNC_ATTEMPTS = 3  # tries of one version's broadcast, each on a group rebuilt from the survivors
 
 
@@ -68,7 +69,7 @@ def prepare_model(run_dir: Path, cfg: TokenflowConfig) -> Path:
 def latest_checkpoint(run_dir: Path) -> tuple[int, Path | None]:
     """(steps done, directory) of the newest complete checkpoint, (0, None) if none."""
     best = (0, None)
-    for d in (run_dir / CHECKPOINTS).glob("step-*"):
+    for d in (run_dir / CHECKPOINTS_DIR).glob(checkpoint_name("*")):
         if d.is_dir() and (d / "COMPLETE").exists():
             k = int(d.name.split("-")[1])
             if k > best[0]:
@@ -83,7 +84,7 @@ def _orchestrator_preexec() -> None:
 
 
 def start_orchestrator(run_dir: Path) -> subprocess.Popen:
-    logs = run_dir / "logs"
+    logs = run_dir / LOGS_DIR
     logs.mkdir(exist_ok=True)
     with open(logs / "orchestrator.out", "a") as out:
         return subprocess.Popen([sys.executable, "-m", "pipeline.orchestrator", str(run_dir)],
@@ -349,7 +350,7 @@ class TrainerRole:
                 self._checkpoint(step + 1)
             busy += time.monotonic() - t1
             if self.leader:
-                stale = self.version - 1 - batch.min_versions()
+                stale = staleness(step, batch.min_versions())
                 self.metrics.log("train_step", step=step, version=self.version,
                                  reward_mean=float(np.mean(batch.columns["reward"])),
                                  samples=len(batch), staleness_mean=float(stale.mean()),
@@ -412,7 +413,7 @@ class TrainerRole:
         return diff / count if count else None
 
     def _checkpoint(self, steps_done: int) -> None:
-        final = self.run_dir / CHECKPOINTS / f"step-{steps_done}"
+        final = self.run_dir / CHECKPOINTS_DIR / checkpoint_name(steps_done)
         tmp = final.with_name(final.name + ".partial")
         if self.leader:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -10,7 +10,7 @@ Invariants every task keeps:
   ever appears in a training stream.
 - `score(prompt, completion_text)` is a pure function returning a reward in [0, 1].
 - `messages(prompt)` is the prompt's user turn; pipeline.tasks.prompting adds the system prompt and
-  renders it (chat template or raw text); the orchestrator tokenizes once.
+  renders it (chat template or raw text); the orchestrator tokenizes once (`docs/architecture.md`, "Contracts").
 - `reference_completion(prompt)` is the completion a perfect policy would write (used by the supervised
   warm-start); `score(prompt, reference_completion(prompt)) == 1.0`.
 - `distractor_completion(prompt)` is None or a plausible wrong completion (score 0.0) that a noisy

@@ -32,7 +32,7 @@ import numpy as np
 
 @dataclass
 class TrainSample:
-    """One sample as the trainer consumes it (DESIGN §6: token ids, never text)."""
+    """One sample as the trainer consumes it (token ids, never text: `docs/architecture.md`, "Contracts")."""
 
     prompt_ids: np.ndarray  # int, length P >= 1
     completion_ids: np.ndarray  # int, length C >= 1

@@ -1,0 +1,46 @@
+"""The names inside a run directory (``runs/<run.name>/``), in one place.
+
+Every module that reads or writes a run's files takes the name from here; nothing else spells
+them. See `docs/architecture.md`, "Launching" for what each holds.
+
+Worked example: for ``runs/exp1``, the rollout log is ``runs/exp1/rollouts/segment-00000.h5``,
+the checkpoint after 8 steps ``runs/exp1/checkpoints/step-8/``, trainer rank 0's output
+``runs/exp1/logs/trainer.0.out``.
+"""
+from __future__ import annotations
+
+CONFIG_FILE = "config.yaml"
+"""The resolved run configuration (what a resume must agree with)."""
+MODEL_FILE = "model.json"
+"""Where the run's prepared (warm-started) model lives."""
+ROLLOUTS_DIR = "rollouts"
+"""The rollout log: one HDF5 segment per orchestrator start."""
+CHECKPOINTS_DIR = "checkpoints"
+"""Trainer checkpoints, ``step-K/`` each."""
+METRICS_FILE = "metrics.jsonl"
+"""One JSON line per metric record, every role."""
+SECRET_FILE = "secret"
+"""The run's message-authentication key (mode 0600)."""
+LOGS_DIR = "logs"
+"""``<role>.<rank>.out`` per task (appended per attempt), ``orchestrator.out``."""
+RESULTS_DIR = "results"
+"""``<role>.<rank>.json`` per task: its return value or error."""
+PLAN_FILE = "launch/plan.json"
+"""The job plan of the latest launch."""
+LAUNCHES_FILE = "launch/launches.jsonl"
+"""One line per launch (launcher, time, Slurm job id or local pids)."""
+RENDEZVOUS_DIR = "rendezvous"
+"""Addresses processes publish for each other (``attempt-<n>/<key>.json``)."""
+ORCHESTRATOR_RENDEZVOUS = "rendezvous/orchestrator.json"
+"""The orchestrator's current address and incarnation epoch."""
+TENSORBOARD_DIR = "tensorboard"
+"""The TensorBoard mirror of the metrics."""
+PLOT_FILE = "training.png"
+"""The end-of-run plot."""
+SUBMITIT_DIR = "submitit"
+"""submitit's own files (Slurm launches)."""
+
+
+def checkpoint_name(steps_done: int) -> str:
+    """The checkpoint directory name after ``steps_done`` optimizer steps."""
+    return f"step-{steps_done}"

@@ -1,0 +1,118 @@
+"""Kill the trainer of a local `tokenflow train` run with SIGKILL after a checkpoint, resume it
+with the same command, and count what the run wasted (used by `test_resume_waste.py`, and runnable
+on its own to measure a checkout: ``PYTHONPATH=CHECKOUT python tests/resume_driver.py RUN_ROOT``).
+
+Counted from the run's rollout log and metrics (independent of the orchestrator's own counters):
+groups wasted as stale (``EVICTED_STALE`` rows: stored, then evicted; ``DROPPED_STALE`` rows:
+generated, too stale when scored), groups dropped by the rollback (``DROPPED_ROLLBACK`` rows, where
+the code has that outcome), the stored and the resolved groups, and the lowest ``kept`` any
+orchestrator metric line reported.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ARGS = ["run.checkpoint_every=4", "run.eval_every=0", "run.mismatch_every=0", "run.timeout_s=400",
+        "run.progress=false", "run.tensorboard=false", "orchestrator.groups_per_step=4",
+        "orchestrator.group_size=8"]
+
+
+def _command(run_dir: Path, steps: int) -> list[str]:
+    return [sys.executable, "-m", "pipeline.cli", "train", f"run.name={run_dir.name}",
+            f"hydra.run.dir={run_dir}", f"run.steps={steps}", *ARGS]
+
+
+def _last_step(run_dir: Path) -> int:
+    last = -1
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("kind") == "train_step":
+                last = max(last, int(rec["step"]))
+    return last
+
+
+def _trainer_pid(run_dir: Path) -> int:
+    """Global rank 0 of the latest launch is trainer rank 0 (the orchestrator dies with it)."""
+    launches = (run_dir / "launch" / "launches.jsonl").read_text().splitlines()
+    return int(json.loads(launches[-1])["pids"][0])
+
+
+def run_killed_and_resumed(run_dir: Path, steps: int, kill_after: int, timeout_s: float = 900) -> None:
+    """Start the run, SIGKILL its trainer once step ``kill_after`` is logged, resume to the end."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log = open(run_dir.with_suffix(".driver.log"), "a")
+    proc = subprocess.Popen(_command(run_dir, steps), stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while _last_step(run_dir) < kill_after:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the run ended (rc {proc.returncode}) before step {kill_after}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"step {kill_after} not reached in {timeout_s}s")
+            time.sleep(0.5)
+        os.kill(_trainer_pid(run_dir), signal.SIGKILL)
+        proc.wait(timeout=120)  # the launcher stops the other tasks and reports the failure
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    out = subprocess.run(_command(run_dir, steps), stdout=log, stderr=subprocess.STDOUT, env=env,
+                         timeout=timeout_s)
+    if out.returncode != 0:
+        raise RuntimeError(f"the resumed run failed (rc {out.returncode}); see {log.name}")
+
+
+def waste(run_dir: Path) -> dict:
+    import numpy as np
+
+    from pipeline.log_format import GroupOutcome
+    from pipeline.log_reader import RolloutLog
+
+    with RolloutLog.open(run_dir) as log:
+        g = log.groups()
+        outcome = g["outcome"]
+        rollback = getattr(GroupOutcome, "DROPPED_ROLLBACK", None)
+        stored = g["group_id"][outcome == GroupOutcome.STORED]
+        result = {"stored": int(len(stored)), "stored_twice": int(len(stored) - len(np.unique(stored))),
+                  "evicted_stale": int((outcome == GroupOutcome.EVICTED_STALE).sum()),
+                  "dropped_stale": int((outcome == GroupOutcome.DROPPED_STALE).sum()),
+                  "resolved": int(len(np.unique(g["group_id"]))),
+                  "dropped_rollback": int((outcome == rollback).sum()) if rollback is not None else None,
+                  "steps": sorted(log.resume_state().step_rows)}
+    kept = [json.loads(line).get("kept") for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if '"orchestrator"' in line]
+    result["min_kept"] = min(k for k in kept if k is not None)
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("root", type=Path)
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--seed", type=int, default=None)
+    a = p.parse_args()
+    seed = a.seed if a.seed is not None else random.randrange(1 << 16)
+    kill_after = random.Random(seed).randrange(5, a.steps - 8)
+    print(f"seed {seed}: SIGKILL the trainer after step {kill_after}", flush=True)
+    a.root.mkdir(parents=True, exist_ok=True)
+    run_dir = a.root / f"resume-{seed}"
+    run_killed_and_resumed(run_dir, a.steps, kill_after)
+    print(json.dumps({"seed": seed, "kill_after": kill_after, **waste(run_dir)}))
+
+
+if __name__ == "__main__":
+    main()
