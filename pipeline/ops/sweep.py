@@ -29,7 +29,8 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from pipeline.run_files import CONFIG_FILE  # noqa: E402
+from pipeline.run_files import CONFIG_FILE
+
 OVERRIDES_FILE = ".hydra/overrides.yaml"
 #: Keys that differ between any two runs by construction: never a column, never an hparam.
 IDENTITY_KEYS = ("run.dir", "run.name")
