@@ -64,11 +64,12 @@ class Orchestrator:
         self.admission = Admission(cfg.groups_per_step, cfg.max_async, cfg.lease_timeout_s)
         self.counts: Counter[str] = Counter()
         log_dir = self.run_dir / "rollouts"
-        state = restore_from_log(log_dir)
+        # The writer first: its start fences any stale writer, so the restore reads a final log.
         self.writer = RolloutLogWriter(log_dir, schema, run_id,
                                        {"group_size": cfg.group_size, "seed": cfg.seed},
                                        seal_interval_s=cfg.log_seal_interval_s,
                                        seal_bytes=cfg.log_seal_bytes)
+        state = restore_from_log(log_dir)
         self.buffer = RolloutBuffer(cfg.memory_token_budget, self.writer.read_samples)
         self.admission.restore(state.resolved, len(state.buffered), state.attempts)
         for g in state.buffered:
