@@ -85,7 +85,8 @@ class RolloutLogWriter:
             for p in self.problems:
                 warnings.warn(f"rollout log: {p}", LogDamageWarning, stacklevel=2)
             self._layout = dataset_layout(schema)
-            self._arrays = {n: np.zeros((0, *s.trail), s.dtype) for n, s in self._layout.items()}
+            self._chunks: dict[str, list[np.ndarray]] = {n: [] for n in self._layout}
+            self._arrays: dict[str, np.ndarray] = {}  # _chunks joined, when a read or seal needs it
             self._written = dict.fromkeys(TABLES, 0)  # this generation's flushed counts
             self._pending_counts = dict.fromkeys(TABLES, 0)
             self._pending: dict[str, list[np.ndarray]] = {name: [] for name in self._layout}
@@ -167,6 +168,9 @@ class RolloutLogWriter:
         self._journal_bytes = 0
         self._sealed_at = self._fence_checked_at = time.monotonic()
         self._written.update(dict.fromkeys(TABLES, 0))
+        for name, spec in self._layout.items():
+            self._chunks[name] = []
+            self._arrays[name] = np.zeros((0, *spec.trail), spec.dtype)
         self._live = Segment(ArrayFile(self._arrays, segment_attrs(
             self.schema, self.run_id, gen, head["start_row"], self.meta)), journal.path,
             counts=self._written)
@@ -176,7 +180,7 @@ class RolloutLogWriter:
     # -- appends (buffered) -------------------------------------------------------------------
     def append_samples(self, batch: SampleBatch) -> np.ndarray:
         """Buffer a batch of samples; returns their global row ids (int64). The batch's arrays
-        are kept by reference until `flush`: do not modify them in place before it."""
+        are kept by reference until the next seal: do not modify them in place."""
         self._check_open()
         if batch.schema != self.schema:
             raise SchemaMismatchError(f"batch has record schema {batch.schema}, the log {self.schema}")
@@ -253,23 +257,18 @@ class RolloutLogWriter:
             return
         entry = {}
         for name, parts in self._pending.items():
-            table = self._layout[name].table
-            n0 = self._written[table]
-            n1 = n0 + self._pending_counts[table]
-            buf = self._arrays[name]
-            if len(buf) < n1:
-                grown = np.empty((max(n1, 2 * len(buf), 1024), *buf.shape[1:]), buf.dtype)
-                grown[:n0] = buf[:n0]
-                self._arrays[name] = buf = grown
-            if len(parts) == 1:
-                buf[n0:n1] = parts[0]
-            elif parts:
-                np.concatenate(parts, out=buf[n0:n1])
-            entry[name] = buf[n0:n1]
+            spec = self._layout[name]
+            if parts:  # one flushed chunk per dataset (kept by reference when it is one part)
+                chunk = parts[0] if len(parts) == 1 else np.concatenate(parts)
+                entry[name] = np.asarray(chunk, dtype=spec.dtype)
+            else:
+                entry[name] = np.zeros((0, *spec.trail), spec.dtype)
         parts = encode_entry("flush", {"seq": self.seq, "t": time.time()}, entry)
         self._journal.append(parts)  # raises before anything below: the flush can be retried
         self.seq += 1
         self._journal_bytes += sum(memoryview(p).nbytes for p in parts)
+        for name, chunk in entry.items():
+            self._chunks[name].append(chunk)
         for table in TABLES:
             self._written[table] += self._pending_counts[table]
         self._pending_counts.update(dict.fromkeys(TABLES, 0))
@@ -304,7 +303,7 @@ class RolloutLogWriter:
 
     def _seal(self) -> None:
         if any(self._written.values()):
-            self._rotate(self.gen + 1, self._arrays, dict(self._written), self._gen_first_row,
+            self._rotate(self.gen + 1, self._joined(), dict(self._written), self._gen_first_row,
                          self._gen_first_seq)
         else:
             self._sealed_at = time.monotonic()
@@ -320,7 +319,19 @@ class RolloutLogWriter:
         rows = np.atleast_1d(np.asarray(rows, dtype=np.int64))
         if len(rows) and rows.max() >= self._gen_first_row + self._written["samples"]:
             self.flush()
+        if len(rows) and rows.max() >= self._gen_first_row:
+            self._joined()
         return self._log.read(rows)
+
+    def _joined(self) -> dict[str, np.ndarray]:
+        """This generation's flushed chunks as one array per dataset (also what the live segment
+        reads); joined only when a read of unsealed rows or a seal needs it."""
+        for name, chunks in self._chunks.items():
+            if len(chunks) > 1:
+                chunks[:] = [np.concatenate(chunks)]
+            if chunks:
+                self._arrays[name] = chunks[0]
+        return self._arrays
 
     def close(self) -> None:
         """Flush, seal what the journal holds, close every file."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -120,3 +121,4 @@ def test_train_on_network_fs_survives_kill9_of_the_orchestrator(tmp_path):
     assert set(before.stored["group_id"].tolist()) <= set(stored.tolist())  # nothing acked lost
     steps = [m["step"] for m in read_metrics(run, "train_step")]
     assert steps[-1] == 3 and (run / "checkpoints" / "step-4" / "COMPLETE").exists()
+    shutil.rmtree(run, ignore_errors=True)  # kept for a look when the test fails

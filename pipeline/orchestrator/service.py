@@ -68,13 +68,14 @@ class Orchestrator:
         self.group_filter = GROUP_FILTERS[cfg.group_filter]
         self.counts: Counter[str] = Counter()
         log_dir = self.run_dir / ROLLOUTS_DIR
-        state = restore_from_log(log_dir)
-        self.clock = PolicyClock(cfg.staleness_limit(), trainer_step=state.last_trainer_version)
-        self.admission = Admission(cfg.groups_per_step, cfg.max_async, cfg.lease_timeout_s, self.clock)
+        # The writer first: its start fences any stale writer, so the restore reads a final log.
         self.writer = RolloutLogWriter(log_dir, schema, run_id,
                                        {"group_size": cfg.group_size, "seed": cfg.seed},
                                        seal_interval_s=cfg.log_seal_interval_s,
                                        seal_bytes=cfg.log_seal_bytes)
+        state = restore_from_log(log_dir)
+        self.clock = PolicyClock(cfg.staleness_limit(), trainer_step=state.last_trainer_version)
+        self.admission = Admission(cfg.groups_per_step, cfg.max_async, cfg.lease_timeout_s, self.clock)
         self.buffer = RolloutBuffer(cfg.memory_token_budget, self.writer.read_samples)
         self.admission.restore(state.resolved, state.kept, state.attempts)
         for g in state.buffered:
