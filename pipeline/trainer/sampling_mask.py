@@ -7,8 +7,9 @@ A generator sampling with top-k/top-p draws token y from ``p(y) / P(K)`` over th
     logp_K(y) = logp(y) - log sum_{j in K} p(j) = logit(y) - logsumexp_{j in K} logit(j)
 
 Invariants:
-- Positions without a recorded set (prompt, padding, samples without a mask) keep the full
-  vocabulary logprob; the result is differentiable in the logits (the kept-set mass included).
+- ``kept_log_mass`` is ``log P(K)`` (0 at positions without a recorded set: prompt, padding,
+  samples without a mask), differentiable in the logits; the engine subtracts it from the full
+  vocabulary logprob. It must run before megatron's cross entropy, which overwrites the logits.
 - Vocabulary-parallel logits (each tensor-parallel rank holds a contiguous slice) are handled by
   summing each rank's share of the kept mass and of the full mass over the TP group; the sum's
   backward is the identity, as for every TP reduction whose result all ranks use alike.
