@@ -44,7 +44,6 @@ from pipeline.supervise import KeptProcess, die_with_parent
 
 log = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
-SYNC_ATTEMPTS = 3  # tries of one version's broadcast, each on a group rebuilt from the survivors
 
 
 def prepare_model(run_dir: Path, cfg: TokenflowConfig) -> Path:
@@ -207,7 +206,8 @@ class TrainerRole:
         """Gather the full weights (a collective over trainer ranks) and broadcast them (leader).
 
         A broadcast or regroup that fails (a generator died: the error arrives within the weight
-        timeout) is retried on a group rebuilt from the survivors; the run goes on.
+        timeout) is retried on a group rebuilt from the survivors (and restarted generators), for up
+        to ``run.timeout_s``; the run goes on.
         """
         from pipeline.trainer.model import iter_hf_weights
         from pipeline.weights.group import WeightSyncError
@@ -216,7 +216,8 @@ class TrainerRole:
         named = list(iter_hf_weights(self.trainer.model, self.trainer.hf_config))
         if not self.leader:
             return time.monotonic() - t0
-        for attempt in range(SYNC_ATTEMPTS):
+        deadline = time.monotonic() + self.cfg.run.timeout_s  # generators may be restarting meanwhile
+        while True:
             try:
                 self._ensure_group(first=self.epoch == 0)
                 self.link.announce_weights(version)
@@ -231,7 +232,7 @@ class TrainerRole:
                 if self.task.stop_requested.is_set():  # stopping: generators stop too; checkpoint instead
                     log.warning("stop requested: version %d is not broadcast", version)
                     return time.monotonic() - t0
-                if attempt == SYNC_ATTEMPTS - 1:
+                if time.monotonic() > deadline:
                     raise
                 self._wait_for_membership_change()
         self.link.report_version(version)
