@@ -64,6 +64,12 @@ def _stat(pid: int) -> tuple[int, str] | None:
     return int(fields[1]), fields[0]
 
 
+def alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    st = _stat(pid)
+    return st is not None and st[1] != "Z"
+
+
 def _pids() -> list[int]:
     return [int(name) for name in os.listdir("/proc") if name.isdigit()]
 

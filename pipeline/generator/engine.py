@@ -180,6 +180,12 @@ class Generator:
         self.start_s = time.monotonic() - t0
         return self
 
+    def engine_alive(self) -> bool:
+        """False once a process the engine started has died (vLLM itself may notice much later)."""
+        from pipeline.supervise import alive
+
+        return all(alive(p) for p in self._engine_pids)
+
     def shutdown(self) -> None:
         """Stop the engine and every process it started (vLLM's shutdown may leave its engine core
         and worker running: they would outlive the caller)."""

@@ -91,8 +91,8 @@ class GeneratorRole:
             await asyncio.sleep(0.003)
             now = time.monotonic()
             if now - last_metrics >= 1.0:
-                if self.gen.engine.errored and not self.task.stop_requested.is_set():
-                    raise RuntimeError(f"the vLLM engine died: {self.gen.engine.dead_error!r}")
+                if not self.gen.engine_alive() and not self.task.stop_requested.is_set():
+                    raise RuntimeError("a vLLM engine process died")
                 self.stop = self.stop or self._run_over()
                 self._log_metrics(now - t_start)
                 last_metrics = now
@@ -116,9 +116,6 @@ class GeneratorRole:
     async def _apply_controls(self, queue: "asyncio.Queue[Control]") -> None:
         """Apply weight-group changes and updates one at a time, beside the polling loop (which
         keeps the orchestrator informed that this generator is alive while a broadcast waits)."""
-        from pipeline.generator.engine import WeightReceiveError, WeightUpdateError
-        from pipeline.weights.group import WeightSyncError
-
         while True:
             item = await queue.get()
             if isinstance(item, Stop):
@@ -136,7 +133,9 @@ class GeneratorRole:
                     self.stall_s += report.paused_s
                     log.info("loaded version %d (paused %.3fs, load %.3fs)", report.version,
                              report.paused_s, report.load_s)
-            except (WeightReceiveError, WeightUpdateError, WeightSyncError, TimeoutError) as exc:
+            except Exception as exc:  # collective_rpc wraps the worker's errors in a plain Exception
+                if not self.gen.engine_alive():
+                    raise
                 # The trainer sees the failure too and rebuilds the group; wait for its regroup.
                 self.sync_failures += 1
                 self.epoch = None

@@ -45,7 +45,6 @@ from pipeline.supervise import KeptProcess, die_with_parent
 from pipeline.run_files import CHECKPOINTS_DIR, LOGS_DIR, checkpoint_name
 
 log = logging.getLogger(__name__)
-SYNC_ATTEMPTS = 3  # tries of one version's broadcast, each on a group rebuilt from the survivors
 
 
 def prepare_model(run_dir: Path, cfg: TokenflowConfig) -> Path:
@@ -257,7 +256,8 @@ class TrainerRole:
         no expert leaves its expert-parallel group); each sending rank (the leader, and one rank
         per further expert-parallel rank) streams its buckets. A failed broadcast or regroup (a
         generator died: the error arrives within the weight timeout) is agreed by all ranks, whose
-        gathers run to the end regardless, and retried on a group rebuilt from the survivors.
+        gathers run to the end regardless, and retried on a group rebuilt from the survivors (and
+        restarted generators) for up to ``run.timeout_s``; the run goes on.
         """
         from pipeline.weights.buckets import BucketPlan
         from pipeline.weights.group import WeightSyncError
@@ -266,7 +266,8 @@ class TrainerRole:
         t0 = time.monotonic()
         shards = ShardedWeights(self.trainer.model, self.trainer.hf_config)
         plan = BucketPlan.from_specs(shards.specs, int(self.cfg.run.weight_bucket_mb * 2**20))
-        for attempt in range(SYNC_ATTEMPTS):
+        deadline = time.monotonic() + self.cfg.run.timeout_s  # generators may be restarting meanwhile
+        while True:
             failed = False
             if self.leader:
                 try:
@@ -294,8 +295,9 @@ class TrainerRole:
             if self._agree(int(self.task.stop_requested.is_set())):  # stopping: generators stop too
                 log.warning("stop requested: version %d is not broadcast", version)
                 return time.monotonic() - t0
-            if attempt == SYNC_ATTEMPTS - 1:
-                raise WeightSyncError(f"weight sync of version {version} failed {SYNC_ATTEMPTS} times")
+            if self._agree(int(time.monotonic() > deadline), op="leader"):
+                raise WeightSyncError(f"weight sync of version {version} failed for run.timeout_s="
+                                      f"{self.cfg.run.timeout_s:g} s")
             if self.leader:
                 log.error("regrouping the survivors")
                 self._wait_for_membership_change()

@@ -90,18 +90,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="default: RUN/export/step-K")
     args = parser.parse_args(argv)
     from pipeline.roles.common import model_dir
-    from pipeline.roles.trainer import CHECKPOINTS, latest_checkpoint
+    from pipeline.roles.trainer import latest_checkpoint
+    from pipeline.run_files import CHECKPOINTS_DIR as CHECKPOINTS, checkpoint_name
 
     run = args.run.resolve()
     if args.step is None:
         step, ckpt = latest_checkpoint(run)
     else:
-        step, ckpt = args.step, run / CHECKPOINTS / f"step-{args.step}"
+        step, ckpt = args.step, run / CHECKPOINTS / checkpoint_name(args.step)
     if ckpt is None or not (ckpt / "trainer.json").exists():
         have = sorted(d.name for d in (run / CHECKPOINTS).glob("step-*")) if (run / CHECKPOINTS).is_dir() else []
         print(f"tokenflow export: no complete checkpoint {ckpt or run / CHECKPOINTS} "
               f"(have: {', '.join(have) or 'none'})", file=sys.stderr)
         return 2
-    out = export_checkpoint(ckpt, args.out or run / EXPORTS / f"step-{step}", model_dir(run))
+    out = export_checkpoint(ckpt, args.out or run / EXPORTS / checkpoint_name(step), model_dir(run))
     print(json.dumps({"export": str(out), "step": step}))
     return 0
