@@ -293,17 +293,20 @@ def test_replay_feeds_recorded_groups_in_order_once_across_a_crash(tmp_path):
         orch.send_signal(signal.SIGKILL)
         orch.wait()
         orch = start_orchestrator(replay, "1")
-        run_trainer(replay, steps=5, start_step=3)
+        run_trainer(replay, 5, 1, 60, 0.0, "--resume")  # as the restarted trainer, from checkpoint 1
     finally:
         stop(orch)
     with RolloutLog.open(replay) as log:
         g = log.groups()
+        # recorded versions belong to the source run: the replay trainer's rollback drops nothing
+        assert not (g["outcome"] == GroupOutcome.DROPPED_ROLLBACK).any()
         fed = g["group_id"][g["outcome"] == GroupOutcome.STORED]
         assert len(fed) == len(set(fed.tolist())), "a recorded group was fed twice"
         assert fed.tolist() == recorded[:len(fed)], "groups were not fed in recorded order"
         assert len(fed) >= 5 * 4
-        consumed = sorted(int(r) for _, _, rows in log.step_records() for r in rows)
-    assert len(consumed) == 5 * 16
+        latest = {step: rows for step, _, rows in log.step_records()}  # steps 1, 2 recorded twice
+        consumed = sorted(int(r) for rows in latest.values() for r in rows)
+    assert sorted(latest) == list(range(5)) and len(consumed) == len(set(consumed)) == 5 * 16
 
     def per_sample(log):
         return {(int(b.columns["group_id"][i]), int(b.columns["sample_index"][i])):
@@ -328,6 +331,10 @@ def test_a_restarted_orchestrator_counts_kept_groups_as_if_it_never_stopped(tmp_
         stop(orch)  # SIGTERM: the last metric line is written after the final flush
         first = list(read_metrics(tmp_path, "orchestrator"))
         orch = start_orchestrator(tmp_path, "1")  # its first metric line is the restored state
+        deadline = time.monotonic() + 30
+        while len(list(read_metrics(tmp_path, "orchestrator"))) <= len(first):
+            assert time.monotonic() < deadline, "the restarted orchestrator wrote no metrics"
+            time.sleep(0.05)
     finally:
         stop(*gens)
         stop(orch)

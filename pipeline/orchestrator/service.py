@@ -360,13 +360,16 @@ class Orchestrator:
 
         Steps recorded at or after it are forgotten; their groups go back to the front of the
         buffer, and every group (those and the buffered ones) holding tokens of a version above
-        the checkpoint (weights that no longer exist) is released as ``DROPPED_ROLLBACK``.
+        the checkpoint (weights that no longer exist) is released as ``DROPPED_ROLLBACK`` (not in
+        a replay, whose groups' versions belong to the recorded run).
         """
         k = msg.step
         returned = self.desk.forget_from(k)
         self.clock.trainer_resumed(k)
 
         def discarded(g: BufferedGroup) -> bool:
+            if self.feeder is not None:  # replay: recorded versions name the source run's weights
+                return False
             return int(self.buffer.samples(g).columns["versions"].max()) > k
 
         for g in self.buffer.drop(discarded):
