@@ -39,6 +39,8 @@ PLOT_FILE = "training.png"
 """The end-of-run plot."""
 SUBMITIT_DIR = "submitit"
 """submitit's own files (Slurm launches)."""
+EXPORT_DIR = "export"
+"""Hugging Face exports of the policy, one directory per checkpoint name (`tokenflow export`)."""
 
 
 def checkpoint_name(steps_done: int) -> str:

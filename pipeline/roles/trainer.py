@@ -42,7 +42,7 @@ from pipeline.orchestrator.clock import staleness
 from pipeline.orchestrator.links import TrainerLink
 from pipeline.roles.common import cpu_cores_for, load_run_config, model_dir, pin_process, publish_model
 from pipeline.supervise import KeptProcess, die_with_parent
-from pipeline.run_files import CHECKPOINTS_DIR, LOGS_DIR, checkpoint_name
+from pipeline.run_files import CHECKPOINTS_DIR, EXPORT_DIR, LOGS_DIR, checkpoint_name
 
 log = logging.getLogger(__name__)
 
@@ -430,7 +430,7 @@ class TrainerRole:
             os.replace(tmp, final)
         export = self.cfg.trainer.export
         if export == "checkpoints" or (export == "end" and steps_done == self.cfg.run.steps):
-            self.trainer.export_hf(self.run_dir / "export" / f"step-{steps_done}")  # collective
+            self.trainer.export_hf(self.run_dir / EXPORT_DIR / checkpoint_name(steps_done))  # collective
 
     def finish(self) -> None:
         if self.leader:

@@ -25,7 +25,6 @@ from pathlib import Path
 
 TOKENIZER_FILES = ("special_tokens_map.json", "generation_config.json", "chat_template.jinja",
                    "vocab.json", "merges.txt")
-EXPORTS = "export"
 
 
 def hf_dtype(hf_config):
@@ -91,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from pipeline.roles.common import model_dir
     from pipeline.roles.trainer import latest_checkpoint
-    from pipeline.run_files import CHECKPOINTS_DIR as CHECKPOINTS, checkpoint_name
+    from pipeline.run_files import CHECKPOINTS_DIR as CHECKPOINTS, EXPORT_DIR, checkpoint_name
 
     run = args.run.resolve()
     if args.step is None:
@@ -103,6 +102,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tokenflow export: no complete checkpoint {ckpt or run / CHECKPOINTS} "
               f"(have: {', '.join(have) or 'none'})", file=sys.stderr)
         return 2
-    out = export_checkpoint(ckpt, args.out or run / EXPORTS / checkpoint_name(step), model_dir(run))
+    out = export_checkpoint(ckpt, args.out or run / EXPORT_DIR / checkpoint_name(step), model_dir(run))
     print(json.dumps({"export": str(out), "step": step}))
     return 0
