@@ -195,6 +195,10 @@ def leftovers(marker: str, wait_s: float = 15.0, kill: bool = True) -> dict[int,
             break
         pid = st[0]
         exclude.add(pid)
+    # The caller's own multiprocessing resource tracker (started by a spawn context) is a singleton
+    # of the caller's interpreter that exits when the caller does (its pipe closes), kill -9 included.
+    exclude |= {p for p, cmd in marked_processes(marker, exclude).items()
+                if "multiprocessing.resource_tracker" in cmd and (_stat(p) or (0,))[0] == os.getpid()}
     deadline = time.monotonic() + wait_s
     found = marked_processes(marker, exclude)
     while found and time.monotonic() < deadline:
