@@ -50,12 +50,13 @@ class ShardedWeights:
         import torch
         from megatron.core import parallel_state as ps
 
-        from pipeline.trainer.model import _ep_rank_size, _groups, _hf_dtype, _rules, unwrap
+        from pipeline.trainer.export import hf_dtype
+        from pipeline.trainer.model import _ep_rank_size, _groups, _rules, unwrap
         from pipeline.weights.buckets import dtype_name
 
         self.hf_config = hf_config
         self.params = dict(unwrap(model).named_parameters())
-        self.dtype = _hf_dtype(hf_config)
+        self.dtype = hf_dtype(hf_config)
         ep_rank, ep_size = _ep_rank_size(hf_config)
         self.ep_rank = ep_rank
         expert_sender = ps.get_expert_tensor_parallel_rank() == 0 and ps.get_expert_data_parallel_rank() == 0
