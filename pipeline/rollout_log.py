@@ -164,6 +164,8 @@ class RolloutLogWriter:
         for old_gen, old in list_journals(self.log_dir):
             if old_gen < gen:
                 old.unlink(missing_ok=True)  # sealed, or a fenced writer's: no reader needs it
+        for tmp in self.log_dir.glob(".segment-*.tmp"):
+            tmp.unlink(missing_ok=True)  # a killed (or fenced) writer's unfinished seal
         self._gen_first_row, self._gen_first_seq = head["start_row"], self.seq
         self._journal_bytes = 0
         self._sealed_at = self._fence_checked_at = time.monotonic()
