@@ -6,7 +6,7 @@ non-default factors, llama tied with linear RoPE):
 - megatron-core's logprobs equal transformers' (before and after a train step, through the exported
   checkpoint), and HF -> megatron -> HF is exact; all models in ONE trainer process, one after another;
 - vLLM's behaviour logprobs equal transformers', and an in-place weight update (to other weights and
-  back) equals the fresh load; all engines in ONE test, started one after another.
+  back) equals the fresh load; all engines in ONE test, started one after another (VLLM_FAMILIES).
 """
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ from pipeline.trainer.oracle import hf_logprobs, make_samples
 REPO = Path(__file__).resolve().parents[1]
 HF_LOGPROB_TOL = 1e-4  # megatron vs transformers, float32
 VLLM_LOGPROB_TOL = 1e-3  # vLLM (its own kernels) vs transformers, float32
-VLLM_FAMILIES = ("qwen2-tied", "qwen3-tied", "qwen3_moe", "llama3")
+# Engines cost ~40 s each on CI: qwen3 (dense) is covered by tests/test_generator.py's tiny model; tied
+# embeddings by qwen2. Add "qwen3-tied" here to check it too (it passes).
+VLLM_FAMILIES = ("qwen2-tied", "qwen3_moe", "llama3")
 
 
 @pytest.fixture(scope="module")
