@@ -266,7 +266,7 @@ def test_a_detached_slurm_sweep_is_followed_from_its_directory(tmp_path):
         assert [line.split()[:3] for line in listing[header + 1:header + 3]] == \
             [["0", "0.0001", jobs[0]], ["1", "0.0002", jobs[1]]]
         status = json.loads(tokenflow("status", str(sweep), "--json").stdout)
-        assert [p["status"]["job_id"] for p in status["points"]] == [int(j) for j in jobs]
+        assert [str(p["status"]["job_id"]) for p in status["points"]] == jobs
         for point in status["points"]:
             assert [c["state"] for c in point["status"]["components"]] != [] and all(
                 c["state"] in ("PENDING", "CONFIGURING", "RUNNING") for c in point["status"]["components"]), status
