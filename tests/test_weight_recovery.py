@@ -26,7 +26,7 @@ def compose(run_dir: Path, *overrides: str):
     from omegaconf import OmegaConf
 
     from pipeline.config import register
-    from pipeline.train import CONFIGS
+    from pipeline.apps.train import CONFIGS
 
     register()
     with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
@@ -51,7 +51,7 @@ def last_step(run: Path) -> int:
 
 def test_a_dead_generator_costs_one_broadcast_and_a_restarted_one_rejoins(tmp_path):
     from pipeline.launch import LocalLauncher
-    from pipeline.train import job_plan, prepare_run_dir
+    from pipeline.apps.train import job_plan, prepare_run_dir
 
     run = tmp_path / "run"
     cfg = compose(run, "run.name=recovery", "run.steps=1000", "run.eval_every=0", "run.progress=false",

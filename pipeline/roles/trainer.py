@@ -46,7 +46,7 @@ def prepare_model(run_dir: Path, cfg: TokenflowConfig) -> Path:
     path = resolve_model(cfg.model.name)
     if cfg.model.warmstart_steps > 0:
         from pipeline.tasks import make_task
-        from pipeline.tasks.warmstart import WarmStartConfig, ensure_warm_start
+        from pipeline.models.warmstart import WarmStartConfig, ensure_warm_start
 
         ws = WarmStartConfig(steps=cfg.model.warmstart_steps, lr=cfg.model.warmstart_lr)
         path = ensure_warm_start(path, make_task(cfg.task), ws)
@@ -74,7 +74,7 @@ def _die_with_parent() -> None:
 def start_orchestrator(run_dir: Path) -> subprocess.Popen:
     logs = run_dir / LOGS_DIR
     logs.mkdir(exist_ok=True)
-    return subprocess.Popen([sys.executable, "-m", "pipeline.orchestrator", str(run_dir)],
+    return subprocess.Popen([sys.executable, "-m", "pipeline.apps.orchestrator", str(run_dir)],
                             stdout=open(logs / "orchestrator.out", "a"), stderr=subprocess.STDOUT,
                             preexec_fn=_die_with_parent)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from pipeline.config import TokenflowConfig, check_resume_compatible, register, validate
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 COMPLETE = "COMPLETE"
 log = logging.getLogger("tokenflow.train")
 
@@ -70,7 +70,7 @@ def prepare_run_dir(cfg: TokenflowConfig) -> Path:
 
 def train(cfg: TokenflowConfig) -> int:
     validate(cfg)
-    from pipeline.ops import still_running
+    from pipeline.apps.ops import still_running
     running = still_running(Path(cfg.run.dir).resolve())
     if running:
         print(f"tokenflow: {cfg.run.dir} is still running as {running}: follow it with `tokenflow status "
