@@ -61,7 +61,7 @@ def run_orchestrator(groups: int, producers: int, root: Path) -> dict:
         orchestrator=OrchestratorConfig(group_size=GROUP, groups_per_step=1, max_async=10**6,
                                         metrics_interval_s=0.2, memory_token_budget=10**9)))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    orch = subprocess.Popen([sys.executable, "-m", "pipeline.orchestrator", str(run)],
+    orch = subprocess.Popen([sys.executable, "-m", "pipeline.apps.orchestrator", str(run)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     while not (run / ORCHESTRATOR_RENDEZVOUS).exists():
         time.sleep(0.05)
@@ -71,7 +71,8 @@ def run_orchestrator(groups: int, producers: int, root: Path) -> dict:
     trainer = TrainerLink(run, RecordSchema())
     trainer.report_version(0)
     t0 = time.monotonic()
-    gens = [subprocess.Popen([sys.executable, "-m", "pipeline.loadgen", "generator", str(run),
+    loadgen = Path(__file__).resolve().parents[1] / "tests" / "support" / "loadgen.py"
+    gens = [subprocess.Popen([sys.executable, str(loadgen), "generator", str(run),
                               f"--id={i}", "--slots=8", f"--min-len={COMPLETION}",
                               f"--max-len={COMPLETION}", "--duration=600"],
                              stdout=subprocess.PIPE, text=True, env=env) for i in range(producers)]

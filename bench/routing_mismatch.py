@@ -92,9 +92,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.group_size, args.max_tokens = 4, 2, 16
-    from pipeline.inspect_log import per_token_bytes
+    from pipeline.apps.inspect_log import per_token_bytes
     from pipeline.record import RecordSchema
-    from pipeline.trainer.oracle import sharpened_checkpoint
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' oracle helpers
+    from support.oracle import sharpened_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

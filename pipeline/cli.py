@@ -17,15 +17,15 @@ import sys
 
 #: subcommand -> (module with ``main(argv) -> int``, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("pipeline.train", "train a policy (no arguments: the built-in CPU demo); Hydra overrides, -m sweeps"),
-    "replay": ("pipeline.replay", "train from a recorded rollout log (off-policy, IS-corrected)"),
-    "status": ("pipeline.ops.status", "a run's components and Slurm states, step, versions, buffer, last error; --json"),
-    "compare": ("pipeline.ops.compare", "runs or a sweep side by side: differing overrides, accuracy, reward, "
+    "train": ("pipeline.apps.train", "train a policy (no arguments: the built-in CPU demo); Hydra overrides, -m sweeps"),
+    "replay": ("pipeline.apps.replay", "train from a recorded rollout log (off-policy, IS-corrected)"),
+    "status": ("pipeline.apps.ops.status", "a run's components and Slurm states, step, versions, buffer, last error; --json"),
+    "compare": ("pipeline.apps.ops.compare", "runs or a sweep side by side: differing overrides, accuracy, reward, "
                 "state; --json, --csv, --plot"),
-    "cancel": ("pipeline.ops.cancel", "stop every component of a run (scancel or local processes)"),
-    "inspect": ("pipeline.inspect_log", "summarise a rollout log: counts, rewards, staleness; --plot, --json"),
-    "export": ("pipeline.trainer.export", "write a run's checkpoint as a Hugging Face directory (RUN [--step K])"),
-    "orchestrate": ("pipeline.orchestrator.__main__", "run the orchestrator of RUN_DIR (role process)"),
+    "cancel": ("pipeline.apps.ops.cancel", "stop every component of a run (scancel or local processes)"),
+    "inspect": ("pipeline.apps.inspect_log", "summarise a rollout log: counts, rewards, staleness; --plot, --json"),
+    "export": ("pipeline.apps.export", "write a run's checkpoint as a Hugging Face directory (RUN [--step K])"),
+    "orchestrate": ("pipeline.apps.orchestrator", "run the orchestrator of RUN_DIR (role process)"),
 }
 
 

@@ -1,6 +1,6 @@
 """The one GPU check of the trainer: megatron-core on CUDA over NCCL (one rank).
 
-For the tiny dense and MoE models (weights re-drawn at unit scale, pipeline.trainer.oracle):
+For the tiny dense and MoE models (weights re-drawn at unit scale, tests/support/oracle.py):
   1. trainer logprobs vs Hugging Face transformers on the same GPU (float32, TF32 off);
   2. one train step with megatron's distributed optimizer, then HF export -> transformers load ->
      logprobs vs the trainer's (the weight conversion/gather path on CUDA);
@@ -67,7 +67,8 @@ def check_model(kind: str, workdir: Path, quick: bool) -> dict:
 
     from pipeline.trainer.config import TrainerConfig
     from pipeline.trainer.engine import Trainer
-    from pipeline.trainer.oracle import hf_logprobs, make_samples, sharpened_checkpoint
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test oracle
+    from support.oracle import hf_logprobs, make_samples, sharpened_checkpoint
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":

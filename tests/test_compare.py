@@ -22,12 +22,12 @@ import pytest
 
 from pipeline.config import TokenflowConfig
 from pipeline.metrics import MetricsWriter
-from pipeline.ops import status_main
-from pipeline.ops.compare import compare_runs, format_table, main as compare_main
-from pipeline.ops.summary import metric_summary, wall_seconds
-from pipeline.ops.sweep import find_runs
+from pipeline.apps.ops import status_main
+from pipeline.apps.ops.compare import compare_runs, format_table, main as compare_main
+from pipeline.apps.ops.summary import metric_summary, run_hparams, wall_seconds
+from pipeline.apps.ops.sweep import find_runs
 from pipeline.roles.common import save_run_config
-from pipeline.train import job_plan
+from pipeline.apps.train import job_plan
 
 ERROR = "RuntimeError: no batch for step 1 from the orchestrator within 300 s"
 
@@ -205,7 +205,7 @@ def read_hparams(tb_dir: Path) -> tuple[dict, dict]:
 def test_the_hparams_session_is_readable_by_tensorboard(sweep):
     from pipeline.observe.tensorboard import TensorBoardMirror
 
-    TensorBoardMirror(sweep / "0").close()
+    TensorBoardMirror(sweep / "0").close(hparams=run_hparams(sweep / "0"))
     params, metrics = read_hparams(sweep / "0" / "tensorboard")
     assert params == {"trainer.lr": pytest.approx(1e-4), "run.steps": 3.0, "task.name": "sort", "model.name": "tiny-moe"}
     assert metrics["hparams/final_accuracy"] == pytest.approx(0.50)

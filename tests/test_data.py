@@ -220,7 +220,7 @@ def test_readme_train_on_your_data_line_composes_and_resolves(checkpoint, tmp_pa
     from omegaconf import OmegaConf
 
     from pipeline.config import register
-    from pipeline.train import CONFIGS
+    from pipeline.apps.train import CONFIGS
 
     data = _write(tmp_path / "data.jsonl", [{"prompt": f"What is {i} + 1?", "answer": i + 1} for i in range(300)])
     register()

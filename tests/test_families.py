@@ -22,7 +22,7 @@ import pytest
 
 from pipeline.models.family_checkpoints import FAMILY_SPECS, build_family_checkpoint, family_config
 from pipeline.trainer.families import check_supported, rope_inv_freq
-from pipeline.trainer.oracle import hf_logprobs, make_samples
+from support.oracle import hf_logprobs, make_samples
 
 REPO = Path(__file__).resolve().parents[1]
 HF_LOGPROB_TOL = 1e-4  # megatron vs transformers, float32

@@ -7,7 +7,7 @@ import h5py
 import numpy as np
 import pytest
 
-from pipeline.inspect_log import main
+from pipeline.apps.inspect_log import main
 from pipeline.log_format import GroupOutcome, list_segments
 from pipeline.record import FINISH_REASONS, RecordSchema, SampleBatch
 from pipeline.rollout_log import RolloutLogWriter

@@ -153,7 +153,7 @@ def test_checkpoint_signal_sets_stop_requested_and_children_survive_it(tmp_path)
 
 
 def test_status_and_cancel_of_a_local_run(tmp_path):
-    from pipeline.ops import cancel_run, run_status
+    from pipeline.apps.ops import cancel_run, run_status
 
     plan = toy_plan(hold_s=120)
     plan.components["trainer"].tasks_per_node = 1
@@ -172,7 +172,7 @@ def test_status_and_cancel_of_a_local_run(tmp_path):
 
 
 def test_batch_prepare_reuses_the_launch_index_of_a_requeued_job(tmp_path):
-    from pipeline.launch.batch import _record_launch
+    from pipeline.apps.batch import _record_launch
 
     assert _record_launch(tmp_path, "41") == 0
     assert _record_launch(tmp_path, "41") == 0  # the same job, requeued
@@ -180,7 +180,7 @@ def test_batch_prepare_reuses_the_launch_index_of_a_requeued_job(tmp_path):
 
 
 def test_batch_prepare_composes_the_config_and_plan_like_tokenflow_train(tmp_path):
-    from pipeline.launch.batch import prepare
+    from pipeline.apps.batch import prepare
 
     run_dir = prepare(["cluster=slurm", "run.name=hand", f"hydra.run.dir={tmp_path}/hand", "cluster.generators=3",
                        "cluster.generator.nodes=3", "cluster.generator.partition=gen"])

@@ -45,7 +45,7 @@ def record_log(model_dir: Path, log_dir: Path) -> None:
     """A rollout log of STEPS step records, SAMPLES_PER_STEP samples each (groups of 4)."""
     from pipeline.record import RecordSchema, RolloutSample, SampleBatch
     from pipeline.rollout_log import RolloutLogWriter
-    from pipeline.trainer.oracle import hf_logprobs, make_samples
+    from support.oracle import hf_logprobs, make_samples
 
     samples = make_samples(5, STEPS * SAMPLES_PER_STEP, 256, min_len=2, max_len=10)
     policy = hf_logprobs(model_dir, samples)
@@ -119,7 +119,7 @@ def scenario_parity(outdir: Path, args: dict) -> None:
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     """Run every layout once (reference first); later runs reload earlier runs' checkpoints."""
-    from pipeline.trainer.oracle import sharpened_checkpoint
+    from support.oracle import sharpened_checkpoint
 
     root = tmp_path_factory.mktemp("layouts")
     model_dir = sharpened_checkpoint("moe8-small", root / "model", spec=tiny_moe8_spec())

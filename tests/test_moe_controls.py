@@ -73,7 +73,7 @@ def test_moe_config_fields_reach_megatron(tmp_path):
 
 
 def test_export_names_what_is_missing(tmp_path, capsys):
-    from pipeline.trainer.export import main
+    from pipeline.apps.export import main
 
     run = tmp_path / "run"
     (run / "checkpoints" / "step-4").mkdir(parents=True)  # no trainer.json: incomplete
@@ -85,7 +85,7 @@ def test_export_names_what_is_missing(tmp_path, capsys):
 def scenario_routing(outdir: Path, args: dict) -> None:
     from pipeline.trainer.config import MoEConfig, TrainerConfig
     from pipeline.trainer.engine import Trainer
-    from pipeline.trainer.oracle import make_samples
+    from support.oracle import make_samples
 
     trainer = Trainer(TrainerConfig(model_dir=args["model_dir"], moe=MoEConfig(**args["moe"]),
                                     micro_batch_tokens=64, lr=1e-4))
@@ -117,7 +117,7 @@ def _hf_expert_counts(model_dir, samples, layers, experts):
 
 @pytest.mark.engine
 def test_routing_statistics_match_transformers_router_and_capacity_drops(tmp_path):
-    from pipeline.trainer.oracle import make_samples, sharpened_checkpoint
+    from support.oracle import make_samples, sharpened_checkpoint
 
     model_dir = sharpened_checkpoint("moe8", tmp_path / "model")
     launch("routing", 1, tmp_path / "free", {"model_dir": str(model_dir), "moe": {}}, script=Path(__file__))

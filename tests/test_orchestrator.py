@@ -1,6 +1,6 @@
 """The orchestrator as a process: real ZeroMQ sockets, real HDF5 log, synthetic producers.
 
-Generators and the trainer here are `pipeline.loadgen` processes (the real engines are tested in
+Generators and the trainer here are `tests/support/loadgen.py` processes (the real engines are tested in
 their own files); everything between them is the production code path.
 """
 from __future__ import annotations
@@ -44,15 +44,19 @@ def write_spec(run_dir: Path, replay_source: Path | None = None, **orch) -> None
     save_run_config(run_dir, cfg)
 
 
+LOADGEN = str(Path(__file__).parent / "support" / "loadgen.py")
+
+
 def start(args: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([PY, "-m", *args], stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            env=ENV)
+    """``args``: a module to run with ``-m`` and its arguments, or LOADGEN (a script) and its."""
+    cmd = [PY, *args] if args[0] == LOADGEN else [PY, "-m", *args]
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=ENV)
 
 
 def start_orchestrator(run_dir: Path, tag: str = "0") -> subprocess.Popen:
     rv = run_dir / "rendezvous" / "orchestrator.json"
     before = rv.stat().st_mtime_ns if rv.exists() else None
-    p = start(["pipeline.orchestrator", str(run_dir)], run_dir / f"orch{tag}.log")
+    p = start(["pipeline.apps.orchestrator", str(run_dir)], run_dir / f"orch{tag}.log")
     deadline = time.monotonic() + 30
     while not (rv.exists() and rv.stat().st_mtime_ns != before):
         assert p.poll() is None, (run_dir / f"orch{tag}.log").read_text()
@@ -63,7 +67,7 @@ def start_orchestrator(run_dir: Path, tag: str = "0") -> subprocess.Popen:
 
 def start_generator(run_dir: Path, gid: int, duration: float = 120, **kw) -> subprocess.Popen:
     extra = [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
-    return start(["pipeline.loadgen", "generator", str(run_dir), f"--id={gid}",
+    return start([LOADGEN, "generator", str(run_dir), f"--id={gid}",
                   f"--duration={duration}", *extra], run_dir / f"gen{gid}.log")
 
 
@@ -79,7 +83,7 @@ def wait_for_generators(run_dir: Path, n: int, timeout: float = 60) -> None:
 
 def run_trainer(run_dir: Path, steps: int, start_step: int = 0, timeout: float = 60,
                 step_time: float = 0.0, *extra: str) -> list[dict]:
-    out = subprocess.run([PY, "-m", "pipeline.loadgen", "trainer", str(run_dir), f"--steps={steps}",
+    out = subprocess.run([PY, LOADGEN, "trainer", str(run_dir), f"--steps={steps}",
                           f"--start-step={start_step}", f"--timeout={timeout}",
                           f"--step-time={step_time}", *extra],
                          capture_output=True, text=True, env=ENV, timeout=timeout * 3)

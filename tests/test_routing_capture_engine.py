@@ -61,7 +61,7 @@ def compare(model_dir, sequences, recorded):
 def engine(tmp_path_factory):
     from pipeline.generator.config import GeneratorConfig
     from pipeline.generator.engine import Generator
-    from pipeline.trainer.oracle import sharpened_checkpoint
+    from support.oracle import sharpened_checkpoint
 
     root = tmp_path_factory.mktemp("routing")
     dirs = {1: sharpened_checkpoint("moe", root / "v1", seed=7), 2: sharpened_checkpoint("moe", root / "v2", seed=8)}

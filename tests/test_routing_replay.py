@@ -67,7 +67,7 @@ def scenario(outdir: Path, args: dict) -> None:
 
     from pipeline.trainer.config import ParallelConfig, TrainerConfig
     from pipeline.trainer.engine import Trainer
-    from pipeline.trainer.oracle import make_samples
+    from support.oracle import make_samples
 
     torch.set_num_threads(1)
     trainer = Trainer(TrainerConfig(model_dir=args["model_dir"], parallel=ParallelConfig(**args["parallel"]),
@@ -123,7 +123,7 @@ def launch(world: int, outdir: Path, args: dict) -> None:
 
 @pytest.fixture(scope="module")
 def moe_checkpoint(tmp_path_factory):
-    from pipeline.trainer.oracle import sharpened_checkpoint
+    from support.oracle import sharpened_checkpoint
 
     return sharpened_checkpoint("moe", tmp_path_factory.mktemp("moe") / "model")
 
@@ -132,7 +132,7 @@ def moe_checkpoint(tmp_path_factory):
 @pytest.mark.parametrize("world,parallel", [(1, {}), (2, {"ep": 2}), (2, {"tp": 2})],
                          ids=["ep1", "ep2", "tp2-sp"])
 def test_replayed_routing_equals_transformers_forced_to_it(moe_checkpoint, tmp_path, world, parallel):
-    from pipeline.trainer.oracle import make_samples
+    from support.oracle import make_samples
     from transformers import AutoConfig
 
     launch(world, tmp_path, {"model_dir": str(moe_checkpoint), "parallel": parallel})

@@ -155,7 +155,7 @@ def test_truncated_sampling_without_the_mask_is_refused():
 def test_inspect_shows_what_a_log_carries_and_its_bytes_per_token(tmp_path, capsys):
     import json
 
-    from pipeline.inspect_log import main
+    from pipeline.apps.inspect_log import main
     from pipeline.record import RecordSchema
     from pipeline.rollout_log import RolloutLogWriter
     from rollout_data import make_batch

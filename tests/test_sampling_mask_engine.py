@@ -63,7 +63,7 @@ def _generate(model_dir: Path):
 
 
 def test_trainer_logprobs_under_the_recorded_mask_equal_the_engines(tmp_path):
-    from pipeline.trainer.oracle import sharpened_checkpoint
+    from support.oracle import sharpened_checkpoint
 
     model_dir = sharpened_checkpoint("moe", tmp_path / "model")
     samples = _generate(model_dir)

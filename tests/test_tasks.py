@@ -210,7 +210,7 @@ def test_warm_start_lowers_loss_and_is_cached(tmp_path, tiny_dense):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.tasks.warmstart import WarmStartConfig, _batch, ensure_warm_start
+    from pipeline.models.warmstart import WarmStartConfig, _batch, ensure_warm_start
 
     task = AdditionTask()
     base = tiny_dense
@@ -239,7 +239,7 @@ def test_noisy_warm_start_mixes_in_distractors_and_evaluation_is_consistent(tiny
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.tasks.hf_eval import evaluate
-    from pipeline.tasks.warmstart import _batch
+    from pipeline.models.warmstart import _batch
 
     task = SortDigitsTask()
     base = tiny_dense
@@ -261,7 +261,7 @@ def test_warm_start_is_deterministic(tmp_path, tiny_dense):
     import torch
     from safetensors.torch import load_file
 
-    from pipeline.tasks.warmstart import WarmStartConfig, train_warm_start
+    from pipeline.models.warmstart import WarmStartConfig, train_warm_start
 
     cfg = WarmStartConfig(steps=3, batch_size=8)
     for name in ("a", "b"):

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.trainer.oracle import hf_logprobs, make_samples, sharpened_checkpoint
+from support.oracle import hf_logprobs, make_samples, sharpened_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 240

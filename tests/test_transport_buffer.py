@@ -8,7 +8,6 @@ import time
 import numpy as np
 import pytest
 
-from pipeline.loadgen import synthetic_group
 from pipeline.orchestrator.buffer import BufferedGroup, RolloutBuffer
 from pipeline.orchestrator.clock import is_stale
 from pipeline.orchestrator.links import WorkItem
@@ -16,6 +15,8 @@ from pipeline.record import RecordSchema
 from pipeline.rollout_log import RolloutLogWriter
 from pipeline.transport import (MessageClient, MessageServer, TransportConfig, TransportError,
                                 interface_address, load_or_create_secret)
+
+from support.loadgen import synthetic_group
 
 
 def test_secret_is_private_stable_and_refused_when_exposed(tmp_path):

@@ -28,7 +28,7 @@ def compose(run_dir: Path, *overrides: str):
     from omegaconf import OmegaConf
 
     from pipeline.config import register
-    from pipeline.train import CONFIGS
+    from pipeline.apps.train import CONFIGS
 
     register()
     with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
@@ -40,7 +40,7 @@ def test_kill_9_of_each_process_mid_run_and_the_run_completes(tmp_path):
     import os
 
     from pipeline.launch import LocalLauncher, TaskFailed
-    from pipeline.train import job_plan, prepare_run_dir
+    from pipeline.apps.train import job_plan, prepare_run_dir
 
     run = tmp_path / "run"
     cfg = compose(run, "run.name=chaos", f"run.steps={STEPS}", "run.eval_every=0", "run.progress=false",

@@ -1,6 +1,6 @@
 """LocalLauncher: every task of the plan as a local process (laptop, CI, no Slurm).
 
-Each task is `python -m pipeline.launch RUN_DIR LAUNCH_INDEX` with TOKENFLOW_GLOBAL_RANK set,
+Each task is `python -m pipeline.apps.launch_task RUN_DIR LAUNCH_INDEX` with TOKENFLOW_GLOBAL_RANK set,
 so it runs exactly the dispatcher the Slurm tasks run (same logs, results, rendezvous). Resource
 fields of the plan (nodes, CPUs, memory, partition, ...) are not enforced locally; the task count
 (nodes * tasks_per_node per component) is.
@@ -84,6 +84,6 @@ class LocalLauncher(Launcher):
             env = {**os.environ, **plan.env, "TOKENFLOW_GLOBAL_RANK": str(global_rank)}
             env.pop("SLURM_RESTART_COUNT", None)  # inside a Slurm job, local attempts are not Slurm's
             procs.append(subprocess.Popen(
-                [sys.executable, "-u", "-m", "pipeline.launch", str(run_dir), str(launch_index)],
+                [sys.executable, "-u", "-m", "pipeline.apps.launch_task", str(run_dir), str(launch_index)],
                 env=env, stdin=subprocess.DEVNULL, start_new_session=True))
         return LocalRun(plan, run_dir, launch_index, procs, self.kill_grace_s)

@@ -6,7 +6,7 @@ The same dispatcher serves both launchers:
   layout [(trainer,0), (trainer,1), (generator,0)] SLURM_PROCID=2 is generator rank 0. The
   component sizes Slurm reports (`SLURM_HET_SIZE`, `SLURM_NTASKS_HET_GROUP_k`) must match the plan,
   otherwise the task refuses to start and says which component differs;
-- locally and in slurm/train.sbatch, `python -m pipeline.launch RUN_DIR LAUNCH_INDEX` reads
+- locally and in slurm/train.sbatch, `python -m pipeline.apps.launch_task RUN_DIR LAUNCH_INDEX` reads
   `RUN/launch/plan.json` (the global rank: TOKENFLOW_GLOBAL_RANK, else SLURM_PROCID).
 
 Invariants:
@@ -290,7 +290,7 @@ class RoleDispatcher:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Task entry: python -m pipeline.launch RUN_DIR LAUNCH_INDEX (rank: TOKENFLOW_GLOBAL_RANK or SLURM_PROCID)."""
+    """Task entry: python -m pipeline.apps.launch_task RUN_DIR LAUNCH_INDEX (rank: TOKENFLOW_GLOBAL_RANK or SLURM_PROCID)."""
     run_dir, launch_index = (argv or sys.argv[1:])[:2]
     plan = JobPlan.from_json((Path(run_dir) / PLAN_FILE).read_text())
     try:

@@ -5,10 +5,10 @@ its step; ``generator`` and ``orchestrator`` records go under their kind at the 
 step. The mirror follows the file, so it can run beside the training job or after it.
 
 When the mirror closes (the run ended, failed or was interrupted) it writes the run's HParams
-session: its command-line overrides (``.hydra/overrides.yaml``, with the values the run resolved;
-plus ``task.name`` and ``model.name``) as hparams, and its summary numbers
-(`pipeline.ops.summary.metric_summary`) as the metrics ``hparams/<name>``, so
-``tensorboard --logdir runs/sw-sweep`` compares the points of a sweep in its HParams view.
+session given by its caller (`pipeline.apps.ops.summary.run_hparams`: the command-line overrides
+with the values the run resolved, plus ``task.name`` and ``model.name``, as hparams; the run's
+summary numbers as the metrics ``hparams/<name>``), so ``tensorboard --logdir runs/sw-sweep``
+compares the points of a sweep in its HParams view.
 """
 from __future__ import annotations
 
@@ -47,25 +47,20 @@ class TensorBoardMirror:
         self.writer.flush()
         return n
 
-    def write_hparams(self) -> dict[str, float]:
+    def write_hparams(self, params: dict, summary: dict) -> dict[str, float]:
         """Write the run's HParams session (see the module doc); returns the metrics written."""
         from torch.utils.tensorboard.summary import hparams
 
-        from pipeline.ops.summary import metric_summary
-        from pipeline.ops.sweep import command_overrides, run_config
-
-        config = run_config(self.run_dir)
-        params = {k: config[k] for k in ("task.name", "model.name") if k in config}
-        params.update(command_overrides(self.run_dir))
-        summary = metric_summary(self.run_dir)
-        metrics = {f"hparams/{k}": float(summary[k]) for k in HPARAM_METRICS if summary[k] is not None}
+        metrics = {f"hparams/{k}": float(summary[k]) for k in HPARAM_METRICS if summary.get(k) is not None}
         for proto in hparams(params, metrics):  # experiment, session start, session end
             self.writer.file_writer.add_summary(proto)
         for tag, value in metrics.items():
             self.writer.add_scalar(tag, value, self.step)
         return metrics
 
-    def close(self) -> None:
+    def close(self, hparams: tuple[dict, dict] | None = None) -> None:
+        """Flush the last records; ``hparams`` = (params, summary numbers) of the run's HParams session."""
         self.update()
-        self.write_hparams()
+        if hparams is not None:
+            self.write_hparams(*hparams)
         self.writer.close()

@@ -236,10 +236,11 @@ class Orchestrator:
         while len(self.buffer) < 2 * self.cfg.groups_per_step:
             nxt = self.feeder.next_group()
             if nxt is None:
-                if self.desk.waiting and not self.counts["replay_exhausted"]:
+                starved = self.desk.waiting and len(self.buffer) < self.cfg.groups_per_step
+                if starved and not self.counts["replay_exhausted"]:
                     self.counts["replay_exhausted"] += 1
                     log.error("the replay source has no more groups; the trainer waits for step(s) %s",
-                              sorted(w[0] for w in self.desk.waiting.values()))
+                              sorted(req.step for req in self.desk.waiting.values()))
                 return
             gid, group = nxt
             self.admission.resolve(gid, kept=True)

@@ -55,8 +55,8 @@ def prepare_model(run_dir: Path, cfg: TokenflowConfig) -> Path:
     steps = cfg.model.warmstart_steps_or_default()
     if steps > 0:
         from pipeline.tasks import make_task
+        from pipeline.models.warmstart import WarmStartConfig, ensure_warm_start
         from pipeline.tasks.prompting import PromptFormat
-        from pipeline.tasks.warmstart import WarmStartConfig, ensure_warm_start
 
         task = make_task(cfg.task)
         ws = WarmStartConfig(steps=steps, lr=cfg.model.warmstart_lr, prompt_format=PromptFormat.of(cfg.task, task))
@@ -86,7 +86,7 @@ def start_orchestrator(run_dir: Path) -> subprocess.Popen:
     logs = run_dir / LOGS_DIR
     logs.mkdir(exist_ok=True)
     with open(logs / "orchestrator.out", "a") as out:
-        return subprocess.Popen([sys.executable, "-m", "pipeline.orchestrator", str(run_dir)],
+        return subprocess.Popen([sys.executable, "-m", "pipeline.apps.orchestrator", str(run_dir)],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 preexec_fn=_orchestrator_preexec)
 

@@ -14,7 +14,7 @@ Invariants every task keeps:
 - `reference_completion(prompt)` is the completion a perfect policy would write (used by the supervised
   warm-start); `score(prompt, reference_completion(prompt)) == 1.0`.
 - `distractor_completion(prompt)` is None or a plausible wrong completion (score 0.0) that a noisy
-  warm-start mixes into its demonstrations (pipeline.tasks.warmstart).
+  warm-start mixes into its demonstrations (pipeline.models.warmstart).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Hugging Face exports of a trained policy: from live trainer ranks, or from a run's checkpoint.
 
-``tokenflow export RUN [--step K] [--out DIR]`` writes ``RUN/export/step-K/`` (default: the newest
-complete checkpoint) from ``RUN/checkpoints/step-K/`` without starting a trainer; the end of a
+``tokenflow export RUN [--step K] [--out DIR]`` (`pipeline.apps.export`) writes ``RUN/export/step-K/``
+(default: the newest complete checkpoint) from ``RUN/checkpoints/step-K/`` without starting a trainer; the end of a
 run (and, with ``trainer.export=checkpoints``, every checkpoint) writes the same directory from
 the live ranks. The result is a Hugging Face checkpoint directory: ``model-r*.safetensors`` with
 ``model.safetensors.index.json``, ``config.json`` and the tokenizer of the model the run started
@@ -17,10 +17,7 @@ Invariants:
 """
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
-import sys
 from pathlib import Path
 
 TOKENIZER_FILES = ("special_tokens_map.json", "generation_config.json", "chat_template.jinja",
@@ -80,28 +77,3 @@ def export_checkpoint(checkpoint: Path, out: Path, source_dir: Path) -> Path:
     write_index(out, "model")
     finish_directory(out, hf_config, source_dir)
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tokenflow export", description=__doc__.split("\n\n")[1])
-    parser.add_argument("run", type=Path, help="the run directory (runs/<name>)")
-    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
-    parser.add_argument("--out", type=Path, default=None, help="default: RUN/export/step-K")
-    args = parser.parse_args(argv)
-    from pipeline.roles.common import model_dir
-    from pipeline.roles.trainer import latest_checkpoint
-    from pipeline.run_files import CHECKPOINTS_DIR as CHECKPOINTS, EXPORT_DIR, checkpoint_name
-
-    run = args.run.resolve()
-    if args.step is None:
-        step, ckpt = latest_checkpoint(run)
-    else:
-        step, ckpt = args.step, run / CHECKPOINTS / checkpoint_name(args.step)
-    if ckpt is None or not (ckpt / "trainer.json").exists():
-        have = sorted(d.name for d in (run / CHECKPOINTS).glob("step-*")) if (run / CHECKPOINTS).is_dir() else []
-        print(f"tokenflow export: no complete checkpoint {ckpt or run / CHECKPOINTS} "
-              f"(have: {', '.join(have) or 'none'})", file=sys.stderr)
-        return 2
-    out = export_checkpoint(ckpt, args.out or run / EXPORT_DIR / checkpoint_name(step), model_dir(run))
-    print(json.dumps({"export": str(out), "step": step}))
-    return 0

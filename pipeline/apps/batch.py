@@ -1,8 +1,8 @@
 """The two steps around `srun` in slurm/train.sbatch (a heterogeneous job submitted by hand).
 
-    python -m pipeline.launch.batch prepare [--run-dir RUN | OVERRIDES...]   -> prints "RUN_DIR LAUNCH_INDEX"
-    srun --het-group=0,1 python -m pipeline.launch RUN_DIR LAUNCH_INDEX        (the same dispatcher as submitit's)
-    python -m pipeline.launch.batch finish RUN_DIR                            -> requeue, done, or failed
+    python -m pipeline.apps.batch prepare [--run-dir RUN | OVERRIDES...]   -> prints "RUN_DIR LAUNCH_INDEX"
+    srun --het-group=0,1 python -m pipeline.apps.launch_task RUN_DIR LAUNCH_INDEX        (the same dispatcher as submitit's)
+    python -m pipeline.apps.batch finish RUN_DIR                            -> requeue, done, or failed
 
 `prepare` composes the config exactly as ``tokenflow train`` does (same Hydra overrides; the run
 directory is ``hydra.run.dir``, i.e. runs/<run.name>), validates it, writes RUN/config.yaml and
@@ -56,7 +56,7 @@ def prepare(argv: List[str]) -> Path:
     from omegaconf import OmegaConf, open_dict
 
     from pipeline.config import register, validate
-    from pipeline.train import CONFIGS, job_plan, prepare_run_dir
+    from pipeline.apps.train import CONFIGS, job_plan, prepare_run_dir
 
     register()
     with initialize_config_dir(str(CONFIGS), version_base=None):
@@ -99,7 +99,7 @@ def finish(run_dir: Path) -> int:
         from omegaconf import OmegaConf
 
         from pipeline.observe.plots import plot_run
-        from pipeline.train import COMPLETE
+        from pipeline.apps.train import COMPLETE
         print(f"tokenflow: done; learning curve in {plot_run(run_dir)}")
         steps = OmegaConf.load(run_dir / CONFIG_FILE).run.steps  # the marker `tokenflow train` writes
         (run_dir / COMPLETE).write_text(f"{steps} steps, finished {time.strftime('%Y-%m-%d %H:%M:%S')}")
@@ -114,7 +114,7 @@ def main(argv: List[str] | None = None) -> int:
         return 0
     if argv[:1] == ["finish"] and len(argv) == 2:
         return finish(Path(argv[1]).resolve())
-    print("usage: python -m pipeline.launch.batch prepare [--run-dir RUN | OVERRIDES...] | finish RUN_DIR",
+    print("usage: python -m pipeline.apps.batch prepare [--run-dir RUN | OVERRIDES...] | finish RUN_DIR",
           file=sys.stderr)
     return 2
 

@@ -5,7 +5,8 @@ generator answers each work item with well-formed samples of configurable length
 trainer pulls step batches and advances the policy version. Where a real engine stands, these
 stand in for it only because the test measures the orchestrator, not the engine.
 
-Run as ``python -m pipeline.loadgen generator RUN_DIR --id 0 ...`` or ``... trainer RUN_DIR ...``.
+Test and benchmark code, not part of the package. Run as
+``python tests/support/loadgen.py generator RUN_DIR --id 0 ...`` or ``... trainer RUN_DIR ...``.
 """
 from __future__ import annotations
 
@@ -103,7 +104,7 @@ def run_trainer(run_dir: Path, steps: int, dp_size: int, step_time_s: float, sch
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipeline.loadgen")
+    p = argparse.ArgumentParser(prog="python tests/support/loadgen.py")
     p.add_argument("role", choices=["generator", "trainer"])
     p.add_argument("run_dir", type=Path)
     p.add_argument("--id", type=int, default=0)

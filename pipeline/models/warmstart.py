@@ -149,7 +149,7 @@ def ensure_warm_start(base_dir: Path, task: Task, cfg: WarmStartConfig | None = 
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Measure a warm-start: `python -m pipeline.tasks.warmstart --kind dense --steps 120` (prints one JSON)."""
+    """Measure a warm-start: `python -m pipeline.models.warmstart --kind dense --steps 120` (prints one JSON)."""
     import argparse
     import tempfile
 

@@ -62,7 +62,7 @@ def hf_logprobs(model_dir: Path, samples, device: str = "cpu") -> list[np.ndarra
 def make_samples(seed: int, n: int, vocab: int, min_len: int = 2, max_len: int = 20):
     """Deterministic samples in groups of 4 with 0/1 rewards; behaviour logprobs are zeros (fill
     them from a policy before training)."""
-    from .layout import TrainSample
+    from pipeline.trainer.layout import TrainSample
 
     rng = np.random.default_rng(seed)
     out = []

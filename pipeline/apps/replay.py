@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tokenflow replay: {exc}", file=sys.stderr)
         return 2
     print(f"tokenflow replay: {n_groups} recorded groups in {source}", flush=True)
-    from pipeline.train import main as train_main
+    from pipeline.apps.train import main as train_main
     fixed = [f"replay.source={source}", "cluster.generators=0", "run.eval_every=0",
              "orchestrator.max_staleness=1000000000"]
     return train_main(source_defaults(source) + fixed + argv[1:])

@@ -135,8 +135,8 @@ def differing_keys(configs: List[Dict[str, Any]]) -> List[str]:
 
 
 def sweep_status(sweep_dir: Path) -> Dict[str, Any]:
-    """Every point of a sweep with its run's status (`pipeline.ops.run_status`) and differing keys."""
-    from pipeline.ops import run_status
+    """Every point of a sweep with its run's status (`pipeline.apps.ops.run_status`) and differing keys."""
+    from pipeline.apps.ops import run_status
 
     points = sweep_points(sweep_dir)
     configs = [run_config(p) for p in points]

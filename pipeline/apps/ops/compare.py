@@ -5,7 +5,7 @@ per run: the config keys whose values differ between the runs (keys of ``task`` 
 first, marked ``!``: runs that differ there train or measure different things, so their
 accuracies are not comparable), then final and best held-out accuracy (with the step of the best),
 mean batch reward of the last steps, steps done, trained tokens/s and trainer idle fraction of the
-training loop (see `pipeline.ops.summary`), mean staleness, dropped groups, wall time, and state
+training loop (see `pipeline.apps.ops.summary`), mean staleness, dropped groups, wall time, and state
 (running, pending, finished, or failed with its error). Runs still going are shown as they stand. ``--plot`` overlays every run's held-out accuracy
 and reward curves, each labelled by its differing keys.
 
@@ -31,8 +31,8 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from pipeline.ops.summary import LAST_STEPS, metric_summary, run_state
-from pipeline.ops.sweep import align, differing_keys, find_runs, format_sweep_status, run_config, sweep_points, \
+from pipeline.apps.ops.summary import LAST_STEPS, metric_summary, run_state
+from pipeline.apps.ops.sweep import align, differing_keys, find_runs, format_sweep_status, run_config, sweep_points, \
     sweep_status
 
 #: Config groups whose differences make runs incomparable (another task or another starting policy).

@@ -1,8 +1,9 @@
-"""``python -m pipeline.launch RUN_DIR LAUNCH_INDEX``: run one task of a launched plan (see task.py).
+"""``python -m pipeline.apps.launch_task RUN_DIR LAUNCH_INDEX``: run one task of a launched plan (see task.py).
 
 The entry LocalLauncher and slurm/train.sbatch start in every task (under srun the task's global
 rank is SLURM_PROCID, locally TOKENFLOW_GLOBAL_RANK); submitit's tasks call the same `run_task`.
 """
 from pipeline.launch.task import main
 
-main()
+if __name__ == "__main__":
+    main()

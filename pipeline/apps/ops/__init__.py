@@ -17,7 +17,7 @@ Worked example (a Slurm run after one requeue):
 Slurm names the components of heterogeneous job N as `N+0`, `N+1`, ... in the plan's order;
 `status` reports each one's state (from `sacct`, with `squeue`'s pending reason). `cancel` runs
 `scancel N` (every component) or, for a local run, SIGTERMs each task's process group.
-`status` of a sweep directory lists every point (see `pipeline.ops.sweep`).
+`status` of a sweep directory lists every point (see `pipeline.apps.ops.sweep`).
 """
 from __future__ import annotations
 
@@ -222,7 +222,7 @@ def status_main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("run_dir", type=Path, help="a run directory, or a sweep directory (every point listed)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
-    from pipeline.ops.sweep import format_sweep_status, is_sweep_dir, sweep_status
+    from pipeline.apps.ops.sweep import format_sweep_status, is_sweep_dir, sweep_status
     if is_sweep_dir(args.run_dir):
         sweep = sweep_status(args.run_dir)
         print(json.dumps(sweep) if args.json else format_sweep_status(sweep))

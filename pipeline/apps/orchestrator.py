@@ -1,4 +1,4 @@
-"""``python -m pipeline.orchestrator RUN_DIR``: serve the orchestrator of a run directory.
+"""``python -m pipeline.apps.orchestrator RUN_DIR``: serve the orchestrator of a run directory.
 
 Started by trainer rank 0 of a training run (or by tests and benchmarks); reads the run's resolved
 ``config.yaml`` and serves until the trainer says ``finish`` or the process gets SIGTERM.
@@ -13,7 +13,7 @@ from pathlib import Path
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1 or argv[0].startswith("-"):
-        print("usage: tokenflow orchestrate RUN_DIR   (python -m pipeline.orchestrator RUN_DIR)",
+        print("usage: tokenflow orchestrate RUN_DIR   (python -m pipeline.apps.orchestrator RUN_DIR)",
               file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s orchestrator %(levelname)s %(message)s")

@@ -7,7 +7,7 @@ multirun with its basic launcher), one run directory per point. With ``cluster=s
 ONE heterogeneous job (trainer ranks + orchestrator, generators), so a sweep submits one job per
 point (heterogeneous jobs cannot be job arrays, hence no ``hydra/launcher=submitit_slurm``);
 ``run.detach=true`` returns right after submitting (then ``tokenflow status RUN_DIR``). A sweep
-ends with its points compared (`pipeline.ops.compare.report_sweep`: table + SWEEP_DIR/compare.png).
+ends with its points compared (`pipeline.apps.ops.compare.report_sweep`: table + SWEEP_DIR/compare.png).
 
 Invariants:
 - nothing starts before the config is validated and, on resume, checked against the config the
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from pipeline.config import TokenflowConfig, check_resume_compatible, register, validate
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 COMPLETE = "COMPLETE"
 log = logging.getLogger("tokenflow.train")
 
@@ -71,7 +71,7 @@ def prepare_run_dir(cfg: TokenflowConfig) -> Path:
 
 def train(cfg: TokenflowConfig) -> int:
     validate(cfg)
-    from pipeline.ops import still_running
+    from pipeline.apps.ops import still_running
     running = still_running(Path(cfg.run.dir).resolve())
     if running:
         print(f"tokenflow: {cfg.run.dir} is still running as {running}: follow it with `tokenflow status "
@@ -138,7 +138,8 @@ def train(cfg: TokenflowConfig) -> int:
         if progress:
             progress.close()
         if mirror:
-            mirror.close()
+            from pipeline.apps.ops.summary import run_hparams
+            mirror.close(hparams=run_hparams(run_dir))
     state = run.state()
     trainer_result = (run.read_results().get("trainer") or [None])[0]
     if state != "COMPLETED" or not trainer_result or not trainer_result["ok"] or trainer_result.get("stopped"):
@@ -176,6 +177,6 @@ def main(argv: list[str] | None = None) -> int:
         app()
     finally:
         if sweep_dirs:  # end of a sweep (also when a point failed): its points side by side
-            from pipeline.ops.compare import report_sweep
+            from pipeline.apps.ops.compare import report_sweep
             report_sweep(Path(sweep_dirs[0]))
     return max(status, default=1)

@@ -2,7 +2,7 @@
 HParams view gets, and the run's state (running, pending, finished, failed with its error).
 
 Everything is read from files the run writes (`RUN/metrics.jsonl`, `RUN/launch/launches.jsonl`,
-`RUN/results/`, `RUN/COMPLETE`; Slurm states through `pipeline.ops.run_status`), so a run still
+`RUN/results/`, `RUN/COMPLETE`; Slurm states through `pipeline.apps.ops.run_status`), so a run still
 going is summed up as it stands, and a killed one as far as it got.
 
 Invariants:
@@ -127,7 +127,7 @@ def run_state(run_dir: Path) -> Tuple[str, Optional[str], Dict[str, Any]]:
     """(state, error, status) of a run: "running", "pending" (Slurm, every component waiting),
     "finished" or "failed"; error says why a failed run failed; status is `run_status`'s dict ({}
     for a run never launched)."""
-    from pipeline.ops import LAUNCHES, STOPPED_STATES, run_status
+    from pipeline.apps.ops import LAUNCHES, STOPPED_STATES, run_status
 
     run_dir = Path(run_dir)
     if not (run_dir / LAUNCHES).exists():
@@ -146,3 +146,14 @@ def run_state(run_dir: Path) -> Tuple[str, Optional[str], Dict[str, Any]]:
         return "failed", status["last_error"], status
     bad = [f"{c['role']} {c['state']}" for c in status["components"] if c["state"] not in ("COMPLETED", "EXITED")]
     return "failed", f"stopped at step {done}/{steps}" + (f" ({', '.join(bad)})" if bad else ""), status
+
+
+def run_hparams(run_dir: Path) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """(hparams, summary numbers) of a run's TensorBoard HParams session: its command-line
+    overrides with the values it resolved, plus ``task.name`` and ``model.name``; `metric_summary`."""
+    from pipeline.apps.ops.sweep import command_overrides, run_config
+
+    config = run_config(run_dir)
+    params = {k: config[k] for k in ("task.name", "model.name") if k in config}
+    params.update(command_overrides(run_dir))
+    return params, metric_summary(run_dir)
