@@ -1,6 +1,6 @@
 """The supervisor every task runs: the role in a child process, restarted in place, nothing left behind.
 
-A task (`python -m pipeline.launch`, or submitit's call of `RoleDispatcher`) does not run its role
+A task (`python -m pipeline.apps.launch_task`, or submitit's call of `RoleDispatcher`) does not run its role
 itself: it becomes a child subreaper and starts the role as a child process (`ROLE_PROCESS_ENV`
 set, so the child runs the role entry; see `pipeline.launch.task`). Then:
 
@@ -143,4 +143,4 @@ def _read(path: Path) -> dict:
 
 
 def role_argv(run_dir: Path, launch_index: int) -> list[str]:
-    return [sys.executable, "-u", "-m", "pipeline.launch", str(run_dir), str(launch_index)]
+    return [sys.executable, "-u", "-m", "pipeline.apps.launch_task", str(run_dir), str(launch_index)]
