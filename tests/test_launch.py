@@ -165,7 +165,7 @@ def test_status_and_cancel_of_a_local_run(tmp_path):
     assert s["launcher"] == "local" and [c["state"] for c in s["components"]] == ["RUNNING", "RUNNING"]
     assert [c["tasks"] for c in s["components"]] == [1, 2] and s["attempt"] == 0
     assert "SIGTERM" in cancel_run(tmp_path / "run")
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 90  # a loaded 2-core machine may take a while to stop the tasks
     while not run.done() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert run.done() and [c["state"] for c in run_status(tmp_path / "run")["components"]] == ["EXITED", "EXITED"]
