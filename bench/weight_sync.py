@@ -386,6 +386,10 @@ async def stall(args) -> dict:
         gen.shutdown()
     finish_sender(sender, "stall")
     rate = {k: sum(n for n, _ in w) / sum(s for _, s in w) for k, w in windows.items()}
+    if not all(rate.values()):
+        raise RuntimeError(f"no request finished in some windows ({rate}): this machine decodes "
+                           f"--gen-tokens {args.gen_tokens} too slowly for windows of "
+                           f"{args.updates} x {args.interval}s; lower --gen-tokens or raise --interval")
     step_s = args.batch / rate["without"]
     out: dict = {"batch": args.batch, "gen_tokens": args.gen_tokens, "interval_s": args.interval,
                  "decode_step_s": step_s, "tokens_per_s_without": rate["without"],
