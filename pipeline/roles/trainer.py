@@ -106,6 +106,7 @@ class TrainerRole:
         self.epoch = 0  # weight group epoch (leader)
         self.group_members: dict[str, int] = {}
         self.sync_failures = 0
+        self._named = None  # the weights of the last broadcast (leader)
 
     # -- set-up --------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -210,12 +211,18 @@ class TrainerRole:
         to ``run.timeout_s``; the run goes on.
         """
         from pipeline.trainer.model import iter_hf_weights
-        from pipeline.weights.group import WeightSyncError
 
         t0 = time.monotonic()
         named = list(iter_hf_weights(self.trainer.model, self.trainer.hf_config))
         if not self.leader:
             return time.monotonic() - t0
+        self._named = named  # kept for a generator restarted while the trainer waits for a batch
+        self._broadcast(version, named)
+        return time.monotonic() - t0
+
+    def _broadcast(self, version: int, named) -> None:
+        from pipeline.weights.group import WeightSyncError
+
         deadline = time.monotonic() + self.cfg.run.timeout_s  # generators may be restarting meanwhile
         while True:
             try:
@@ -231,12 +238,11 @@ class TrainerRole:
                     self.channel = None
                 if self.task.stop_requested.is_set():  # stopping: generators stop too; checkpoint instead
                     log.warning("stop requested: version %d is not broadcast", version)
-                    return time.monotonic() - t0
+                    return
                 if time.monotonic() > deadline:
                     raise
                 self._wait_for_membership_change()
         self.link.report_version(version)
-        return time.monotonic() - t0
 
     def _wait_for_membership_change(self) -> None:
         """Give the orchestrator time to notice the dead generator (it reaps silent ones)."""
@@ -310,6 +316,11 @@ class TrainerRole:
                 return self.link.get_batch(step, self.version, self.dp_size, min(5.0, max(left, 0.1)),
                                            dp_rank=self.dp_rank)[0]
             except TransportError:
+                if self.leader and self.live and self._named is not None and \
+                        self.link.members(self.cfg.run.timeout_s) not in ({}, self.group_members):
+                    log.info("generators changed while waiting for step %d: resending version %d",
+                             step, self.version)  # a restarted generator takes work only with weights
+                    self._broadcast(self.version, self._named)
                 if self.task.stop_requested.is_set():
                     log.warning("stop requested while waiting for the batch of step %d", step)
                     return None
