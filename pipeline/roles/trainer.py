@@ -379,6 +379,14 @@ class TrainerRole:
                 return self.link.get_batch(step, self.version, self.dp_size, min(5.0, max(left, 0.1)),
                                            dp_rank=self.dp_rank)[0]
             except TransportError:
+                # A restarted generator takes work only with weights: resend them now. The sync is a
+                # collective over the trainer ranks, so only a one-rank trainer can do it here; with
+                # several ranks the generator loads the next step's weights.
+                if self.world == 1 and self.live and self.epoch > 0 and \
+                        self.link.members(self.cfg.run.timeout_s) not in ({}, self.group_members):
+                    log.info("generators changed while waiting for step %d: resending version %d",
+                             step, self.version)
+                    self.push_weights(self.version)
                 if self.task.stop_requested.is_set():
                     log.warning("stop requested while waiting for the batch of step %d", step)
                     return None
