@@ -7,16 +7,15 @@ random (not what either model would choose), so a replay that silently does noth
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+from test_trainer import launch  # noqa: E402
+
 HF_LOGPROB_TOL = 1e-4  # as tests/test_trainer.py (float32 both sides)
 SEED, N = 21, 6
 
@@ -94,33 +93,6 @@ def scenario(outdir: Path, args: dict) -> None:
     trainer.close()
 
 
-def launch(world: int, outdir: Path, args: dict) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    outdir.mkdir(parents=True, exist_ok=True)
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(world), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
-        log = open(outdir / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, __file__, str(outdir), json.dumps(args)], env=env,
-                                       stdout=log, stderr=subprocess.STDOUT, cwd=REPO), log))
-    try:
-        for proc, _ in procs:
-            proc.wait(timeout=300)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
-    failed = [r for r, (p, _) in enumerate(procs) if p.returncode != 0]
-    assert not failed, "\n".join((outdir / f"rank{r}.log").read_text()[-3000:] for r in failed)
-
-
 @pytest.fixture(scope="module")
 def moe_checkpoint(tmp_path_factory):
     from support.oracle import sharpened_checkpoint
@@ -135,7 +107,7 @@ def test_replayed_routing_equals_transformers_forced_to_it(moe_checkpoint, tmp_p
     from support.oracle import make_samples
     from transformers import AutoConfig
 
-    launch(world, tmp_path, {"model_dir": str(moe_checkpoint), "parallel": parallel})
+    launch("replay", world, tmp_path, {"model_dir": str(moe_checkpoint), "parallel": parallel}, script=Path(__file__))
     hf = AutoConfig.from_pretrained(str(moe_checkpoint))
     samples = random_routing(make_samples(SEED, N, hf.vocab_size), hf.num_hidden_layers, hf.num_experts,
                              hf.num_experts_per_tok, SEED)
@@ -166,5 +138,5 @@ def test_layer_targets_follow_the_routers_token_order():
     assert layer_targets(routed, 1, 3, sequence_parallel=True)[0].tolist() == [[2, 3], [0, 1]]
 
 
-if __name__ == "__main__":
-    scenario(Path(sys.argv[1]), json.loads(sys.argv[2]))
+if __name__ == "__main__":  # a rank of `launch` (tests/test_trainer.py): SCENARIO OUTDIR ARGS
+    scenario(Path(sys.argv[2]), json.loads(sys.argv[3]))
