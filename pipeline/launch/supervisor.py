@@ -59,6 +59,7 @@ class TaskSupervisor:
         self.child: subprocess.Popen | None = None
         self.stop_signal: int | None = None
         self.restarts = 0
+        self.requeue_thread: threading.Thread | None = None
 
     def _on_signal(self, sig: int, frame) -> None:
         first = self.stop_signal is None
@@ -68,7 +69,8 @@ class TaskSupervisor:
         if self.child is not None and self.child.poll() is None:
             self.child.send_signal(sig)
         if first and sig != signal.SIGTERM and self.requeue is not None:
-            threading.Thread(target=self._requeue_after_child, name="requeue", daemon=True).start()
+            self.requeue_thread = threading.Thread(target=self._requeue_after_child, name="requeue", daemon=True)
+            self.requeue_thread.start()
 
     def _requeue_after_child(self) -> None:
         deadline = time.monotonic() + self.stop_grace_s
@@ -87,6 +89,8 @@ class TaskSupervisor:
                                           preexec_fn=die_with_parent)
             own(self.child.pid)
             code = self._wait_child()
+            if self.requeue_thread is not None:  # its `scontrol requeue` is ours, not a leftover of the role
+                self.requeue_thread.join(timeout=self.stop_grace_s + 90)
             left = end_tree(grace_s=self.kill_grace_s)
             if left:
                 print(f"tokenflow supervisor: ended {len(left)} process(es) the role left behind: {left}",
