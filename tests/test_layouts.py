@@ -170,7 +170,9 @@ def test_four_rank_layout_matches_one_rank_for_ten_steps(layout, matrix):
           f"time/step {t_got * 1e3:.0f} ms vs {t_ref * 1e3:.0f} ms on 1 rank ({t_got / t_ref:.2f}x)")
     assert len(got) == len(ref) == STEPS
     assert [m["tokens"] for m in got] == [m["tokens"] for m in ref]
-    assert any(m["clip_fraction"] > 0 for m in ref), "the clip is never active: a weak test"
+    # decoupled PPO with one mini-batch: the ratio is 1 at the step, so the importance weights
+    # (proximal / behaviour) are what make the loss more than plain policy gradient here
+    assert any(abs(m["is_weight_mean"] - 1.0) > 1e-3 for m in ref), "importance weights all 1: a weak test"
     assert moved > 20 * PARITY_TOL
     assert loss_err < PARITY_TOL and norm_err < PARITY_TOL and weight_err < PARITY_TOL
 
