@@ -192,14 +192,13 @@ def test_impossible_requests_are_refused_before_submission(tmp_path):
         assert not (tmp_path / "bad/submitit").exists()
 
 
-def test_a_role_that_fails_to_start_stops_the_job_and_names_the_cause(tmp_path):
+def test_a_missing_model_is_refused_before_anything_is_submitted(tmp_path):
     out = tokenflow("train", "run.name=broken", f"hydra.run.dir={tmp_path}/broken", *TINY,
                     "model.name=/nonexistent/checkpoint", timeout=240)
-    assert out.returncode == 1, out.stderr[-3000:]
-    assert "--- trainer.0 (last lines) ---" in out.stderr and "/nonexistent/checkpoint" in out.stderr
-    s = status_of(tmp_path / "broken")
-    assert s["last_error"] and s["last_error"].startswith("trainer.0:"), s
-    assert not any(c["state"] in ("RUNNING", "PENDING") for c in s["components"])
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "cannot start the run" in out.stderr and "/nonexistent/checkpoint" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "broken" / "launch" / "launches.jsonl").exists()  # nothing was submitted
 
 
 def test_kill_9_of_orchestrator_generator_and_engine_then_preemption(tmp_path):

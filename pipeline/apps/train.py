@@ -70,7 +70,11 @@ def prepare_run_dir(cfg: TokenflowConfig) -> Path:
 
 
 def train(cfg: TokenflowConfig) -> int:
-    validate(cfg)
+    try:
+        validate(cfg)
+    except (ValueError, FileNotFoundError) as exc:  # a bad config or model: refused before anything starts
+        print(f"tokenflow: cannot start the run: {exc}", file=sys.stderr)
+        return 2
     from pipeline.apps.ops import still_running
     running = still_running(Path(cfg.run.dir).resolve())
     if running:
