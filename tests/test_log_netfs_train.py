@@ -77,10 +77,10 @@ def test_train_on_network_fs_survives_kill9_of_the_orchestrator(tmp_path):
             if state.last_step >= 1 and len(state.stored["group_id"]) > 8:
                 break
         assert state is not None and state.last_step >= 1, (tmp_path / "first.out").read_text()[-3000:]
-        orchestrators = _pids_of(run, "pipeline.orchestrator")
+        orchestrators = _pids_of(run, "pipeline.apps.orchestrator")
         assert len(orchestrators) == 1
         os.kill(orchestrators[0], signal.SIGKILL)
-        # the rest of the run is stopped as a user would (its roles do not restart orchestrators)
+        # the rest of the run is stopped as a user would (before trainer rank 0 restarts the orchestrator)
         cancel = subprocess.run([sys.executable, "-m", "pipeline.cli", "cancel", str(run)],
                                 capture_output=True, text=True, env=env, timeout=120)
         assert cancel.returncode == 0, cancel.stderr
