@@ -121,18 +121,6 @@ def _outputs(loop, gen):
     return greedy, [(s.completion_ids.tolist(), s.logprobs.tolist()) for s in samples]
 
 
-def _assert_same_outputs(got, want, kind: str) -> None:
-    """Dense: bit-identical. MoE: the same tokens, logprobs within 1e-5. With checksum-identical
-    weights the CPU MoE kernel was seen to differ from a fresh engine in the 7th digit after an
-    update (cause not found; noted as open in issue 12's work)."""
-    if kind != "moe":
-        assert got == want
-        return
-    for (g_ids, g_lp), (w_ids, w_lp) in zip(got[0] + got[1], want[0] + want[1]):
-        assert list(g_ids) == list(w_ids)
-        assert np.allclose(g_lp, w_lp, rtol=0, atol=1e-5), np.abs(np.subtract(g_lp, w_lp)).max()
-
-
 def _checksums(loop, gen):
     return loop.run_until_complete(gen.engine.compute_weight_checksums())
 
@@ -182,11 +170,11 @@ def test_update_through_the_weight_group_equals_a_fresh_load(engine, loop):
     finally:
         proc.kill()
     assert _checksums(loop, gen) == fresh_sums, "weights after the round trip differ from a fresh load"
-    _assert_same_outputs(_outputs(loop, gen), fresh, kind)
+    assert _outputs(loop, gen) == fresh
     # reloading identical weights (from the checkpoint this time) changes nothing
     loop.run_until_complete(gen.update_weights(4, path=str(dirs[1])))
     assert _checksums(loop, gen) == fresh_sums
-    _assert_same_outputs(_outputs(loop, gen), fresh, kind)
+    assert _outputs(loop, gen) == fresh
     s = loop.run_until_complete(gen.generate_sample(_group(), 0))
     assert set(s.versions.tolist()) == {4} and s.generator_id == 3
 
