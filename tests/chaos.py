@@ -43,7 +43,7 @@ def role_process(run_dir: Path, global_rank: int) -> int | None:
         if not name.isdigit():
             continue
         pid = int(name)
-        if str(run_dir) not in _cmdline(pid) or "pipeline.launch" not in _cmdline(pid):
+        if str(run_dir) not in _cmdline(pid) or "pipeline.apps.launch_task" not in _cmdline(pid):
             continue
         env = _environ(pid)
         if f"TOKENFLOW_GLOBAL_RANK={global_rank}" in env and any(e.startswith("TOKENFLOW_ROLE_PROCESS=") for e in env):
@@ -53,7 +53,7 @@ def role_process(run_dir: Path, global_rank: int) -> int | None:
 
 def orchestrator_process(run_dir: Path) -> int | None:
     for name in os.listdir("/proc"):
-        if name.isdigit() and f"pipeline.orchestrator {run_dir}" in _cmdline(int(name)):
+        if name.isdigit() and f"pipeline.apps.orchestrator {run_dir}" in _cmdline(int(name)):
             return int(name)
     return None
 

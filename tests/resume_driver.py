@@ -45,9 +45,14 @@ def _last_step(run_dir: Path) -> int:
 
 
 def _trainer_pid(run_dir: Path) -> int:
-    """Global rank 0 of the latest launch is trainer rank 0 (the orchestrator dies with it)."""
-    launches = (run_dir / "launch" / "launches.jsonl").read_text().splitlines()
-    return int(json.loads(launches[-1])["pids"][0])
+    """The role process of trainer rank 0 (global rank 0; not its task supervisor, whose death would
+    be a clean stop of the role). The orchestrator dies with it."""
+    from chaos import role_process
+
+    pid = role_process(run_dir, 0)
+    if pid is None:
+        raise RuntimeError(f"no trainer role process of {run_dir} found")
+    return pid
 
 
 def run_killed_and_resumed(run_dir: Path, steps: int, kill_after: int, timeout_s: float = 900) -> None:
