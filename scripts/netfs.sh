@@ -15,14 +15,20 @@ OPTS="dir_cache=no,attr_timeout=0,entry_timeout=0,negative_timeout=0,reconnect,S
 SSH_OPTS="IdentityFile=$ROOT/ssh/client,StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,BatchMode=yes"
 
 stop() {
+  # /proc/self/mounts, not `mountpoint`: a mount whose sshfs died ("Transport endpoint is not
+  # connected") cannot be stat'ed, yet it is still mounted and must be lazily unmounted.
   for m in "$ROOT/mnt1" "$ROOT/mnt2"; do
-    if mountpoint -q "$m" 2>/dev/null; then fusermount3 -u "$m" 2>/dev/null || umount -l "$m" || true; fi
+    if awk -v m="$m" '$2 == m { found = 1 } END { exit !found }' /proc/self/mounts; then
+      fusermount3 -uz "$m" 2>/dev/null || fusermount -uz "$m" 2>/dev/null || umount -l "$m" || true
+    fi
   done
   if [ -s "$ROOT/sshd.pid" ]; then
     pid=$(cat "$ROOT/sshd.pid")
     [ "$(cat /proc/"$pid"/comm 2>/dev/null)" = sshd ] && kill "$pid" 2>/dev/null || true
     rm -f "$ROOT/sshd.pid"
   fi
+  # an sshd of ours whose pid file is gone (a machine restored from a snapshot) still holds the port
+  pkill -f "sshd -f $ROOT/sshd_config" 2>/dev/null || true
   rm -f "$ROOT/ready"
 }
 
@@ -32,6 +38,7 @@ start() {
       || { apt-get update -q >/dev/null && apt-get install -y -q sshfs openssh-server >/dev/null; }
   fi
   stop
+  rm -rf "$ROOT/export"   # the tests' files of an earlier start: every start serves an empty export
   mkdir -p "$ROOT"/{export,mnt1,mnt2,ssh} /run/sshd
   chmod 700 "$ROOT/ssh"
   [ -f "$ROOT/ssh/client" ] || ssh-keygen -q -t ed25519 -N "" -f "$ROOT/ssh/client"
