@@ -365,7 +365,6 @@ class Orchestrator:
         a replay, whose groups' versions belong to the recorded run).
         """
         k = msg.step
-        returned = self.desk.forget_from(k)
         self.clock.trainer_resumed(k)
 
         def discarded(g: BufferedGroup) -> bool:
@@ -373,17 +372,13 @@ class Orchestrator:
                 return False
             return int(self.buffer.samples(g).columns["versions"].max()) > k
 
-        for g in self.buffer.drop(discarded):
+        released, returned = self.desk.roll_back(k, discarded)
+        for g in released:
             self._release(g, GroupOutcome.DROPPED_ROLLBACK, "dropped_rollback")
-        for g in reversed(returned):  # the oldest ends up first
-            if discarded(g):
-                self._release(g, GroupOutcome.DROPPED_ROLLBACK, "dropped_rollback")
-            else:
-                self.buffer.add(g, front=True)
         self._stale_checked_for = -1
         self.counts["trainer_resumes"] += 1
-        log.info("trainer resumes at step %d: %d group(s) of later steps returned to the buffer", k,
-                 len(returned))
+        log.info("trainer resumes at step %d: %d group(s) of later steps forgotten; %d group(s) released "
+                 "as dropped_rollback", k, returned, len(released))
 
     def _on_version(self, peer: bytes, msg: m.TrainerVersion) -> None:
         self.clock.trainer_reported(msg.version)

@@ -9,8 +9,8 @@ Invariants:
   samples (each rank gets its own share);
 - `forget_from(k)` (a trainer resuming from the checkpoint after k steps) drops the record of
   steps k and later and returns their groups, oldest step first, for the caller to decide (back to
-  the front of the buffer, or dropped by the rollback); ranks still waiting for those steps are
-  forgotten too.
+  the front of the buffer, or dropped by the rollback: `roll_back`); ranks still waiting for
+  those steps are forgotten too.
 
 The desk does not judge staleness, count or log outcomes: the orchestrator does (with the policy
 clock) before calling `serve`.
@@ -18,6 +18,7 @@ clock) before calling `serve`.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -102,3 +103,17 @@ class StepDesk:
                                             int(group.min_versions().min()), group.num_tokens, group))
         self.waiting = {p: w for p, w in self.waiting.items() if w.step < k}
         return groups
+
+    def roll_back(self, k: int, discarded: Callable[[BufferedGroup], bool]) -> tuple[list[BufferedGroup], int]:
+        """A trainer resumes after k steps: forget steps >= k and put their groups back at the
+        front of the buffer (oldest first), except the `discarded` ones (tokens of weights the
+        rollback threw away), which leave the buffer too. Returns (groups to release, number of
+        groups the forgotten steps held)."""
+        returned = self.forget_from(k)
+        released = self.buffer.drop(discarded)
+        for g in reversed(returned):  # the oldest ends up first
+            if discarded(g):
+                released.append(g)
+            else:
+                self.buffer.add(g, front=True)
+        return released, len(returned)

@@ -4,8 +4,7 @@ Rank 0 also prepares the run's starting checkpoint (tiny model + warm-start, cac
 orchestrator beside itself and keeps it alive, and leads the weight broadcast.
 
 Per step k (all ranks): ask the orchestrator for this DP rank's share of step k's batch; train;
-gather the new weights (version k+1) and broadcast them, packed in buckets, to every generator;
-report the version; every ``checkpoint_every`` steps save model, optimizer and RNG states. On a
+push the new weights (version k+1) to every generator (`pipeline.roles.weight_push`); every ``checkpoint_every`` steps save model, optimizer and RNG states. On a
 restart the latest checkpoint is loaded and the orchestrator told to roll its step record back to
 it (`docs/architecture.md`, "Crash resume").
 
@@ -41,6 +40,7 @@ from pipeline.metrics import MetricsWriter
 from pipeline.orchestrator.clock import staleness
 from pipeline.orchestrator.links import TrainerLink
 from pipeline.roles.common import cpu_cores_for, load_run_config, model_dir, pin_process, publish_model
+from pipeline.roles.weight_push import WeightPusher
 from pipeline.supervise import KeptProcess, die_with_parent
 from pipeline.run_files import CHECKPOINTS_DIR, EXPORT_DIR, LOGS_DIR, checkpoint_name
 
@@ -106,10 +106,7 @@ class TrainerRole:
         self.rdv = task.rendezvous
         self.metrics = MetricsWriter(self.run_dir, "trainer") if self.leader else None
         self.orchestrator: KeptProcess | None = None
-        self.channel = None
-        self.epoch = 0  # weight group epoch (leader)
-        self.group_members: dict[str, int] = {}
-        self.sync_failures = 0
+        self.weights: WeightPusher | None = None
 
     # -- set-up --------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -141,177 +138,17 @@ class TrainerRole:
         if self.leader:
             self.link.resume(self.start_step)
         self.version = self.start_step
+        self.weights = WeightPusher(cfg=cfg, run_dir=self.run_dir, rendezvous=self.rdv, link=self.link,
+                                    trainer=self.trainer, rank=self.rank, world=self.world,
+                                    host=self._host(), stop_requested=self.task.stop_requested)
         if self.live:
-            self.push_weights(self.version)  # generators start from the trainer's weights
+            self.weights.push(self.version)  # generators start from the trainer's weights
         else:
             self.link.report_version(self.version)
 
     def _host(self) -> str:
         """Address other roles reach this process at: loopback locally, the node name on Slurm."""
         return "127.0.0.1" if self.cfg.cluster.launcher == "local" else self.task.node
-
-    # -- weight group (leader) --------------------------------------------------------------
-    def _ensure_group(self, first: bool, senders: int) -> None:
-        """(Re)build the weight group when the alive generators differ from its members.
-
-        At the start it waits for every configured generator; afterwards it builds the group of
-        whoever is alive (at least one), so a dead generator costs one failed broadcast, not the run.
-        """
-        cfg = self.cfg
-        want = cfg.cluster.generators if first else 1
-        deadline = time.monotonic() + cfg.run.timeout_s
-        while True:
-            members = self.link.members(cfg.run.timeout_s)
-            if len(members) >= want:
-                break
-            self._check_generators_left()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"only {len(members)} of {want} generator(s) alive after "
-                                   f"{cfg.run.timeout_s:.0f}s")
-            time.sleep(0.5)
-        if self.channel is not None and members == self.group_members:
-            return
-        self._build_group(members, senders)
-
-    def _check_generators_left(self) -> None:
-        """Raise once every generator task gave up (abandoned after its restarts): nobody to train on."""
-        from pipeline.launch.task import abandoned_tasks
-
-        n = self.cfg.cluster.generators
-        if abandoned_tasks(self.run_dir, "generator", n) == n:
-            raise RuntimeError(f"all {n} generator(s) died and used up their restarts "
-                               f"(cluster.generator.max_restarts); see logs/generator.*.out")
-
-    def _build_group(self, members: dict[str, int], senders: int) -> None:
-        from pipeline.launch.rendezvous import free_port
-
-        cfg = self.cfg
-        kind = cfg.generator.weight_channel
-        self._close_channel()
-        self.epoch += 1
-        tp = cfg.generator.tensor_parallel_size
-        ranks = {ident: senders + i * tp for i, ident in enumerate(sorted(members))}
-        world = senders + len(members) * tp
-        host = self._host()
-        port = free_port()
-        backend = "nccl" if self.trainer.cuda else "gloo"
-        self.rdv.publish(f"weights-{self.epoch}", {"host": host, "port": port, "world_size": world,
-                                                   "epoch": self.epoch, "ranks": ranks, "backend": backend,
-                                                   "senders": senders})
-        self.link.regroup(self.epoch)
-        if kind == "cuda_ipc":
-            from pipeline.weights.cuda_ipc import CudaIpcChannel
-
-            if world != 2 or not self.trainer.cuda:
-                raise ValueError(f"generator.weight_channel=cuda_ipc needs one trainer sender and one "
-                                 f"TP-1 generator on its GPU; this run has {senders} sender(s) and "
-                                 f"{world - senders} generator worker(s){'' if self.trainer.cuda else ', no GPU'}")
-            self.channel = CudaIpcChannel(host, port, rank=0, world_size=world,
-                                          timeout_s=cfg.generator.weight_timeout_s, epoch=self.epoch)
-        else:
-            from pipeline.weights.group import TorchDistChannel
-
-            self.channel = TorchDistChannel(host, port, rank=0, world_size=world,
-                                            timeout_s=cfg.generator.weight_timeout_s, backend=backend,
-                                            epoch=self.epoch, senders=senders)
-        self.group_members = members
-        log.info("weight group epoch %d: %s (%d sender(s))", self.epoch, sorted(members), senders)
-
-    def _join_as_sender(self, epoch: int, source: int) -> None:
-        """A sending rank other than the leader joins the leader's group of `epoch` as `source`."""
-        from pipeline.weights.group import TorchDistChannel
-
-        if self.channel is not None and self.epoch == epoch:
-            return
-        self._close_channel()
-        w = self.rdv.wait(f"weights-{epoch}", self.cfg.run.timeout_s)
-        self.channel = TorchDistChannel(w["host"], w["port"], rank=source, world_size=w["world_size"],
-                                        timeout_s=self.cfg.generator.weight_timeout_s, backend=w["backend"],
-                                        epoch=epoch, senders=w["senders"])
-        self.epoch = epoch
-
-    def _close_channel(self) -> None:
-        if self.channel is not None:
-            self.channel.close()
-            self.channel = None
-
-    def _agree(self, value: int, op: str = "max") -> int:
-        """The max (or, with op='leader', rank 0's value) of `value` over the trainer ranks."""
-        if self.world == 1:
-            return value
-        import torch
-        import torch.distributed as td
-
-        t = torch.tensor([value], dtype=torch.int64, device="cuda" if self.trainer.cuda else "cpu")
-        if op == "leader":
-            td.broadcast(t, src=0)
-        else:
-            td.all_reduce(t, op=td.ReduceOp.MAX)
-        return int(t.item())
-
-    def push_weights(self, version: int) -> float:
-        """Stream the new weights to the generators: a collective over the trainer ranks.
-
-        Every rank gathers its groups' parameters bucket by bucket (`ShardedWeights`: model dtype,
-        no expert leaves its expert-parallel group); each sending rank (the leader, and one rank
-        per further expert-parallel rank) streams its buckets. A failed broadcast or regroup (a
-        generator died: the error arrives within the weight timeout) is agreed by all ranks, whose
-        gathers run to the end regardless, and retried on a group rebuilt from the survivors (and
-        restarted generators) for up to ``run.timeout_s``; the run goes on.
-        """
-        from pipeline.weights.buckets import BucketPlan
-        from pipeline.weights.group import WeightSyncError
-        from pipeline.weights.shards import ShardedWeights
-
-        t0 = time.monotonic()
-        shards = ShardedWeights(self.trainer.model, self.trainer.hf_config)
-        plan = BucketPlan.from_specs(shards.specs, int(self.cfg.run.weight_bucket_mb * 2**20))
-        deadline = time.monotonic() + self.cfg.run.timeout_s  # generators may be restarting meanwhile
-        while True:
-            failed = False
-            if self.leader:
-                try:
-                    self._ensure_group(first=self.epoch == 0, senders=shards.senders)
-                    self.link.announce_weights(version)
-                except WeightSyncError as exc:
-                    failed = True
-                    log.error("weight group for version %d failed (%s)", version, exc)
-            epoch = self._agree(0 if failed else self.epoch, op="leader")
-            tensors = shards.tensors()
-            try:
-                if epoch and shards.source is not None:
-                    if shards.source > 0:
-                        self._join_as_sender(epoch, shards.source)
-                    self.channel.send_stream(version, plan, tensors)
-            except WeightSyncError as exc:
-                failed = True
-                log.error("weight sync of version %d failed (%s)", version, exc)
-            for _ in tensors:  # every rank completes its gathers, whatever happened to the sending
-                pass
-            if not self._agree(int(failed or not epoch)):
-                break
-            self.sync_failures += 1
-            self._close_channel()
-            if self._agree(int(self.task.stop_requested.is_set())):  # stopping: generators stop too
-                log.warning("stop requested: version %d is not broadcast", version)
-                return time.monotonic() - t0
-            if self._agree(int(time.monotonic() > deadline), op="leader"):
-                raise WeightSyncError(f"weight sync of version {version} failed for run.timeout_s="
-                                      f"{self.cfg.run.timeout_s:g} s")
-            if self.leader:
-                log.error("regrouping the survivors")
-                self._wait_for_membership_change()
-        if self.leader:
-            self.link.report_version(version)
-        return time.monotonic() - t0
-
-    def _wait_for_membership_change(self) -> None:
-        """Give the orchestrator time to notice the dead generator (it reaps silent ones)."""
-        deadline = time.monotonic() + self.cfg.orchestrator.generator_dead_after_s + 10
-        while time.monotonic() < deadline:
-            if self.link.members(self.cfg.run.timeout_s) != self.group_members:
-                return
-            time.sleep(1.0)
 
     def run(self) -> dict:
         from pipeline.trainer.layout import TrainSample
@@ -345,7 +182,7 @@ class TrainerRole:
             m = self.trainer.train_step(samples)
             t2 = time.monotonic()
             self.version = step + 1
-            sync_s = self.push_weights(self.version) if self.live else 0.0
+            sync_s = self.weights.push(self.version) if self.live else 0.0
             if self.leader and not self.live:
                 self.link.report_version(self.version)
             if (step + 1) % cfg.run.checkpoint_every == 0 or step + 1 == steps:
@@ -357,7 +194,7 @@ class TrainerRole:
                                  reward_mean=float(np.mean(batch.columns["reward"])),
                                  samples=len(batch), staleness_mean=float(stale.mean()),
                                  staleness_max=int(stale.max()), wait_s=t1 - t0, step_s=t2 - t1,
-                                 sync_s=sync_s, mismatch=mismatch, sync_failures=self.sync_failures,
+                                 sync_s=sync_s, mismatch=mismatch, sync_failures=self.weights.sync_failures,
                                  orchestrator_restarts=self.orchestrator.restarts,
                                  trainer_idle_frac=1 - busy / max(1e-9, time.monotonic() - t_run),
                                  **m)
@@ -382,11 +219,10 @@ class TrainerRole:
                 # A restarted generator takes work only with weights: resend them now. The sync is a
                 # collective over the trainer ranks, so only a one-rank trainer can do it here; with
                 # several ranks the generator loads the next step's weights.
-                if self.world == 1 and self.live and self.epoch > 0 and \
-                        self.link.members(self.cfg.run.timeout_s) not in ({}, self.group_members):
+                if self.world == 1 and self.live and self.weights.generators_changed():
                     log.info("generators changed while waiting for step %d: resending version %d",
                              step, self.version)
-                    self.push_weights(self.version)
+                    self.weights.push(self.version)
                 if self.task.stop_requested.is_set():
                     log.warning("stop requested while waiting for the batch of step %d", step)
                     return None
@@ -449,8 +285,8 @@ class TrainerRole:
                 self.orchestrator.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 log.warning("the orchestrator did not stop within 60s of finish")
-            if self.channel is not None:
-                self.channel.close()
+        if self.weights is not None:
+            self.weights.close()
         self.link.close()
         self.trainer.close()
 
