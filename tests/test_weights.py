@@ -239,6 +239,42 @@ def test_two_senders_stream_their_own_buckets_to_every_receiver():
             p.kill()
 
 
+STREAM_SENDER = textwrap.dedent("""
+    import sys, torch
+    from pipeline.weights.group import TorchDistChannel
+    ch = TorchDistChannel("127.0.0.1", int(sys.argv[1]), 0, 2, timeout_s=30)
+    ch.send_tensors(1, [(f"w{i}", torch.full((1024,), float(i))) for i in range(8)], bucket_bytes=4096)
+    ch.close()
+""")
+
+
+def test_a_streamed_bucket_stays_intact_while_the_next_one_is_loaded():
+    """vLLM's layerwise reload holds views of a module's tensors until the module is complete, and
+    a module may straddle two buckets: the tensors of bucket k must survive until bucket k + 2 is
+    asked for, in two receive buffers. The receiver dawdles on each bucket (as a slow load would),
+    giving an early receive of bucket k + 1 time to land over bucket k - 1."""
+    import time
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-c", STREAM_SENDER, str(port)])
+    try:
+        ch = TorchDistChannel("127.0.0.1", port, 1, 2, timeout_s=30)
+        update = ch.receive()
+        assert len(update.plan.sizes) == 8, "one 4 kB tensor per 4 kB bucket"
+        previous = None
+        for i, (name, t) in enumerate(update):
+            time.sleep(0.05)
+            assert name == f"w{i}" and bool((t == i).all())
+            if previous is not None:
+                assert bool((previous == i - 1).all()), f"bucket {i - 1} was overwritten while bucket {i} was loaded"
+            previous = t
+        assert ch.buffers.allocated <= 2 * max(update.plan.sizes)
+        ch.close()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+
+
 IPC_SENDER = textwrap.dedent("""
     import sys, torch
     from pipeline.weights.cuda_ipc import CudaIpcChannel

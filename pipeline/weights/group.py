@@ -16,9 +16,14 @@ Protocol of one update (plan order; bucket i travels on the group of ``plan.sour
   2. leader: a uint8[L] tensor: msgpack ``{"version": v, "plan": BucketPlan.to_wire()}``;
   3. each bucket of the plan, in order, from its source, as a flat uint8 tensor of the plan's size.
 Streaming: a sender packs bucket k+1 while bucket k is in flight (asynchronous broadcast, two
-buffers, `BufferPair`); a streamed receiver posts the receive of bucket k+1 before handing out
-bucket k's tensors, in two buffers too, so bucket k's tensors are valid until bucket k+2 is
-requested. A staged receive keeps every bucket (one copy of the weights) instead.
+buffers, `BufferPair`); a streamed receiver has two buffers too and receives bucket k+1, into the
+buffer of bucket k-1, only once bucket k+1 is asked for, so bucket k's tensors stay valid until
+bucket k+2 is asked for: a consumer may hold views of one bucket while it loads the next (vLLM's
+layerwise reload holds a module's tensors until the module is complete, and a module may straddle
+two buckets). Example, buckets 0..3: while bucket 2 is loaded, buffer 1 holds bucket 1 intact and
+buffer 0 holds bucket 2; asking for bucket 3 receives it into buffer 1. Posting bucket k+1 before
+handing out bucket k would overwrite bucket k-1 while bucket k is loaded. A staged receive keeps
+every bucket (one copy of the weights) and receives bucket k+1 while bucket k is handed out.
 Every call waits at most ``timeout_s``; a peer that dies mid-update makes the survivors raise
 `WeightSyncError` (naming the step that failed) within that time instead of hanging.
 """
@@ -45,8 +50,9 @@ class WeightSyncError(RuntimeError):
 class ReceivedWeights:
     """One version's update as it arrives: iterate to receive buckets and get ``(name, tensor)``.
 
-    The tensors are views into received buckets: in a streamed receive they stay valid until the
-    next bucket but one arrives (copy them before keeping them); in a staged one, for good.
+    The tensors are views into received buckets: in a streamed receive bucket k's stay valid until
+    bucket k + 2 is asked for, i.e. while bucket k + 1 is loaded (copy them before keeping them
+    longer); in a staged one, for good.
     """
 
     version: int
@@ -219,20 +225,24 @@ class TorchDistChannel(WeightChannel):
         def what(i: int) -> str:
             return f"bucket {i}/{len(plan.sizes)} of version {version}"
 
+        def start(i: int) -> tuple[Any, "torch.Tensor"]:
+            buf = target(i)
+            return self._start(buf, plan.sources[i], what(i)), buf
+
         count = len(plan.sizes)
-        pending = None
-        if count and not stage:
+        if not count:
+            return
+        if not stage:
             self.buffers.reserve(max(plan.sizes))
-        if count:
-            buf = target(0)
-            pending = (self._start(buf, plan.sources[0], what(0)), buf)
+        pending = start(0)
         for i in range(count):
             work, buf = pending
             self._wait(work, what(i))
-            if i + 1 < count:  # in flight while bucket i is being loaded
-                nxt = target(i + 1)
-                pending = (self._start(nxt, plan.sources[i + 1], what(i + 1)), nxt)
+            if stage and i + 1 < count:  # its own buffer: in flight while bucket i is handed out
+                pending = start(i + 1)
             yield buf
+            if not stage and i + 1 < count:  # asked for bucket i + 1: bucket i - 1's buffer is free now
+                pending = start(i + 1)
 
     def close(self) -> None:
         if not self._closed:
