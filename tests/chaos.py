@@ -14,6 +14,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -76,12 +77,16 @@ def last_step(run_dir: Path) -> int:
     return max((r["step"] for r in read_metrics(run_dir, "train_step")), default=-1)
 
 
-def wait_for(predicate, timeout: float, what: str):
+def wait_for(predicate, timeout: float, what: str, running: Callable[[], bool] | None = None):
+    """Poll ``predicate`` until it is truthy (returns its value); fail after ``timeout`` s, or at once
+    once ``running()`` says the run ended (its logs then say why)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
+        if running is not None and not running():
+            raise AssertionError(f"the run ended while waiting for {what}")
         time.sleep(0.3)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
@@ -104,6 +109,7 @@ class Chaos:
     seed: int = field(default_factory=lambda: int(os.environ.get("TOKENFLOW_CHAOS_SEED", random.randrange(10**6))))
     first: int = 2
     spread: int = 2
+    running: Callable[[], bool] | None = None  # False once the run ended: waits for it fail at once
     kills: list[Kill] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -118,8 +124,8 @@ class Chaos:
     def strike(self, kill: Kill, find, timeout: float = 600) -> Kill:
         """Wait for ``kill.at_step`` to be trained, then SIGKILL the process ``find()`` names (as soon
         as it names one: a restarted process may need a while)."""
-        wait_for(lambda: last_step(self.run_dir) >= kill.at_step, timeout, f"step {kill.at_step}")
-        kill.pid = wait_for(find, timeout, f"the {kill.target} process")
+        wait_for(lambda: last_step(self.run_dir) >= kill.at_step, timeout, f"step {kill.at_step}", self.running)
+        kill.pid = wait_for(find, timeout, f"the {kill.target} process", self.running)
         kill.step = last_step(self.run_dir)
         kill.t = time.time()
         os.kill(kill.pid, signal.SIGKILL)
