@@ -133,16 +133,30 @@ class Chaos:
         return kill
 
     def recovery(self, kill: Kill) -> dict:
-        """Seconds from the kill to the first step finished after it; groups wasted meanwhile."""
+        """Seconds from the kill to the first step finished after it; groups wasted meanwhile: leased
+        again (work lost with the dead process) or results refused, from the orchestrator's counters,
+        which a restarted orchestrator starts again from 0 (then all it counted is after the kill)."""
         after = [r for r in read_metrics(self.run_dir, "train_step") if r["t"] > kill.t]
         orch = list(read_metrics(self.run_dir, "orchestrator"))
         before = [r for r in orch if r["t"] <= kill.t]
         later = [r for r in orch if after and r["t"] >= after[0]["t"]]
         wasted = None
-        if before and later:  # groups leased again (work lost with the dead process) + results refused
-            wasted = sum(later[0].get(k, 0) - before[-1].get(k, 0) for k in ("reissued", "count_unleased"))
+        if before and later:
+            restarted = any(kill.t <= t <= later[0]["t"] for t in orchestrator_starts(self.run_dir))
+            wasted = sum(later[0].get(k, 0) - (0 if restarted else before[-1].get(k, 0))
+                         for k in ("reissued", "count_unleased"))
         return {"target": kill.target, "killed_after_step": kill.step,
                 "to_training_s": round(after[0]["t"] - kill.t, 1) if after else None, "wasted_groups": wasted}
+
+
+def orchestrator_starts(run_dir: Path) -> list[float]:
+    """Unix times at which an orchestrator process of the run started serving (its log's first line)."""
+    starts = []
+    for line in (Path(run_dir) / "logs" / "orchestrator.out").read_text(errors="replace").splitlines():
+        if " orchestrator INFO orchestrator epoch " in line:
+            stamp, _, ms = line[:23].partition(",")
+            starts.append(time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) + int(ms) / 1000)
+    return starts
 
 
 def check_record(run_dir: Path, steps: int, max_staleness: int) -> None:
