@@ -14,6 +14,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -76,12 +77,16 @@ def last_step(run_dir: Path) -> int:
     return max((r["step"] for r in read_metrics(run_dir, "train_step")), default=-1)
 
 
-def wait_for(predicate, timeout: float, what: str):
+def wait_for(predicate, timeout: float, what: str, running: Callable[[], bool] | None = None):
+    """Poll ``predicate`` until it is truthy (returns its value); fail after ``timeout`` s, or at once
+    once ``running()`` says the run ended (its logs then say why)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
+        if running is not None and not running():
+            raise AssertionError(f"the run ended while waiting for {what}")
         time.sleep(0.3)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
@@ -104,6 +109,7 @@ class Chaos:
     seed: int = field(default_factory=lambda: int(os.environ.get("TOKENFLOW_CHAOS_SEED", random.randrange(10**6))))
     first: int = 2
     spread: int = 2
+    running: Callable[[], bool] | None = None  # False once the run ended: waits for it fail at once
     kills: list[Kill] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -118,8 +124,8 @@ class Chaos:
     def strike(self, kill: Kill, find, timeout: float = 600) -> Kill:
         """Wait for ``kill.at_step`` to be trained, then SIGKILL the process ``find()`` names (as soon
         as it names one: a restarted process may need a while)."""
-        wait_for(lambda: last_step(self.run_dir) >= kill.at_step, timeout, f"step {kill.at_step}")
-        kill.pid = wait_for(find, timeout, f"the {kill.target} process")
+        wait_for(lambda: last_step(self.run_dir) >= kill.at_step, timeout, f"step {kill.at_step}", self.running)
+        kill.pid = wait_for(find, timeout, f"the {kill.target} process", self.running)
         kill.step = last_step(self.run_dir)
         kill.t = time.time()
         os.kill(kill.pid, signal.SIGKILL)
@@ -127,16 +133,30 @@ class Chaos:
         return kill
 
     def recovery(self, kill: Kill) -> dict:
-        """Seconds from the kill to the first step finished after it; groups wasted meanwhile."""
+        """Seconds from the kill to the first step finished after it; groups wasted meanwhile: leased
+        again (work lost with the dead process) or results refused, from the orchestrator's counters,
+        which a restarted orchestrator starts again from 0 (then all it counted is after the kill)."""
         after = [r for r in read_metrics(self.run_dir, "train_step") if r["t"] > kill.t]
         orch = list(read_metrics(self.run_dir, "orchestrator"))
         before = [r for r in orch if r["t"] <= kill.t]
         later = [r for r in orch if after and r["t"] >= after[0]["t"]]
         wasted = None
-        if before and later:  # groups leased again (work lost with the dead process) + results refused
-            wasted = sum(later[0].get(k, 0) - before[-1].get(k, 0) for k in ("reissued", "count_unleased"))
+        if before and later:
+            restarted = any(kill.t <= t <= later[0]["t"] for t in orchestrator_starts(self.run_dir))
+            wasted = sum(later[0].get(k, 0) - (0 if restarted else before[-1].get(k, 0))
+                         for k in ("reissued", "count_unleased"))
         return {"target": kill.target, "killed_after_step": kill.step,
                 "to_training_s": round(after[0]["t"] - kill.t, 1) if after else None, "wasted_groups": wasted}
+
+
+def orchestrator_starts(run_dir: Path) -> list[float]:
+    """Unix times at which an orchestrator process of the run started serving (its log's first line)."""
+    starts = []
+    for line in (Path(run_dir) / "logs" / "orchestrator.out").read_text(errors="replace").splitlines():
+        if " orchestrator INFO orchestrator epoch " in line:
+            stamp, _, ms = line[:23].partition(",")
+            starts.append(time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) + int(ms) / 1000)
+    return starts
 
 
 def check_record(run_dir: Path, steps: int, max_staleness: int) -> None:

@@ -29,16 +29,17 @@ def compose(run_dir: Path, *overrides: str):
     from hydra import compose as hcompose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from pipeline.config import register
+    from pipeline.config import register, validate
     from pipeline.apps.train import CONFIGS
 
     register()
     with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
         dcfg = hcompose("train", overrides=[f"run.dir={run_dir}", *overrides])
-    return OmegaConf.to_object(dcfg)
+    cfg = OmegaConf.to_object(dcfg)
+    validate(cfg)  # as `tokenflow train` does: fills the fields left to the model and task
+    return cfg
 
 
-@pytest.mark.skip(reason="failed once on this session's merged tree (process lookup by the old entry-point names: fixed in chaos.py, not re-verified before the session ended)")
 def test_kill_9_of_each_process_mid_run_and_the_run_completes(tmp_path):
     import os
 
@@ -54,29 +55,38 @@ def test_kill_9_of_each_process_mid_run_and_the_run_completes(tmp_path):
     chaos = Chaos(run, ["orchestrator", "engine", "generator", "trainer"])
     orch, engine, gen, trainer = chaos.kills
     launched = LocalLauncher().launch(job_plan(cfg, run), run)
-    trainer_pid = wait_for(lambda: role_process(run, 0), 120, "the trainer role process")
-    first_gen = wait_for(lambda: role_process(run, GEN), 120, "the generator")
+    try:
+        chaos.running = lambda: launched.state() == "RUNNING"
+        trainer_pid = wait_for(lambda: role_process(run, 0), 120, "the trainer role process", chaos.running)
+        first_gen = wait_for(lambda: role_process(run, GEN), 120, "the generator", chaos.running)
 
-    chaos.strike(orch, lambda: orchestrator_process(run))
-    chaos.strike(engine, lambda: engine_process(run, GEN))
-    # the restarted generator is killed again while its new engine starts: the engine is orphaned
-    restarted = lambda: role_process(run, GEN) not in (None, first_gen) and role_process(run, GEN)
-    orphan = wait_for(lambda: restarted() and engine_process(run, GEN), 600, "the restarted generator's engine")
-    chaos.strike(gen, restarted)
-    wait_for(lambda: not alive(orphan), 60, f"the orphaned engine {orphan} to be ended")
-    wait_for(lambda: last_after(run, gen.t), 600, "training after the second generator kill")
-    assert role_process(run, 0) == trainer_pid, "the trainer restarted"
-    assert launched.state() == "RUNNING"
-    assert max(r["orchestrator_restarts"] for r in read_metrics(run, "train_step")) == 1
-    log = (run / "logs/generator.0.out").read_text()
-    assert "restart 1 of 3" in log and "restart 2 of 3" in log, log[-3000:]
+        chaos.strike(orch, lambda: orchestrator_process(run))
+        chaos.strike(engine, lambda: engine_process(run, GEN))
+        # the restarted generator is killed again while its new engine starts: the engine is orphaned
+        restarted = lambda: role_process(run, GEN) not in (None, first_gen) and role_process(run, GEN)
+        orphan = wait_for(lambda: restarted() and engine_process(run, GEN), 600,
+                          "the restarted generator's engine", chaos.running)
+        chaos.strike(gen, restarted)
+        wait_for(lambda: not alive(orphan), 60, f"the orphaned engine {orphan} to be ended")
+        wait_for(lambda: loaded_after_restart(run, "generator", 0, 2), 600,
+                 "the twice restarted generator to load weights", chaos.running)
+        wait_for(lambda: last_after(run, gen.t), 600, "training after the second generator kill", chaos.running)
+        assert role_process(run, 0) == trainer_pid, "the trainer restarted"
+        assert launched.state() == "RUNNING"
+        assert max(r["orchestrator_restarts"] for r in read_metrics(run, "train_step")) == 1
+        log = (run / "logs/generator.0.out").read_text()
+        assert "restart 1 of 3" in log and "restart 2 of 3" in log, log[-3000:]
 
-    chaos.strike(trainer, lambda: role_process(run, 0))
-    with pytest.raises(TaskFailed, match="trainer.0 failed"):
-        launched.wait(timeout_s=60)
-    stopped_s = time.time() - trainer.t
-    assert leftovers(os.environ[MARKER_ENV], wait_s=15, kill=False) == {}, "processes outlived the stopped run"
-    LocalLauncher().launch(job_plan(cfg, run), run).wait(timeout_s=900)  # the same command again
+        chaos.strike(trainer, lambda: role_process(run, 0))
+        with pytest.raises(TaskFailed, match="trainer.0 failed"):
+            launched.wait(timeout_s=60)
+        stopped_s = time.time() - trainer.t
+        assert leftovers(os.environ[MARKER_ENV], wait_s=15, kill=False) == {}, "processes outlived the stopped run"
+        launched = LocalLauncher().launch(job_plan(cfg, run), run)  # the same command again
+        launched.wait(timeout_s=900)
+    finally:
+        if not launched.done():  # a failed check: stop the run (its processes would fail the teardown check)
+            launched.cancel()
 
     check_record(run, STEPS, max_staleness=cfg.orchestrator.staleness_limit())
     report = {"seed": chaos.seed, "trainer_stop_s": round(stopped_s, 1),

@@ -8,14 +8,22 @@ Invariants:
 - the link (a ZeroMQ socket) is used from the loop's thread only;
 - a group's result is sent once all of its samples are complete; the link keeps it until the
   orchestrator acknowledges it (and re-sends it otherwise);
-- an announced version is loaded at most once, in order; while it loads, generation is paused per
-  ``generator.interrupt`` and resumes on the new weights;
+- an announced version is loaded at most once, in order, except the first one announced after this
+  generator joined a new weight group (the trainer broadcasts into every group it builds, a version
+  held already included); while it loads, generation is paused per ``generator.interrupt`` and
+  resumes on the new weights;
 - a dead engine (its processes killed or crashed) ends the role with an error within a second, so
   the task's supervisor ends what is left of the engine and restarts the role, which joins the
   weight group and takes work only after loading the current weights; a stop signal
   (``task.stop_requested``: preemption, scancel) ends it cleanly, and so does the end of the run
   (trainer rank 0's result of this attempt exists: a generator restarted after the orchestrator
-  said ``stop`` hears it no more).
+  said ``stop`` hears it no more);
+- only the newest weight group announced is joined, and only one published after this process
+  started: a group the trainer already replaced (its Regroup queued behind a slow join) is skipped,
+  so a restarted generator does not trail the trainer one group behind, each join waiting out the
+  weight timeout in a group the trainer has left; a group published before (the orchestrator answers
+  a restarted generator's Hello with it) was built for the dead predecessor and is skipped too, the
+  trainer rebuilding the group on seeing the new incarnation.
 """
 from __future__ import annotations
 
@@ -53,6 +61,9 @@ class GeneratorRole:
         self.in_flight = 0
         self.loaded = False  # the trainer's first broadcast is always taken, whatever its version
         self.epoch: int | None = None  # weight group joined
+        self.group_fresh = False  # joined a group and took no broadcast in it yet (see _apply_controls)
+        self.newest_epoch = 0  # newest weight group the trainer announced (its Regroup may wait in the queue)
+        self.joinable_from = 1  # groups published before this process said Hello are its predecessor's
         self.sync_failures = 0
 
     async def run(self) -> dict:
@@ -69,6 +80,7 @@ class GeneratorRole:
         self.gen = Generator(gcfg, generator_id=self.rank, schema=self.schema)
         await self.gen.start()
         slots = max(1, gcfg.max_num_seqs // cfg.orchestrator.group_size)
+        self.joinable_from = 1 + self._newest_published_epoch()  # read before the Hello (see _join)
         self.link = GeneratorLink(self.run_dir, self.rank, slots, self.schema, cfg.orchestrator.transport,
                                   timeout_s=timeout)
         controls: asyncio.Queue[Control] = asyncio.Queue()
@@ -78,6 +90,8 @@ class GeneratorRole:
             # Credits are sent only once weights are loaded: no work before the current version.
             for item in self.link.poll(0.002, send_credit=self.loaded):
                 if isinstance(item, Control):
+                    if isinstance(item, Regroup):
+                        self.newest_epoch = max(self.newest_epoch, item.epoch)
                     controls.put_nowait(item)
                 elif isinstance(item, WorkItem):
                     tasks.add(asyncio.create_task(self._group(item)))
@@ -124,10 +138,13 @@ class GeneratorRole:
             try:
                 if isinstance(item, Regroup):
                     await self._join(item.epoch)
-                elif isinstance(item, Update) and (
-                        item.version != self.gen.version or not self.loaded) and self.epoch is not None:
+                elif isinstance(item, Update) and (item.version != self.gen.version or not self.loaded
+                                                   or self.group_fresh) and self.epoch is not None:
+                    # the trainer broadcasts after every group it builds, also a version this
+                    # generator holds (it rebuilds when the orchestrator's members change, e.g. after
+                    # an orchestrator restart): in a new group the first announced version is taken
                     report = await self.gen.update_weights(item.version)
-                    self.loaded = True
+                    self.loaded, self.group_fresh = True, False
                     self.link.loaded_version = report.version
                     self.link.send_want()  # tell the orchestrator at once: admission waits for it
                     self.stall_s += report.paused_s
@@ -144,6 +161,17 @@ class GeneratorRole:
     async def _join(self, epoch: int) -> None:
         if self.epoch is not None and epoch <= self.epoch:
             return
+        if epoch < self.joinable_from:
+            # built before this process started (the orchestrator answers a Hello with the current
+            # group): its member gen-<rank> was this generator's dead predecessor; the trainer
+            # rebuilds the group once it sees the new incarnation
+            log.info("weight group epoch %d predates this process: waiting for the trainer's next one", epoch)
+            return
+        if epoch < self.newest_epoch or self.task.rendezvous.get(f"weights-{epoch + 1}") is not None:
+            # the trainer gave this group up already (a join of it would wait out the weight timeout
+            # while the trainer waits in vain in the next one); the newer group's Regroup follows
+            log.info("weight group epoch %d is superseded: joining a newer one", epoch)
+            return
         w = self.task.rendezvous.wait(f"weights-{epoch}", self.cfg.run.timeout_s)
         me = w["ranks"].get(f"gen-{self.rank}")
         if me is None:
@@ -151,8 +179,15 @@ class GeneratorRole:
             return
         await self.gen.join_weight_group(w["host"], w["port"], me, w["world_size"],
                                          backend=w["backend"], epoch=epoch, senders=w.get("senders", 1))
-        self.epoch = epoch
+        self.epoch, self.group_fresh = epoch, True
         log.info("joined weight group epoch %d as rank %d of %d", epoch, me, w["world_size"])
+
+    def _newest_published_epoch(self) -> int:
+        """The newest weight group the trainer published in this attempt's rendezvous (0: none)."""
+        epoch = 0
+        while self.task.rendezvous.get(f"weights-{epoch + 1}") is not None:
+            epoch += 1
+        return epoch
 
     def _busy(self, delta: int) -> None:
         now = time.monotonic()
