@@ -33,12 +33,17 @@ def hf_dtype(hf_config):
     return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(str(name), torch.float32)
 
 
+def copy_tokenizer(source_dir: Path, out: Path) -> None:
+    """Copy the tokenizer and generation files of a Hugging Face directory into ``out``."""
+    for f in Path(source_dir).iterdir():
+        if f.is_file() and (f.name.startswith("tokenizer") or f.name in TOKENIZER_FILES):
+            shutil.copy2(f, Path(out) / f.name)
+
+
 def finish_directory(out: Path, hf_config, source_dir: Path | None) -> None:
     """Tokenizer and generation files from ``source_dir``, then ``config.json`` (last)."""
     if source_dir is not None:
-        for f in Path(source_dir).iterdir():
-            if f.is_file() and (f.name.startswith("tokenizer") or f.name in TOKENIZER_FILES):
-                shutil.copy2(f, out / f.name)
+        copy_tokenizer(source_dir, out)
     hf_config.save_pretrained(str(out))
 
 

@@ -15,21 +15,22 @@ import numpy as np
 
 
 def sharpened_checkpoint(kind: str, out: Path, seed: int = 7, spec=None) -> Path:
-    """``kind``: a tiny model name without "tiny-" ("dense", "moe", "moe8"), or ``spec``: a
-    ``TinyModelSpec`` whose config is used (no tokenizer; for trainer-only tests)."""
+    """``kind``: a tiny model name without "tiny-" ("dense", "moe", "moe8"; its tokenizer is copied
+    along), or ``spec``: a ``TinyModelSpec`` whose config is used (no tokenizer; for trainer-only tests)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from pipeline.models.tiny import resolve_model
+    from pipeline.trainer.export import copy_tokenizer
 
     out = Path(out)
     if (out / "config.json").exists():
         return out
+    source = None if spec is not None else resolve_model(f"tiny-{kind}")
     if spec is not None:
         model = AutoModelForCausalLM.from_config(spec.hf_config(), dtype=torch.float32)
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(resolve_model(f"tiny-{kind}")),
-                                                     dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -37,7 +38,10 @@ def sharpened_checkpoint(kind: str, out: Path, seed: int = 7, spec=None) -> Path
                 p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-    model.save_pretrained(str(out))
+    out.mkdir(parents=True, exist_ok=True)
+    if source is not None:  # a complete Hugging Face directory: vLLM and run exports need the tokenizer
+        copy_tokenizer(source, out)
+    model.save_pretrained(str(out))  # config.json last: it marks the directory complete
     return out
 
 
