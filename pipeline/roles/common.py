@@ -81,3 +81,19 @@ def pin_process(cores: list[int] | None) -> None:
         torch.set_num_threads(len(cores))
     except ImportError:
         pass
+
+
+def agree_over_ranks(value: int, *, world: int, cuda: bool, op: str = "max") -> int:
+    """The max (or, with op='leader', rank 0's value) of `value` over the trainer ranks: a
+    collective every rank calls (a no-op with one rank)."""
+    if world == 1:
+        return value
+    import torch
+    import torch.distributed as td
+
+    t = torch.tensor([value], dtype=torch.int64, device="cuda" if cuda else "cpu")
+    if op == "leader":
+        td.broadcast(t, src=0)
+    else:
+        td.all_reduce(t, op=td.ReduceOp.MAX)
+    return int(t.item())

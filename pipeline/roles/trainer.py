@@ -39,7 +39,8 @@ from pipeline.config import TokenflowConfig, record_schema
 from pipeline.metrics import MetricsWriter
 from pipeline.orchestrator.clock import staleness
 from pipeline.orchestrator.links import TrainerLink
-from pipeline.roles.common import cpu_cores_for, load_run_config, model_dir, pin_process, publish_model
+from pipeline.roles.common import (agree_over_ranks, cpu_cores_for, load_run_config, model_dir, pin_process,
+                                   publish_model)
 from pipeline.roles.weight_push import WeightPusher
 from pipeline.supervise import KeptProcess, die_with_parent
 from pipeline.run_files import CHECKPOINTS_DIR, EXPORT_DIR, LOGS_DIR, checkpoint_name
@@ -231,14 +232,8 @@ class TrainerRole:
 
     def _stop_agreed(self) -> bool:
         """True on every trainer rank once any rank got the stop signal (so all stop at the same step)."""
-        stop = self.task.stop_requested.is_set()
-        if self.world > 1:
-            import torch
-            import torch.distributed as td
-            flag = torch.tensor([int(stop)], device="cuda" if self.trainer.cuda else "cpu")
-            td.all_reduce(flag, op=td.ReduceOp.MAX)
-            stop = bool(flag.item())
-        return stop
+        return bool(agree_over_ranks(int(self.task.stop_requested.is_set()), world=self.world,
+                                     cuda=self.trainer.cuda))
 
     def _mismatch(self, batch, samples) -> float | None:
         """Mean |trainer - generator| logprob over tokens the current weights generated (a

@@ -24,6 +24,8 @@ import logging
 import time
 from pathlib import Path
 
+from pipeline.roles.common import agree_over_ranks
+
 log = logging.getLogger(__name__)
 
 
@@ -99,18 +101,8 @@ class WeightPusher:
         return self.epoch > 0 and self.link.members(self.cfg.run.timeout_s) not in ({}, self.group_members)
 
     def agree(self, value: int, op: str = "max") -> int:
-        """The max (or, with op='leader', rank 0's value) of `value` over the trainer ranks."""
-        if self.world == 1:
-            return value
-        import torch
-        import torch.distributed as td
-
-        t = torch.tensor([value], dtype=torch.int64, device="cuda" if self.trainer.cuda else "cpu")
-        if op == "leader":
-            td.broadcast(t, src=0)
-        else:
-            td.all_reduce(t, op=td.ReduceOp.MAX)
-        return int(t.item())
+        """`agree_over_ranks` over this pusher's trainer ranks."""
+        return agree_over_ranks(value, world=self.world, cuda=self.trainer.cuda, op=op)
 
     def close(self) -> None:
         if self.channel is not None:
