@@ -2,6 +2,7 @@
 every test fails if a process it started outlives it (`no_process_left_behind`)."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import uuid
@@ -34,9 +35,18 @@ def _slurm_reason() -> str | None:
     return None
 
 
+def _slow_reason(config) -> str | None:
+    if os.environ.get("TOKENFLOW_SLOW") == "1" or "slow" in (config.getoption("markexpr") or ""):
+        return None
+    return "a long learning run, not part of the default suite: TOKENFLOW_SLOW=1 or `-m slow` runs it"
+
+
 def pytest_collection_modifyitems(config, items):
     reasons = {}
+    slow = _slow_reason(config)
     for item in items:
+        if slow and "slow" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=f"[slow] {slow}"))
         for marker, probe in (("gpu", _cuda_reason), ("slurm", _slurm_reason)):
             if marker in item.keywords:
                 if marker not in reasons:
