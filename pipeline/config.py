@@ -103,6 +103,10 @@ class ClusterConfig:
         entry="pipeline.roles.generator:main", cpus_per_task=1, mem_gb=8.0, max_restarts=3, optional=True))
     max_requeues: int = 3
     """Requeues after preemption or time limit (Slurm)."""
+    mpi: str | None = None
+    """Slurm only: the srun --mpi plugin (e.g. "pmix"). The tasks then take their component rank, size
+    and the trainer's process-group master address from MPI instead of the run directory's
+    rendezvous files (needs the `mpi` extra); None: file rendezvous."""
 
 
 @dataclass

@@ -10,6 +10,7 @@ transformers; ``tokenflow replay`` starts from the exported policy.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -84,8 +85,16 @@ def check_run(run: Path, tmp_path: Path) -> None:
 @pytest.mark.engine
 def test_slurm_tp2ep2_het_job_over_three_nodes_learns(tmp_path):
     run = tmp_path / "slurm-tp2ep2"
+    mpi = importlib.util.find_spec("mpi4py") is not None  # CI installs it: the ranks bootstrap from MPI
+    if not mpi:
+        print("\nmpi4py is not importable: this run uses the file rendezvous instead of cluster.mpi=pmix")
     tokenflow("train", "experiment=moe-tp2ep2-slurm", "run.name=slurm-tp2ep2", f"hydra.run.dir={run}",
-              "cluster.trainer.time_min=30", "cluster.generator.time_min=30", *COMMON, timeout=1800)
+              "cluster.trainer.time_min=30", "cluster.generator.time_min=30", *COMMON,
+              *(["cluster.mpi=pmix"] if mpi else []), timeout=1800)
+    if mpi:
+        for r in range(4):
+            assert f"MPI bootstrap: trainer rank {r} of 4" in (run / "logs" / f"trainer.{r}.out").read_text()
+            assert "process group from MPI" in (run / "logs" / f"trainer.{r}.out").read_text()
     nodes = {json.loads((run / "results" / f"trainer.{r}.json").read_text())["node"] for r in range(4)}
     print(f"\ntrainer ranks ran on nodes {sorted(nodes)}")
     assert len(nodes) == 2, "the trainer component should span two nodes"

@@ -62,20 +62,25 @@ def test_het_job_runs_every_role_on_its_own_nodes_with_rendezvous(tmp_path):
         assert f"probe {role}.{rank} on " in (tmp_path / "logs" / f"{role}.{rank}.out").read_text()
 
 
-def test_mpi4py_world_spans_het_components_under_pmix(tmp_path):
+def test_components_bootstrap_their_process_groups_from_mpi_under_pmix(tmp_path):
+    """srun --mpi=pmix: each task's supervisor learns its component rank, size and master address
+    from MPI (no file rendezvous), and the trainer's two tasks on two nodes form a gloo group from it."""
     try:
         import mpi4py  # noqa: F401
     except ImportError:
         pytest.skip("mpi4py is not importable: install the 'mpi' extra (mpi4py==4.1.*, needs Debian's libopenmpi-dev)")
-    plan = plan_of({"trainer": dict(nodes=1), "generator": dict(nodes=1)}, mpi=True)
+    plan = plan_of({"trainer": dict(nodes=2), "generator": dict(nodes=1)}, mpi=True)
     plan.mpi = "pmix"
     plan.env = {"OMPI_MCA_btl": "self,tcp"}
-    results = SlurmLauncher().launch(plan, tmp_path).wait(timeout_s=90)
-    reports = results["trainer"] + results["generator"]
-    assert [r["mpi"]["rank"] for r in reports] == [0, 1] and {r["mpi"]["size"] for r in reports} == {2}
-    tokens = [r["mpi"]["token"] for r in reports]
-    assert tokens[0] == tokens[1] and tokens[0]["from_node"] == results["trainer"][0]["node"]
-    assert results["trainer"][0]["node"] != results["generator"][0]["node"]
+    results = SlurmLauncher().launch(plan, tmp_path).wait(timeout_s=120)
+    trainer, generator = results["trainer"], results["generator"]
+    assert [r["mpi"]["rank"] for r in trainer] == [0, 1] and {r["mpi"]["size"] for r in trainer} == {2}
+    assert {r["mpi"]["host"] for r in trainer} == {trainer[0]["node"]} != {trainer[1]["node"]}
+    assert [r["allreduce"] for r in trainer] == [3, 3]  # 1 + 2: the group formed across the two nodes
+    assert generator[0]["mpi"]["rank"] == 0 and generator[0]["mpi"]["size"] == 1 and generator[0]["allreduce"] == 1
+    assert not (tmp_path / "rendezvous").exists() or not any((tmp_path / "rendezvous").rglob("*.json"))
+    for role, rank in plan.task_layout():
+        assert f"MPI bootstrap: {role} rank {rank} of" in (tmp_path / "logs" / f"{role}.{rank}.out").read_text()
 
 
 def test_forced_requeue_runs_every_role_again_as_next_attempt(tmp_path):

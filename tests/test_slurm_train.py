@@ -203,9 +203,7 @@ def test_a_missing_model_is_refused_before_anything_is_submitted(tmp_path):
     assert not (tmp_path / "broken" / "launch" / "launches.jsonl").exists()  # nothing was submitted
 
 
-@pytest.mark.skip(reason="not yet verified (issue 10 stays open): the strikes and the preemption now wait for "
-                         "steps in the metrics (48 steps, preemption ~43 steps before the end), but the shared test "
-                         "cluster was stopped (slurmctld, 08:30 UTC) before this version could run on it")
+@pytest.mark.slow  # about 12 min on 2 cores (708 s measured on a loaded machine): TOKENFLOW_SLOW=1 runs it
 def test_kill_9_of_orchestrator_generator_and_engine_then_preemption(tmp_path):
     """On the cluster: kill -9 of the orchestrator, of the generator's engine and of its restarted
     role process, at seeded steps (seed printed), all recovered inside the job (no requeue, no

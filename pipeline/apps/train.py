@@ -46,9 +46,15 @@ def job_plan(cfg: TokenflowConfig, run_dir: Path):
         raise ValueError(f"cluster: trainer nodes x tasks_per_node = {trainer.num_tasks} must equal "
                          f"trainer_ranks ({c.trainer_ranks}) and generator nodes x tasks_per_node = "
                          f"{generator.num_tasks} must equal generators ({c.generators})")
+    if c.mpi and c.launcher == "slurm":
+        import importlib.util
+        if importlib.util.find_spec("mpi4py") is None:
+            raise ValueError(f"cluster.mpi={c.mpi} needs mpi4py in this environment (pip install "
+                             "'tokenflow[mpi]', with Open MPI's headers installed); or leave cluster.mpi unset")
     components = {"trainer": trainer, "generator": generator} if c.generators else {"trainer": trainer}
     return JobPlan(name=f"tokenflow-{cfg.run.name}", components=components,
-                   config={"run_dir": str(run_dir)}, max_requeues=c.max_requeues)
+                   config={"run_dir": str(run_dir)}, max_requeues=c.max_requeues,
+                   mpi=c.mpi if c.launcher == "slurm" else None)
 
 
 def prepare_run_dir(cfg: TokenflowConfig) -> Path:

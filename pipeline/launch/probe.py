@@ -4,8 +4,10 @@ Point any component's `entry` at "pipeline.launch.probe:probe" to check a cluste
 (the launch tests do exactly this). Behaviour comes from `task.config["probe"]` (all optional):
     rendezvous: bool   rank 0 of every role publishes {"role", "node", "port"} under its role name,
                        every task waits (timeout_s) for every role's entry and reports what it read
-    mpi: bool          the task joins MPI (launched with srun --mpi=pmix) and global rank 0
-                       broadcasts a token; the report holds MPI rank/size and the token received
+    mpi: bool          the plan is launched under MPI (plan.mpi, srun --mpi=pmix): the report holds
+                       the rank, size and master address the task's supervisor got from MPI, and
+                       the component's tasks form a gloo process group from them and all-reduce
+                       their rank + 1 (the report's "allreduce": size*(size+1)/2 if it formed)
     hold_s: float      on attempts below `hold_until_attempt` (default 1) wait up to hold_s
                        seconds for the stop signal or a requeue (for preemption tests): return
                        when stopped (as a role returns after checkpointing), fail if never
@@ -29,7 +31,7 @@ import sys
 import time
 from typing import Any, Dict
 
-from pipeline.launch.rendezvous import free_port, mpi_broadcast, mpi_world
+from pipeline.launch.rendezvous import DIST_ENV, free_port
 from pipeline.launch.task import TaskInfo
 
 
@@ -51,11 +53,10 @@ def probe(task: TaskInfo) -> Dict[str, Any]:
             task.rendezvous.publish(task.role, {"role": task.role, "node": task.node, "port": free_port()})
         report["peers"] = {role: task.rendezvous.wait(role, timeout_s) for role in task.roles}
     if options.get("mpi"):
-        comm = mpi_world()
-        if comm is None:
-            raise RuntimeError("probe.mpi is set but the task was not launched under MPI (no PMIx/PMI rank)")
-        token = {"from_node": task.node, "time": time.time()} if comm.Get_rank() == 0 else None
-        report["mpi"] = {"rank": comm.Get_rank(), "size": comm.Get_size(), "token": mpi_broadcast(comm, token)}
+        if DIST_ENV not in os.environ:
+            raise RuntimeError("probe.mpi is set but the supervisor got nothing from MPI (not launched under PMIx?)")
+        report["mpi"] = json.loads(os.environ[DIST_ENV])
+        report["allreduce"] = _allreduce_rank(report["mpi"], timeout_s)
     out = task.run_dir / "probe" / f"{task.role}.{task.rank}.attempt-{task.attempt}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report))
@@ -68,6 +69,20 @@ def probe(task: TaskInfo) -> Dict[str, Any]:
         report["stop_requested"] = True  # a real role would checkpoint here, then return
         out.write_text(json.dumps(report))
     return report
+
+
+def _allreduce_rank(dist: Dict[str, Any], timeout_s: float) -> int:
+    import datetime
+
+    import torch
+    import torch.distributed as tdist
+
+    tdist.init_process_group("gloo", init_method=f"tcp://{dist['host']}:{dist['port']}", rank=dist["rank"],
+                             world_size=dist["size"], timeout=datetime.timedelta(seconds=timeout_s))
+    value = torch.tensor([dist["rank"] + 1])
+    tdist.all_reduce(value)
+    tdist.destroy_process_group()
+    return int(value.item())
 
 
 def _crash_with_a_child(task: TaskInfo, report: Dict[str, Any], times: int) -> None:

@@ -8,8 +8,10 @@ Invariants:
 - a published file is complete or absent: written to a temporary name, fsynced, then renamed;
 - `wait` never blocks longer than its timeout and its error names the missing key and the keys
   that were present;
-- the MPI path (`mpi_broadcast`) is optional: mpi4py is imported only when called, and the payload
-  crosses MPI as UTF-8 JSON bytes (no pickle).
+- the MPI path (`mpi_broadcast`, `mpi_bootstrap`) is optional: mpi4py is imported only when called,
+  and the payload crosses MPI as UTF-8 JSON bytes (no pickle);
+- `mpi_bootstrap` is collective over every task of the job step and finalizes MPI before it returns,
+  so the role processes a task starts (and restarts) afterwards never touch MPI.
 
 Example: the orchestrator (trainer rank 0's node) calls
 `Rendezvous(run_dir, attempt).publish("orchestrator", {"host": "node1", "port": 5555})`; each
@@ -28,6 +30,10 @@ from typing import Any, Dict, Optional
 from pipeline.run_files import RENDEZVOUS_DIR
 
 _KEY = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+#: Environment variable of a role process whose component bootstrapped from MPI: JSON
+#: {"rank", "size", "host", "port"} of its process group's master (see `mpi_bootstrap`).
+DIST_ENV = "TOKENFLOW_DIST_BOOTSTRAP"
 
 
 class RendezvousTimeout(TimeoutError):
@@ -106,3 +112,37 @@ def mpi_broadcast(comm: Any, info: Optional[Dict[str, Any]], root: int = 0) -> D
     buf = np.frombuffer(payload, dtype=np.uint8).copy() if comm.Get_rank() == root else np.empty(int(size[0]), np.uint8)
     comm.Bcast(buf, root=root)
     return json.loads(buf.tobytes().decode())
+
+
+def mpi_bootstrap(comm: Any, component: int, rank: int, size: int, host: str,
+                  timeout_s: float = 300.0) -> Dict[str, Any]:
+    """Rank, size and master address of this task's component, from MPI instead of files.
+
+    Every task of the step calls it (collective over `comm`, COMM_WORLD): the tasks are split by
+    `component` (their index in the plan), MPI's rank and size in the split must equal the plan's
+    (`rank`, `size`: otherwise a ValueError names both), and the component's rank 0 broadcasts
+    ``host`` and a free port on it. Returns {"rank", "size", "host", "port"}; MPI is finalized.
+    MPI's collectives have no timeout of their own: a watchdog ends the process (exit 3, the reason
+    printed) when a task of the step has not joined within `timeout_s`.
+    """
+    import threading
+
+    from mpi4py import MPI
+
+    def give_up() -> None:
+        print(f"MPI bootstrap: not every task of the step joined within {timeout_s:g} s; giving up", flush=True)
+        os._exit(3)
+
+    watchdog = threading.Timer(timeout_s, give_up)
+    watchdog.daemon = True
+    watchdog.start()
+    sub = comm.Split(color=component, key=comm.Get_rank())
+    placed = (sub.Get_rank(), sub.Get_size())
+    master = mpi_broadcast(sub, {"host": host, "port": free_port()} if placed[0] == 0 else None)
+    sub.Free()
+    MPI.Finalize()  # after the broadcast on every task, so a disagreeing task cannot leave the others waiting
+    watchdog.cancel()
+    if placed != (rank, size):
+        raise ValueError(f"MPI places this task at rank {placed[0]} of {placed[1]} in its component, the plan "
+                         f"at rank {rank} of {size}: the launcher and the plan disagree")
+    return {"rank": rank, "size": size, **master}

@@ -17,7 +17,11 @@ set, so the child runs the role entry; see `pipeline.launch.task`). Then:
   --kill-on-bad-exit`` would end the trainer's checkpoint). On the checkpoint signal, under
   submitit, global rank 0 requeues the job once the child exited (at most ``stop_grace_s`` later)
   and every task waits for that requeue. SIGTERM never requeues: Slurm requeues a preempted job
-  itself (``PreemptMode=REQUEUE``), and ``scancel`` must stay a cancel;
+  itself (``PreemptMode=REQUEUE``), and ``scancel`` must stay a cancel. Slurm requeues a preempted
+  job only if it is still running when its grace time ends (one that exits first is COMPLETED), so
+  under Slurm a task stopped by SIGTERM stays alive after its role returned, up to
+  ``term_linger_s``, for Slurm to end it: preemption then requeues the job, ``scancel`` (SIGKILL
+  after KillWait) cancels it;
 - the child gets SIGTERM if the supervisor dies (parent-death signal) and, being a subreaper
   itself, ends its own tree on the way out.
 
@@ -51,11 +55,12 @@ ROLE_PROCESS_ENV = "TOKENFLOW_ROLE_PROCESS"
 class TaskSupervisor:
     def __init__(self, argv: list[str], env: Mapping[str, str], result_file: Path, max_restarts: int,
                  optional: bool, stop_grace_s: float, requeue: Callable[[], None] | None,
-                 wait_for_requeue: bool, kill_grace_s: float = 10.0) -> None:
+                 wait_for_requeue: bool, kill_grace_s: float = 10.0, term_linger_s: float = 600.0) -> None:
         self.argv, self.env, self.result_file = argv, dict(env), result_file
         self.max_restarts, self.optional = max_restarts, optional
         self.stop_grace_s, self.requeue, self.kill_grace_s = stop_grace_s, requeue, kill_grace_s
         self.wait_for_requeue = wait_for_requeue  # under submitit: a checkpoint stop ends in a requeue
+        self.term_linger_s = term_linger_s  # under submitit: after a SIGTERM stop, wait this long for Slurm's kill
         self.child: subprocess.Popen | None = None
         self.stop_signal: int | None = None
         self.restarts = 0
@@ -100,7 +105,7 @@ class TaskSupervisor:
             why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             if self.stop_signal is not None:  # asked to stop: ending badly now is no failure of the run
                 self._record_death(why)
-                return 0
+                return self._linger_after_sigterm()
             if self.restarts < self.max_restarts:
                 self.restarts += 1
                 print(f"tokenflow supervisor: role process {self.child.pid} died ({why}); restart "
@@ -126,6 +131,15 @@ class TaskSupervisor:
             time.sleep(self.stop_grace_s + 120)  # the requeue thread ends this task long before
             print(f"tokenflow supervisor: stopped for requeue but the job was not requeued", flush=True)
             return 1
+        return self._linger_after_sigterm() if stopped else 0
+
+    def _linger_after_sigterm(self) -> int:
+        """Under Slurm, after a SIGTERM stop: stay until Slurm ends the task (see the module docstring)."""
+        if self.wait_for_requeue and self.stop_signal == signal.SIGTERM:
+            print(f"tokenflow supervisor: role stopped after SIGTERM; waiting up to {self.term_linger_s:g} s "
+                  f"for Slurm to requeue (preemption) or cancel the job", flush=True)
+            time.sleep(self.term_linger_s)
+            print("tokenflow supervisor: Slurm did not end the job after SIGTERM; exiting", flush=True)
         return 0
 
     def _record_death(self, why: str) -> None:

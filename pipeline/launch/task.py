@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Tuple
 
 from pipeline.launch.plan import JobPlan, LaunchError
-from pipeline.launch.rendezvous import Rendezvous
+from pipeline.launch.rendezvous import DIST_ENV, Rendezvous, mpi_bootstrap, mpi_world
 from pipeline.launch.supervisor import ROLE_PROCESS_ENV, RoleFailed, TaskSupervisor, role_argv
 from pipeline.supervise import become_subreaper, end_tree
 from pipeline.run_files import LOGS_DIR, PLAN_FILE, RESULTS_DIR
@@ -223,8 +223,8 @@ def run_task(plan: JobPlan, run_dir: Path, launch_index: int, environ: Mapping[s
     result_file.unlink(missing_ok=True)
     spec = plan.components[role]
     requeue = _submitit_requeue(checkpoint_signal()) if global_rank == 0 and _under_submitit() else None
-    supervisor = TaskSupervisor(role_argv(run_dir, launch_index),
-                                {**environ, "TOKENFLOW_GLOBAL_RANK": str(global_rank)}, result_file,
+    env = {**environ, "TOKENFLOW_GLOBAL_RANK": str(global_rank), **_mpi_dist_env(plan, role, rank, node)}
+    supervisor = TaskSupervisor(role_argv(run_dir, launch_index), env, result_file,
                                 spec.max_restarts, spec.optional, plan.stop_grace_s, requeue,
                                 wait_for_requeue=_under_submitit())
     code = supervisor.run((signal.SIGTERM, checkpoint_signal()))
@@ -233,6 +233,22 @@ def run_task(plan: JobPlan, run_dir: Path, launch_index: int, environ: Mapping[s
         raise RoleFailed(f"{role}.{rank} failed: " + (record.get("error") or "no result").strip().splitlines()[-1])
     record = json.loads(result_file.read_text())
     return record.get("result")
+
+
+def _mpi_dist_env(plan: JobPlan, role: str, rank: int, node: str) -> Dict[str, str]:
+    """Under an MPI launch (`plan.mpi`, e.g. srun --mpi=pmix): this component's rank, size and master
+    address from MPI (`mpi_bootstrap`, every task of the step takes part) as DIST_ENV for the role;
+    without PMI in the environment, nothing (the roles use the file rendezvous)."""
+    if not plan.mpi:
+        return {}
+    comm = mpi_world()
+    if comm is None:
+        print(f"plan.mpi={plan.mpi} but this task was not launched under MPI: file rendezvous", flush=True)
+        return {}
+    roles = list(plan.components)
+    got = mpi_bootstrap(comm, roles.index(role), rank, plan.components[role].num_tasks, node)
+    print(f"MPI bootstrap: {role} rank {got['rank']} of {got['size']}, master {got['host']}:{got['port']}", flush=True)
+    return {DIST_ENV: json.dumps(got)}
 
 
 def _run_role(plan: JobPlan, run_dir: Path, where: Tuple[int, str, int], attempt: int, node: str,

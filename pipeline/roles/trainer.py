@@ -24,6 +24,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -117,9 +118,7 @@ class TrainerRole:
             prepare_model(self.run_dir, cfg)
             self.orchestrator = KeptProcess("orchestrator", lambda: start_orchestrator(self.run_dir),
                                             cfg.orchestrator.max_restarts, _interrupt_main)
-            from pipeline.launch.rendezvous import free_port
-            self.rdv.publish("trainer_dist", {"host": self._host(), "port": free_port()})
-        dist = self.rdv.wait("trainer_dist", timeout)
+        dist = self._process_group_master(timeout)
         model = model_dir(self.run_dir, timeout)
         from dataclasses import replace
 
@@ -146,6 +145,19 @@ class TrainerRole:
             self.weights.push(self.version)  # generators start from the trainer's weights
         else:
             self.link.report_version(self.version)
+
+    def _process_group_master(self, timeout: float) -> dict:
+        """{"host", "port"} of the trainer's process group: from MPI where the launch bootstrapped it
+        (`cluster.mpi`; docs/moe-scale.md), else published by rank 0 in the run's rendezvous."""
+        from pipeline.launch.rendezvous import DIST_ENV, free_port
+        if os.environ.get(DIST_ENV):
+            boot = json.loads(os.environ[DIST_ENV])
+            log.info("process group from MPI: rank %d of %d, master %s:%d", boot["rank"], boot["size"],
+                     boot["host"], boot["port"])
+            return boot
+        if self.leader:
+            self.rdv.publish("trainer_dist", {"host": self._host(), "port": free_port()})
+        return self.rdv.wait("trainer_dist", timeout)
 
     def _host(self) -> str:
         """Address other roles reach this process at: loopback locally, the node name on Slurm."""

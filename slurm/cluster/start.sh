@@ -104,6 +104,10 @@ chmod 1777 "$STATE"/tmp/node*
 : > "$STATE/pids"
 HOST=$(hostname -s)
 
+# Open MPI (srun --mpi=pmix, cluster.mpi): the fake nodes all live on this machine's loopback, and
+# its other interfaces may refuse connections, so MPI's TCP transport keeps to lo (a site setting).
+MCA=/etc/openmpi/openmpi-mca-params.conf
+[ -f "$MCA" ] && ! grep -q "^btl_tcp_if_include" "$MCA" && echo "btl_tcp_if_include = lo" >> "$MCA"
 grep -qE "(^|[[:space:]])node1([[:space:]]|$)" /etc/hosts || \
   echo "127.0.0.1 $(for i in $(seq 1 "$NODES"); do printf 'node%s ' "$i"; done)" >> /etc/hosts
 for i in $(seq 1 "$NODES"); do getent hosts "node$i" >/dev/null || die "node$i does not resolve (add it to /etc/hosts)"; done
