@@ -122,26 +122,22 @@ def mpi_bootstrap(comm: Any, component: int, rank: int, size: int, host: str,
     `component` (their index in the plan), MPI's rank and size in the split must equal the plan's
     (`rank`, `size`: otherwise a ValueError names both), and the component's rank 0 broadcasts
     ``host`` and a free port on it. Returns {"rank", "size", "host", "port"}; MPI is finalized.
-    MPI's collectives have no timeout of their own: a watchdog ends the process (exit 3, the reason
-    printed) when a task of the step has not joined within `timeout_s`.
+    MPI's collectives have no timeout of their own: `faulthandler`'s timer (a C thread, so it fires
+    inside a blocking MPI call) prints where the task waited and ends it (exit 1) after `timeout_s`.
     """
-    import threading
+    import faulthandler
 
     from mpi4py import MPI
 
-    def give_up() -> None:
-        print(f"MPI bootstrap: not every task of the step joined within {timeout_s:g} s; giving up", flush=True)
-        os._exit(3)
-
-    watchdog = threading.Timer(timeout_s, give_up)
-    watchdog.daemon = True
-    watchdog.start()
+    # C-level timer: it fires even while a blocking MPI call holds the interpreter
+    print(f"MPI bootstrap: waiting for every task of the step (at most {timeout_s:g} s)", flush=True)
+    faulthandler.dump_traceback_later(timeout_s, exit=True)
     sub = comm.Split(color=component, key=comm.Get_rank())
     placed = (sub.Get_rank(), sub.Get_size())
     master = mpi_broadcast(sub, {"host": host, "port": free_port()} if placed[0] == 0 else None)
     sub.Free()
     MPI.Finalize()  # after the broadcast on every task, so a disagreeing task cannot leave the others waiting
-    watchdog.cancel()
+    faulthandler.cancel_dump_traceback_later()
     if placed != (rank, size):
         raise ValueError(f"MPI places this task at rank {placed[0]} of {placed[1]} in its component, the plan "
                          f"at rank {rank} of {size}: the launcher and the plan disagree")

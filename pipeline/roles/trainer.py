@@ -248,10 +248,13 @@ class TrainerRole:
                                      cuda=self.trainer.cuda))
 
     def _mismatch(self, batch, samples) -> float | None:
-        """Mean |trainer - generator| logprob over tokens the current weights generated (a
-        collective: every rank computes it on its share; None where no rank has such tokens)."""
-        current = [batch.tokens("versions", i) == self.version for i in range(len(batch))]
-        pick = [i for i, c in enumerate(current) if c.any()] or [0]
+        """Mean |trainer - generator| logprob over samples the current weights generated whole (a
+        collective: every rank computes it on its share; None where no rank has one). A sequence that
+        crossed a weight swap keeps the old weights' keys and values (`keep_kv`, docs/weight-sync.md),
+        so its later tokens differ from a fresh forward by design, not by numerics: it is left out."""
+        whole = [bool((batch.tokens("versions", i) == self.version).all()) for i in range(len(batch))]
+        current = [np.full(len(batch.tokens("versions", i)), w) for i, w in enumerate(whole)]
+        pick = [i for i, w in enumerate(whole) if w] or [0]
         lps = self.trainer.logprobs([samples[i] for i in pick])  # every rank runs the forward
         diff = sum(float(np.abs(lp[current[i]] - samples[i].behaviour_logprobs[current[i]]).sum())
                    for lp, i in zip(lps, pick))

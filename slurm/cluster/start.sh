@@ -104,10 +104,16 @@ chmod 1777 "$STATE"/tmp/node*
 : > "$STATE/pids"
 HOST=$(hostname -s)
 
-# Open MPI (srun --mpi=pmix, cluster.mpi): the fake nodes all live on this machine's loopback, and
-# its other interfaces may refuse connections, so MPI's TCP transport keeps to lo (a site setting).
+# Open MPI (srun --mpi=pmix, cluster.mpi): the fake nodes are one machine under one host name, so
+# Open MPI would take tasks of different nodes for neighbours and use shared memory (vader) between
+# them, which crashes across the nodes' separate tmp dirs; and this machine's other interfaces may
+# refuse connections. So MPI talks TCP over lo here (a site setting of the test cluster).
 MCA=/etc/openmpi/openmpi-mca-params.conf
-[ -f "$MCA" ] && ! grep -q "^btl_tcp_if_include" "$MCA" && echo "btl_tcp_if_include = lo" >> "$MCA"
+if [ -f "$MCA" ] && ! grep -q "^btl_tcp_if_include" "$MCA"; then
+  sed -i 's/^btl *=.*/btl = self,tcp/' "$MCA"
+  grep -q "^btl *=" "$MCA" || printf '\nbtl = self,tcp\n' >> "$MCA"
+  printf '\nbtl_tcp_if_include = lo\n' >> "$MCA"  # the file may lack a final newline
+fi
 grep -qE "(^|[[:space:]])node1([[:space:]]|$)" /etc/hosts || \
   echo "127.0.0.1 $(for i in $(seq 1 "$NODES"); do printf 'node%s ' "$i"; done)" >> /etc/hosts
 for i in $(seq 1 "$NODES"); do getent hosts "node$i" >/dev/null || die "node$i does not resolve (add it to /etc/hosts)"; done
