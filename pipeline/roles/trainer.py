@@ -177,7 +177,9 @@ class TrainerRole:
                                    reward=float(batch.columns["reward"][i]),
                                    group_id=int(batch.columns["group_id"][i]),
                                    sampling_mask=batch.tokens("sampling_mask", i)
-                                   if "sampling_mask" in batch.columns else None) for i in range(len(batch))]
+                                   if "sampling_mask" in batch.columns else None,
+                                   model_mask=batch.tokens("model_mask", i)
+                                   if "model_mask" in batch.columns else None) for i in range(len(batch))]
             me = cfg.run.mismatch_every
             mismatch = self._mismatch(batch, samples) if me and step % me == 0 else None
             m = self.trainer.train_step(samples)
@@ -238,7 +240,7 @@ class TrainerRole:
     def _mismatch(self, batch, samples) -> float | None:
         """Mean |trainer - generator| logprob over tokens the current weights generated (a
         collective: every rank computes it on its share; None where no rank has such tokens)."""
-        current = [batch.tokens("versions", i) == self.version for i in range(len(batch))]
+        current = [(batch.tokens("versions", i) == self.version) & samples[i].trained for i in range(len(batch))]
         pick = [i for i, c in enumerate(current) if c.any()] or [0]
         lps = self.trainer.logprobs([samples[i] for i in pick])  # every rank runs the forward
         diff = sum(float(np.abs(lp[current[i]] - samples[i].behaviour_logprobs[current[i]]).sum())
