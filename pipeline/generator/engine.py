@@ -26,6 +26,9 @@ Invariants:
   paused (its weights may be half-written) and `WeightUpdateError` propagates: the caller must
   load a complete version (rejoin the group) before generating again, so no engine ever serves a
   mix of two versions.
+- With an `EpisodeRunner` (a task with an environment) a sample or an evaluation answer is a whole
+  multi-turn episode (`pipeline.generator.episodes`): each turn is a `complete` call on the same
+  token sequence, so everything above holds per model turn.
 - Engine processes are spawned: code that builds a `Generator` must run under ``__main__`` guards.
 """
 from __future__ import annotations

@@ -11,7 +11,8 @@ An episode is one rollout sample whose completion is model turn 1, observation 1
   ``model_mask`` 0 and the version of the model token before them (the record's version rule);
 - the token budget (``generator.max_tokens``) bounds model and environment tokens together: an
   observation that would overflow it is cut and the episode ends with finish reason ``length``, as
-  does one still going after ``episode.max_turns`` model turns; a model turn that does not stop on
+  does one still going after ``episode.max_turns`` model turns (the environment sees the last turn,
+  its observation is not appended: no model turn would answer it); a model turn that does not stop on
   EOS or a stop token (``length``, ``abort``) ends the episode with its reason;
 - episodes record neither the sampling mask nor routing (a run with ``generator.sampling_mask_width``
   or ``generator.record_routing`` and a task with an environment is refused by `pipeline.config.validate`);
@@ -92,6 +93,9 @@ class EpisodeRunner:
                 step = await step_with_timeout(env, message, cfg.step_timeout_s)
                 if step.done:
                     return done, None
+                if turn == cfg.max_turns - 1:  # no model turn would answer this observation
+                    done.finish_reason = "length"
+                    return done, None
                 obs = list(self.tokenizer.encode(step.observation, add_special_tokens=False))
                 room = budget - len(done.token_ids)
                 n = min(len(obs), room)
@@ -99,8 +103,7 @@ class EpisodeRunner:
                 if n < len(obs) or n == room:
                     done.finish_reason = "length"
                     return done, None
-            done.finish_reason = "length"  # still going after max_turns model turns
-            return done, None
+            raise AssertionError("unreachable: the last turn returns")
         except EnvironmentError_ as exc:
             return done, exc
 

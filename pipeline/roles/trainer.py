@@ -60,7 +60,8 @@ def prepare_model(run_dir: Path, cfg: TokenflowConfig) -> Path:
         from pipeline.tasks.prompting import PromptFormat
 
         task = make_task(cfg.task)
-        ws = WarmStartConfig(steps=steps, lr=cfg.model.warmstart_lr, prompt_format=PromptFormat.of(cfg.task, task))
+        ws = WarmStartConfig(steps=steps, lr=cfg.model.warmstart_lr, prompt_format=PromptFormat.of(cfg.task, task),
+                             distractor_fraction=task.warmstart_distractor_fraction)
         path = ensure_warm_start(path, task, ws)
     publish_model(run_dir, path)
     return path

@@ -5,15 +5,19 @@ Worked example: the prompt text is "37*48="; the reference episode is the model 
 the tool turn "=1776" (written by the environment, not the model), then the model turn "1776". The
 verifier reads the episode's transcript as decoded without special tokens,
 "calc 37*48\\ntool\\n=1776\\nassistant\\n1776", and scores 1.0 when its last line is exactly "1776"
-(a direct answer "1776" scores 1.0 too; "calc 37*48" alone, "=1776" or "1775" score 0.0).
+(a direct answer "1776" scores 1.0 too; "calc 37*48" alone, "=1776", "guess 85" or "1775" score 0.0).
 
 Invariants:
 - operands are in [10, 99]: 8100 ordered pairs; the held-out set is `eval_size` distinct pairs drawn
   with a fixed seed (EVAL_SEED), training streams skip them (train and eval never share a prompt);
 - training prompt i of seed s is drawn with `random.Random(f"toolcalc:{s}:{i}")`: random access;
 - `reference_completion` is the whole episode's text (the warm-start's demonstration of the tool
-  format, observation included); `distractor_completion` answers at once without the tool, with
-  the sum instead of the product (always wrong: a + b != a * b for a, b >= 10).
+  format, observation included); `distractor_completion` guesses at once without the tool, with
+  the sum instead of the product ("guess 85" for "37*48=": always wrong, a + b != a * b for
+  a, b >= 10, and its last line is not a bare number). The warm-start shows the guess in 65 % of
+  its demonstrations, so the warm-started policy mostly guesses when greedy (held-out accuracy
+  near 0) but calls the tool in about a third of its samples: RL has to learn from the verifier
+  alone that the tool earns reward.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ class ToolCalcTask(Task):
     environment = "calculator"
     max_tokens = 40  # a call (~7 tokens), the tool turn (~12) and the answer (~5), with room to spare
     max_prompt_tokens = 32
+    warmstart_distractor_fraction = 0.65
 
     def __init__(self, eval_size: int = 200):
         pairs = (HIGH - LOW + 1) ** 2
@@ -62,7 +67,7 @@ class ToolCalcTask(Task):
 
     def distractor_completion(self, prompt: Prompt) -> str | None:
         a, b = map(int, prompt.text.rstrip("=").split("*"))
-        return str(a + b)
+        return f"guess {a + b}"
 
     def score(self, prompt: Prompt, completion_text: str) -> float:
         lines = strip_completion(completion_text).splitlines()
