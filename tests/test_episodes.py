@@ -200,3 +200,6 @@ def test_episode_records_round_trip_through_the_log_exactly_once_and_inspect_sho
     assert e["env_tokens_masked"] == sum(m.count(0) for m in masks)
     assert e["spanning_versions"] == 4 and len(e["examples"]) == 2
     assert [t["role"] for t in e["examples"][-1]["turns"]] == ["model", "env", "model"]
+    assert inspect_main([str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "tool calls    4;" in text and "  env      1 tokens  v4" in text

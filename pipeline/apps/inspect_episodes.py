@@ -93,8 +93,9 @@ def format_episodes(e: dict) -> list[str]:
            f"{e['env_tokens_masked']:,} (masked: no gradient); {e['spanning_versions']:,} episodes span "
            f"more than one policy version"]
     for ex in e["examples"]:
-        out.append(f"episode       group {ex['group_id']} sample {ex['sample_index']}: reward "
-                   f"{ex['reward']:.2f}, {ex['finish_reason']}")
+        reward = "-" if ex["reward"] is None or ex["reward"] != ex["reward"] else f"{ex['reward']:.2f}"
+        out.append(f"episode       group {ex['group_id']} sample {ex['sample_index']}: reward {reward}, "
+                   f"{ex['finish_reason']}")
         for t in ex["turns"]:
             v = t["versions"]
             text = f"  {t['text']!r}" if "text" in t else ""
