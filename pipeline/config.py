@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.envs.base import EpisodeConfig
 from pipeline.generator.config import GeneratorConfig
 from pipeline.launch.plan import ComponentSpec
 from pipeline.orchestrator.config import OrchestratorConfig
@@ -128,6 +129,7 @@ class TokenflowConfig:
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    episode: EpisodeConfig = field(default_factory=EpisodeConfig)
 
 
 #: Fields whose change on resume would make the stored log mean something else.
@@ -148,8 +150,11 @@ def register() -> None:
 
 def record_schema(cfg: TokenflowConfig) -> RecordSchema:
     """The optional per-token fields this run records: the sampling mask with
-    ``generator.sampling_mask_width`` > 0."""
-    return RecordSchema(sampling_mask_k=cfg.generator.sampling_mask_width or None)
+    ``generator.sampling_mask_width`` > 0, the model-token mask for a task with an environment."""
+    from pipeline.tasks import task_environment
+
+    return RecordSchema(sampling_mask_k=cfg.generator.sampling_mask_width or None,
+                        model_mask=task_environment(cfg.task) is not None)
 
 
 def validate(cfg: TokenflowConfig) -> None:
@@ -175,6 +180,12 @@ def validate(cfg: TokenflowConfig) -> None:
          "trainer.routing_replay needs routing in the rollout record, which runs do not carry yet "
          "(the Trainer API replays TrainSample.routed_experts; docs/corrections.md)"),
     ]
+    from pipeline.tasks import task_environment
+
+    checks.append((task_environment(cfg.task) is None or not (cfg.generator.sampling_mask_width or
+                                                              cfg.generator.record_routing),
+                   f"task.name={cfg.task.name} runs multi-turn episodes, which record no sampling mask or "
+                   "routing yet: unset generator.sampling_mask_width and generator.record_routing"))
     p = cfg.trainer.parallel
     model_parallel = p.tp * (p.etp or p.tp) * p.ep
     checks.append((cfg.cluster.trainer_ranks % (p.tp * p.ep) == 0,
@@ -184,6 +195,7 @@ def validate(cfg: TokenflowConfig) -> None:
         if not ok:
             raise ValueError(message)
     cfg.orchestrator.validate()
+    cfg.episode.validate()
 
 
 def check_resume_compatible(old: dict[str, Any], new: dict[str, Any], run_dir: Path) -> None:

@@ -7,6 +7,12 @@ Invariants this module keeps (checked on construction, raising `RecordError` nam
 - ``versions`` (the policy version that produced each token) are non-negative and never decrease
   along a completion (weights only move forward while a sequence is generated);
 - token ids are non-negative, behaviour logprobs are finite and ``<= LOGPROB_MAX``;
+- episodes (multi-turn tool use, `pipeline.generator.episodes`): with ``RecordSchema.model_mask`` a
+  completion is the concatenation of model turns and environment observations; ``model_mask`` is 1
+  on tokens the policy sampled and 0 on environment tokens, holds only 0/1, and a completion starts
+  with a model token (so its first token's version is its oldest model token's, the one staleness
+  counts). Environment tokens carry logprob 0 and the version of the model token before them, so
+  the version rule above holds unchanged along an episode;
 - an optional per-token field is present if and only if the schema enables it, so every sample of a
   run has the same fields (the HDF5 log creates every enabled dataset up front: SWMR forbids new
   datasets later).
@@ -35,7 +41,8 @@ import numpy as np
 LOGPROB_MAX = 1e-3
 
 #: Finish reasons, stored as their index (uint8).
-FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+#: "env_error": an episode whose environment failed or hung (its tokens up to there are kept).
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "env_error")
 
 
 class RecordError(ValueError):
@@ -54,6 +61,9 @@ class RecordSchema:
     """(moe_layers, top_k): the experts each token was routed to at generation (routing replay)."""
     sampling_mask_k: int | None = None
     """Width k of the per-token list of token ids the sampler kept (top-k/top-p), padded with -1."""
+    model_mask: bool = False
+    """A uint8 per completion token: 1 = sampled by the policy, 0 = an environment observation
+    (multi-turn episodes; the trainer's loss and corrections skip the 0s)."""
 
     def token_fields(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
         """Per-completion-token fields of this schema: name -> (dtype, trailing shape)."""
@@ -70,6 +80,8 @@ class RecordSchema:
             out["routed_experts"] = (np.dtype(np.int16), tuple(self.routed_experts))
         if self.sampling_mask_k is not None:
             out["sampling_mask"] = (np.dtype(np.int32), (int(self.sampling_mask_k),))
+        if self.model_mask:
+            out["model_mask"] = (np.dtype(np.uint8), ())
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -78,6 +90,7 @@ class RecordSchema:
             "teacher_logprobs": self.teacher_logprobs,
             "routed_experts": list(self.routed_experts) if self.routed_experts else None,
             "sampling_mask_k": self.sampling_mask_k,
+            "model_mask": self.model_mask,
         }
 
     @classmethod
@@ -91,6 +104,7 @@ class RecordSchema:
             teacher_logprobs=bool(d.get("teacher_logprobs", False)),
             routed_experts=(int(re[0]), int(re[1])) if re else None,
             sampling_mask_k=None if d.get("sampling_mask_k") is None else int(d["sampling_mask_k"]),
+            model_mask=bool(d.get("model_mask", False)),
         )
 
 
@@ -157,6 +171,7 @@ class RolloutSample:
     teacher_logprobs: np.ndarray | None = None
     routed_experts: np.ndarray | None = None
     sampling_mask: np.ndarray | None = None
+    model_mask: np.ndarray | None = None
     schema: RecordSchema = field(default_factory=RecordSchema, repr=False)
     """The run's schema, which decides which optional fields must be present."""
 
@@ -184,7 +199,7 @@ class RolloutSample:
             elif len(arr) != n:
                 raise RecordError(f"{name} has {len(arr)} entries for {n} completion tokens")
             setattr(self, name, arr)
-        for name in ("token_rewards", "teacher_logprobs", "routed_experts", "sampling_mask"):
+        for name in ("token_rewards", "teacher_logprobs", "routed_experts", "sampling_mask", "model_mask"):
             if name not in self.schema.token_fields() and getattr(self, name) is not None:
                 raise RecordError(f"{name} is given but the run's record schema does not enable it")
         if n == 0:
@@ -193,6 +208,8 @@ class RolloutSample:
         self.t_start, self.t_end = float(self.t_start), float(self.t_end)
         check_token_values(self.prompt_ids, self.completion_ids, self.logprobs, self.versions,
                            np.array([n]))
+        if self.model_mask is not None:
+            check_model_mask(self.model_mask, np.array([n]))
 
     @property
     def min_version(self) -> int:
@@ -220,6 +237,15 @@ def check_token_values(prompt_ids: np.ndarray, completion_ids: np.ndarray, logpr
             starts = np.cumsum(completion_len)[:-1]
             if not np.isin(drops, starts).all():
                 raise RecordError("versions decrease within a completion")
+
+
+def check_model_mask(model_mask: np.ndarray, completion_len: np.ndarray) -> None:
+    """Episode masks: only 0/1, and every completion starts with a model token (module invariants)."""
+    if model_mask.size and model_mask.max() > 1:
+        raise RecordError("model_mask holds a value other than 0 and 1")
+    starts = np.concatenate(([0], np.cumsum(completion_len)[:-1])).astype(np.int64)
+    if model_mask.size and not model_mask[starts].all():
+        raise RecordError("model_mask: a completion starts with an environment token (0)")
 
 
 class SampleBatch:
@@ -312,6 +338,8 @@ class SampleBatch:
                                   f"got {a.dtype}{list(a.shape)}")
         check_token_values(self.columns["prompt_ids"], self.columns["completion_ids"],
                            self.columns["logprobs"], self.columns["versions"], clen)
+        if self.schema.model_mask and n:
+            check_model_mask(self.columns["model_mask"], clen)
 
     # -- access -------------------------------------------------------------------------------
     def __len__(self) -> int:

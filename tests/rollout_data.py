@@ -36,6 +36,9 @@ def make_batch(schema: RecordSchema, seed: int, n: int, first_group: int = 0, gr
             cols[name] = versions.astype(dtype)
         elif name in ("logprobs", "teacher_logprobs"):
             cols[name] = (-rng.exponential(1.0, shape)).astype(dtype)
+        elif name == "model_mask":  # episodes: each completion starts with a model token
+            cols[name] = (rng.random(total) < 0.7).astype(dtype)
+            cols[name][np.cumsum(clen) - clen] = 1
         elif name == "token_rewards":
             cols[name] = rng.standard_normal(shape).astype(dtype)
         else:  # routed_experts, sampling_mask

@@ -31,7 +31,7 @@ SCHEMA = RecordSchema(token_rewards=True)
 schemas = st.builds(
     RecordSchema, token_rewards=st.booleans(), teacher_logprobs=st.booleans(),
     routed_experts=st.none() | st.tuples(st.integers(1, 3), st.integers(1, 3)),
-    sampling_mask_k=st.none() | st.integers(1, 4))
+    sampling_mask_k=st.none() | st.integers(1, 4), model_mask=st.booleans())
 
 
 @given(schema=schemas, sizes=st.lists(st.integers(0, 12), min_size=1, max_size=6),

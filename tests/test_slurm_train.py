@@ -269,3 +269,39 @@ def test_kill_9_of_orchestrator_generator_and_engine_then_preemption(tmp_path):
     assert resumes[-1] == 1 + max(before), (resumes, before)  # exact: checkpointed where it stopped
     check_record(run, steps, max_staleness=1)
     print("recovery " + json.dumps({"seed": chaos.seed, "recoveries": [chaos.recovery(k) for k in chaos.kills]}))
+
+
+@pytest.mark.slow  # about 5 min on 2 cores: TOKENFLOW_SLOW=1 runs it
+def test_kill_9_of_trainer_rank_0_ends_the_job_and_the_same_command_resumes(tmp_path):
+    """kill -9 of trainer rank 0's role process at a seeded step: the job ends (the trainer is not
+    restarted in place: its state is the checkpoint's), `tokenflow train` exits non-zero naming
+    trainer.0, nothing is left running, and the same command resumes the run to the end with every
+    group stored once and the staleness bound kept."""
+    import random
+    import signal
+
+    from chaos import check_record, last_step, role_process, wait_for
+
+    seed = int(os.environ.get("TOKENFLOW_CHAOS_SEED", random.randrange(1 << 20)))
+    steps = 8
+    kill_after = random.Random(seed).randrange(2, 5)
+    print(f"seed {seed} (TOKENFLOW_CHAOS_SEED): kill -9 trainer rank 0 after step {kill_after}")
+    run = tmp_path / "tk"
+    args = ["train", "run.name=tk", f"hydra.run.dir={run}", f"run.steps={steps}", "run.checkpoint_every=2", *TINY]
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=ENV, cwd=REPO)
+    try:
+        wait_for(lambda: last_step(run) >= kill_after, 400, f"step {kill_after}", lambda: proc.poll() is None)
+        os.kill(role_process(run, 0), signal.SIGKILL)
+        t_kill = time.monotonic()
+        out, _ = proc.communicate(timeout=300)
+        print(f"tokenflow train returned {proc.returncode} {time.monotonic() - t_kill:.1f} s after the kill")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            tokenflow("cancel", str(run))
+    assert proc.returncode != 0 and "trainer.0" in out, out[-3000:]
+    assert status_of(run)["components"][0]["state"] in ("FAILED", "CANCELLED"), status_of(run)
+    again = tokenflow(*args, timeout=900)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    check_record(run, steps, max_staleness=1)

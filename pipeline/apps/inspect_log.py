@@ -6,7 +6,10 @@ plus the journal's valid entries, and says (``journal``) how far behind the writ
 steps, tokens), the mean reward by policy version, a staleness histogram, prompt and completion
 length statistics and finish reasons. ``--json`` prints the summary as ONE JSON object, the only
 line on stdout (NaN becomes null); ``--plot`` writes a PNG of reward by version, staleness and
-lengths. Bad paths or files exit with code 2 and a message naming the problem.
+lengths. Bad paths or files exit with code 2 and a message naming the problem. A log of multi-turn
+episodes (record schema with ``model_mask``) also gets ``episodes``: turns, tool calls, masked
+environment tokens, and the last ``--episodes N`` episodes turn by turn with their versions and
+(when the run's model is found) text (`pipeline.apps.inspect_episodes`).
 
 Definitions (worked example): a sample's *version* is its oldest token's policy version. Its
 *staleness* is the trainer version of the step that consumed it minus its version; a sample no
@@ -60,8 +63,9 @@ def _histogram(values: np.ndarray) -> dict[str, int]:
     return {str(int(k)): int(c) for k, c in zip(keys, counts)}
 
 
-def summarize(log: RolloutLog, progress=None) -> dict:
-    """The summary of an open log (see module docstring); every value is JSON-able."""
+def summarize(log: RolloutLog, progress=None, episode_examples: int = 3, tokenizer=None) -> dict:
+    """The summary of an open log (see module docstring); every value is JSON-able. Episode logs:
+    `episode_examples` episodes in full, decoded with `tokenizer` when given."""
     show = progress or (lambda msg: None)
     reward, plen, clen, finish, versions, rows = [], [], [], [], [], []
     for i, seg in enumerate(log.segments):
@@ -101,6 +105,11 @@ def summarize(log: RolloutLog, progress=None) -> dict:
     top = int(max(plen.max(initial=1), clen.max(initial=1)))
     edges = np.unique(np.linspace(0, top + 1, _LENGTH_BINS + 1).astype(np.int64))
     show(f"inspect: read {len(rows):,} samples", last=True)
+    episodes = {}
+    if log.schema.model_mask:
+        from pipeline.apps.inspect_episodes import summarize_episodes
+
+        episodes = {"episodes": summarize_episodes(log, episode_examples, tokenizer)}
     return {
         "path": str(log.segments[0].path.parent if log.segments else log.scan.journal.parent),
         "note": log.note, "journal": log.lag_note(),
@@ -125,6 +134,7 @@ def summarize(log: RolloutLog, progress=None) -> dict:
                              "completion": np.histogram(clen, edges)[0].tolist()},
         "finish_reasons": {name: int((finish == i).sum()) for i, name in enumerate(FINISH_REASONS)},
         "per_token_bytes": per_token_bytes(log.schema),
+        **episodes,
     }
 
 
@@ -177,6 +187,10 @@ def format_text(s: dict) -> str:
     out.append(f"per token     {sum(b.values())} B: " + ", ".join(f"{k} {v}" for k, v in b.items())
                + "; " + ", ".join(f"{label} {'%d B' % b[k] if k in b else 'not recorded'}"
                                    for k, label in extra.items()))
+    if "episodes" in s:
+        from pipeline.apps.inspect_episodes import format_episodes
+
+        out += format_episodes(s["episodes"])
     return "\n".join(out)
 
 
@@ -229,6 +243,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("path", help="run directory, its rollouts/ directory, or a segment file")
     parser.add_argument("--plot", metavar="OUT.png", type=Path, help="write a PNG of the summary")
     parser.add_argument("--json", action="store_true", help="print one JSON object only")
+    parser.add_argument("--episodes", type=int, default=3, metavar="N",
+                        help="episode logs: show the last N episodes turn by turn (default 3)")
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:
@@ -241,7 +257,13 @@ def main(argv: list[str]) -> int:
             print(f"tokenflow inspect: warning: {w.message}", file=sys.stderr)
         with log:
             large = log.num_samples > LARGE_LOG_SAMPLES
-            summary = _json_safe(summarize(log, _progress_printer(sys.stderr.isatty() or large)))
+            tokenizer = None
+            if log.schema.model_mask and args.episodes:
+                from pipeline.apps.inspect_episodes import run_tokenizer
+
+                tokenizer = run_tokenizer(Path(args.path))
+            summary = _json_safe(summarize(log, _progress_printer(sys.stderr.isatty() or large),
+                                           args.episodes, tokenizer))
         if args.plot:
             plot(summary, args.plot)
     except LogError as e:

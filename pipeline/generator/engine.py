@@ -26,6 +26,9 @@ Invariants:
   paused (its weights may be half-written) and `WeightUpdateError` propagates: the caller must
   load a complete version (rejoin the group) before generating again, so no engine ever serves a
   mix of two versions.
+- With an `EpisodeRunner` (a task with an environment) a sample or an evaluation answer is a whole
+  multi-turn episode (`pipeline.generator.episodes`): each turn is a `complete` call on the same
+  token sequence, so everything above holds per model turn.
 - Engine processes are spawned: code that builds a `Generator` must run under ``__main__`` guards.
 """
 from __future__ import annotations
@@ -45,6 +48,8 @@ from pipeline.record import RecordSchema, RolloutSample
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
+
+    from pipeline.generator.episodes import EpisodeRunner
 
 EXTENSION = "pipeline.generator.worker_extension.WeightSyncExtension"
 _CPU_BATCHED_TOKENS = 4096  # tokens per engine step on CPU (prefills are never chunked there)
@@ -73,6 +78,8 @@ class Completion:
     routed_experts: np.ndarray | None = None
     """``[prompt + completion - 1, moe_layers, top_k]`` int16 experts of every position the model ran
     (``generator.record_routing``; the last segment's, which recomputed every earlier position)."""
+    model_mask: list[int] | None = None
+    """Episodes only: 1 per token the policy sampled, 0 per environment token (pipeline.generator.episodes)."""
 
 
 @dataclass
@@ -151,8 +158,9 @@ class Generator:
     """Drives one vLLM AsyncLLM engine; all methods run on one asyncio loop."""
 
     def __init__(self, config: GeneratorConfig, generator_id: int = 0, initial_version: int = 0,
-                 schema: RecordSchema | None = None):
+                 schema: RecordSchema | None = None, episodes: "EpisodeRunner | None" = None):
         self.config = config
+        self.episodes = episodes  # multi-turn episodes instead of single completions (tasks with an environment)
         self.generator_id = generator_id
         self.version = initial_version
         self.schema = schema or RecordSchema()
@@ -239,9 +247,17 @@ class Generator:
                     done.finish_reason = "length"
                 return done
 
+    async def episode_or_completion(self, prompt_ids: Sequence[int], seed_of_segment, max_tokens: int | None = None,
+                                    greedy: bool = False) -> Completion:
+        """An episode (with `episodes`: `pipeline.generator.episodes`) or one completion."""
+        if self.episodes is None:
+            return await self.complete(prompt_ids, seed_of_segment, max_tokens, greedy)
+        budget = self.config.max_tokens if max_tokens is None else max_tokens
+        return await self.episodes.run(self, prompt_ids, seed_of_segment, budget, greedy)
+
     async def generate_sample(self, request: GroupRequest, sample_index: int) -> RolloutSample:
         t_start = time.time()
-        c = await self.complete(request.prompt_ids, lambda seg: request_seed(
+        c = await self.episode_or_completion(request.prompt_ids, lambda seg: request_seed(
             self.config.seed, request.group_id, sample_index, request.attempt, seg))
         if not c.token_ids:
             raise RuntimeError(f"group {request.group_id} sample {sample_index} ended with no tokens "
@@ -253,7 +269,8 @@ class Generator:
             logprobs=np.asarray(c.logprobs, dtype=np.float32), versions=np.asarray(c.versions, dtype=np.int32),
             finish_reason=c.finish_reason, generator_id=self.generator_id, t_start=t_start,
             t_end=time.time(), schema=self.schema,
-            sampling_mask=np.concatenate(c.sampling_mask) if self.schema.sampling_mask_k else None)
+            sampling_mask=np.concatenate(c.sampling_mask) if self.schema.sampling_mask_k else None,
+            model_mask=np.asarray(c.model_mask, np.uint8) if self.schema.model_mask else None)
 
     async def generate_group(self, request: GroupRequest) -> list[RolloutSample]:
         """The group's ``n`` samples, in sample order."""
@@ -262,7 +279,7 @@ class Generator:
     async def evaluate(self, prompts: Sequence[Sequence[int]], max_tokens: int | None = None) -> list[Completion]:
         """Greedy completions of `prompts` for evaluation (not rollouts), with per-token versions:
         an update during an evaluation shows in them like in any request."""
-        return list(await asyncio.gather(*(self.complete(p, lambda seg: None, max_tokens, greedy=True)
+        return list(await asyncio.gather(*(self.episode_or_completion(p, lambda seg: None, max_tokens, greedy=True)
                                            for p in prompts)))
 
     # -- weights ------------------------------------------------------------------------------

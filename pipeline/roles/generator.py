@@ -68,6 +68,7 @@ class GeneratorRole:
 
     async def run(self) -> dict:
         from pipeline.generator.engine import Generator
+        from pipeline.generator.episodes import episode_runner
 
         cfg, timeout = self.cfg, self.cfg.run.timeout_s
         cores = cpu_cores_for("generator", self.rank, cfg)
@@ -77,7 +78,7 @@ class GeneratorRole:
         model = str(model_dir(self.run_dir, timeout))
         gcfg = replace(cfg.generator, model=model, seed=cfg.orchestrator.seed,
                        cpu_cores=cfg.generator.cpu_cores or (",".join(map(str, cores)) if cores else ""))
-        self.gen = Generator(gcfg, generator_id=self.rank, schema=self.schema)
+        self.gen = Generator(gcfg, generator_id=self.rank, schema=self.schema, episodes=episode_runner(cfg, model))
         await self.gen.start()
         slots = max(1, gcfg.max_num_seqs // cfg.orchestrator.group_size)
         self.joinable_from = 1 + self._newest_published_epoch()  # read before the Hello (see _join)
@@ -225,7 +226,8 @@ class GeneratorRole:
             group_id=0, sample_index=0, prompt_id=item.index, attempt=0, prompt_ids=item.prompt_ids,
             completion_ids=np.asarray(c.token_ids, np.int32), logprobs=np.zeros(n, np.float32),
             versions=np.asarray(c.versions, np.int32), finish_reason=c.finish_reason,
-            generator_id=self.rank, schema=self.schema)
+            generator_id=self.rank, schema=self.schema,
+            model_mask=np.asarray(c.model_mask or [1] * n, np.uint8) if self.schema.model_mask else None)
         self.link.send_eval_result(item.step, np.array([item.index]),
                                    SampleBatch.from_samples([sample], self.schema))
 

@@ -61,7 +61,8 @@ def prepare_model(run_dir: Path, cfg: TokenflowConfig) -> Path:
         from pipeline.tasks.prompting import PromptFormat
 
         task = make_task(cfg.task)
-        ws = WarmStartConfig(steps=steps, lr=cfg.model.warmstart_lr, prompt_format=PromptFormat.of(cfg.task, task))
+        ws = WarmStartConfig(steps=steps, lr=cfg.model.warmstart_lr, prompt_format=PromptFormat.of(cfg.task, task),
+                             distractor_fraction=task.warmstart_distractor_fraction)
         path = ensure_warm_start(path, task, ws)
     publish_model(run_dir, path)
     return path
@@ -189,7 +190,9 @@ class TrainerRole:
                                    reward=float(batch.columns["reward"][i]),
                                    group_id=int(batch.columns["group_id"][i]),
                                    sampling_mask=batch.tokens("sampling_mask", i)
-                                   if "sampling_mask" in batch.columns else None) for i in range(len(batch))]
+                                   if "sampling_mask" in batch.columns else None,
+                                   model_mask=batch.tokens("model_mask", i)
+                                   if "model_mask" in batch.columns else None) for i in range(len(batch))]
             me = cfg.run.mismatch_every
             mismatch = self._mismatch(batch, samples) if me and step % me == 0 else None
             m = self.trainer.train_step(samples)
@@ -248,13 +251,14 @@ class TrainerRole:
                                      cuda=self.trainer.cuda))
 
     def _mismatch(self, batch, samples) -> float | None:
-        """Mean |trainer - generator| logprob over samples the current weights generated whole (a
-        collective: every rank computes it on its share; None where no rank has one). A sequence that
-        crossed a weight swap keeps the old weights' keys and values (`keep_kv`, docs/weight-sync.md),
-        so its later tokens differ from a fresh forward by design, not by numerics: it is left out."""
+        """Mean |trainer - generator| logprob over the model tokens of samples the current weights
+        generated whole (a collective: every rank computes it on its share; None where no rank has
+        one). A sequence that crossed a weight swap keeps the old weights' keys and values (`keep_kv`,
+        docs/weight-sync.md), so its later tokens differ from a fresh forward by design, not by
+        numerics: it is left out; so are an episode's environment tokens (no logprob of the policy)."""
         whole = [bool((batch.tokens("versions", i) == self.version).all()) for i in range(len(batch))]
-        current = [np.full(len(batch.tokens("versions", i)), w) for i, w in enumerate(whole)]
-        pick = [i for i, w in enumerate(whole) if w] or [0]
+        current = [np.full(len(samples[i].trained), w) & samples[i].trained for i, w in enumerate(whole)]
+        pick = [i for i, c in enumerate(current) if c.any()] or [0]
         lps = self.trainer.logprobs([samples[i] for i in pick])  # every rank runs the forward
         diff = sum(float(np.abs(lp[current[i]] - samples[i].behaviour_logprobs[current[i]]).sum())
                    for lp, i in zip(lps, pick))

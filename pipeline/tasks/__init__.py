@@ -3,7 +3,8 @@
 The built-in default is `sort` (pipeline.tasks.sorting): a tiny model warm-started for a minute solves
 some prompts greedily and more when sampling, so RL has visible headroom. `addition` is harder (a tiny
 model plateaus around 10 % greedy after supervised warm-start). `jsonl` reads users' prompt/answer data
-(docs/data.md). How prompts become tokens: pipeline.tasks.prompting; what the orchestrator serves:
+(docs/data.md). `toolcalc` (pipeline.tasks.toolcalc) is a multi-turn tool task: its episodes call
+the calculator environment (`task_environment`; docs/episodes.md). How prompts become tokens: pipeline.tasks.prompting; what the orchestrator serves:
 pipeline.tasks.sources.
 """
 from __future__ import annotations
@@ -15,13 +16,14 @@ from pipeline.tasks.addition import AdditionTask
 from pipeline.tasks.base import Prompt, Task
 from pipeline.tasks.jsonl import SPLIT_SEED, JsonlTask
 from pipeline.tasks.sorting import SortDigitsTask
+from pipeline.tasks.toolcalc import ToolCalcTask
 
 
 @dataclass
 class TaskConfig:
     """Which task a run trains on, and how its prompts are presented."""
 
-    name: str = "sort"  # "sort" (built-in), "addition" (built-in, harder) or "jsonl" (users' file)
+    name: str = "sort"  # "sort" (built-in), "addition" (built-in, harder), "toolcalc" (built-in, tool episodes) or "jsonl" (users' file)
     min_digits: int = 6  # sort: shortest digit string
     max_digits: int = 8  # sort: longest digit string
     digits: int = 2  # addition: operands have at most this many digits
@@ -46,6 +48,8 @@ def make_task(cfg: TaskConfig) -> Task:
         task: Task = SortDigitsTask(min_digits=cfg.min_digits, max_digits=cfg.max_digits, eval_size=cfg.eval_size)
     elif cfg.name == "addition":
         task = AdditionTask(digits=cfg.digits, eval_size=cfg.eval_size)
+    elif cfg.name == "toolcalc":
+        task = ToolCalcTask(eval_size=cfg.eval_size)
     elif cfg.name == "jsonl":
         if not cfg.path:
             raise ValueError("task.name=jsonl needs task.path=<file.jsonl>")
@@ -53,7 +57,7 @@ def make_task(cfg: TaskConfig) -> Task:
                          eval_fraction=cfg.eval_fraction, split_seed=cfg.split_seed, shuffle=cfg.shuffle,
                          verifier=cfg.verifier)
     else:
-        raise ValueError(f"unknown task {cfg.name!r} (known: sort, addition, jsonl)")
+        raise ValueError(f"unknown task {cfg.name!r} (known: sort, addition, toolcalc, jsonl)")
     if cfg.name != "jsonl" and (cfg.verifier or cfg.epochs is not None):
         raise ValueError(f"task.verifier and task.epochs apply to task=jsonl only (task.name={cfg.name!r})")
     if cfg.max_tokens is not None:
@@ -63,4 +67,10 @@ def make_task(cfg: TaskConfig) -> Task:
     return task
 
 
-__all__ = ["AdditionTask", "JsonlTask", "Prompt", "SortDigitsTask", "Task", "TaskConfig", "make_task"]
+def task_environment(cfg: TaskConfig) -> str | None:
+    """The environment a task's episodes run in (`pipeline.envs`), None for single-turn tasks."""
+    return ToolCalcTask.environment if cfg.name == ToolCalcTask.name else None
+
+
+__all__ = ["AdditionTask", "JsonlTask", "Prompt", "SortDigitsTask", "Task", "TaskConfig", "ToolCalcTask", "make_task",
+           "task_environment"]

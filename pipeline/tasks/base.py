@@ -59,6 +59,8 @@ class Task(abc.ABC):
     """Longest prompt in tokens (with the chat template); with max_tokens it sizes max_model_len."""
     train_size: int | None = None
     """Distinct training prompts of a dataset task; None for a generated task (endless fresh draws)."""
+    warmstart_distractor_fraction: float = 0.5
+    """Share of the warm-start's demonstrations replaced by `distractor_completion` (pipeline.models.warmstart)."""
 
     def prompt_id(self, seed: int, position: int) -> int:
         """Id of the prompt at `position` of seed `seed`'s training stream (generated: the position)."""

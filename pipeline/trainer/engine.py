@@ -246,7 +246,7 @@ class Trainer:
         cfg = self.cfg
         micro_batches = self._equalised(self._attach(samples))
         local_rows = len(samples)
-        local_tokens = sum(len(s.completion_ids) for s in samples)
+        local_tokens = sum(int(s.trained.sum()) for s in samples)
         tokens, rows = self._all_reduce([local_tokens, local_rows], self.dp_group).tolist()
         if tokens == 0:
             raise ValueError("the global batch has no completion tokens")

@@ -11,7 +11,8 @@ predicts ``tokens[i + 1]``. Completion token ``j`` therefore sits at label posit
 
 Invariants:
 - Every real completion token appears in exactly one micro-batch, exactly once, with mask 1; padding
-  and prompt positions have mask 0.
+  and prompt positions have mask 0, and so have environment tokens of an episode (a sample's
+  ``model_mask`` 0: observations the policy did not sample, `pipeline.generator.episodes`).
 - ``BatchLayout.gather`` is the inverse of ``scatter``: it returns one array per sample, in the
   order the samples were given, of length ``len(completion_ids)``.
 - Micro-batches never exceed ``micro_batch_tokens`` padded tokens unless one sample alone does
@@ -42,6 +43,7 @@ class TrainSample:
     group_id: int = 0  # prompt group (GRPO normalises within a group)
     sampling_mask: np.ndarray | None = None  # [C, W] ids top-k/top-p kept per token, -1 padded (sampling_mask.py)
     routed_experts: np.ndarray | None = None  # [P + C - 1, layers, k] generator routing (routing_replay.py)
+    model_mask: np.ndarray | None = None  # [C] 1 = sampled by the policy, 0 = environment token (episodes); None: all 1
 
     def __post_init__(self):
         self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int64)
@@ -54,6 +56,16 @@ class TrainSample:
         if self.behaviour_logprobs.shape != self.completion_ids.shape:
             raise ValueError(f"behaviour_logprobs has shape {self.behaviour_logprobs.shape}, "
                              f"completion_ids {self.completion_ids.shape}: one logprob per token")
+        if self.model_mask is not None and np.shape(self.model_mask) != self.completion_ids.shape:
+            raise ValueError(f"model_mask has shape {np.shape(self.model_mask)}, completion_ids "
+                             f"{self.completion_ids.shape}: one entry per token")
+
+    @property
+    def trained(self) -> np.ndarray:
+        """Bool per completion token: the loss covers it (the policy sampled it)."""
+        if self.model_mask is None:
+            return np.ones(len(self.completion_ids), dtype=bool)
+        return np.asarray(self.model_mask) != 0
 
 
 @dataclass
@@ -125,7 +137,7 @@ class PaddedLayout(BatchLayout):
             ids[row, :n] = tokens[:-1]
             labels[row, :n] = tokens[1:]
             start, c = len(s.prompt_ids) - 1, len(s.completion_ids)
-            mask[row, start:start + c] = 1.0
+            mask[row, start:start + c] = torch.from_numpy(s.trained.astype(np.float32))
             starts.append(start)
             clens.append(c)
         positions = torch.arange(width, dtype=torch.long).expand(len(order), width).contiguous()

@@ -1,0 +1,117 @@
+"""The environment interface of a multi-turn episode, and running one step under a timeout.
+
+An environment is created per episode, ``reset(prompt_text)`` once, then ``step(message)`` with each
+model turn's text (decoded without special tokens); a step returns the observation text to append
+(tokenized by the generator, after the model's end-of-turn token), a reward and whether the
+episode is over. Invariants:
+
+- the environment sees text, the record keeps tokens: observations are tokenized once by the
+  generator and appended to the same token sequence, so the trainer sees exactly the engine's ids;
+- a step runs in its own daemon thread and is waited on for at most ``EpisodeConfig.step_timeout_s``:
+  an environment that raises or hangs raises `EnvironmentError_` in the episode loop, which records
+  that episode as failed (finish reason ``env_error``) after ``EpisodeConfig.env_retries`` fresh
+  attempts; the run and the other episodes go on. A hung step's thread is abandoned (Python cannot
+  kill a thread): it is a daemon, so it never keeps the process alive.
+
+Worked example (`pipeline.envs.calculator`): reset("37*48="); step("calc 37*48") ->
+Step(observation="\\n<|im_start|>tool\\n=1776<|im_end|>\\n<|im_start|>assistant\\n", reward=0, done=False);
+step("1776") -> Step("", 0, done=True): the model answered, the task's verifier scores the episode.
+"""
+from __future__ import annotations
+
+import abc
+import asyncio
+import threading
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass
+class EpisodeConfig:
+    """Limits of a multi-turn episode (tasks with an environment, e.g. ``task=toolcalc``)."""
+
+    max_turns: int = 4
+    """Model turns per episode; an episode still going after this many ends with finish reason
+    ``length``. The token budget per episode is ``generator.max_tokens`` (model and environment
+    tokens together)."""
+    step_timeout_s: float = 5.0
+    """Longest an environment step may take; a slower (or failing) step fails its episode."""
+    env_retries: int = 1
+    """Fresh attempts of an episode whose environment failed before it is recorded as failed
+    (finish reason ``env_error``, scored like any completion)."""
+
+    def validate(self) -> None:
+        if self.max_turns < 1:
+            raise ValueError(f"episode.max_turns must be >= 1, got {self.max_turns}")
+        if self.step_timeout_s <= 0:
+            raise ValueError(f"episode.step_timeout_s must be > 0, got {self.step_timeout_s}")
+        if self.env_retries < 0:
+            raise ValueError(f"episode.env_retries must be >= 0, got {self.env_retries}")
+
+
+@dataclass(frozen=True)
+class Step:
+    """What an environment answers to one model turn."""
+
+    observation: str
+    """Text appended after the model's turn (empty when done)."""
+    reward: float = 0.0
+    """The environment's reward for this step. Not recorded yet: an episode's reward is the task's
+    verifier on its transcript, scored by the orchestrator like any completion (docs/episodes.md)."""
+    done: bool = False
+    """The episode is over: no further model turn."""
+
+
+class EnvironmentError_(RuntimeError):
+    """An environment step raised or exceeded its timeout (the episode fails, not the run)."""
+
+
+class Environment(abc.ABC):
+    """One episode's environment (see the module docstring)."""
+
+    def reset(self, prompt_text: str) -> None:
+        """Start an episode for the prompt (as the model saw it, decoded)."""
+
+    @abc.abstractmethod
+    def step(self, message: str) -> Step:
+        """React to one model turn (its text, special tokens removed)."""
+
+
+async def call_with_timeout(fn: Callable[[], T], timeout_s: float, what: str) -> T:
+    """``fn()`` in a daemon thread, waited on for at most `timeout_s` seconds; a failure or a
+    timeout raises `EnvironmentError_` naming `what`."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(result, error: BaseException | None) -> None:
+        if not done.done():
+            done.set_exception(error) if error is not None else done.set_result(result)
+
+    def work() -> None:
+        result, error = None, None
+        try:
+            result = fn()
+        except BaseException as exc:  # reported to the episode, never raised in this thread
+            error = exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop closed while a hung call ran: nobody waits any more
+            pass
+
+    threading.Thread(target=work, name=f"env-{what}", daemon=True).start()
+    try:
+        return await asyncio.wait_for(asyncio.shield(done), timeout_s)
+    except asyncio.TimeoutError:
+        raise EnvironmentError_(f"{what} took longer than {timeout_s} s") from None
+    except Exception as exc:
+        raise EnvironmentError_(f"{what} failed: {exc!r}") from exc
+
+
+async def step_with_timeout(env: Environment, message: str, timeout_s: float) -> Step:
+    """``env.step(message)`` under `call_with_timeout`; a result that is not a `Step` fails too."""
+    step = await call_with_timeout(lambda: env.step(message), timeout_s, f"{type(env).__name__}.step")
+    if not isinstance(step, Step):
+        raise EnvironmentError_(f"{type(env).__name__}.step returned {type(step).__name__}, not Step")
+    return step
