@@ -1,0 +1,72 @@
+"""The teacher: a vLLM engine on a frozen checkpoint that scores given completions.
+
+For a sample with prompt ``p`` and completion ``c``, the teacher's logprob of completion token
+``c[j]`` is the engine's prompt logprob at position ``len(p) + j`` of the sequence ``p + c``
+(vLLM ``prompt_logprobs``: the log-softmax of the raw logits, temperature 1, at the actual next
+token). One engine request per sample, ``max_tokens=1``; the one generated token is discarded.
+
+Invariants:
+- ``teacher_logprobs`` has one finite float32 per completion token, in the batch's token order;
+- prefix caching is off (cached prefixes would come back without prompt logprobs) and, on CPU,
+  prefills are never chunked (`pipeline.generator.engine` has the reason);
+- the teacher and the policy share a tokenizer: completion token ids are scored as they are.
+
+Worked example: prompt ``[5, 9]``, completion ``[4, 2]``: the request is ``[5, 9, 4, 2]``; prompt
+logprobs come back as ``[None, lp(9|5), lp(4|5 9), lp(2|5 9 4)]`` and the teacher logprobs are
+the last two.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.record import SampleBatch
+
+#: Tokens per engine step on CPU (every prompt prefilled whole).
+_CPU_BATCHED_TOKENS = 8192
+
+
+class TeacherScorer:
+    """``SampleBatch -> {"teacher_logprobs": float32[completion tokens]}`` with a vLLM engine."""
+
+    fills = ("teacher_logprobs",)
+
+    def __init__(self, checkpoint: str | Path, max_model_len: int = 2048, kv_cache_gib: int = 1,
+                 dtype: str = "float32"):
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        extra = {}
+        if current_platform.is_cpu():
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+            extra = {"enable_chunked_prefill": False,
+                     "max_num_batched_tokens": max(max_model_len, _CPU_BATCHED_TOKENS)}
+        self.max_model_len = max_model_len
+        self.llm = LLM(model=str(checkpoint), dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
+                       enable_prefix_caching=False, seed=0, disable_log_stats=True, **extra)
+
+    def __call__(self, batch: SampleBatch) -> dict[str, np.ndarray]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts, plens = [], []
+        for i in range(len(batch)):
+            p, c = batch.prompt(i), batch.tokens("completion_ids", i)
+            if len(p) + len(c) >= self.max_model_len:
+                raise ValueError(f"sample {i}: {len(p) + len(c)} tokens exceed the teacher's "
+                                 f"max_model_len {self.max_model_len}")
+            prompts.append(TokensPrompt(prompt_token_ids=np.concatenate([p, c]).astype(int).tolist()))
+            plens.append(len(p))
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        parts = []
+        for out, plen, prompt in zip(outs, plens, prompts):
+            ids = prompt["prompt_token_ids"]
+            parts.append(np.array([out.prompt_logprobs[k][ids[k]].logprob for k in range(plen, len(ids))],
+                                  np.float32))
+        lp = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+        if not np.isfinite(lp).all():
+            raise ValueError("the teacher returned a non-finite logprob")
+        return {"teacher_logprobs": lp}
