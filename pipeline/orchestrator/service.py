@@ -87,6 +87,8 @@ class Orchestrator:
             self.buffer.add(g)
         self.counts.update(state.outcome_counts)
         self.scoring = scoring or AsyncScoring(scorer, cfg.scorer_threads)
+        if hasattr(self.scoring, "bind_clock"):  # scorer roles: a lagged teacher follows the policy
+            self.scoring.bind_clock(self.clock)
         # What generators send: the stored record less the fields scorer roles fill.
         self.result_schema = replace(schema, token_rewards=False, teacher_logprobs=False) \
             if scoring is not None else schema

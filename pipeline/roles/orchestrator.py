@@ -42,7 +42,8 @@ def build_orchestrator(run_dir: Path, cfg: TokenflowConfig) -> Orchestrator:
     if cfg.scorers.remote and not cfg.replay.source:  # scorer roles (pipeline.scorers)
         from pipeline.scorers.pool import RemoteScoring
         scoring = RemoteScoring(run_dir, cfg.scorers, schema,
-                                scorer if cfg.scorers.reward == "verifier" else None, t)
+                                scorer if cfg.scorers.reward == "verifier" else None, t,
+                                refresh_every=cfg.run.checkpoint_every)
     return Orchestrator(run_dir, cfg.orchestrator, train, scorer, schema,
                         run_id=cfg.run.name, eval_prompts=evals,
                         replay_source=Path(cfg.replay.source) if cfg.replay.source else None,

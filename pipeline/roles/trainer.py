@@ -177,7 +177,9 @@ class TrainerRole:
                                    reward=float(batch.columns["reward"][i]),
                                    group_id=int(batch.columns["group_id"][i]),
                                    sampling_mask=batch.tokens("sampling_mask", i)
-                                   if "sampling_mask" in batch.columns else None) for i in range(len(batch))]
+                                   if "sampling_mask" in batch.columns else None,
+                                   teacher_logprobs=batch.tokens("teacher_logprobs", i)
+                                   if "teacher_logprobs" in batch.columns else None) for i in range(len(batch))]
             me = cfg.run.mismatch_every
             mismatch = self._mismatch(batch, samples) if me and step % me == 0 else None
             m = self.trainer.train_step(samples)

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 #: Reward sources: the task's exact verifier (in the orchestrator), or a scorer role.
 REWARD_KINDS = ("verifier", "reward_model", "process_reward")
-#: Teacher kinds: none, or a frozen checkpoint.
-TEACHER_KINDS = ("none", "frozen")
+#: Teacher kinds: none, a frozen checkpoint, or the policy's own snapshot some versions back.
+TEACHER_KINDS = ("none", "frozen", "lagged")
 
 
 @dataclass
@@ -29,9 +29,15 @@ class ScorersConfig:
     """process_reward: the token id that ends a step (e.g. the id of "\\n"); a completion's last
     token always ends its last step. Required (>= 0) with process_reward."""
     teacher: str = "none"
-    """"none", or "frozen": a vLLM engine on ``teacher_model`` fills ``teacher_logprobs``."""
+    """"none"; "frozen": a vLLM engine on ``teacher_model`` fills ``teacher_logprobs``;
+    "lagged": the teacher is the policy's own snapshot ``teacher_lag`` versions back, refreshed
+    at every trainer checkpoint (``run.checkpoint_every`` steps; docs/scorers.md)."""
     teacher_model: str = ""
-    """Checkpoint directory of the frozen teacher (same tokenizer as the policy)."""
+    """Checkpoint directory of the frozen teacher (same tokenizer as the policy); "lagged": the
+    policy's initial checkpoint (version 0), empty = the run's model."""
+    teacher_lag: int = 1
+    """lagged: K, how many versions the teacher trails the policy (>= 1: the snapshot of version
+    v - K is on disk before the policy reaches v)."""
     reward_scorers: int = 1
     """Reward scorer processes (with reward != verifier)."""
     teachers: int = 1
@@ -70,7 +76,9 @@ class ScorersConfig:
             raise ValueError(f"scorers.reward={self.reward} needs scorers.reward_model (a checkpoint)")
         if self.reward == "process_reward" and self.step_token_id < 0:
             raise ValueError("scorers.reward=process_reward needs scorers.step_token_id >= 0")
-        if self.teacher != "none" and not self.teacher_model:
+        if self.teacher == "lagged" and self.teacher_lag < 1:
+            raise ValueError(f"scorers.teacher_lag must be >= 1, got {self.teacher_lag}")
+        if self.teacher == "frozen" and not self.teacher_model:
             raise ValueError(f"scorers.teacher={self.teacher} needs scorers.teacher_model")
         for name in ("reward_scorers", "teachers", "batch_groups", "inflight_batches", "max_attempts"):
             if getattr(self, name) < 1:

@@ -35,7 +35,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import zmq
@@ -52,6 +52,14 @@ log = logging.getLogger(__name__)
 SCORERS_RENDEZVOUS = "rendezvous/scorers.json"
 #: Fields each service fills.
 SERVICE_FIELDS = {"reward": ("reward", "token_rewards"), "teacher": ("teacher_logprobs",)}
+
+
+def lagged_teacher_version(policy_version: int, lag: int, every: int) -> int:
+    """The snapshot a lagged teacher uses while the policy is at ``policy_version``: the newest
+    checkpointed version (a multiple of ``every``) at most ``lag`` behind, so it lies in
+    [v - lag - every + 1, v - lag]; before the policy reaches ``lag``, version 0 (the initial
+    weights). Example: lag 2, every 3: v = 2..4 -> 0, v = 5..7 -> 3, v = 8 -> 6."""
+    return max(0, (policy_version - lag) // every * every)
 
 
 def generation_schema(schema: RecordSchema) -> RecordSchema:
@@ -90,8 +98,12 @@ class RemoteScoring:
     """Sends groups to scorer processes and collects their answers (see the module docstring)."""
 
     def __init__(self, run_dir: Path, cfg: ScorersConfig, schema: RecordSchema,
-                 verifier: Scorer | None, transport: TransportConfig):
+                 verifier: Scorer | None, transport: TransportConfig, refresh_every: int = 1):
+        """``refresh_every``: the steps between the trainer's checkpoints (a lagged teacher's
+        snapshots)."""
         self.cfg, self.schema, self.verifier = cfg, schema, verifier
+        self.refresh_every = refresh_every
+        self.policy_version: Callable[[], int] = lambda: 0
         self.services = cfg.services()
         self.wire_schema = generation_schema(schema).to_dict()
         self.server = _bind(Path(run_dir), transport)
@@ -125,6 +137,10 @@ class RemoteScoring:
                 yield job.key, job.group, None, RuntimeError(job.error)
             else:
                 yield job.key, self._filled(job), job.results["reward"], None
+
+    def bind_clock(self, clock) -> None:
+        """Follow the orchestrator's policy clock: the trainer's last reported version."""
+        self.policy_version = lambda: clock.reported or 0
 
     def metrics(self) -> dict[str, float]:
         live = Counter(p.service for p in self.peers.values())
@@ -198,6 +214,8 @@ class RemoteScoring:
         for j in live:
             job = self.jobs[j]
             job.results.update(parts[j])
+            if service == "teacher":
+                job.results["teacher_version"] = int(msg.meta.get("teacher_version", -1))
             job.needs.discard(service)
             self.samples[service] += len(job.group)
             self._unqueue(service, j)
@@ -237,8 +255,11 @@ class RemoteScoring:
                 jids = [queue.popleft() for _ in range(min(self.cfg.batch_groups, len(queue)))]
                 batch = SampleBatch.concat([self.jobs[j].group for j in jids])
                 rid = next(self._ids)
-                if not self.server.send(peer, "score", {"request": rid, "jobs": jids,
-                                                        "schema": self.wire_schema}, batch.columns):
+                meta = {"request": rid, "jobs": jids, "schema": self.wire_schema}
+                if info.service == "teacher" and self.cfg.teacher == "lagged":
+                    meta["teacher_version"] = lagged_teacher_version(
+                        self.policy_version(), self.cfg.teacher_lag, self.refresh_every)
+                if not self.server.send(peer, "score", meta, batch.columns):
                     # gone (ZeroMQ no longer routes to it) or its queue is full: not an attempt
                     self.counts["send_failed"] += 1
                     queue.extendleft(reversed(jids))
@@ -282,6 +303,8 @@ class RemoteScoring:
         for name in ("token_rewards", "teacher_logprobs"):
             if name in self.schema.token_fields():
                 cols[name] = job.results[name]
+        if "teacher_version" in self.schema.scalar_columns():
+            cols["teacher_version"] = np.full(len(job.group), job.results["teacher_version"], np.int32)
         return SampleBatch(cols, self.schema, validate=True)
 
 

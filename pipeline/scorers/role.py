@@ -38,11 +38,12 @@ log = logging.getLogger(__name__)
 ROLE_SERVICES = {"scorer": "reward", "teacher": "teacher"}
 
 
-def build_scorer(cfg: ScorersConfig, service: str):
-    """The callable ``SampleBatch -> {field: array}`` of this service."""
+def build_scorer(cfg: ScorersConfig, service: str, run_dir: Path, teacher_model: str = ""):
+    """The callable ``SampleBatch -> {field: array}`` of this service (``teacher_model``: the
+    teacher's checkpoint; a lagged teacher's version 0)."""
     if service == "teacher":
         from pipeline.scorers.teacher import TeacherScorer
-        return TeacherScorer(cfg.teacher_model)
+        return TeacherScorer(teacher_model, run_dir=run_dir)
     from pipeline.scorers.models import ProcessRewardScorer, RewardModelScorer
     if cfg.reward == "process_reward":
         return ProcessRewardScorer(cfg.reward_model, cfg.step_token_id, cfg.device)
@@ -69,7 +70,11 @@ def serve(run_dir: Path, cfg: ScorersConfig, service: str, rank: int,
     from pipeline.metrics import MetricsWriter
 
     run_dir = Path(run_dir)
-    scorer = build_scorer(cfg, service)
+    teacher_model = cfg.teacher_model
+    if service == "teacher" and not teacher_model:  # lagged: starts from the policy's own weights
+        from pipeline.roles.common import model_dir
+        teacher_model = str(model_dir(run_dir, timeout_s=orphan_after_s))
+    scorer = build_scorer(cfg, service, run_dir, teacher_model)
     key = load_or_create_secret(run_dir)
     address = _address(run_dir, orphan_after_s)
     identity = f"{service}-{rank}-{os.getpid()}"
@@ -129,6 +134,8 @@ ROLE_OF = {v: k for k, v in ROLE_SERVICES.items()}
 def _answer(scorer, msg) -> tuple[dict, dict[str, np.ndarray]]:
     meta = {"request": msg.meta.get("request"), "jobs": msg.meta.get("jobs")}
     try:
+        if "teacher_version" in msg.meta:  # a lagged teacher: load the snapshot asked for
+            meta["teacher_version"] = scorer.use_version(int(msg.meta["teacher_version"]))
         batch = SampleBatch(msg.arrays, RecordSchema.from_dict(msg.meta["schema"]), validate=True)
         gid = batch.columns["group_id"]
         firsts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])

@@ -9,7 +9,11 @@ Invariants:
 - ``teacher_logprobs`` has one finite float32 per completion token, in the batch's token order;
 - prefix caching is off (cached prefixes would come back without prompt logprobs) and, on CPU,
   prefills are never chunked (`pipeline.generator.engine` has the reason);
-- the teacher and the policy share a tokenizer: completion token ids are scored as they are.
+- the teacher and the policy share a tokenizer: completion token ids are scored as they are;
+- a lagged teacher (`use_version`) holds one policy snapshot at a time: version 0 is the
+  checkpoint it started from, version N > 0 the trainer's checkpoint ``RUN/checkpoints/step-N``
+  (its ``model-r*.safetensors``, Hugging Face names), loaded in place through the generator's
+  worker extension; ``version`` is the snapshot the last answer was computed with.
 
 Worked example: prompt ``[5, 9]``, completion ``[4, 2]``: the request is ``[5, 9, 4, 2]``; prompt
 logprobs come back as ``[None, lp(9|5), lp(4|5 9), lp(2|5 9 4)]`` and the teacher logprobs are
@@ -18,6 +22,7 @@ the last two.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -33,8 +38,8 @@ class TeacherScorer:
 
     fills = ("teacher_logprobs",)
 
-    def __init__(self, checkpoint: str | Path, max_model_len: int = 2048, kv_cache_gib: int = 1,
-                 dtype: str = "float32"):
+    def __init__(self, checkpoint: str | Path, run_dir: str | Path | None = None, max_model_len: int = 2048,
+                 kv_cache_gib: int = 1, dtype: str = "float32", snapshot_wait_s: float = 120.0):
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -43,9 +48,39 @@ class TeacherScorer:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
             extra = {"enable_chunked_prefill": False,
                      "max_num_batched_tokens": max(max_model_len, _CPU_BATCHED_TOKENS)}
+        from pipeline.generator.engine import EXTENSION
+
         self.max_model_len = max_model_len
+        self.checkpoint, self.run_dir, self.snapshot_wait_s = Path(checkpoint), run_dir, snapshot_wait_s
+        self.version = 0
         self.llm = LLM(model=str(checkpoint), dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
-                       enable_prefix_caching=False, seed=0, disable_log_stats=True, **extra)
+                       enable_prefix_caching=False, seed=0, disable_log_stats=True,
+                       worker_extension_cls=EXTENSION, **extra)
+
+    def use_version(self, version: int) -> int:
+        """Hold policy snapshot ``version`` (load it unless held); returns it."""
+        if version == self.version:
+            return version
+        if version == 0:
+            files = [self.checkpoint]
+        else:
+            from pipeline.run_files import CHECKPOINTS_DIR, checkpoint_name
+
+            if self.run_dir is None:
+                raise ValueError("a lagged teacher needs the run directory")
+            snap = Path(self.run_dir) / CHECKPOINTS_DIR / checkpoint_name(version)
+            deadline = time.monotonic() + self.snapshot_wait_s
+            while not (snap / "COMPLETE").exists():  # written last, after every shard
+                if time.monotonic() > deadline:
+                    raise FileNotFoundError(f"no complete policy snapshot {snap} after "
+                                            f"{self.snapshot_wait_s:.0f}s")
+                time.sleep(0.2)
+            files = sorted(snap.glob("model-r*.safetensors"))
+        self.version = -1  # a failed load leaves mixed weights: held version unknown
+        for f in files:
+            self.llm.collective_rpc("load_weights_from_safetensors", args=(str(f),))
+        self.version = version
+        return version
 
     def __call__(self, batch: SampleBatch) -> dict[str, np.ndarray]:
         from vllm import SamplingParams
