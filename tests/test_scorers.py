@@ -173,3 +173,32 @@ def test_stalled_late_and_killed_scorers_cost_no_group_and_score_once(tmp_path, 
     expected = [hf_score(ref, np.r_[batch.prompt(i), batch.tokens("completion_ids", i)])
                 for i in range(len(batch))]
     np.testing.assert_allclose(batch.columns["reward"], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_inspect_shows_token_rewards_teacher_versions_and_kl(tmp_path, capsys):
+    from pipeline.apps.inspect_log import main
+    from pipeline.rollout_log import RolloutLogWriter
+    from rollout_data import make_batch
+
+    schema = RecordSchema(token_rewards=True, teacher_logprobs=True)
+    parts = [make_batch(schema, s, 8, first_group=2 * s, version=s) for s in (1, 2)]
+    for b in parts:  # a step reward on some tokens only, as process rewards leave them
+        b.columns["token_rewards"][::3] = 0.0
+    with RolloutLogWriter(tmp_path / "rollouts", schema, "t", {"group_size": 4}) as w:
+        for b in parts:
+            w.append_samples(b)
+    data = SampleBatch.concat(parts)
+    assert main([str(tmp_path), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)["scorers"]
+    tr = data.columns["token_rewards"]
+    assert s["token_rewards"]["rewarded_tokens"] == int((tr != 0).sum())
+    assert s["token_rewards"]["mean"] == pytest.approx(float(tr[tr != 0].mean()), rel=1e-5)
+    tv = data.columns["teacher_version"]
+    assert s["teacher"]["samples_by_teacher_version"] == {str(v): int((tv == v).sum()) for v in np.unique(tv)}
+    for version in (1, 2):  # make_batch: oldest token version = the batch's version
+        b = parts[version - 1]
+        kl = float((b.columns["logprobs"] - b.columns["teacher_logprobs"]).astype(np.float64).mean())
+        assert s["teacher"]["reverse_kl_by_version"][str(version)] == pytest.approx(kl, rel=1e-5)
+    assert main([str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "samples by teacher version" in text and "reverse KL to the teacher" in text

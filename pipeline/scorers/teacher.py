@@ -38,10 +38,17 @@ class TeacherScorer:
 
     fills = ("teacher_logprobs",)
 
-    def __init__(self, checkpoint: str | Path, run_dir: str | Path | None = None, max_model_len: int = 2048,
-                 kv_cache_gib: int = 1, dtype: str = "float32", snapshot_wait_s: float = 120.0):
+    def __init__(self, checkpoint: str | Path, run_dir: str | Path | None = None,
+                 max_model_len: int | None = None, kv_cache_gib: int = 1, dtype: str = "float32",
+                 snapshot_wait_s: float = 120.0):
+        """``max_model_len``: longest prompt + completion scored (None: min(the checkpoint's
+        max_position_embeddings, 4096))."""
+        from transformers import AutoConfig
         from vllm import LLM
         from vllm.platforms import current_platform
+
+        if max_model_len is None:
+            max_model_len = min(int(AutoConfig.from_pretrained(str(checkpoint)).max_position_embeddings), 4096)
 
         extra = {}
         if current_platform.is_cpu():
