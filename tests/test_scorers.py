@@ -202,3 +202,37 @@ def test_inspect_shows_token_rewards_teacher_versions_and_kl(tmp_path, capsys):
     assert main([str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "samples by teacher version" in text and "reverse KL to the teacher" in text
+
+
+def test_plan_has_scorer_and_teacher_components_only_when_used(tmp_path):
+    from pipeline.apps.train import job_plan
+    from pipeline.config import validate
+
+    cfg = TokenflowConfig(run=RunConfig(name="t", dir=str(tmp_path)))
+    assert list(job_plan(cfg, tmp_path).components) == ["trainer", "generator"]
+    cfg.scorers = ScorersConfig(reward="process_reward", reward_model="/rm", step_token_id=3,
+                                reward_scorers=2, teacher="lagged", teacher_lag=2)
+    plan = job_plan(cfg, tmp_path)
+    assert list(plan.components) == ["trainer", "generator", "scorer", "teacher"]
+    assert plan.components["scorer"].num_tasks == 2 and plan.components["teacher"].num_tasks == 1
+    assert plan.components["teacher"].entry == "pipeline.scorers.role:main"
+    plan.validate()
+    s = stored_record_schema(cfg)
+    assert s.token_rewards and s.teacher_logprobs and "teacher_version" in s.scalar_columns()
+    cfg.scorers.step_token_id = -1
+    with pytest.raises(ValueError, match="step_token_id"):
+        cfg.scorers.validate()
+    cfg.scorers = ScorersConfig(teacher="frozen")
+    with pytest.raises(ValueError, match="teacher_model"):
+        validate(cfg)
+
+
+def test_lagged_teacher_version_window():
+    from pipeline.scorers.pool import lagged_teacher_version
+
+    for lag in (1, 2, 3):
+        for every in (1, 2, 5):
+            for v in range(lag, 40):
+                t = lagged_teacher_version(v, lag, every)
+                assert v - lag - every + 1 <= t <= v - lag and t % every == 0
+            assert all(lagged_teacher_version(v, lag, every) == 0 for v in range(lag))

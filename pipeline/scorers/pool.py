@@ -105,6 +105,8 @@ class RemoteScoring:
         self.refresh_every = refresh_every
         self.policy_version: Callable[[], int] = lambda: 0
         self.services = cfg.services()
+        if ("reward" in self.services) == (verifier is not None):
+            raise ValueError("rewards come either from a reward scorer role or from the verifier")
         self.wire_schema = generation_schema(schema).to_dict()
         self.server = _bind(Path(run_dir), transport)
         _publish(Path(run_dir), {"address": self.server.address})
