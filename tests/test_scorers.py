@@ -112,9 +112,9 @@ def _wait(cond, what: str, timeout: float = 60.0, procs=()) -> None:
 
 def test_stalled_late_and_killed_scorers_cost_no_group_and_score_once(tmp_path, tiny_rm):
     """Scorer A is stopped past the request timeout (its groups go to B), resumed (its late
-    answers are ignored as duplicates), stopped again holding requests and killed with SIGKILL,
-    then restarted under the same rank. Every group is stored once, with the reward the reward
-    model gives it, and none is lost to scoring."""
+    answers are ignored as duplicates), stopped again holding requests and killed with SIGKILL.
+    Every group is stored once, with the reward the reward model gives it, and none is lost to
+    scoring."""
     from transformers import AutoModelForSequenceClassification
 
     run = tmp_path / "run"
@@ -135,22 +135,19 @@ def test_stalled_late_and_killed_scorers_cost_no_group_and_score_once(tmp_path, 
                   _start([LOADGEN, "generator", str(run), "--id=0", "--duration=120", "--max-len=40"],
                          run / "gen.log")]
         _wait(lambda: _metric(run, "scorers_live_reward") == 2, "two scorers", procs=procs)
-        trainer = _start([LOADGEN, "trainer", str(run), "--steps=8", "--dp-size=1", "--step-time=0.5",
+        trainer = _start([LOADGEN, "trainer", str(run), "--steps=10", "--dp-size=1", "--step-time=0.5",
                           "--timeout=90", f"--schema={schema}"], run / "trainer.log")
         _wait(lambda: _metric(run, "scorer_requests") >= 4, "scoring under way", procs=procs)
         a.send_signal(signal.SIGSTOP)  # stalled past timeout_s: its requests go to B
         _wait(lambda: _metric(run, "scorer_timeouts") >= 1, "a request timeout", procs=procs)
         a.send_signal(signal.SIGCONT)  # answers late: the pool must keep the first answers only
         _wait(lambda: _metric(run, "scorer_duplicate") >= 1, "a late duplicate answer", procs=procs)
-        a.send_signal(signal.SIGSTOP)
-        time.sleep(1.0)  # the pool keeps sending to A until its slots are full
+        a.send_signal(signal.SIGSTOP)  # again, until a request it holds times out: then kill it
+        _wait(lambda: _metric(run, "scorer_timeouts") >= 2, "a second request timeout", procs=procs)
         a.kill()
         a.wait()
         procs.remove(a)
-        procs.append(_scorer(run, 0, "a2"))  # what its task supervisor does: restart the rank
-        _wait(lambda: _metric(run, "scorers_live_reward") == 2 and
-              _metric(run, "scorer_restarted") + _metric(run, "scorer_send_failed") >= 1,
-              "the restarted scorer in place of the killed one", 180, procs)
+        # (its task supervisor would restart it: tests/test_teacher_engine.py covers that path)
         assert trainer.wait(timeout=120) == 0, (run / "trainer.log").read_text()[-2000:]
         resent = _metric(run, "scorer_resent_groups")
     finally:
@@ -160,13 +157,13 @@ def test_stalled_late_and_killed_scorers_cost_no_group_and_score_once(tmp_path, 
                 p.terminate()
         for p in procs:
             p.wait(timeout=30)
-    assert resent >= 2
+    assert resent >= 2  # the stalled scorer's groups, then the killed one's
     assert _metric(run, "count_score_error") == 0
     ref = AutoModelForSequenceClassification.from_pretrained(str(tiny_rm), dtype=torch.float32).eval()
     with RolloutLog.open(run / "rollouts") as log:
         g = log.groups()
         stored = g["group_id"][g["outcome"] == GroupOutcome.STORED]
-        assert len(stored) >= 8 * 4 and len(stored) == len(np.unique(stored)), "a group stored twice"
+        assert len(stored) >= 10 * 4 and len(stored) == len(np.unique(stored)), "a group stored twice"
         assert not (g["outcome"] == GroupOutcome.DROPPED_INVALID).any()
         batch = SampleBatch.concat(list(log.iter_batches()))
     assert sorted(np.unique(batch.columns["group_id"]).tolist()) == sorted(stored.tolist())
