@@ -23,6 +23,7 @@ from pipeline.generator.config import GeneratorConfig
 from pipeline.launch.plan import ComponentSpec
 from pipeline.orchestrator.config import OrchestratorConfig
 from pipeline.record import RecordSchema
+from pipeline.scorers.config import ScorersConfig
 from pipeline.tasks import TaskConfig
 from pipeline.trainer.config import TrainerConfig
 
@@ -102,6 +103,12 @@ class ClusterConfig:
         entry="pipeline.roles.trainer:main", cpus_per_task=1, mem_gb=8.0))
     generator: ComponentSpec = field(default_factory=lambda: ComponentSpec(
         entry="pipeline.roles.generator:main", cpus_per_task=1, mem_gb=8.0, max_restarts=3, optional=True))
+    scorer: ComponentSpec = field(default_factory=lambda: ComponentSpec(
+        entry="pipeline.scorers.role:main", cpus_per_task=1, mem_gb=4.0, max_restarts=3))
+    """Reward scorer processes (with scorers.reward != verifier; count: scorers.reward_scorers)."""
+    teacher: ComponentSpec = field(default_factory=lambda: ComponentSpec(
+        entry="pipeline.scorers.role:main", cpus_per_task=1, mem_gb=8.0, max_restarts=3))
+    """Teacher processes (with scorers.teacher != none; count: scorers.teachers)."""
     max_requeues: int = 3
     """Requeues after preemption or time limit (Slurm)."""
     mpi: str | None = None
@@ -130,6 +137,7 @@ class TokenflowConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     episode: EpisodeConfig = field(default_factory=EpisodeConfig)
+    scorers: ScorersConfig = field(default_factory=ScorersConfig)
 
 
 #: Fields whose change on resume would make the stored log mean something else.
@@ -155,6 +163,16 @@ def record_schema(cfg: TokenflowConfig) -> RecordSchema:
 
     return RecordSchema(sampling_mask_k=cfg.generator.sampling_mask_width or None,
                         model_mask=task_environment(cfg.task) is not None)
+
+
+def stored_record_schema(cfg: TokenflowConfig) -> RecordSchema:
+    """The record as stored and trained on: `record_schema` (what generators send) plus the
+    fields scorer roles fill (``token_rewards`` with process rewards, ``teacher_logprobs`` with a
+    teacher; `pipeline.scorers`)."""
+    from dataclasses import replace
+
+    return replace(record_schema(cfg), token_rewards=cfg.scorers.reward == "process_reward",
+                   teacher_logprobs=cfg.scorers.teacher != "none")
 
 
 def validate(cfg: TokenflowConfig) -> None:
@@ -196,6 +214,7 @@ def validate(cfg: TokenflowConfig) -> None:
             raise ValueError(message)
     cfg.orchestrator.validate()
     cfg.episode.validate()
+    cfg.scorers.validate()
 
 
 def check_resume_compatible(old: dict[str, Any], new: dict[str, Any], run_dir: Path) -> None:

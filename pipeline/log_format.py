@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.record import PROMPT_COLUMN, SCALAR_COLUMNS, RecordSchema
+from pipeline.record import PROMPT_COLUMN, RecordSchema
 from pipeline.run_files import ROLLOUTS_DIR
 
 #: Version of this file layout; readers refuse files of a newer version (and read version 1).
@@ -146,7 +146,7 @@ class DatasetSpec:
 
 def dataset_layout(schema: RecordSchema) -> dict[str, DatasetSpec]:
     """Every dataset of a segment for ``schema``: HDF5 path -> spec (``commits`` excluded)."""
-    out = {f"samples/{n}": DatasetSpec("samples", d, ()) for n, d in SCALAR_COLUMNS.items()}
+    out = {f"samples/{n}": DatasetSpec("samples", d, ()) for n, d in schema.scalar_columns().items()}
     out.update({f"samples/{n}": DatasetSpec("samples", np.dtype(np.int64), ()) for n in OFFSET_COLUMNS})
     out[f"samples/{PROMPT_COLUMN[0]}"] = DatasetSpec("prompt_tokens", PROMPT_COLUMN[1], ())
     for name, (dtype, trail) in schema.token_fields().items():

@@ -26,7 +26,7 @@ import numpy as np
 from pipeline.log_format import (
     SCHEMA_VERSION, TABLES, CorruptSegmentError, ForeignFileError, NewerSchemaError, NotHDF5Error,
     dataset_layout)
-from pipeline.record import PROMPT_COLUMN, SCALAR_COLUMNS, RecordError, RecordSchema, SampleBatch
+from pipeline.record import PROMPT_COLUMN, RecordError, RecordSchema, SampleBatch
 
 _COMMIT_LOOKBACK = 8  # how many trailing commit rows to try when the last one is torn
 # A live (or killed mid-flush) SWMR writer's file may end up to this many bytes before the end
@@ -158,7 +158,7 @@ class Segment:
             raise IndexError(f"{self.path}: rows {a}:{b} outside 0:{self.num_rows}")
         try:
             s = self.file["samples"]
-            cols = {name: s[name][a:b] for name in SCALAR_COLUMNS}
+            cols = {name: s[name][a:b] for name in self.schema.scalar_columns()}
             p0 = p1 = c0 = c1 = 0
             if b > a:
                 p0, c0 = int(s["prompt_offset"][a]), int(s["completion_offset"][a])

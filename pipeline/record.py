@@ -84,6 +84,13 @@ class RecordSchema:
             out["model_mask"] = (np.dtype(np.uint8), ())
         return out
 
+    def scalar_columns(self) -> dict[str, np.dtype]:
+        """Scalar (per-sample) columns of this schema: `SCALAR_COLUMNS`, plus ``teacher_version``
+        with teacher logprobs."""
+        if not self.teacher_logprobs:
+            return SCALAR_COLUMNS
+        return {**SCALAR_COLUMNS, "teacher_version": np.dtype(np.int32)}
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "token_rewards": self.token_rewards,
@@ -169,6 +176,9 @@ class RolloutSample:
     """Wall-clock time (unix seconds) the request finished."""
     token_rewards: np.ndarray | None = None
     teacher_logprobs: np.ndarray | None = None
+    teacher_version: int = -1
+    """Policy version of the teacher snapshot that gave ``teacher_logprobs`` (lagged
+    self-distillation); -1 for a frozen teacher. Stored only with teacher logprobs."""
     routed_experts: np.ndarray | None = None
     sampling_mask: np.ndarray | None = None
     model_mask: np.ndarray | None = None
@@ -270,7 +280,7 @@ class SampleBatch:
     @classmethod
     def from_samples(cls, samples: Sequence[RolloutSample], schema: RecordSchema) -> "SampleBatch":
         cols: dict[str, np.ndarray] = {}
-        for name, dtype in SCALAR_COLUMNS.items():
+        for name, dtype in schema.scalar_columns().items():
             if name == "finish_reason":
                 vals = [FINISH_REASONS.index(s.finish_reason) for s in samples]
             elif name == "prompt_len":
@@ -304,7 +314,7 @@ class SampleBatch:
 
     # -- checks -----------------------------------------------------------------------------
     def column_names(self) -> list[str]:
-        return list(SCALAR_COLUMNS) + [PROMPT_COLUMN[0]] + list(self.schema.token_fields())
+        return list(self.schema.scalar_columns()) + [PROMPT_COLUMN[0]] + list(self.schema.token_fields())
 
     def validate(self) -> None:
         """Check dtypes, shapes, lengths and value bounds of every column (vectorised)."""
@@ -314,7 +324,7 @@ class SampleBatch:
             missing, extra = sorted(expected - got), sorted(got - expected)
             raise RecordError(f"batch columns differ from the schema: missing {missing}, extra {extra}")
         n = len(self.columns["group_id"])
-        for name, dtype in SCALAR_COLUMNS.items():
+        for name, dtype in self.schema.scalar_columns().items():
             a = self.columns[name]
             if a.dtype != dtype or a.shape != (n,):
                 raise RecordError(f"column {name}: expected {dtype}[{n}], got {a.dtype}{list(a.shape)}")
@@ -361,7 +371,7 @@ class SampleBatch:
     def take(self, rows: Sequence[int] | np.ndarray) -> "SampleBatch":
         """A new batch holding the given rows, in the given order."""
         rows = np.asarray(rows, dtype=np.int64)
-        cols = {name: self.columns[name][rows] for name in SCALAR_COLUMNS}
+        cols = {name: self.columns[name][rows] for name in self.schema.scalar_columns()}
         cols["prompt_ids"] = _gather(self.columns["prompt_ids"], self._p_off, rows)
         for name in self.schema.token_fields():
             cols[name] = _gather(self.columns[name], self._c_off, rows)
@@ -376,6 +386,8 @@ class SampleBatch:
     def sample(self, i: int) -> RolloutSample:
         c = self.columns
         kw = {name: self.tokens(name, i) for name in self.schema.token_fields()}
+        if "teacher_version" in c:
+            kw["teacher_version"] = int(c["teacher_version"][i])
         return RolloutSample(
             group_id=int(c["group_id"][i]), sample_index=int(c["sample_index"][i]),
             prompt_id=int(c["prompt_id"][i]), attempt=int(c["attempt"][i]),

@@ -50,7 +50,7 @@ from pipeline.log_journal import JournalFile, encode_entry, fsync_dir, journal_n
 from pipeline.log_reader import RolloutLog
 from pipeline.log_scan import scan_log
 from pipeline.log_segment import ArrayFile, Segment
-from pipeline.record import PROMPT_COLUMN, SCALAR_COLUMNS, RecordSchema, SampleBatch
+from pipeline.record import PROMPT_COLUMN, RecordSchema, SampleBatch
 
 
 ArrayLike = int | float | Sequence | np.ndarray
@@ -201,7 +201,7 @@ class RolloutLogWriter:
             off[1:] += start
             self._pending[f"samples/{off_name}"].append(off)
             self._pending_counts[table] += int(lens.sum())
-        for name in (*SCALAR_COLUMNS, PROMPT_COLUMN[0], *self.schema.token_fields()):
+        for name in (*self.schema.scalar_columns(), PROMPT_COLUMN[0], *self.schema.token_fields()):
             self._pending[f"samples/{name}"].append(c[name])
         self._pending_counts["samples"] += n
         if rows[-1] >= len(self._row_tokens):

@@ -24,6 +24,8 @@ def make_batch(schema: RecordSchema, seed: int, n: int, first_group: int = 0, gr
         "t_end": rng.random(n) * 1e9, "prompt_len": plen, "completion_len": clen,
     }
     cols = {k: np.asarray(v).astype(SCALAR_COLUMNS[k]) for k, v in cols.items()}
+    if "teacher_version" in schema.scalar_columns():
+        cols["teacher_version"] = rng.integers(-1, 100, n).astype(np.int32)
     cols["prompt_ids"] = rng.integers(0, 50_000, int(plen.sum())).astype(np.int32)
     # versions: `version` up to a random switch point (>= 1) of each completion, then version + 1
     pos = np.arange(total) - np.repeat(np.cumsum(clen) - clen, clen)

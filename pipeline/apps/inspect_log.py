@@ -63,6 +63,37 @@ def _histogram(values: np.ndarray) -> dict[str, int]:
     return {str(int(k)): int(c) for k, c in zip(keys, counts)}
 
 
+def scorer_summary(log: RolloutLog) -> dict:
+    """What scorer roles filled (`docs/scorers.md`), where the schema records it: per-token
+    (process) rewards -- how many tokens carry a step reward and their mean; the teacher --
+    samples by ``teacher_version`` and the reverse KL of the sampling policy to the teacher,
+    per token (sampled-token estimate: mean of behaviour logprob - teacher logprob), overall and
+    by policy version (a sample's oldest token)."""
+    out: dict = {}
+    if log.schema.token_rewards:
+        tr = np.concatenate([seg.read_column("samples/token_rewards") for seg in log.segments])
+        steps = tr[tr != 0]
+        out["token_rewards"] = {"tokens": int(len(tr)), "rewarded_tokens": int(len(steps)),
+                                "mean": float(steps.mean()) if len(steps) else None}
+    if log.schema.teacher_logprobs:
+        tv, kl, ntok, ver = [], [], [], []
+        for seg in log.segments:
+            clen = seg.read_column("samples/completion_len").astype(np.int64)
+            diff = seg.read_column("samples/logprobs") - seg.read_column("samples/teacher_logprobs")
+            starts = np.concatenate(([0], np.cumsum(clen)[:-1]))
+            kl.append(np.add.reduceat(diff.astype(np.float64), starts) if len(clen) else np.zeros(0))
+            ntok.append(clen)
+            tv.append(seg.read_column("samples/teacher_version"))
+            ver.append(seg.min_versions())
+        tv, kl, ntok, ver = map(np.concatenate, (tv, kl, ntok, ver))
+        out["teacher"] = {
+            "samples_by_teacher_version": _histogram(tv),
+            "reverse_kl_per_token": float(kl.sum() / max(1, ntok.sum())),
+            "reverse_kl_by_version": {str(int(v)): float(kl[ver == v].sum() / max(1, ntok[ver == v].sum()))
+                                      for v in np.unique(ver)}}
+    return out
+
+
 def summarize(log: RolloutLog, progress=None, episode_examples: int = 3, tokenizer=None) -> dict:
     """The summary of an open log (see module docstring); every value is JSON-able. Episode logs:
     `episode_examples` episodes in full, decoded with `tokenizer` when given."""
@@ -135,6 +166,7 @@ def summarize(log: RolloutLog, progress=None, episode_examples: int = 3, tokeniz
         "finish_reasons": {name: int((finish == i).sum()) for i, name in enumerate(FINISH_REASONS)},
         "per_token_bytes": per_token_bytes(log.schema),
         **episodes,
+        "scorers": scorer_summary(log),
     }
 
 
@@ -191,6 +223,19 @@ def format_text(s: dict) -> str:
         from pipeline.apps.inspect_episodes import format_episodes
 
         out += format_episodes(s["episodes"])
+    sc = s.get("scorers") or {}
+    if "token_rewards" in sc:
+        t = sc["token_rewards"]
+        mean = "-" if t["mean"] is None else f"{t['mean']:.4f}"
+        out.append(f"token rewards {t['rewarded_tokens']:,} of {t['tokens']:,} tokens carry a step reward, "
+                   f"mean {mean}")
+    if "teacher" in sc:
+        t = sc["teacher"]
+        out.append("teacher       samples by teacher version: " + ", ".join(
+            f"{k}: {v:,}" for k, v in t["samples_by_teacher_version"].items()))
+        out.append(f"              reverse KL to the teacher per token {t['reverse_kl_per_token']:.4f}; "
+                   "by policy version: " + ", ".join(
+                       f"{k}: {v:.4f}" for k, v in t["reverse_kl_by_version"].items()))
     return "\n".join(out)
 
 

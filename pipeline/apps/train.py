@@ -35,7 +35,7 @@ log = logging.getLogger("tokenflow.train")
 def job_plan(cfg: TokenflowConfig, run_dir: Path):
     from dataclasses import replace
 
-    from pipeline.launch.plan import JobPlan
+    from pipeline.launch.plan import JobPlan, scorer_components
 
     c = cfg.cluster
     trainer = replace(c.trainer, nodes=1 if c.launcher == "local" else c.trainer.nodes,
@@ -52,6 +52,7 @@ def job_plan(cfg: TokenflowConfig, run_dir: Path):
             raise ValueError(f"cluster.mpi={c.mpi} needs mpi4py in this environment (pip install "
                              "'tokenflow[mpi]', with Open MPI's headers installed); or leave cluster.mpi unset")
     components = {"trainer": trainer, "generator": generator} if c.generators else {"trainer": trainer}
+    components.update(scorer_components(cfg))
     return JobPlan(name=f"tokenflow-{cfg.run.name}", components=components,
                    config={"run_dir": str(run_dir)}, max_requeues=c.max_requeues,
                    mpi=c.mpi if c.launcher == "slurm" else None)

@@ -127,3 +127,27 @@ class JobPlan:
         raw = json.loads(text)
         components = {role: ComponentSpec(**spec) for role, spec in raw.pop("components").items()}
         return cls(components=components, **raw)
+
+
+def scorer_components(cfg) -> Dict[str, ComponentSpec]:
+    """The plan components of a run's scorer roles (`pipeline.scorers`), after trainer and
+    generators: ``scorer`` (reward model / process rewards, ``scorers.reward_scorers`` tasks) and
+    ``teacher`` (``scorers.teachers`` tasks), each only when the run uses it. Locally every task
+    is a process on this node; on Slurm ``cluster.scorer`` / ``cluster.teacher`` give the
+    nodes and tasks per node, which must multiply to the count."""
+    s, c = cfg.scorers, cfg.cluster
+    if cfg.replay.source:
+        return {}
+    wanted = {"scorer": (s.reward != "verifier", s.reward_scorers, c.scorer),
+              "teacher": (s.teacher != "none", s.teachers, c.teacher)}
+    out: Dict[str, ComponentSpec] = {}
+    for role, (used, count, spec) in wanted.items():
+        if not used:
+            continue
+        if c.launcher == "local":
+            spec = dataclasses.replace(spec, nodes=1, tasks_per_node=count)
+        if spec.num_tasks != count:
+            raise ValueError(f"cluster.{role}: nodes x tasks_per_node = {spec.num_tasks} must equal "
+                             f"the {role} count ({count})")
+        out[role] = spec
+    return out

@@ -31,6 +31,7 @@ import signal
 import time
 import uuid
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -61,7 +62,11 @@ log = logging.getLogger(__name__)
 class Orchestrator:
     def __init__(self, run_dir: Path, cfg: OrchestratorConfig, prompts: PromptSource,
                  scorer: Scorer, schema: RecordSchema, run_id: str = "run",
-                 eval_prompts: PromptSource | None = None, replay_source: Path | None = None):
+                 eval_prompts: PromptSource | None = None, replay_source: Path | None = None,
+                 scoring=None):
+        """``scoring``: where groups are scored (default: ``AsyncScoring(scorer)`` in this process;
+        `pipeline.scorers.pool.RemoteScoring` for scorer roles, which fill the fields of ``schema``
+        generators do not send)."""
         cfg.validate()
         self.run_dir, self.cfg, self.prompts, self.schema = Path(run_dir), cfg, prompts, schema
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -81,8 +86,13 @@ class Orchestrator:
         for g in state.buffered:
             self.buffer.add(g)
         self.counts.update(state.outcome_counts)
-        self.scoring = AsyncScoring(scorer, cfg.scorer_threads)
-        self.evaluator = Evaluator(eval_prompts, scorer, schema) if eval_prompts else None
+        self.scoring = scoring or AsyncScoring(scorer, cfg.scorer_threads)
+        if hasattr(self.scoring, "bind_clock"):  # scorer roles: a lagged teacher follows the policy
+            self.scoring.bind_clock(self.clock)
+        # What generators send: the stored record less the fields scorer roles fill.
+        self.result_schema = replace(schema, token_rewards=False, teacher_logprobs=False) \
+            if scoring is not None else schema
+        self.evaluator = Evaluator(eval_prompts, scorer, self.result_schema) if eval_prompts else None
         self.feeder = LogFeeder(replay_source, set(state.resolved)) if replay_source else None
         self.server = bind_server(self.run_dir, cfg.transport)
         self.epoch = uuid.uuid4().hex[:12]
@@ -257,7 +267,7 @@ class Orchestrator:
                 self.to_ack.append((peer, gid, attempt, verdict))
             return
         try:
-            batch = batch_from_arrays(msg.arrays, self.schema)
+            batch = batch_from_arrays(msg.arrays, self.result_schema)
             check_result(batch, gid, attempt, self.cfg.group_size, self.prompts.for_group(gid))
         except RecordError as exc:
             self.counts["invalid_result"] += 1
@@ -420,7 +430,8 @@ class Orchestrator:
             reissued=a.reissued_total, cpu_s=_cpu_seconds(), ingested_tokens=self._ingested_total,
             ingest_tokens_per_s=self._ingested_tokens / max(dt, 1e-9),
             **{f"count_{k}": v for k, v in self.counts.items()},
-            **{f"frames_dropped_{k}": v for k, v in self.server.dropped.items()})
+            **{f"frames_dropped_{k}": v for k, v in self.server.dropped.items()},
+            **(self.scoring.metrics() if hasattr(self.scoring, "metrics") else {}))
         self._ingested_tokens = 0
         self._last_metrics = now
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.config import TokenflowConfig, record_schema
+from pipeline.config import TokenflowConfig, stored_record_schema
 from pipeline.orchestrator.prompts import PromptSource, SyntheticPromptSource
 from pipeline.orchestrator.scoring import Scorer, VerifierScorer, last_token_verifier
 from pipeline.orchestrator.service import Orchestrator
@@ -37,6 +37,14 @@ def build_orchestrator(run_dir: Path, cfg: TokenflowConfig) -> Orchestrator:
     if cfg.cluster.launcher == "slurm" and t.interface is None and t.host == "127.0.0.1":
         t.host = "0.0.0.0"  # generators run on other nodes: listen on every interface
     train, evals, scorer = task_sources(cfg, run_dir)
-    return Orchestrator(run_dir, cfg.orchestrator, train, scorer, record_schema(cfg),
+    schema = stored_record_schema(cfg)
+    scoring = None
+    if cfg.scorers.remote and not cfg.replay.source:  # scorer roles (pipeline.scorers)
+        from pipeline.scorers.pool import RemoteScoring
+        scoring = RemoteScoring(run_dir, cfg.scorers, schema,
+                                scorer if cfg.scorers.reward == "verifier" else None, t,
+                                refresh_every=cfg.run.checkpoint_every)
+    return Orchestrator(run_dir, cfg.orchestrator, train, scorer, schema,
                         run_id=cfg.run.name, eval_prompts=evals,
-                        replay_source=Path(cfg.replay.source) if cfg.replay.source else None)
+                        replay_source=Path(cfg.replay.source) if cfg.replay.source else None,
+                        scoring=scoring)

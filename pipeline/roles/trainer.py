@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.config import TokenflowConfig, record_schema
+from pipeline.config import TokenflowConfig, stored_record_schema
 from pipeline.metrics import MetricsWriter
 from pipeline.orchestrator.clock import staleness
 from pipeline.orchestrator.links import TrainerLink
@@ -133,7 +133,7 @@ class TrainerRole:
             log.info("resumed from %s", ckpt)
         from megatron.core import parallel_state as ps
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        self.link = TrainerLink(self.run_dir, record_schema(cfg), cfg.orchestrator.transport,
+        self.link = TrainerLink(self.run_dir, stored_record_schema(cfg), cfg.orchestrator.transport,
                                 timeout_s=timeout, rank=self.rank)
         self.live = cfg.cluster.generators > 0  # else: replay of a recorded log, nobody to sync
         if self.leader:
@@ -192,7 +192,10 @@ class TrainerRole:
                                    sampling_mask=batch.tokens("sampling_mask", i)
                                    if "sampling_mask" in batch.columns else None,
                                    model_mask=batch.tokens("model_mask", i)
-                                   if "model_mask" in batch.columns else None) for i in range(len(batch))]
+                                   if "model_mask" in batch.columns else None,
+                                   teacher_logprobs=batch.tokens("teacher_logprobs", i)
+                                   if "teacher_logprobs" in batch.columns else None) for i in range(len(batch))]
+
             me = cfg.run.mismatch_every
             mismatch = self._mismatch(batch, samples) if me and step % me == 0 else None
             m = self.trainer.train_step(samples)

@@ -49,6 +49,8 @@ class LossConfig:
     is_low: float | None = None  # lower bound of the weight band of masking presets (None: the preset's)
     is_high: float | None = None  # upper bound of the weight band of masking presets (None: the preset's)
     kl_coef: float = 0.0  # weight of the k3 KL estimate to the reference policy (0: off)
+    pg_coef: float = 1.0  # weight of the policy-gradient (PPO-clip) term; 0 with distill_coef > 0: distillation alone
+    distill_coef: float = 0.0  # weight of the reverse KL to the teacher (needs teacher_logprobs: scorers.teacher; loss.py, docs/scorers.md)
     aggregation: str = "token"  # "token" (global token mean) or "sequence" (mean of row means)
     advantage_std_norm: bool = True  # GRPO: divide by the group's reward std (Dr. GRPO: False)
 

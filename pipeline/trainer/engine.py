@@ -229,6 +229,8 @@ class Trainer:
                 extra["proximal"] = [proximal[i] for i in chunk]
             if ref is not None:
                 extra["ref"] = [ref[i] for i in chunk]
+            if self.cfg.loss.distill_coef:
+                extra["teacher"] = [_teacher_logprobs(samples[i]) for i in chunk]
             for k, v in self._optimizer_step(part, extra).items():  # tokens: sum, *_max: max, others: mean
                 totals[k] = max(totals.get(k, 0.0), v) if k.endswith("_max") else \
                     totals.get(k, 0.0) + (v if k == "tokens" else v / len(chunks))
@@ -263,7 +265,8 @@ class Trainer:
                 logp, mb.extras["behaviour"], mb.extras["advantage"], mb.loss_mask, normaliser,
                 cfg.loss,
                 proximal_logprobs=self.layout.scatter(mb, extra["proximal"]) if "proximal" in extra else None,
-                ref_logprobs=self.layout.scatter(mb, extra["ref"]) if "ref" in extra else None)
+                ref_logprobs=self.layout.scatter(mb, extra["ref"]) if "ref" in extra else None,
+                teacher_logprobs=self.layout.scatter(mb, extra["teacher"]) if "teacher" in extra else None)
             loss.backward()
             m.update(loss=loss.detach(), entropy=(entropy * mb.loss_mask).sum())
             for k, v in m.items():
@@ -280,7 +283,8 @@ class Trainer:
         return {"loss": g["loss"], "clip_fraction": g["clipped"] / tok, "tis_clip_fraction": g["is_truncated"] / tok,
                 "is_mask_fraction": g["is_masked"] / tok, "is_weight_mean": g["is_weight"] / tok,
                 "is_weight_max": g["is_weight_max"], "kl": g["kl"] / tok, "ratio_mean": g["ratio"] / tok,
-                "entropy": g["entropy"] / tok, "grad_norm": grad_norm, "tokens": tok}
+                "entropy": g["entropy"] / tok, "grad_norm": grad_norm, "tokens": tok,
+                **({"teacher_kl": g["teacher_kl"] / tok} if "teacher_kl" in g else {})}
 
     def _apply_update(self) -> float:
         if self.optimizer_kind == "megatron":
@@ -342,3 +346,9 @@ class Trainer:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
+
+def _teacher_logprobs(sample: TrainSample) -> np.ndarray:
+    if sample.teacher_logprobs is None:
+        raise ValueError("trainer.loss.distill_coef is set but a sample has no teacher logprobs "
+                         "(scorers.teacher must be set: docs/scorers.md)")
+    return sample.teacher_logprobs

@@ -44,6 +44,7 @@ class TrainSample:
     sampling_mask: np.ndarray | None = None  # [C, W] ids top-k/top-p kept per token, -1 padded (sampling_mask.py)
     routed_experts: np.ndarray | None = None  # [P + C - 1, layers, k] generator routing (routing_replay.py)
     model_mask: np.ndarray | None = None  # [C] 1 = sampled by the policy, 0 = environment token (episodes); None: all 1
+    teacher_logprobs: np.ndarray | None = None  # float, length C: the teacher's logprobs of the completion (distillation, loss.py)
 
     def __post_init__(self):
         self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int64)

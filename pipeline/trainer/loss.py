@@ -18,9 +18,20 @@ Definitions (per token t, ``A`` the advantage of the token's sequence):
   w, keep  = importance_weights(prox - behaviour) of the preset ``cfg.correction``
              (default token_tis: w = min(exp(prox - behaviour), tis_cap), keep = 1)
   kl (k3)  = exp(ref - logp) - (ref - logp) - 1         (only with reference logprobs)
-  loss_t   = keep * w * pg + kl_coef * kl
+  rkl      = logp - teacher                             (only with teacher logprobs)
+  loss_t   = pg_coef * keep * w * pg + kl_coef * kl + distill_coef * keep * w * ratio * sg(rkl)
   token aggregation:    loss = sum_t loss_t / N_tokens_global
   sequence aggregation: loss = sum_rows (mean_t over the row's tokens of loss_t) / N_rows_global
+
+On-policy distillation (reverse KL to a teacher, `docs/scorers.md`): the per-token estimator of
+KL(policy || teacher) on the policy's own samples y ~ policy is the sampled-token ("k1") estimate
+rkl = log policy(y) - log teacher(y); its expectation over y is the reverse KL. Differentiating
+rkl itself would give only grad log policy(y), whose expectation is zero; the gradient of the
+reverse KL is E[rkl * grad log policy(y)], which ``ratio * sg(rkl)`` gives (``ratio`` is 1 with
+the gradient of logp): a per-token REINFORCE term with reward -rkl (no credit to later tokens),
+importance-weighted like the PG term. Metric ``teacher_kl`` sums rkl over masked tokens.
+Example: logp = log 0.5, teacher = log 0.25 at one token: rkl = log 2 = 0.693; the term's gradient
+pushes logp of that token down with weight 0.693 * distill_coef / N.
 
 Worked example (token aggregation, eps = 0.2, token_tis with cap 2, no KL): one row of 2 tokens,
 A = +1, behaviour = 0, proximal = [log 1.0, log 2.5], logp = [log 1.5, log 2.5], global token
@@ -59,7 +70,8 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, std_norm: b
 def policy_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
                 advantages: torch.Tensor, mask: torch.Tensor, normaliser: float,
                 cfg: LossConfig, proximal_logprobs: torch.Tensor | None = None,
-                ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                ref_logprobs: torch.Tensor | None = None,
+                teacher_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss contribution of these rows and metric sums (see the module docstring).
 
     Shapes: logprobs, behaviour/proximal/ref logprobs and mask are ``[rows, tokens]``; advantages
@@ -85,7 +97,7 @@ def policy_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
     clipped = torch.clamp(ratio, 1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high) * advantages
     pg = -torch.minimum(unclipped, clipped)
     weight, keep, is_metrics = importance_weights(prox - behaviour, mask, cfg)
-    per_token = keep * weight * pg
+    per_token = cfg.pg_coef * keep * weight * pg
     kl = torch.zeros_like(logprobs)
     if ref_logprobs is not None:
         delta = ref_logprobs.to(logprobs.dtype) - logprobs
@@ -93,6 +105,12 @@ def policy_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
         per_token = per_token + cfg.kl_coef * kl
     elif cfg.kl_coef:
         raise ValueError("kl_coef is set but no reference logprobs were given")
+    rkl = None
+    if teacher_logprobs is not None:
+        rkl = logprobs.detach() - teacher_logprobs.to(logprobs.dtype)
+        per_token = per_token + cfg.distill_coef * keep * weight * ratio * rkl
+    elif cfg.distill_coef:
+        raise ValueError("distill_coef is set but no teacher logprobs were given (scorers.teacher)")
 
     if cfg.aggregation == "token":
         loss = (per_token * mask).sum() / normaliser
@@ -107,4 +125,6 @@ def policy_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
             "tokens": mask.sum(),
             **is_metrics,
         }
+        if rkl is not None:
+            metrics["teacher_kl"] = (rkl * mask).sum()
     return loss, metrics

@@ -1,0 +1,180 @@
+"""A scorer process: one service ("reward" or "teacher") for the orchestrator's scorer pool.
+
+Started as a component of the run's plan (``scorer`` for rewards, ``teacher`` for teacher
+logprobs; local process or Slurm heterogeneous-job component, restarted in place by its task
+supervisor) or by hand: ``python -m pipeline.scorers.role RUN_DIR --service reward --rank 0``.
+
+Invariants:
+- it connects to the address in ``RUN/rendezvous/scorers.json`` (the pool rebinds the same port
+  after an orchestrator restart; the process re-reads the file when the pool stays silent), says
+  hello with its service, rank and slots, and sends a heartbeat every second;
+- it answers each ``score`` request with one ``scored`` message: the filled fields as raw arrays
+  concatenated over the request's groups (``reward`` [samples], ``token_rewards`` /
+  ``teacher_logprobs`` [completion tokens]) plus ``group_rows`` / ``group_tokens``; an exception
+  while scoring is answered as ``error`` (text), never raised;
+- it exits on ``scorer_stop`` (the orchestrator closed), on the task's stop request, or after
+  ``orphan_after_s`` without hearing from the pool (its orchestrator is gone for good).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.record import RecordSchema, SampleBatch
+from pipeline.scorers.config import ScorersConfig
+from pipeline.scorers.pool import SCORERS_RENDEZVOUS
+from pipeline.transport import MessageClient, TransportConfig, TransportError, load_or_create_secret
+
+log = logging.getLogger(__name__)
+
+#: Plan component -> the service its processes offer.
+ROLE_SERVICES = {"scorer": "reward", "teacher": "teacher"}
+
+
+def build_scorer(cfg: ScorersConfig, service: str, run_dir: Path, teacher_model: str = ""):
+    """The callable ``SampleBatch -> {field: array}`` of this service (``teacher_model``: the
+    teacher's checkpoint; a lagged teacher's version 0)."""
+    if service == "teacher":
+        from pipeline.scorers.teacher import TeacherScorer
+        return TeacherScorer(teacher_model, run_dir=run_dir)
+    from pipeline.scorers.models import ProcessRewardScorer, RewardModelScorer
+    if cfg.reward == "process_reward":
+        return ProcessRewardScorer(cfg.reward_model, cfg.step_token_id, cfg.device)
+    if cfg.reward == "reward_model":
+        return RewardModelScorer(cfg.reward_model, cfg.device)
+    raise ValueError(f"scorers.reward={cfg.reward!r} runs in the orchestrator, not in a scorer role")
+
+
+def _address(run_dir: Path, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return json.loads((run_dir / SCORERS_RENDEZVOUS).read_text())["address"]
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            if time.monotonic() > deadline:
+                raise TransportError(f"no scorer pool address in {run_dir / SCORERS_RENDEZVOUS} "
+                                     f"after {timeout_s:.0f}s") from None
+            time.sleep(0.1)
+
+
+def serve(run_dir: Path, cfg: ScorersConfig, service: str, rank: int,
+          stop: threading.Event | None = None, orphan_after_s: float = 300.0) -> dict:
+    """Answer score requests until told to stop; returns totals (samples, busy seconds)."""
+    from pipeline.metrics import MetricsWriter
+
+    run_dir = Path(run_dir)
+    teacher_model = cfg.teacher_model
+    if service == "teacher" and not teacher_model:  # lagged: starts from the policy's own weights
+        from pipeline.roles.common import model_dir
+        teacher_model = str(model_dir(run_dir, timeout_s=orphan_after_s))
+    scorer = build_scorer(cfg, service, run_dir, teacher_model)
+    key = load_or_create_secret(run_dir)
+    address = _address(run_dir, orphan_after_s)
+    identity = f"{service}-{rank}-{os.getpid()}"
+    client = MessageClient(key, address, TransportConfig(), identity)
+    metrics = MetricsWriter(run_dir, f"{ROLE_OF[service]}.{rank}")
+    hello = {"service": service, "rank": rank, "slots": cfg.inflight_batches}
+    client.send("scorer_hello", hello)
+    samples = requests = 0
+    busy_s = 0.0
+    started = last_alive = last_heard = last_metrics = time.monotonic()
+    stop = stop or threading.Event()
+    try:
+        while not stop.is_set():
+            msg = client.recv(0.5)
+            now = time.monotonic()
+            if msg is not None:
+                last_heard = now
+                if msg.kind == "scorer_stop":
+                    break
+                if msg.kind == "scorer_who":
+                    client.send("scorer_hello", hello)
+                elif msg.kind == "score":
+                    t0 = time.perf_counter()
+                    meta, arrays = _answer(scorer, msg)
+                    busy_s += time.perf_counter() - t0
+                    client.send("scored", meta, arrays)
+                    samples += int(arrays["group_rows"].sum()) if "group_rows" in arrays else 0
+                    requests += 1
+            elif now - last_heard > orphan_after_s:
+                log.warning("no word from the scorer pool for %.0fs: leaving", orphan_after_s)
+                break
+            elif now - last_heard > 5.0:
+                fresh = _address(run_dir, 0.0)
+                if fresh != client.address:  # the orchestrator restarted on another port
+                    client.close()
+                    client = MessageClient(key, fresh, TransportConfig(), identity)
+                    client.send("scorer_hello", hello)
+                    last_heard = now
+            if now - last_alive >= 1.0:
+                client.send("scorer_alive", {}, timeout_s=5.0)
+                last_alive = now
+            if now - last_metrics >= 5.0:
+                metrics.log("scorer", service=service, rank=rank, samples=samples, requests=requests,
+                            busy_s=busy_s, samples_per_busy_s=samples / max(busy_s, 1e-9),
+                            samples_per_s=samples / max(now - started, 1e-9))
+                last_metrics = now
+    finally:
+        client.close()
+        metrics.close()
+    return {"service": service, "samples": samples, "requests": requests, "busy_s": busy_s}
+
+
+#: Service -> the plan component (and metrics role) offering it.
+ROLE_OF = {v: k for k, v in ROLE_SERVICES.items()}
+
+
+def _answer(scorer, msg) -> tuple[dict, dict[str, np.ndarray]]:
+    meta = {"request": msg.meta.get("request"), "jobs": msg.meta.get("jobs")}
+    try:
+        if "teacher_version" in msg.meta:  # a lagged teacher: load the snapshot asked for
+            meta["teacher_version"] = scorer.use_version(int(msg.meta["teacher_version"]))
+        batch = SampleBatch(msg.arrays, RecordSchema.from_dict(msg.meta["schema"]), validate=True)
+        gid = batch.columns["group_id"]
+        firsts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
+        rows = np.diff(np.r_[firsts, len(batch)]).astype(np.int64)
+        clen = batch.columns["completion_len"]
+        toks = np.array([clen[a:a + n].sum() for a, n in zip(firsts, rows)], np.int64)
+        if len(rows) != len(meta["jobs"] or []):
+            raise ValueError(f"{len(rows)} groups in the batch for {len(meta['jobs'] or [])} jobs")
+        fields = scorer(batch)
+        return meta, {**{k: np.asarray(v, np.float32) for k, v in fields.items()},
+                      "group_rows": rows, "group_tokens": toks}
+    except Exception as exc:  # answered, never raised: the pool fails these groups
+        log.exception("scoring request %s failed", meta["request"])
+        return {**meta, "error": f"{type(exc).__name__}: {exc}"[:2000]}, {}
+
+
+def main(task) -> dict:
+    """Plan entry: ``pipeline.scorers.role:main`` for the ``scorer`` and ``teacher`` components."""
+    from pipeline.roles.common import load_run_config
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {task.role} %(levelname)s %(message)s")
+    cfg = load_run_config(task.run_dir)
+    return serve(task.run_dir, cfg.scorers, ROLE_SERVICES[task.role], task.rank, task.stop_requested)
+
+
+def cli(argv: list[str] | None = None) -> int:
+    from pipeline.roles.common import load_run_config
+    from pipeline.supervise import die_with_parent
+
+    ap = argparse.ArgumentParser(prog="python -m pipeline.scorers.role")
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--service", choices=sorted(ROLE_OF), required=True)
+    ap.add_argument("--rank", type=int, default=0)
+    args = ap.parse_args(argv)
+    die_with_parent()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.service} %(levelname)s %(message)s")
+    serve(args.run_dir, load_run_config(args.run_dir).scorers, args.service, args.rank)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli())

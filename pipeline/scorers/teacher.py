@@ -1,0 +1,114 @@
+"""The teacher: a vLLM engine on a frozen checkpoint that scores given completions.
+
+For a sample with prompt ``p`` and completion ``c``, the teacher's logprob of completion token
+``c[j]`` is the engine's prompt logprob at position ``len(p) + j`` of the sequence ``p + c``
+(vLLM ``prompt_logprobs``: the log-softmax of the raw logits, temperature 1, at the actual next
+token). One engine request per sample, ``max_tokens=1``; the one generated token is discarded.
+
+Invariants:
+- ``teacher_logprobs`` has one finite float32 per completion token, in the batch's token order;
+- prefix caching is off (cached prefixes would come back without prompt logprobs) and, on CPU,
+  prefills are never chunked (`pipeline.generator.engine` has the reason);
+- the teacher and the policy share a tokenizer: completion token ids are scored as they are;
+- a lagged teacher (`use_version`) holds one policy snapshot at a time: version 0 is the
+  checkpoint it started from, version N > 0 the trainer's checkpoint ``RUN/checkpoints/step-N``
+  (its ``model-r*.safetensors``, Hugging Face names), loaded in place through the generator's
+  worker extension; ``version`` is the snapshot the last answer was computed with.
+
+Worked example: prompt ``[5, 9]``, completion ``[4, 2]``: the request is ``[5, 9, 4, 2]``; prompt
+logprobs come back as ``[None, lp(9|5), lp(4|5 9), lp(2|5 9 4)]`` and the teacher logprobs are
+the last two.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.record import SampleBatch
+
+#: Tokens per engine step on CPU (every prompt prefilled whole).
+_CPU_BATCHED_TOKENS = 8192
+
+
+class TeacherScorer:
+    """``SampleBatch -> {"teacher_logprobs": float32[completion tokens]}`` with a vLLM engine."""
+
+    fills = ("teacher_logprobs",)
+
+    def __init__(self, checkpoint: str | Path, run_dir: str | Path | None = None,
+                 max_model_len: int | None = None, kv_cache_gib: int = 1, dtype: str = "float32",
+                 snapshot_wait_s: float = 120.0):
+        """``max_model_len``: longest prompt + completion scored (None: min(the checkpoint's
+        max_position_embeddings, 4096))."""
+        from transformers import AutoConfig
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        if max_model_len is None:
+            max_model_len = min(int(AutoConfig.from_pretrained(str(checkpoint)).max_position_embeddings), 4096)
+
+        extra = {}
+        if current_platform.is_cpu():
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+            extra = {"enable_chunked_prefill": False,
+                     "max_num_batched_tokens": max(max_model_len, _CPU_BATCHED_TOKENS)}
+        from pipeline.generator.engine import EXTENSION
+
+        self.max_model_len = max_model_len
+        self.checkpoint, self.run_dir, self.snapshot_wait_s = Path(checkpoint), run_dir, snapshot_wait_s
+        self.version = 0
+        self.llm = LLM(model=str(checkpoint), dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
+                       enable_prefix_caching=False, seed=0, disable_log_stats=True,
+                       worker_extension_cls=EXTENSION, **extra)
+
+    def use_version(self, version: int) -> int:
+        """Hold policy snapshot ``version`` (load it unless held); returns it."""
+        if version == self.version:
+            return version
+        if version == 0:
+            files = [self.checkpoint]
+        else:
+            from pipeline.run_files import CHECKPOINTS_DIR, checkpoint_name
+
+            if self.run_dir is None:
+                raise ValueError("a lagged teacher needs the run directory")
+            snap = Path(self.run_dir) / CHECKPOINTS_DIR / checkpoint_name(version)
+            deadline = time.monotonic() + self.snapshot_wait_s
+            while not (snap / "COMPLETE").exists():  # written last, after every shard
+                if time.monotonic() > deadline:
+                    raise FileNotFoundError(f"no complete policy snapshot {snap} after "
+                                            f"{self.snapshot_wait_s:.0f}s")
+                time.sleep(0.2)
+            files = sorted(snap.glob("model-r*.safetensors"))
+        self.version = -1  # a failed load leaves mixed weights: held version unknown
+        for f in files:
+            self.llm.collective_rpc("load_weights_from_safetensors", args=(str(f),))
+        self.version = version
+        return version
+
+    def __call__(self, batch: SampleBatch) -> dict[str, np.ndarray]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts, plens = [], []
+        for i in range(len(batch)):
+            p, c = batch.prompt(i), batch.tokens("completion_ids", i)
+            if len(p) + len(c) >= self.max_model_len:
+                raise ValueError(f"sample {i}: {len(p) + len(c)} tokens exceed the teacher's "
+                                 f"max_model_len {self.max_model_len}")
+            prompts.append(TokensPrompt(prompt_token_ids=np.concatenate([p, c]).astype(int).tolist()))
+            plens.append(len(p))
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        parts = []
+        for out, plen, prompt in zip(outs, plens, prompts):
+            ids = prompt["prompt_token_ids"]
+            parts.append(np.array([out.prompt_logprobs[k][ids[k]].logprob for k in range(plen, len(ids))],
+                                  np.float32))
+        lp = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+        if not np.isfinite(lp).all():
+            raise ValueError("the teacher returned a non-finite logprob")
+        return {"teacher_logprobs": lp}

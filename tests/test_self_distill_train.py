@@ -1,0 +1,49 @@
+"""Lagged self-distillation in a whole `tokenflow train` run: trainer (megatron-core), a vLLM
+generator and a vLLM teacher that follows the trainer's checkpoints K versions back, with GRPO plus
+the reverse-KL term. A long run on 2 cores: marked slow (TOKENFLOW_SLOW=1 runs it)."""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pipeline.log_format import GroupOutcome
+from pipeline.log_reader import RolloutLog
+from pipeline.metrics import read_metrics
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
+LAG, EVERY, STEPS = 2, 3, 12
+
+
+def test_lagged_self_distillation_run_keeps_the_teacher_in_its_window(tmp_path):
+    run = tmp_path / "sd"
+    cmd = [sys.executable, "-m", "pipeline.cli", "train", "run.name=sd", f"hydra.run.dir={run}",
+           f"run.steps={STEPS}", f"run.checkpoint_every={EVERY}", "run.eval_every=0", "run.progress=false",
+           "run.tensorboard=false", "run.timeout_s=300", "orchestrator.groups_per_step=4",
+           "orchestrator.group_size=8", "scorers.teacher=lagged", f"scorers.teacher_lag={LAG}",
+           "trainer.loss.distill_coef=0.5"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                         timeout=1200)
+    assert out.returncode == 0, f"train failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+    steps = [m for m in read_metrics(run, "train_step")]
+    assert len(steps) == STEPS and all(math.isfinite(m["teacher_kl"]) for m in steps)
+    print("teacher_kl per step:", " ".join(f"{m['teacher_kl']:.3f}" for m in steps))
+    with RolloutLog.open(run / "rollouts") as log:
+        g = log.groups()
+        stored = g["group_id"][g["outcome"] == GroupOutcome.STORED]
+        assert len(stored) == len(np.unique(stored))
+        batch = log.read(log.rows())
+        consumed_at = {int(r): tv for _, tv, rows in log.step_records() for r in rows}
+        rows = log.rows()
+    tv = batch.columns["teacher_version"]
+    print("samples by teacher version:", dict(zip(*np.unique(tv, return_counts=True))))
+    assert len(set(tv.tolist())) >= 2 and all(t % EVERY == 0 for t in tv.tolist())  # refreshed
+    for i in range(len(batch)):
+        t, newest = int(tv[i]), int(batch.tokens("versions", i).max())
+        assert t >= newest - LAG - EVERY + 1, (i, t, newest)
+        if int(rows[i]) in consumed_at and t:
+            assert t <= consumed_at[int(rows[i])] - LAG, (i, t, consumed_at[int(rows[i])])
