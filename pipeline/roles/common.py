@@ -63,6 +63,8 @@ def cpu_cores_for(role: str, rank: int, cfg: TokenflowConfig) -> list[int] | Non
     n_gen, n_tr = cfg.cluster.generators, cfg.cluster.trainer_ranks
     if len(cores) < 2:
         return None
+    if role == "generator":
+        rank %= max(1, n_gen)  # a generator joining from its own job shares the plan's generator cores
     if len(cores) >= n_gen + n_tr:
         index = rank if role == "generator" else n_gen + rank
         return [cores[index]]
