@@ -235,6 +235,12 @@ class GeneratorLink(_Link):
         self.active.clear()
         self.left = True
 
+    def close(self) -> None:
+        if self.left:  # the Leave (just sent) must reach the orchestrator: a second to deliver it
+            self.client.sock.close(linger=1000)
+        else:
+            super().close()
+
     def send_result(self, item: WorkItem, batch: SampleBatch) -> None:
         arrays = batch_arrays(batch)
         self.unacked[(item.group_id, item.attempt)] = (time.monotonic(), arrays)
