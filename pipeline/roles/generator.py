@@ -40,6 +40,7 @@ import numpy as np
 
 from pipeline.config import record_schema
 from pipeline.launch.generator_jobs import JOB_ENV, RUN_CHECK_S, run_alive
+from pipeline.launch.rendezvous import running_attempt
 from pipeline.launch.task import JOINS_RUN
 from pipeline.metrics import MetricsWriter
 from pipeline.orchestrator.links import Control, EvalItem, GeneratorLink, WorkItem
@@ -122,11 +123,15 @@ class GeneratorRole:
                 if not self.gen.engine_alive() and not self.task.stop_requested.is_set():
                     raise RuntimeError("a vLLM engine process died")
                 self.stop = self.stop or self._run_over()
-                if self.task.config.get(JOINS_RUN) and now - last_run_check >= RUN_CHECK_S:
-                    last_run_check = now
-                    if not run_alive(self.task.config):
-                        log.warning("the run this generator joined is gone: stopping")
-                        self.stop = True
+                if self.task.config.get(JOINS_RUN):
+                    if running_attempt(self.run_dir) != self.task.attempt and left_at is None:
+                        raise RuntimeError("the run was requeued: this generator's supervisor restarts it "
+                                           "to join the new attempt")
+                    if now - last_run_check >= RUN_CHECK_S:
+                        last_run_check = now
+                        if not run_alive(self.task.config):
+                            log.warning("the run this generator joined is gone: stopping")
+                            self.stop = True
                 self._log_metrics(now - t_start)
                 last_metrics = now
         for t in tasks:
