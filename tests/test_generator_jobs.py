@@ -27,7 +27,7 @@ from pipeline.log_reader import RolloutLog
 from pipeline.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 40
+STEPS = 100  # ~1.2 s each here: the joiner's engine starts while the run goes on
 
 
 def _membership(run: Path, event: str, gid: int | None = None) -> list[dict]:
@@ -49,19 +49,21 @@ def trainer_wait_after(run: Path, t: float) -> dict:
             "usual_wait_s": round(usual, 2), "excess_s": round(waited - usual, 2), "one_step_s": round(one_step, 2)}
 
 
-def join_then_leave(run: Path, running, add_args: list[str], stop_job, steps: int) -> dict:
+def join_then_leave(run: Path, running, add_args: list[str], stop_job, steps: int, jobs: list) -> dict:
     """Add one generator by ``tokenflow generators RUN --count 1 ADD_ARGS`` once the run trains,
     wait until it generated and 3 more steps went by, check ``tokenflow status``, stop its job with
-    ``stop_job(record)`` (SIGTERM as scancel sends) and wait for its departure. Returns the facts
-    the checks after the run need."""
+    ``stop_job(record)`` (SIGTERM as scancel sends) and wait for its departure. The job's record
+    goes to ``jobs`` as soon as it exists (for the caller's clean-up). Returns the facts the checks
+    after the run need."""
     from pipeline.launch.generator_jobs import job_records
 
-    wait_for(lambda: last_step(run) >= 0, 600, "the first step", running)
+    wait_for(lambda: last_step(run) >= 1, 600, "the first steps", running)
     t_submit = time.time()
     out = subprocess.run([sys.executable, "-m", "pipeline.cli", "generators", str(run), "--count", "1", *add_args],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr
     (job,) = job_records(run)
+    jobs.append(job)
     assert (job["job"], job["first_rank"], job["count"]) == ("genjob-0", 1, 1), job
     joined = wait_for(lambda: _membership(run, "join", 1), 600, "generator 1 to join", running)[0]
     first_work = wait_for(lambda: [r for r in read_metrics(run, "generator")
@@ -125,18 +127,17 @@ def test_a_generator_job_joins_gets_leases_and_leaves_mid_run(tmp_path):
                   "run.timeout_s=300", "generator.weight_timeout_s=60")
     prepare_run_dir(cfg)
     launched = LocalLauncher().launch(job_plan(cfg, run), run)
-    pids: list[int] = []
+    jobs: list[dict] = []
 
     def stop_job(job: dict) -> None:
-        pids.extend(job["pids"])
         os.killpg(job["pids"][0], signal.SIGTERM)  # the task's process group, engine included: as scancel
 
     try:
-        facts = join_then_leave(run, lambda: launched.state() == "RUNNING", [], stop_job, STEPS)
-        wait_for(lambda: not any(_alive(p) for p in pids), 120, "the generator job to exit")
+        facts = join_then_leave(run, lambda: launched.state() == "RUNNING", [], stop_job, STEPS, jobs)
+        wait_for(lambda: not any(_alive(p) for p in jobs[0]["pids"]), 120, "the generator job to exit")
         launched.wait(timeout_s=900)
     finally:
-        for pid in pids:
+        for pid in (p for job in jobs for p in job["pids"]):
             if _alive(pid):
                 os.killpg(pid, signal.SIGKILL)
         if not launched.done():
@@ -152,28 +153,27 @@ def test_a_generator_job_joins_and_leaves_a_slurm_run(tmp_path):
     from test_slurm_train import TINY, status_of
 
     run = tmp_path / "sl"
-    steps = 30
+    steps = 100
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "train", "run.name=sl", f"hydra.run.dir={run}",
                              f"run.steps={steps}", "run.checkpoint_every=100", "run.mismatch_every=0", *TINY,
                              "generator.weight_timeout_s=60"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
-    job_ids: list[str] = []
+    jobs: list[dict] = []
 
     def stop_job(job: dict) -> None:
-        job_ids.append(str(job["job_id"]))
         subprocess.run(["scancel", str(job["job_id"])], check=True, timeout=30)
 
     add = ["cluster=slurm", "cluster.generator.cpus_per_task=2", "cluster.generator.mem_gb=0.5",
            "cluster.generator.time_min=20"]
     try:
-        facts = join_then_leave(run, lambda: proc.poll() is None, add, stop_job, steps)
+        facts = join_then_leave(run, lambda: proc.poll() is None, add, stop_job, steps, jobs)
         out, _ = proc.communicate(timeout=900)
     finally:
         if proc.poll() is None:
             proc.kill()
             subprocess.run(["tokenflow", "cancel", str(run)], timeout=30)
-        for job in job_ids:
-            subprocess.run(["scancel", job], timeout=30)
+        for job in jobs:
+            subprocess.run(["scancel", str(job["job_id"])], timeout=30)
     assert proc.returncode == 0, out[-4000:]
     final = status_of(run)
     assert final["complete"] and final["generator_jobs"][1]["state"] in ("CANCELLED", "COMPLETED"), final
