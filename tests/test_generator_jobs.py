@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -27,7 +28,7 @@ from pipeline.log_reader import RolloutLog
 from pipeline.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 100  # ~1.2 s each here: the joiner's engine starts while the run goes on
+STEPS = 250  # 0.6-1.2 s each here: the joiner's engine starts (1-2.5 min) while the run goes on
 
 
 def _membership(run: Path, event: str, gid: int | None = None) -> list[dict]:
@@ -50,14 +51,16 @@ def trainer_wait_after(run: Path, t: float) -> dict:
 
 
 def join_then_leave(run: Path, running, add_args: list[str], stop_job, steps: int, jobs: list) -> dict:
-    """Add one generator by ``tokenflow generators RUN --count 1 ADD_ARGS`` once the run trains,
-    wait until it generated and 3 more steps went by, check ``tokenflow status``, stop its job with
+    """Add one generator by ``tokenflow generators RUN --count 1 ADD_ARGS`` once the trainer is up
+    (its engine start, 1-2 minutes on a busy 2-core machine, overlaps the run's first steps; the
+    run's own generator started with the trainer, so its group is built first and the joiner's join
+    is a mid-run regroup: checked), wait until it generated and 3 more steps went by, check ``tokenflow status``, stop its job with
     ``stop_job(record)`` (SIGTERM as scancel sends) and wait for its departure. The job's record
     goes to ``jobs`` as soon as it exists (for the caller's clean-up). Returns the facts the checks
     after the run need."""
     from pipeline.launch.generator_jobs import job_records
 
-    wait_for(lambda: last_step(run) >= 1, 600, "the first steps", running)
+    wait_for(lambda: (run / "rendezvous/attempt-0/trainer_dist.json").exists(), 600, "the trainer", running)
     t_submit = time.time()
     out = subprocess.run([sys.executable, "-m", "pipeline.cli", "generators", str(run), "--count", "1", *add_args],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
@@ -70,6 +73,8 @@ def join_then_leave(run: Path, running, add_args: list[str], stop_job, steps: in
                                    if r["generator_id"] == 1 and r["tokens"] > 0], 300,
                           "generator 1 to generate", running)[0]
     at_join = [r["version"] for r in read_metrics(run, "train_step") if r["t"] <= joined["t"]]
+    assert _membership(run, "join", 0)[0]["t"] < joined["t"] and _membership(run, "regroup")[0]["t"] < joined["t"], \
+        "the joiner was not the second generator (a join into the run's first weight group is no mid-run join)"
     step_at_join = last_step(run)
     wait_for(lambda: last_step(run) >= step_at_join + 3, 300, "3 steps with two generators", running)
     status = subprocess.run([sys.executable, "-m", "pipeline.cli", "status", str(run), "--json"],
@@ -96,8 +101,8 @@ def check_and_report(run: Path, facts: dict, steps: int, max_staleness: int) -> 
         assert len(rows) > 0, "the joined generator's groups were not stored"
         batch = log.read(rows)
     versions = batch.columns["versions"]  # every token of theirs (flat)
-    loaded = [r["version"] for r in read_metrics(run, "generator") if r["generator_id"] == 1 and r["version"] is not None]
-    assert loaded[0] >= facts["version_at_join"], (loaded[0], facts["version_at_join"])  # never older weights
+    loaded = [int(v) for v in re.findall(r"loaded version (\d+)", (run / "logs/generator.1.out").read_text())]
+    assert loaded and loaded[0] >= facts["version_at_join"], (loaded, facts["version_at_join"])  # never older weights
     assert int(versions.min()) >= loaded[0], (int(versions.min()), loaded[0])
     left = facts["left"]
     assert left["members"] == 1, left

@@ -55,7 +55,8 @@ def cpu_cores_for(role: str, rank: int, cfg: TokenflowConfig) -> list[int] | Non
 
     The plan gives generators the first cores and the trainer ranks the rest, one core each when
     there are enough; on a 2-core machine: generator on core 0, trainer (and the orchestrator
-    beside it) on core 1. The same plan applies to synchronous and asynchronous runs.
+    beside it) on core 1. The same plan applies to synchronous and asynchronous runs. Generators
+    that joined from their own job (ranks from ``cluster.generators`` on) are not pinned.
     """
     if cfg.cluster.cpu_plan != "auto" or not hasattr(os, "sched_getaffinity"):
         return None
@@ -63,8 +64,8 @@ def cpu_cores_for(role: str, rank: int, cfg: TokenflowConfig) -> list[int] | Non
     n_gen, n_tr = cfg.cluster.generators, cfg.cluster.trainer_ranks
     if len(cores) < 2:
         return None
-    if role == "generator":
-        rank %= max(1, n_gen)  # a generator joining from its own job shares the plan's generator cores
+    if role == "generator" and rank >= n_gen:
+        return None  # joined from its own job (`tokenflow generators`): outside the run's plan
     if len(cores) >= n_gen + n_tr:
         index = rank if role == "generator" else n_gen + rank
         return [cores[index]]
