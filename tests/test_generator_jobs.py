@@ -51,16 +51,15 @@ def trainer_wait_after(run: Path, t: float) -> dict:
 
 
 def join_then_leave(run: Path, running, add_args: list[str], stop_job, steps: int, jobs: list) -> dict:
-    """Add one generator by ``tokenflow generators RUN --count 1 ADD_ARGS`` once the trainer is up
-    (its engine start, 1-2 minutes on a busy 2-core machine, overlaps the run's first steps; the
-    run's own generator started with the trainer, so its group is built first and the joiner's join
-    is a mid-run regroup: checked), wait until it generated and 3 more steps went by, check ``tokenflow status``, stop its job with
+    """Add one generator by ``tokenflow generators RUN --count 1 ADD_ARGS`` once the run's first
+    weight group is built (so the join is a mid-run regroup; the joiner's engine start, 1-2 minutes
+    on a busy 2-core machine, overlaps the run's steps), wait until it generated and 3 more steps went by, check ``tokenflow status``, stop its job with
     ``stop_job(record)`` (SIGTERM as scancel sends) and wait for its departure. The job's record
     goes to ``jobs`` as soon as it exists (for the caller's clean-up). Returns the facts the checks
     after the run need."""
     from pipeline.launch.generator_jobs import job_records
 
-    wait_for(lambda: (run / "rendezvous/attempt-0/trainer_dist.json").exists(), 600, "the trainer", running)
+    wait_for(lambda: _membership(run, "regroup"), 600, "the run's first weight group", running)
     t_submit = time.time()
     out = subprocess.run([sys.executable, "-m", "pipeline.cli", "generators", str(run), "--count", "1", *add_args],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
