@@ -118,6 +118,7 @@ def check_and_report(run: Path, facts: dict, steps: int, max_staleness: int) -> 
 
 
 @pytest.mark.engine
+@pytest.mark.slow  # 404 s here: the joiner's engine start (about 150 s on a busy 2-core machine) sets the run's length
 def test_a_generator_job_joins_gets_leases_and_leaves_mid_run(tmp_path):
     from test_weight_recovery import compose
 
@@ -151,6 +152,7 @@ def test_a_generator_job_joins_gets_leases_and_leaves_mid_run(tmp_path):
 
 @pytest.mark.slurm
 @pytest.mark.engine
+@pytest.mark.slow  # like the local one, plus scheduling; not run yet (the shared cluster was busy)
 def test_a_generator_job_joins_and_leaves_a_slurm_run(tmp_path):
     """The same on the Slurm test cluster: the run is one heterogeneous job, the generator job a
     second job (on a node with room beside the trainer), cancelled with scancel."""
