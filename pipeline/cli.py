@@ -5,6 +5,7 @@
     tokenflow inspect PATH [--plot OUT.png] [--json]   summarise (and plot) a rollout log
     tokenflow compare PATH... [--json|--csv] [--plot OUT.png]   runs / a sweep side by side
     tokenflow export RUN [--step K] [--out DIR]        a checkpoint as a Hugging Face directory
+    tokenflow generators RUN --count N [OVERRIDES...]   add generators to a running run (own job)
     tokenflow orchestrate RUN_DIR                       serve a run's orchestrator (a role process)
 
 Subcommands are thin: they parse arguments and call the module that does the work, so that
@@ -25,6 +26,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cancel": ("pipeline.apps.ops.cancel", "stop every component of a run (scancel or local processes)"),
     "inspect": ("pipeline.apps.inspect_log", "summarise a rollout log: counts, rewards, staleness; --plot, --json"),
     "export": ("pipeline.apps.export", "write a run's checkpoint as a Hugging Face directory (RUN [--step K])"),
+    "generators": ("pipeline.apps.generators", "add generators to a running run from their own job (RUN --count N "
+                   "[cluster=slurm] [cluster.generator.*=...]); they leave on scancel / SIGTERM"),
     "orchestrate": ("pipeline.apps.orchestrator", "run the orchestrator of RUN_DIR (role process)"),
 }
 

@@ -20,7 +20,7 @@ def through_wire(kind: str, meta: dict, arrays: dict | None) -> wire.Message:
 
 PROMPTS = {"prompt_ids": np.arange(7, dtype=np.int32), "prompt_len": np.array([3, 4], np.int32)}
 EXAMPLES = [
-    m.Hello(3), m.Want(m.Credit(2, 5, "ab12", None)), m.Want(m.Credit(0, 0, None, 4)),
+    m.Hello(3), m.Hello(4, "genjob-0"), m.Leave(4, 2), m.Want(m.Credit(2, 5, "ab12", None)), m.Want(m.Credit(0, 0, None, 4)),
     m.Result(7, 1, m.Credit(1, 9, "e", 2), {"reward": np.zeros(4, np.float32)}), m.Result(7, 2),
     m.EvalResult(3, {"eval_index": np.arange(2)}), m.Work("e", 4, [[1, 0, 11, 8], [2, 1, 12, 8]], PROMPTS),
     m.Ack([[1, 0, "stored"], [2, 1, "filtered"]]), m.EvalWork(6, [0, 1], PROMPTS), m.Update(5), m.Stop(),

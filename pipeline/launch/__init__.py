@@ -2,7 +2,8 @@
 
 Light to import (no torch/vllm). See plan.py (what to launch), task.py (what runs in each task),
 rendezvous.py (how roles find each other), local.py / slurm.py (where it runs), slurm_checks.py
-(what the cluster can give), batch.py (the steps of slurm/train.sbatch, for jobs submitted by hand).
+(what the cluster can give), batch.py (the steps of slurm/train.sbatch, for jobs submitted by hand),
+generator_jobs.py (generators joining a running run from their own job).
 """
 from pipeline.launch.base import Launcher, Run, TaskFailed
 from pipeline.launch.local import LocalLauncher

@@ -61,7 +61,8 @@ class Run(ABC):
         """Stop every task of the run."""
 
     def read_results(self) -> Dict[str, List[Dict[str, Any]]]:
-        """role -> the result records present, by rank (None where a task wrote none)."""
+        """role -> the result records present, in rank order from the component's first rank (None
+        where a task wrote none)."""
         out: Dict[str, List[Any]] = {}
         for role, rank in self.plan.task_layout():
             path = result_path(self.run_dir, role, rank)
@@ -76,13 +77,14 @@ class Run(ABC):
                 raise TimeoutError(f"run in {self.run_dir} not done after {timeout_s:g} s (state {self.state()})")
             time.sleep(poll_s)
         records = self.read_results()
-        tasks = self.plan.task_layout()
-        failed = [(role, rank) for role, rank in tasks if records[role][rank] and not records[role][rank]["ok"]
-                  and not records[role][rank].get("abandoned")]  # an optional task the run went on without
-        missing = [(role, rank) for role, rank in tasks if records[role][rank] is None]
+        by_task = {(role, rank): records[role][rank - self.plan.components[role].first_rank]
+                   for role, rank in self.plan.task_layout()}
+        failed = [t for t, r in by_task.items() if r and not r["ok"]
+                  and not r.get("abandoned")]  # an optional task the run went on without
+        missing = [t for t, r in by_task.items() if r is None]
         if failed:  # the tasks whose entry raised come first: the others may only be their victims
             role, rank = failed[0]
-            why = records[role][rank]["error"].strip().splitlines()[-1]
+            why = by_task[failed[0]]["error"].strip().splitlines()[-1]
         elif missing:
             role, rank = missing[0]
             why = f"no result (run state {self.state()}; {len(missing)} task(s) without a result)"
@@ -97,19 +99,22 @@ class Launcher(ABC):
 
     name = "abstract"
 
-    def launch(self, plan: JobPlan, run_dir: Path | str) -> Run:
+    def launch(self, plan: JobPlan, run_dir: Path | str, plan_file: str = PLAN_FILE,
+               launches_file: str = LAUNCHES_FILE, **record: Any) -> Run:
+        """Start ``plan``; its JSON goes to ``plan_file`` and one line (plus ``record``) to
+        ``launches_file`` (a generator job joining a run keeps its own: `generator_jobs`)."""
         plan.validate()
         run_dir = Path(run_dir).absolute()
         self.check(plan)
-        (run_dir / PLAN_FILE).parent.mkdir(parents=True, exist_ok=True)
-        launches = run_dir / LAUNCHES_FILE
+        (run_dir / plan_file).parent.mkdir(parents=True, exist_ok=True)
+        launches = run_dir / launches_file
         launch_index = len(launches.read_text().splitlines()) if launches.exists() else 0
-        (run_dir / PLAN_FILE).write_text(plan.to_json())
+        (run_dir / plan_file).write_text(plan.to_json())
         run = self._start(plan, run_dir, launch_index)
         with open(launches, "a") as f:
             f.write(json.dumps({"launcher": self.name, "time": time.time(), "launch_index": launch_index,
                                 "job_id": getattr(run, "job_id", None),
-                                "pids": getattr(run, "pids", None)}) + "\n")
+                                "pids": getattr(run, "pids", None), **record}) + "\n")
         return run
 
     def check(self, plan: JobPlan) -> None:

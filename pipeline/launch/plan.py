@@ -12,7 +12,9 @@ Invariants kept here (checked by `JobPlan.validate`, before anything is started)
 
 Worked example: components trainer (nodes=2, tasks_per_node=1) then generator (nodes=1,
 tasks_per_node=2) give 4 tasks; SLURM_PROCID 0,1 are trainer ranks 0,1 and SLURM_PROCID 2,3 are
-generator ranks 0,1 (`JobPlan.task_layout()` returns exactly this list).
+generator ranks 0,1 (`JobPlan.task_layout()` returns exactly this list). A generator job that joins a
+running run (`pipeline.launch.generator_jobs`) has one component, generator (first_rank=2,
+tasks_per_node=2): its SLURM_PROCID 0,1 are generator ranks 2,3.
 
 Plans are JSON-serialisable (`to_json` / `from_json`): the launcher stores the plan it ran as
 `RUN/launch/plan.json`, and the local launcher's tasks read it from there.
@@ -49,6 +51,7 @@ class ComponentSpec:
     extra_sbatch: List[str] = field(default_factory=list)  # raw sbatch options for this component, e.g. "--constraint=h100"
     max_restarts: int = 0  # times a task's supervisor restarts its role process in place after it died
     optional: bool = False  # past max_restarts the task abandons (exit 0) and the run goes on without it
+    first_rank: int = 0  # rank of this component's first task (a generator job joining a running run numbers its generators after those already there)
 
     @property
     def num_tasks(self) -> int:
@@ -63,7 +66,7 @@ class ComponentSpec:
             return []
         visible = visible or [str(i) for i in range(self.gpus_per_node)]
         each = self.gpus_per_node // self.tasks_per_node
-        local = rank % self.tasks_per_node
+        local = (rank - self.first_rank) % self.tasks_per_node
         return visible[local * each:(local + 1) * each]
 
 
@@ -102,6 +105,8 @@ class JobPlan:
                                 f"tasks_per_node={spec.tasks_per_node} (each task gets an equal share)")
             if not isinstance(spec.max_restarts, int) or spec.max_restarts < 0:
                 problems.append(f"{role}: max_restarts={spec.max_restarts!r} must be an integer >= 0")
+            if not isinstance(spec.first_rank, int) or spec.first_rank < 0:
+                problems.append(f"{role}: first_rank={spec.first_rank!r} must be an integer >= 0")
             if not spec.mem_gb > 0:
                 problems.append(f"{role}: mem_gb={spec.mem_gb!r} must be > 0")
             for line in spec.extra_sbatch:
@@ -116,8 +121,9 @@ class JobPlan:
             raise LaunchError("invalid job plan: " + "; ".join(problems))
 
     def task_layout(self) -> List[Tuple[str, int]]:
-        """(role, rank in role) of every task, indexed by global rank (SLURM_PROCID order)."""
-        return [(role, rank) for role, spec in self.components.items() for rank in range(spec.num_tasks)]
+        """(role, rank in role) of every task, indexed by global rank (SLURM_PROCID order); ranks of a
+        component start at its ``first_rank``."""
+        return [(role, spec.first_rank + i) for role, spec in self.components.items() for i in range(spec.num_tasks)]
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=False)

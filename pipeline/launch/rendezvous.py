@@ -86,6 +86,23 @@ class Rendezvous:
             time.sleep(poll_s)
 
 
+def running_attempt(run_dir: os.PathLike | str, timeout_s: float = 0.0) -> int:
+    """The attempt of the run now going in ``run_dir``: the newest one whose trainer rank 0
+    published its address (``trainer_dist``), waiting up to ``timeout_s`` for one. A generator job
+    that joins a running run (`pipeline.launch.generator_jobs`) takes part in this attempt."""
+    root = Path(run_dir) / RENDEZVOUS_DIR
+    deadline = time.monotonic() + timeout_s
+    while True:
+        attempts = [int(d.name.split("-", 1)[1]) for d in root.glob("attempt-*")
+                    if d.name.split("-", 1)[1].isdigit() and (d / "trainer_dist.json").exists()]
+        if attempts:
+            return max(attempts)
+        if time.monotonic() >= deadline:
+            raise RendezvousTimeout(f"no attempt of the run in {run_dir} has a trainer yet (no "
+                                    f"{root}/attempt-*/trainer_dist.json after {timeout_s:g} s): is it running?")
+        time.sleep(0.5)
+
+
 def free_port(host: str = "") -> int:
     """A TCP port that was free a moment ago on this host (for a role to bind and publish)."""
     with socket.socket() as s:

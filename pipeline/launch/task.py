@@ -15,7 +15,8 @@ Invariants:
 - each task writes `RUN/results/<role>.<rank>.json` ({"ok", "attempt", "result" | "error"})
   when its entry returns or raises; a stale file from an earlier attempt is removed at start;
 - `attempt` counts the starts of this run: launches before this one in the same run directory plus
-  Slurm requeues of this job (`SLURM_RESTART_COUNT`); `resumed` is `attempt > 0`;
+  Slurm requeues of this job (`SLURM_RESTART_COUNT`); `resumed` is `attempt > 0`; the tasks of a
+  generator job that joins a running run take that run's current attempt (`JOINS_RUN`);
 - the task process is a supervisor (`pipeline.launch.supervisor`): it runs the role in a child
   process (`ROLE_PROCESS_ENV` set), ends whatever the role leaves behind, and restarts the role
   where the component allows it;
@@ -57,13 +58,20 @@ from pipeline.supervise import become_subreaper, end_tree
 from pipeline.run_files import LOGS_DIR, PLAN_FILE, RESULTS_DIR
 
 
+PLAN_ENV = "TOKENFLOW_PLAN"
+"""The plan a task reads, relative to the run directory (default `PLAN_FILE`; a generator job that
+joins a running run has its own, `pipeline.launch.generator_jobs`); set in ``JobPlan.env``."""
+JOINS_RUN = "joins_run"
+"""Key of ``JobPlan.config``: true for a job that joins a running run (its tasks take the run's
+current attempt, `rendezvous.running_attempt`, instead of counting launches)."""
+
 
 @dataclass
 class TaskInfo:
     """Everything a role's entry function learns about the task it runs in."""
 
     role: str  # the component this task belongs to
-    rank: int  # rank within the role, 0 .. role_size-1
+    rank: int  # rank within the role: first_rank .. first_rank+role_size-1 (first_rank 0 but in a generator job joining a run)
     role_size: int  # tasks of this role
     roles: Dict[str, int]  # every role of the run -> its task count, in launch order
     global_rank: int  # rank over all components (SLURM_PROCID order)
@@ -212,6 +220,9 @@ def run_task(plan: JobPlan, run_dir: Path, launch_index: int, environ: Mapping[s
     run_dir = Path(run_dir)
     global_rank, role, rank = locate(plan, environ)
     attempt = launch_index + int(environ.get("SLURM_RESTART_COUNT", "0"))
+    if plan.config.get(JOINS_RUN):  # a generator job joining a running run takes part in its attempt
+        from pipeline.launch.rendezvous import running_attempt
+        attempt = running_attempt(run_dir, timeout_s=float(plan.config.get("timeout_s", 0)))
     node = environ.get("SLURMD_NODENAME") or socket.gethostname()
     result_file = result_path(run_dir, role, rank)
     if ROLE_PROCESS_ENV in environ:
@@ -308,7 +319,7 @@ class RoleDispatcher:
 def main(argv: list[str] | None = None) -> None:
     """Task entry: python -m pipeline.apps.launch_task RUN_DIR LAUNCH_INDEX (rank: TOKENFLOW_GLOBAL_RANK or SLURM_PROCID)."""
     run_dir, launch_index = (argv or sys.argv[1:])[:2]
-    plan = JobPlan.from_json((Path(run_dir) / PLAN_FILE).read_text())
+    plan = JobPlan.from_json((Path(run_dir) / os.environ.get(PLAN_ENV, PLAN_FILE)).read_text())
     try:
         run_task(plan, Path(run_dir), int(launch_index), os.environ)
     except RoleFailed as exc:

@@ -2,7 +2,7 @@
 
 Messages are the typed records of `pipeline.orchestrator.messages` (one per kind; who sends
 which is written there). A generator sends `Hello`, then `Want` credit updates, `Result` and
-`EvalResult`; it receives `Work`, `Ack`, `EvalWork`, `Update`, `Regroup`, `Stop`. The trainer sends
+`EvalResult`, and `Leave` when it departs; it receives `Work`, `Ack`, `EvalWork`, `Update`, `Regroup`, `Stop`. The trainer sends
 `TrainerVersion`, `Resume`, `GetBatch`, `EvalRequest`, `WeightsAnnounced`, `ListMembers`,
 `Regroup`, `Finish` and receives `Batch` and `Members`. Either may receive an `Error` naming a
 message of its own the orchestrator could not take; it is logged and counted (``errors``).
@@ -159,9 +159,11 @@ class GeneratorLink(_Link):
 
     def __init__(self, run_dir: Path, generator_id: int, slots: int, schema: RecordSchema,
                  cfg: TransportConfig | None = None, resend_after_s: float = 5.0,
-                 timeout_s: float = 60.0):
+                 timeout_s: float = 60.0, job: str = ""):
         super().__init__(run_dir, f"gen-{generator_id}", cfg or TransportConfig(), timeout_s)
-        self.generator_id, self.slots, self.schema = generator_id, slots, schema
+        self.generator_id, self.slots, self.schema, self.job = generator_id, slots, schema, job
+        self.left = False
+        """Sent `Leave`: no credit updates (nor a new Hello) follow."""
         self.loaded_version: int | None = None
         """Weights version this generator holds, told to the orchestrator with every credit update
         (admission counts a version only once every generator has loaded it); None: not told."""
@@ -171,7 +173,7 @@ class GeneratorLink(_Link):
         self.active: set[int] = set()
         self.unacked: dict[tuple[int, int], tuple[float, dict]] = {}
         self.outcomes: dict[str, int] = {}
-        self.send(m.Hello(generator_id))
+        self.send(m.Hello(generator_id, job))
         self._last_want = 0.0
 
     def credit(self, open_: bool = True) -> m.Credit:
@@ -181,8 +183,8 @@ class GeneratorLink(_Link):
     def follow_orchestrator(self) -> None:
         """Reconnect to a restarted orchestrator and introduce ourselves again (it then sends the
         weight group and version to load, like to any new generator)."""
-        if self.refresh_address():
-            self.send(m.Hello(self.generator_id))
+        if self.refresh_address() and not self.left:
+            self.send(m.Hello(self.generator_id, self.job))
 
     def send_want(self, open_: bool = True) -> None:
         self.follow_orchestrator()
@@ -193,7 +195,7 @@ class GeneratorLink(_Link):
         """Work granted within ``timeout_s``; handles acks, re-sends and a credit update each second
         (a zero credit while ``send_credit`` is False: the generator is alive but takes no work)."""
         now = time.monotonic()
-        if now - self._last_want > 1.0:
+        if now - self._last_want > 1.0 and not self.left:
             self.send_want(send_credit)
         for key, (t, arrays) in list(self.unacked.items()):
             if now - t > self.resend_after_s:
@@ -225,6 +227,19 @@ class GeneratorLink(_Link):
                 for gid, attempt, outcome in msg.groups:
                     self.unacked.pop((gid, attempt), None)
                     self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
+    def leave(self) -> None:
+        """Depart: give back every group not yet sent (the orchestrator re-issues them at once);
+        results sent stay re-sent until acknowledged."""
+        self.send(m.Leave(self.generator_id, len(self.active)))
+        self.active.clear()
+        self.left = True
+
+    def close(self) -> None:
+        if self.left:  # the Leave (just sent) must reach the orchestrator: a second to deliver it
+            self.client.sock.close(linger=1000)
+        else:
+            super().close()
 
     def send_result(self, item: WorkItem, batch: SampleBatch) -> None:
         arrays = batch_arrays(batch)

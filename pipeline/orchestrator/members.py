@@ -5,6 +5,11 @@ Invariants:
   update at least every second, so silence means it died or hangs;
 - each ``hello`` from a peer starts a new incarnation of it: a restarted generator (same identity,
   new process) is told apart from the one that died, so the trainer rebuilds the weight group;
+- a generator that announced its departure (``leave``) is no member from that moment: it is
+  forgotten at once (as a dead one is after ``dead_after_s``) and, until the trainer has listed the
+  members without it, kept among the *leaving*, who still hear weight-group changes and updates
+  (a broadcast the trainer started before it knew must not wait for a missing member), never
+  re-adopted by a credit update;
 - credits are absolute and idempotent (see `pipeline.orchestrator.links`): a generator is granted
   ``free - (granted_this_epoch - received)`` groups, never more.
 """
@@ -28,14 +33,31 @@ class GeneratorPool:
     def __init__(self, dead_after_s: float):
         self.dead_after_s = dead_after_s
         self.gens: dict[bytes, GeneratorState] = {}
+        self.leaving: set[bytes] = set()
         self._incarnations = 0
 
     def hello(self, peer: bytes) -> bool:
         """Register a (re)started generator; True if it replaces an earlier incarnation."""
         restarted = peer in self.gens
+        self.leaving.discard(peer)
         self._incarnations += 1
         self.gens[peer] = GeneratorState(self._incarnations)
         return restarted
+
+    def leave(self, peer: bytes) -> bool:
+        """A planned departure: the peer is no member from now on, but leaving until `released`;
+        True if it was a member."""
+        self.leaving.add(peer)
+        return self.gens.pop(peer, None) is not None
+
+    def released(self) -> set[bytes]:
+        """The leaving generators, forgotten (call once the trainer has a member list without them)."""
+        out, self.leaving = self.leaving, set()
+        return out
+
+    def listeners(self) -> list[bytes]:
+        """Who hears weight-group changes and updates: members and the leaving."""
+        return [*self.gens, *(p for p in self.leaving if p not in self.gens)]
 
     def seen(self, peer: bytes) -> None:
         g = self.gens.get(peer)
@@ -44,6 +66,8 @@ class GeneratorPool:
 
     def set_credit(self, peer: bytes, credit: Credit, epoch: str) -> None:
         """Apply a credit update (the version it reports loaded is a fact of the policy clock)."""
+        if peer in self.leaving:
+            return  # it said it leaves: a late credit update must not make it a member again
         g = self.gens.get(peer)
         if g is None:  # a generator from before an orchestrator restart: adopt it
             g = self.gens[peer] = GeneratorState(self._next())

@@ -91,6 +91,21 @@ class Credit:
 class Hello:
     KIND: ClassVar[str] = "hello"
     generator_id: int
+    job: str = ""
+    """The generator job it belongs to (``genjob-<k>``; "": the run's own job), for the metrics."""
+
+
+@message
+@dataclass(frozen=True)
+class Leave:
+    """A planned departure (stop signal: scancel, time limit): the generator gave up its in-flight
+    groups (``returned``), takes no more work and exits once the orchestrator answers `Stop`."""
+    KIND: ClassVar[str] = "leave"
+    generator_id: int
+    returned: int
+
+    def __post_init__(self) -> None:
+        _at_least(self, 0, "returned")
 
 
 @message
@@ -183,7 +198,8 @@ class Update:
 @message
 @dataclass(frozen=True)
 class Stop:
-    """No more work will come: finish and exit."""
+    """No more work will come: finish and exit (also the answer to `Leave`, once the trainer has
+    listed the members without the leaver: no broadcast waits for it any more)."""
     KIND: ClassVar[str] = "stop"
 
 

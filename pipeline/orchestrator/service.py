@@ -18,6 +18,9 @@ Invariants (`docs/architecture.md`, "Staleness, admission and the policy clock",
   forgotten steps) are released as ``DROPPED_ROLLBACK``;
 - a step's batch is recorded in the log (which samples, which DP rank) and flushed before the
   trainer sees it; asking again for a recorded step returns the same samples;
+- generators come and go while the run goes on (`pipeline.orchestrator.members`): a ``hello`` is a
+  join (or a restart), a ``leave`` returns the leaver's leases at once, a silent one is lost; each
+  is one ``membership`` record in the metrics stream, and so is each weight regroup;
 - restarting on the same run directory rebuilds everything from the log: resolved groups, the
   cursor, kept counts, the buffer (stored and not consumed), the step record. Groups leased but
   not stored before the crash are re-issued; nothing stored is stored again.
@@ -171,7 +174,7 @@ class Orchestrator:
 
     @property
     def _handlers(self) -> dict[type, Callable]:
-        return {m.Hello: self._on_hello, m.Want: self._on_want, m.Result: self._on_result,
+        return {m.Hello: self._on_hello, m.Leave: self._on_leave, m.Want: self._on_want, m.Result: self._on_result,
                 m.ListMembers: self._on_members, m.Regroup: self._on_regroup,
                 m.GetBatch: self._on_get_batch, m.TrainerVersion: self._on_version,
                 m.Resume: self._on_resume, m.EvalRequest: self._on_eval_request,
@@ -183,13 +186,31 @@ class Orchestrator:
 
     # -- generators ------------------------------------------------------------------------
     def _on_hello(self, peer: bytes, msg: m.Hello) -> None:
-        if self.generators.hello(peer):  # restarted: the old process's leases never come back
+        restarted = self.generators.hello(peer)
+        if restarted:  # the old process's leases never come back
             self.counts["leases_released"] += self.admission.release_holder(peer)
+        self._membership("restart" if restarted else "join", msg.generator_id, job=msg.job)
         self.clock.generator_joined(peer)
         if self.group_epoch is not None:  # it must join the weight group before taking weights
             self._send(peer, m.Regroup(self.group_epoch))
         if self.clock.announced is not None:
             self._send(peer, m.Update(self.clock.announced))
+
+    def _on_leave(self, peer: bytes, msg: m.Leave) -> None:
+        """A planned departure: its leases are re-issued now, it is no member from now on; it hears
+        `Stop` once the trainer has listed the members without it (`_on_members`)."""
+        self.generators.leave(peer)
+        self.clock.generator_lost(peer)
+        returned = self.admission.release_holder(peer)
+        self.counts["leases_released"] += returned
+        self.counts["generators_left"] += 1
+        self._membership("leave", msg.generator_id, leases_returned=returned)
+        log.info("generator %r leaves: %d lease(s) returned", peer, returned)
+
+    def _membership(self, event: str, generator_id: int, **values) -> None:
+        """One ``membership`` record in the metrics stream: a join, restart, leave, loss or regroup."""
+        self.metrics.log("membership", event=event, generator_id=generator_id,
+                         members=len(self.generators), **values)
 
     def _on_want(self, peer: bytes, msg: m.Want) -> None:
         self._credit(peer, msg.credit)
@@ -202,11 +223,14 @@ class Orchestrator:
         """The trainer asks which generators are alive (to build the weight group)."""
         self._reap_dead()
         self._send(peer, m.Members(self.generators.members()))
+        for gen in self.generators.released():  # the trainer's next group is built without them
+            self._send(gen, m.Stop())
 
     def _on_regroup(self, peer: bytes, msg: m.Regroup) -> None:
         """The trainer rebuilt the weight group: every generator must join it."""
         self.group_epoch = msg.epoch
-        for gen in self.generators:
+        self._membership("regroup", None, epoch=msg.epoch)
+        for gen in self.generators.listeners():
             self._send(gen, msg)
 
     def _reap_dead(self) -> None:
@@ -214,6 +238,7 @@ class Orchestrator:
             self.counts["generators_lost"] += 1
             self.clock.generator_lost(peer)
             self.counts["leases_released"] += self.admission.release_holder(peer)
+            self._membership("lost", _generator_id(peer))
             log.warning("generator %r silent for %.0fs: its leases are re-issued", peer,
                         self.cfg.generator_dead_after_s)
 
@@ -409,11 +434,11 @@ class Orchestrator:
 
     def _on_weights(self, peer: bytes, msg: m.WeightsAnnounced) -> None:
         self.clock.weights_announced(msg.version)
-        for gen in self.generators:
+        for gen in self.generators.listeners():
             self._send(gen, m.Update(msg.version))
 
     def _on_finish(self, peer: bytes, msg: m.Finish) -> None:
-        for gen in self.generators:
+        for gen in self.generators.listeners():
             self._send(gen, m.Stop())
         self.stopping = True
 
@@ -445,6 +470,12 @@ class Orchestrator:
         self.writer.close()
         self.server.close()
         self.metrics.close()
+
+
+def _generator_id(peer: bytes) -> int | None:
+    """The rank in a generator's identity ``gen-<rank>`` (None: not one)."""
+    name = peer.decode(errors="replace")
+    return int(name[4:]) if name.startswith("gen-") and name[4:].isdigit() else None
 
 
 def _cpu_seconds() -> float:

@@ -55,7 +55,10 @@ def cpu_cores_for(role: str, rank: int, cfg: TokenflowConfig) -> list[int] | Non
 
     The plan gives generators the first cores and the trainer ranks the rest, one core each when
     there are enough; on a 2-core machine: generator on core 0, trainer (and the orchestrator
-    beside it) on core 1. The same plan applies to synchronous and asynchronous runs.
+    beside it) on core 1. The same plan applies to synchronous and asynchronous runs. Generators
+    that joined from their own job (ranks from ``cluster.generators`` on) share trainer rank 0's
+    cores (beside the run's own generator, its engine's spinning OpenMP threads starve a second
+    engine's start for minutes on a 2-core machine).
     """
     if cfg.cluster.cpu_plan != "auto" or not hasattr(os, "sched_getaffinity"):
         return None
@@ -63,6 +66,8 @@ def cpu_cores_for(role: str, rank: int, cfg: TokenflowConfig) -> list[int] | Non
     n_gen, n_tr = cfg.cluster.generators, cfg.cluster.trainer_ranks
     if len(cores) < 2:
         return None
+    if role == "generator" and rank >= n_gen:  # joined from its own job (`tokenflow generators`)
+        role, rank = "trainer", 0  # the trainer's cores: a generation-bound trainer leaves them idle
     if len(cores) >= n_gen + n_tr:
         index = rank if role == "generator" else n_gen + rank
         return [cores[index]]

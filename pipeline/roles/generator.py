@@ -15,7 +15,9 @@ Invariants:
 - a dead engine (its processes killed or crashed) ends the role with an error within a second, so
   the task's supervisor ends what is left of the engine and restarts the role, which joins the
   weight group and takes work only after loading the current weights; a stop signal
-  (``task.stop_requested``: preemption, scancel) ends it cleanly, and so does the end of the run
+  (``task.stop_requested``: preemption, scancel, a generator job's time limit) is a planned
+  departure (`_leave`: in-flight groups returned at once, then it waits for the orchestrator's
+  ``stop``, at most ``generator.weight_timeout_s``) and ends it cleanly, and so does the end of the run
   (trainer rank 0's result of this attempt exists: a generator restarted after the orchestrator
   said ``stop`` hears it no more);
 - only the newest weight group announced is joined, and only one published after this process
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -36,6 +39,9 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.config import record_schema
+from pipeline.launch.generator_jobs import JOB_ENV, RUN_CHECK_S, run_alive
+from pipeline.launch.rendezvous import running_attempt
+from pipeline.launch.task import JOINS_RUN
 from pipeline.metrics import MetricsWriter
 from pipeline.orchestrator.links import Control, EvalItem, GeneratorLink, WorkItem
 from pipeline.orchestrator.messages import Regroup, Stop, Update
@@ -65,6 +71,7 @@ class GeneratorRole:
         self.newest_epoch = 0  # newest weight group the trainer announced (its Regroup may wait in the queue)
         self.joinable_from = 1  # groups published before this process said Hello are its predecessor's
         self.sync_failures = 0
+        self.job = os.environ.get(JOB_ENV, "")  # the generator job it came with ("": the run's own)
 
     async def run(self) -> dict:
         from pipeline.generator.engine import Generator
@@ -83,24 +90,32 @@ class GeneratorRole:
         slots = max(1, gcfg.max_num_seqs // cfg.orchestrator.group_size)
         self.joinable_from = 1 + self._newest_published_epoch()  # read before the Hello (see _join)
         self.link = GeneratorLink(self.run_dir, self.rank, slots, self.schema, cfg.orchestrator.transport,
-                                  timeout_s=timeout)
+                                  timeout_s=timeout, job=self.job)
         controls: asyncio.Queue[Control] = asyncio.Queue()
-        tasks: set[asyncio.Task] = {asyncio.create_task(self._apply_controls(controls))}
-        t_start = last_metrics = time.monotonic()
-        while not self.stop and not self.task.stop_requested.is_set():
+        self.controls_task = asyncio.create_task(self._apply_controls(controls))
+        tasks: set[asyncio.Task] = {self.controls_task}
+        t_start = last_metrics = last_run_check = time.monotonic()
+        left_at: float | None = None
+        while not self.stop:
+            if self.task.stop_requested.is_set() and left_at is None:
+                left_at = time.monotonic()
+                self._leave(tasks)
+            if left_at is not None and (time.monotonic() - left_at > cfg.generator.weight_timeout_s
+                                        or not self.gen.engine_alive()):
+                break  # released late (the trainer is in a long step) or the signal took the engine too
             # Credits are sent only once weights are loaded: no work before the current version.
             for item in self.link.poll(0.002, send_credit=self.loaded):
                 if isinstance(item, Control):
                     if isinstance(item, Regroup):
                         self.newest_epoch = max(self.newest_epoch, item.epoch)
                     controls.put_nowait(item)
-                elif isinstance(item, WorkItem):
+                elif isinstance(item, WorkItem) and left_at is None:  # after Leave: its lease is returned
                     tasks.add(asyncio.create_task(self._group(item)))
-                elif isinstance(item, EvalItem):
+                elif isinstance(item, EvalItem) and left_at is None:
                     tasks.add(asyncio.create_task(self._eval(item)))
             done = {t for t in tasks if t.done()}
             for t in done:
-                if t.exception() is not None and not self.task.stop_requested.is_set():
+                if not t.cancelled() and t.exception() is not None and not self.task.stop_requested.is_set():
                     raise t.exception()  # a failed group or eval must not pass silently
             tasks -= done
             await asyncio.sleep(0.003)
@@ -109,6 +124,15 @@ class GeneratorRole:
                 if not self.gen.engine_alive() and not self.task.stop_requested.is_set():
                     raise RuntimeError("a vLLM engine process died")
                 self.stop = self.stop or self._run_over()
+                if self.task.config.get(JOINS_RUN):
+                    if running_attempt(self.run_dir) != self.task.attempt and left_at is None:
+                        raise RuntimeError("the run was requeued: this generator's supervisor restarts it "
+                                           "to join the new attempt")
+                    if now - last_run_check >= RUN_CHECK_S:
+                        last_run_check = now
+                        if not run_alive(self.task.config):
+                            log.warning("the run this generator joined is gone: stopping")
+                            self.stop = True
                 self._log_metrics(now - t_start)
                 last_metrics = now
         for t in tasks:
@@ -117,6 +141,19 @@ class GeneratorRole:
         self.link.close()
         self.gen.shutdown()  # engine processes vLLM's shutdown leaves behind: ended with the task's tree
         return {"tokens": self.tokens, "version": self.gen.version}
+
+    def _leave(self, tasks: set[asyncio.Task]) -> None:
+        """A planned departure (the stop signal): abort the groups and evaluations under way and
+        tell the orchestrator, which re-issues their leases at once. Weight-group changes and
+        updates are still served until it answers `Stop` (the trainer no longer counts on this
+        generator), so a broadcast started before the trainer knew does not wait for it."""
+        work = [t for t in tasks if t is not self.controls_task]
+        for t in work:
+            t.cancel()
+        self.link.leave()
+        self.metrics.log("generator_leave", generator_id=self.rank, job=self.job, aborted=len(work),
+                         version=self.gen.version)
+        log.info("leaving the run: %d group/eval task(s) aborted, their leases returned", len(work))
 
     def _run_over(self) -> bool:
         """True once trainer rank 0 of this attempt wrote its result (the run ended, well or not)."""
@@ -237,7 +274,8 @@ class GeneratorRole:
                          tokens=self.tokens, tokens_per_s=self.tokens / max(elapsed, 1e-9),
                          idle_frac=1 - busy / max(elapsed, 1e-9), stall_s=self.stall_s,
                          in_flight_groups=self.in_flight, unacked=len(self.link.unacked),
-                         sync_failures=self.sync_failures, weight_epoch=self.epoch, restart=self.task.restart)
+                         sync_failures=self.sync_failures, weight_epoch=self.epoch, restart=self.task.restart,
+                         job=self.job)
 
 
 def main(task) -> dict:

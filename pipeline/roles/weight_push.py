@@ -114,7 +114,8 @@ class WeightPusher:
         """(Re)build the weight group when the alive generators differ from its members.
 
         At the start it waits for every configured generator; afterwards it builds the group of
-        whoever is alive (at least one), so a dead generator costs one failed broadcast, not the run.
+        whoever is alive (at least one), so a dead generator costs one failed broadcast, not the run,
+        and one that left (`Leave`) none; a generator joining from its own job is a member like any.
         """
         cfg = self.cfg
         want = cfg.cluster.generators if first else 1
@@ -124,6 +125,9 @@ class WeightPusher:
             if len(members) >= want:
                 break
             self._check_generators_left()
+            if self.stop_requested.is_set():  # every generator left because the run is stopping
+                from pipeline.weights.group import WeightSyncError
+                raise WeightSyncError("stop requested while no generator is a member")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"only {len(members)} of {want} generator(s) alive after "
                                    f"{cfg.run.timeout_s:.0f}s")

@@ -162,7 +162,14 @@ def run_status(run_dir: Path) -> Dict[str, Any]:
         "staleness_max": step.get("staleness_max") if step else None,
         "last_eval": {k: ev.get(k) for k in ("step", "version", "accuracy", "n")} if ev else None,
         "last_error": last_error(run_dir),
+        "generator_jobs": _generator_jobs(run_dir),
     }
+
+
+def _generator_jobs(run_dir: Path) -> List[Dict[str, Any]]:
+    """Every generator job of the run and its generators (`pipeline.launch.generator_jobs`)."""
+    from pipeline.launch.generator_jobs import jobs_status
+    return jobs_status(run_dir) if (run_dir / CONFIG_FILE).exists() else []
 
 
 def still_running(run_dir: Path) -> Optional[str]:
@@ -193,6 +200,8 @@ def format_status(s: Dict[str, Any]) -> str:
     ev = s["last_eval"]
     lines.append("eval       " + (f"step {ev['step']}: accuracy {ev['accuracy']:.3f} (n={ev['n']})" if ev else "none yet"))
     lines.append(f"error      {s['last_error'] or 'none'}")
+    from pipeline.launch.generator_jobs import format_jobs
+    lines += format_jobs(s.get("generator_jobs") or [])
     return "\n".join(lines)
 
 

@@ -1,0 +1,269 @@
+"""Generators that join a running run from their own job and leave it (`tokenflow generators`).
+
+Local run, real engines, trainer and launcher: the run starts with one generator; a second joins
+through ``tokenflow generators RUN --count 1`` (its own detached job, rank allocated in the run
+directory), gets leases, and its tokens carry versions at least the one the trainer had when it
+joined; its job is then stopped with SIGTERM (as scancel would) mid-run. The run completes with
+every step trained once, no group lost or stored twice; the joins, the departure and both
+regroups are in the metrics stream, and the trainer's wait on either event, beyond its usual wait,
+is at most one step.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from chaos import check_record, last_step, wait_for
+from pipeline.log_reader import RolloutLog
+from pipeline.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 250  # 0.6-1.2 s each here: the joiner's engine starts (1-2.5 min) while the run goes on
+
+
+def _membership(run: Path, event: str, gid: int | None = None) -> list[dict]:
+    return [r for r in read_metrics(run, "membership") if r["event"] == event
+            and (gid is None or r["generator_id"] == gid)]
+
+
+def trainer_wait_after(run: Path, t: float) -> dict:
+    """The trainer's wait on an event at unix time ``t``: the first regroup after it, and the step
+    whose weight push or batch wait covered that regroup (wait_s + sync_s), against the median of
+    the same sum over the run and one step (median gap between step records)."""
+    regroup = next(r for r in _membership(run, "regroup") if r["t"] >= t)
+    steps = list(read_metrics(run, "train_step"))
+    hit = next(r for r in steps if r["t"] >= regroup["t"])
+    usual = statistics.median(r["wait_s"] + r["sync_s"] for r in steps)
+    one_step = statistics.median(b["t"] - a["t"] for a, b in zip(steps, steps[1:]))
+    waited = hit["wait_s"] + hit["sync_s"]
+    return {"regroup_epoch": regroup["epoch"], "step": hit["step"], "wait_s": round(waited, 2),
+            "usual_wait_s": round(usual, 2), "excess_s": round(waited - usual, 2), "one_step_s": round(one_step, 2)}
+
+
+def join_then_leave(run: Path, running, add_args: list[str], stop_job, steps: int, jobs: list) -> dict:
+    """Add one generator by ``tokenflow generators RUN --count 1 ADD_ARGS`` once the run's first
+    weight group is built (so the join is a mid-run regroup; the joiner's engine start, 1-2 minutes
+    on a busy 2-core machine, overlaps the run's steps), wait until it generated and 3 more steps went by, check ``tokenflow status``, stop its job with
+    ``stop_job(record)`` (SIGTERM as scancel sends) and wait for its departure. The job's record
+    goes to ``jobs`` as soon as it exists (for the caller's clean-up). Returns the facts the checks
+    after the run need."""
+    from pipeline.launch.generator_jobs import job_records
+
+    wait_for(lambda: _membership(run, "regroup"), 600, "the run's first weight group", running)
+    t_submit = time.time()
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "generators", str(run), "--count", "1", *add_args],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    (job,) = job_records(run)
+    jobs.append(job)
+    assert (job["job"], job["first_rank"], job["count"]) == ("genjob-0", 1, 1), job
+    joined = wait_for(lambda: _membership(run, "join", 1), 600, "generator 1 to join", running)[0]
+    first_work = wait_for(lambda: [r for r in read_metrics(run, "generator")
+                                   if r["generator_id"] == 1 and r["tokens"] > 0], 300,
+                          "generator 1 to generate", running)[0]
+    at_join = [r["version"] for r in read_metrics(run, "train_step") if r["t"] <= joined["t"]]
+    assert _membership(run, "join", 0)[0]["t"] < joined["t"] and _membership(run, "regroup")[0]["t"] < joined["t"], \
+        "the joiner was not the second generator (a join into the run's first weight group is no mid-run join)"
+    step_at_join = last_step(run)
+    wait_for(lambda: last_step(run) >= step_at_join + 3, 300, "3 steps with two generators", running)
+    status = subprocess.run([sys.executable, "-m", "pipeline.cli", "status", str(run), "--json"],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    jobs = json.loads(status.stdout)["generator_jobs"]
+    assert [j["job"] for j in jobs] == ["run", "genjob-0"] and jobs[1]["state"] == "RUNNING", jobs
+    assert jobs[1]["generators"][0]["rank"] == 1 and jobs[1]["generators"][0]["version"] is not None, jobs
+    t_leave = time.time()
+    stop_job(job)
+    left = wait_for(lambda: _membership(run, "leave", 1), 120, "generator 1 to leave", running)[0]
+    assert last_step(run) < steps - 2, "the run ended too soon to train after the departure"
+    return {"job": job, "t_submit": t_submit, "joined": joined, "first_work": first_work, "left": left,
+            "t_leave": t_leave, "version_at_join": at_join[-1] if at_join else 0}
+
+
+def check_and_report(run: Path, facts: dict, steps: int, max_staleness: int) -> dict:
+    """After the run: exactly-once record, the joiner's stored tokens of current versions, and the
+    trainer's wait on the join and on the departure (at most one step beyond its usual wait)."""
+    check_record(run, steps, max_staleness=max_staleness)
+    result = json.loads((run / "results/generator.1.json").read_text())
+    assert result["ok"], result
+    with RolloutLog.open(run) as log:
+        rows = log.rows()[log.column("samples/generator_id") == 1]
+        assert len(rows) > 0, "the joined generator's groups were not stored"
+        batch = log.read(rows)
+    versions = batch.columns["versions"]  # every token of theirs (flat)
+    loaded = [int(v) for v in re.findall(r"loaded version (\d+)", (run / "logs/generator.1.out").read_text())]
+    assert loaded and loaded[0] >= facts["version_at_join"], (loaded, facts["version_at_join"])  # never older weights
+    assert int(versions.min()) >= loaded[0], (int(versions.min()), loaded[0])
+    left = facts["left"]
+    assert left["members"] == 1, left
+    report = {"submit_to_first_lease_s": round(facts["first_work"]["t"] - facts["t_submit"], 1),
+              "join_wait": trainer_wait_after(run, facts["joined"]["t"]),
+              "leave_wait": trainer_wait_after(run, left["t"]), "leases_returned": left["leases_returned"],
+              "sigterm_to_leave_s": round(left["t"] - facts["t_leave"], 2),
+              "joined_groups_stored": int(len(np.unique(batch.columns["group_id"]))),
+              "joined_token_versions": [int(versions.min()), int(versions.max())]}
+    print("generator-jobs " + json.dumps(report), flush=True)
+    for event in ("join_wait", "leave_wait"):
+        assert report[event]["excess_s"] <= report[event]["one_step_s"], report
+    return report
+
+
+@pytest.mark.engine
+@pytest.mark.slow  # 404 s here: the joiner's engine start (about 150 s on a busy 2-core machine) sets the run's length
+def test_a_generator_job_joins_gets_leases_and_leaves_mid_run(tmp_path):
+    from test_weight_recovery import compose
+
+    from pipeline.apps.train import job_plan, prepare_run_dir
+    from pipeline.launch import LocalLauncher
+
+    run = tmp_path / "run"
+    cfg = compose(run, "run.name=genjobs", f"run.steps={STEPS}", "run.eval_every=0", "run.mismatch_every=0",
+                  "run.progress=false", "run.tensorboard=false", "run.checkpoint_every=100",
+                  "cluster.generators=1", "orchestrator.groups_per_step=4", "orchestrator.group_size=8",
+                  "run.timeout_s=300", "generator.weight_timeout_s=60")
+    prepare_run_dir(cfg)
+    launched = LocalLauncher().launch(job_plan(cfg, run), run)
+    jobs: list[dict] = []
+
+    def stop_job(job: dict) -> None:
+        os.killpg(job["pids"][0], signal.SIGTERM)  # the task's process group, engine included: as scancel
+
+    try:
+        facts = join_then_leave(run, lambda: launched.state() == "RUNNING", [], stop_job, STEPS, jobs)
+        wait_for(lambda: not any(_alive(p) for p in jobs[0]["pids"]), 120, "the generator job to exit")
+        launched.wait(timeout_s=900)
+    finally:
+        for pid in (p for job in jobs for p in job["pids"]):
+            if _alive(pid):
+                os.killpg(pid, signal.SIGKILL)
+        if not launched.done():
+            launched.cancel()
+    check_and_report(run, facts, STEPS, cfg.orchestrator.staleness_limit())
+
+
+@pytest.mark.slurm
+@pytest.mark.engine
+@pytest.mark.slow  # like the local one, plus scheduling; not run yet (the shared cluster was busy)
+def test_a_generator_job_joins_and_leaves_a_slurm_run(tmp_path):
+    """The same on the Slurm test cluster: the run is one heterogeneous job, the generator job a
+    second job (on a node with room beside the trainer), cancelled with scancel."""
+    from test_slurm_train import TINY, status_of
+
+    run = tmp_path / "sl"
+    steps = 100
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "train", "run.name=sl", f"hydra.run.dir={run}",
+                             f"run.steps={steps}", "run.checkpoint_every=100", "run.mismatch_every=0", *TINY,
+                             "generator.weight_timeout_s=60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    jobs: list[dict] = []
+
+    def stop_job(job: dict) -> None:
+        subprocess.run(["scancel", str(job["job_id"])], check=True, timeout=30)
+
+    add = ["cluster=slurm", "cluster.generator.cpus_per_task=2", "cluster.generator.mem_gb=0.5",
+           "cluster.generator.time_min=20"]
+    try:
+        facts = join_then_leave(run, lambda: proc.poll() is None, add, stop_job, steps, jobs)
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            subprocess.run(["tokenflow", "cancel", str(run)], timeout=30)
+        for job in jobs:
+            subprocess.run(["scancel", str(job["job_id"])], timeout=30)
+    assert proc.returncode == 0, out[-4000:]
+    final = status_of(run)
+    assert final["complete"] and final["generator_jobs"][1]["state"] in ("CANCELLED", "COMPLETED"), final
+    check_and_report(run, facts, steps, max_staleness=1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_leaving_generator_returns_its_leases_at_once_and_is_stopped_after_the_member_list(tmp_path):
+    """A real orchestrator process and the real links over ZeroMQ: a generator holding leases
+    says Leave -> its leases are released (counted in the membership record) and it is no member;
+    a credit update it sends later does not make it one again; it hears Stop only after the trainer
+    listed the members (so no broadcast the trainer started before that can miss it)."""
+    from test_orchestrator import start_orchestrator, stop, write_spec
+
+    from pipeline.config import record_schema
+    from pipeline.orchestrator import messages as m
+    from pipeline.orchestrator.links import GeneratorLink, TrainerLink, WorkItem
+    from pipeline.roles.common import load_run_config
+
+    run = tmp_path / "run"
+    write_spec(run)
+    orch = start_orchestrator(run)
+    schema = record_schema(load_run_config(run))
+    try:
+        trainer = TrainerLink(run, schema, timeout_s=10)
+        stays, leaves = (GeneratorLink(run, gid, slots=3, schema=schema, timeout_s=10, job=job)
+                         for gid, job in ((0, ""), (7, "genjob-0")))
+        trainer.report_version(0)
+        held: list[WorkItem] = []
+        deadline = time.monotonic() + 30
+        while len(held) < 3 and time.monotonic() < deadline:  # wants go out with each poll
+            for link in (stays, leaves):
+                link.loaded_version = 0
+                items = link.poll(0.05)
+                if link is leaves:
+                    held += [i for i in items if isinstance(i, WorkItem)]
+        assert len(held) == 3, "the generator got no leases"
+        assert set(trainer.members(10)) == {"gen-0", "gen-7"}
+        leaves.leave()
+        left = wait_for(lambda: _membership(run, "leave", 7), 20, "the leave record")[0]
+        assert left["leases_returned"] == 3 and left["members"] == 1, left
+        assert [r["job"] for r in _membership(run, "join", 7)] == ["genjob-0"]
+        leaves.send(m.Want(m.Credit(3, 3, None, 0)))  # late: must not re-adopt it
+        assert not any(isinstance(i, m.Stop) for i in _drain(leaves, 1.0)), "stopped before the member list"
+        assert set(trainer.members(10)) == {"gen-0"}
+        assert any(isinstance(i, m.Stop) for i in _drain(leaves, 5.0)), "no Stop after the member list"
+        assert set(trainer.members(10)) == {"gen-0"}
+        # the returned groups are leased again: the staying generator gets them
+        again = set()
+        deadline = time.monotonic() + 30
+        while not {i.group_id for i in held} <= again and time.monotonic() < deadline:
+            again |= {i.group_id for i in stays.poll(0.05) if isinstance(i, WorkItem)}
+            stays.active.clear()  # frees its slots (results are not the point here)
+        assert {i.group_id for i in held} <= again, (held, again)
+    finally:
+        stop(orch)
+
+
+def _drain(link, seconds: float) -> list:
+    out, deadline = [], time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        out += link.poll(0.05)
+    return out
+
+
+def test_generator_ranks_are_unique_across_jobs_and_tasks_find_theirs():
+    from pipeline.launch.generator_jobs import next_first_rank
+    from pipeline.launch.plan import ComponentSpec, JobPlan
+    from pipeline.launch.task import locate
+
+    records = []
+    for count in (2, 1, 3):
+        records.append({"first_rank": next_first_rank(2, records), "count": count})
+    ranks = [r for rec in records for r in range(rec["first_rank"], rec["first_rank"] + rec["count"])]
+    assert ranks == [2, 3, 4, 5, 6, 7]  # after the run's generators 0, 1; none twice
+    plan = JobPlan(components={"generator": ComponentSpec(entry="m:f", tasks_per_node=3, first_rank=5,
+                                                          gpus_per_node=6)})
+    plan.validate()
+    assert plan.task_layout() == [("generator", 5), ("generator", 6), ("generator", 7)]
+    assert locate(plan, {"SLURM_PROCID": "1"}) == (1, "generator", 6)
+    assert plan.components["generator"].gpus_of(6) == ["2", "3"]  # second task of its node
