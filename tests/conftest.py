@@ -38,7 +38,7 @@ def _slurm_reason() -> str | None:
 def _slow_reason(config) -> str | None:
     if os.environ.get("TOKENFLOW_SLOW") == "1" or "slow" in (config.getoption("markexpr") or ""):
         return None
-    return "a long learning run, not part of the default suite: TOKENFLOW_SLOW=1 or `-m slow` runs it"
+    return "a long run (minutes on 2 cores), not part of the default suite: TOKENFLOW_SLOW=1 or `-m slow` runs it"
 
 
 def pytest_collection_modifyitems(config, items):
