@@ -39,6 +39,7 @@ from pipeline.config import TokenflowConfig, record_schema
 from pipeline.metrics import MetricsWriter
 from pipeline.orchestrator.clock import staleness
 from pipeline.orchestrator.links import TrainerLink
+from pipeline.record import sequence_routing
 from pipeline.roles.common import (agree_over_ranks, cpu_cores_for, load_run_config, model_dir, pin_process,
                                    publish_model)
 from pipeline.roles.weight_push import WeightPusher
@@ -177,7 +178,10 @@ class TrainerRole:
                                    reward=float(batch.columns["reward"][i]),
                                    group_id=int(batch.columns["group_id"][i]),
                                    sampling_mask=batch.tokens("sampling_mask", i)
-                                   if "sampling_mask" in batch.columns else None) for i in range(len(batch))]
+                                   if "sampling_mask" in batch.columns else None,
+                                   routed_experts=sequence_routing(batch.prompt(i, "prompt_routed_experts"),
+                                                                   batch.tokens("routed_experts", i))
+                                   if "routed_experts" in batch.columns else None) for i in range(len(batch))]
             me = cfg.run.mismatch_every
             mismatch = self._mismatch(batch, samples) if me and step % me == 0 else None
             m = self.trainer.train_step(samples)

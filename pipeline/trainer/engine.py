@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
@@ -28,7 +29,7 @@ from .layout import PaddedLayout, TrainSample
 from .config import TrainerConfig
 from .corrections import check_trainer_config
 from .loss import group_advantages, policy_loss
-from .routing_replay import attach_routing, enable_routing_replay, replay
+from .routing_replay import RoutingReplay, attach_routing
 from .sampling_mask import attach_kept_ids, kept_log_mass
 
 
@@ -65,8 +66,10 @@ class Trainer:
         model_parallel_cuda_manual_seed(cfg.seed)
         model = build_gpt_model(self.hf_config, p, cfg.moe)
         load_hf_weights(model, self.hf_config, cfg.model_dir)
-        if cfg.routing_replay:
-            enable_routing_replay(model)
+        self.replayer = None  # compares recorded routing with the router's (replays it with routing_replay)
+        if cfg.routing_replay or model.config.num_moe_experts:
+            self.replayer = RoutingReplay(model, cfg.routing_replay, ps.get_tensor_model_parallel_rank(),
+                                          p.tp, model.config.sequence_parallel)
         self.optimizer_kind = cfg.optimizer if cfg.optimizer != "auto" else (
             "megatron" if self.cuda else "torch")
         self.model = self._wrap_ddp(model)
@@ -136,16 +139,19 @@ class Trainer:
     def _attach(self, samples):
         """The layout's micro-batches with recorded sampling masks and (routing replay) routing."""
         mbs = attach_kept_ids(self.layout.micro_batches(samples), samples, self.layout.device)
-        return attach_routing(mbs, samples, self.layout.device) if self.cfg.routing_replay else mbs
+        return attach_routing(mbs, samples, self.layout.device) if self.replayer is not None else mbs
 
     # ---------------------------------------------------------------- forward
-    def _token_logprobs(self, model, mb, want_entropy=False):
-        """``[rows, S]`` logprobs of the labels (and entropies, no grad) under ``model``."""
+    def _token_logprobs(self, model, mb, want_entropy=False, count_routing=False):
+        """``[rows, S]`` logprobs of the labels (and entropies, no grad) under ``model``; with
+        ``count_routing`` the recorded-vs-own routing differences are counted."""
         import torch
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         routed = mb.extras.get("routed_experts") if model is self.model else None
-        with replay(model, routed, self._tp_rank, self._tp_size, model.config.sequence_parallel):
+        real = [st + c if i >= 0 else 0 for i, st, c in zip(mb.sample_index, mb.starts, mb.lengths)]
+        with self.replayer.forward(routed, real if count_routing else None) if routed is not None \
+                else nullcontext():
             logits = model(mb.input_ids, mb.position_ids, mb.attention_mask,
                            packed_seq_params=mb.packed_seq_params)
         logits = logits.float() / self.cfg.temperature
@@ -234,6 +240,8 @@ class Trainer:
                     totals.get(k, 0.0) + (v if k == "tokens" else v / len(chunks))
         if self.routing is not None:
             totals.update(self.routing.collect(self._all_reduce, self.cfg.parallel.tp))
+        if self.replayer is not None:
+            totals.update(self.replayer.collect(self._all_reduce))
         self.steps += 1
         totals["step_time_s"] = time.perf_counter() - start
         totals["tokens_per_s"] = totals["tokens"] / totals["step_time_s"]
@@ -258,7 +266,7 @@ class Trainer:
             if self.routing is not None:
                 self.routing.track([st + c if i >= 0 else 0
                                     for i, st, c in zip(mb.sample_index, mb.starts, mb.lengths)])
-            logp, entropy = self._token_logprobs(self.model, mb, want_entropy=True)
+            logp, entropy = self._token_logprobs(self.model, mb, want_entropy=True, count_routing=True)
             loss, m = policy_loss(
                 logp, mb.extras["behaviour"], mb.extras["advantage"], mb.loss_mask, normaliser,
                 cfg.loss,
