@@ -174,8 +174,10 @@ class Trainer:
         torch.distributed.all_reduce(stats, group=self.tp_group)
         return stats[0].log() - stats[1] / stats[0]
 
-    def logprobs(self, samples: Sequence[TrainSample], reference: bool = False) -> list[np.ndarray]:
-        """Per-completion-token logprobs of ``samples`` under the current (or reference) policy."""
+    def logprobs(self, samples: Sequence[TrainSample], reference: bool = False,
+                 count_routing: bool = False) -> list[np.ndarray]:
+        """Per-completion-token logprobs of ``samples`` under the current (or reference) policy;
+        ``count_routing``: count own-vs-recorded routing differences (`routing_differences`)."""
         import torch
 
         model = self.ref_model if reference else self.model
@@ -185,12 +187,17 @@ class Trainer:
         model.eval()
         with torch.no_grad():
             for mb in self._equalised(self._attach(samples)):
-                values, _ = self._token_logprobs(model, mb)
+                values, _ = self._token_logprobs(model, mb, count_routing=count_routing)
                 real = [i for i in mb.sample_index if i >= 0]
                 for i, arr in zip(real, self.layout.gather(mb, values)):
                     out[i] = arr
         model.train()
         return out
+
+    def routing_differences(self) -> dict[str, float]:
+        """``routing_differ_frac`` / ``routing_differ_token_frac`` counted since the last call (a
+        collective; {} for a dense model or when no counted forward carried routing)."""
+        return self.replayer.collect(self._all_reduce) if self.replayer is not None else {}
 
     # ---------------------------------------------------------------- training
     def _with_advantages(self, samples) -> list[TrainSample]:
@@ -240,8 +247,7 @@ class Trainer:
                     totals.get(k, 0.0) + (v if k == "tokens" else v / len(chunks))
         if self.routing is not None:
             totals.update(self.routing.collect(self._all_reduce, self.cfg.parallel.tp))
-        if self.replayer is not None:
-            totals.update(self.replayer.collect(self._all_reduce))
+        totals.update(self.routing_differences())
         self.steps += 1
         totals["step_time_s"] = time.perf_counter() - start
         totals["tokens_per_s"] = totals["tokens"] / totals["step_time_s"]
