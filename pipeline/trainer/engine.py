@@ -89,7 +89,6 @@ class Trainer:
                                    device="cuda" if self.cuda else "cpu")
         self.dp_group = ps.get_data_parallel_group()
         self.tp_group = ps.get_tensor_model_parallel_group()
-        self._tp_rank, self._tp_size = ps.get_tensor_model_parallel_rank(), p.tp
         self.steps = 0
 
     # ---------------------------------------------------------------- construction helpers
