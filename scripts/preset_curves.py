@@ -61,20 +61,29 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("runs/presets"))
     ap.add_argument("--presets", nargs="+", default=list(PRESETS), choices=PRESETS)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--replot", action="store_true",
+                    help="train nothing: plot and summarise the presets' finished runs already in --out")
     ap.add_argument("overrides", nargs="*", help="more `tokenflow train` overrides, after --")
     args = ap.parse_args()
+    from pipeline.apps.train import COMPLETE
     from pipeline.observe.plots import plot_overlay
 
     args.out.mkdir(parents=True, exist_ok=True)
     results, runs = {}, []
     for preset in args.presets:
-        done = run_preset(args.out, preset, args.steps, args.overrides)
-        state = "finished" if done.returncode == 0 else "failed"
-        if state == "failed":
-            print(f"{preset}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
+        if args.replot:
+            if not (args.out / preset / COMPLETE).exists():
+                continue
+            state = "finished"
+        else:
+            done = run_preset(args.out, preset, args.steps, args.overrides)
+            state = "finished" if done.returncode == 0 else "failed"
+            if state == "failed":
+                print(f"{preset}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
         runs.append((args.out / preset, preset, state))
         results[preset] = {"state": state, **(summary(args.out / preset) if state == "finished" else {})}
-    figure = plot_overlay(runs, args.out / "presets.png", title=f"correction presets, {args.steps} steps each",
+    steps = max((r.get("steps", 0) for r in results.values()), default=0)
+    figure = plot_overlay(runs, args.out / "presets.png", title=f"correction presets, {steps} steps each",
                           legend_title="trainer.loss.correction")
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     print(f"{'preset':<10} {'reward 1st/3':>12} {'last 1/3':>9} {'acc first':>9} {'last':>6} "
@@ -87,7 +96,7 @@ def main() -> None:
               f"{fmt(r['accuracy_first'], '>9.2f')} {fmt(r['accuracy_last'], '>6.2f')} "
               f"{fmt(r['is_weight_mean'], '>8.3f')} {fmt(r['is_weight_max'], '>7.2f')} "
               f"{fmt(r['tis_clip_fraction'], '>6.3f')} {fmt(r['is_mask_fraction'], '>7.3f')}")
-    print(json.dumps({"figure": str(figure), "steps": args.steps, "presets": results}))
+    print(json.dumps({"figure": str(figure), "steps": steps, "presets": results}))
 
 
 if __name__ == "__main__":
