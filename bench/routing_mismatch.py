@@ -3,9 +3,12 @@
 A bf16 vLLM engine samples completions and records their routing (``generator.record_routing``);
 the fp32 megatron-core trainer then scores the same tokens twice: routing by itself, and replaying
 the engine's routing (``trainer.routing_replay``). Reported: mean |trainer - behaviour| logprob over
-completion tokens for each (and their ratio), the fraction of (token, layer) pairs whose expert set
-differs between the engine (bf16) and transformers in fp32 (the trainer's own routing, computed
-independently), and the bytes per token that routing and a sampling mask add. The model is the
+completion tokens for each (and their ratio); beside each, the fraction of (token, layer) pairs
+and of tokens (prompt and completion positions) where the trainer's own router chooses another
+expert set than the engine recorded - the ``routing_differ_frac`` / ``routing_differ_token_frac``
+of the metrics stream (pipeline/trainer/routing_replay.py); as an independent cross-check of the
+first, the pairs where transformers in fp32 routes differently from the engine; and the bytes per
+token that routing and a sampling mask add. The model is the
 tiny Qwen3-MoE with weights re-drawn at unit scale (``sharpened_checkpoint``): the 0.02-std init
 is nearly uniform and would route on noise.
 
@@ -29,7 +32,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 
 TRAINER = """
-import sys, numpy as np, torch
+import json, sys, numpy as np, torch
 from pipeline.trainer.config import TrainerConfig
 from pipeline.trainer.engine import Trainer
 from pipeline.trainer.layout import TrainSample
@@ -39,11 +42,13 @@ d = np.load(data)
 n = int(d["n"])
 samples = [TrainSample(d[f"p{i}"], d[f"c{i}"], d[f"lp{i}"], routed_experts=d[f"r{i}"]) for i in range(n)]
 trainer = Trainer(TrainerConfig(model_dir=model_dir, routing_replay=True, micro_batch_tokens=512))
-replayed = trainer.logprobs(samples)
-for s in samples:
-    s.routed_experts = None
-own = trainer.logprobs(samples)
-np.savez(out, **{f"replayed{i}": replayed[i] for i in range(n)}, **{f"own{i}": own[i] for i in range(n)})
+replayed = trainer.logprobs(samples, count_routing=True)
+differ = {"replayed": trainer.routing_differences()}
+trainer.replayer.apply = False  # the same samples, the trainer routing by itself
+own = trainer.logprobs(samples, count_routing=True)
+differ["own"] = trainer.routing_differences()
+np.savez(out, **{f"replayed{i}": replayed[i] for i in range(n)}, **{f"own{i}": own[i] for i in range(n)},
+         differ=np.frombuffer(json.dumps(differ).encode(), dtype=np.uint8))
 trainer.close()
 """
 
@@ -122,16 +127,27 @@ def main() -> None:
         differ = np.concatenate([(np.sort(c.routed_experts, -1) != np.sort(r, -1)).any(-1).ravel()
                                  for (_, c), r in zip(pairs, fp32)])
         layers, k = c.routed_experts.shape[1:]
+        trainer_differ = json.loads(out["differ"].tobytes())
+    bytes_per_token = per_token_bytes(RecordSchema(routed_experts=(layers, k), sampling_mask_k=64))
     result = {
         "samples": len(pairs), "completion_tokens": int(len(behaviour)),
         "mismatch_own_routing": float(own), "mismatch_replayed_routing": float(replayed),
         "mismatch_ratio_replayed_over_own": float(replayed / own) if own else None,
-        "routed_differently_fraction": float(differ.mean()),
-        "routing_bytes_per_token": per_token_bytes(RecordSchema(routed_experts=(layers, k)))["routed_experts"],
-        "mask_bytes_per_token_width_64": per_token_bytes(RecordSchema(sampling_mask_k=64))["sampling_mask"],
+        "trainer_routing_differ_frac_own": trainer_differ["own"]["routing_differ_frac"],
+        "trainer_routing_differ_token_frac_own": trainer_differ["own"]["routing_differ_token_frac"],
+        "trainer_routing_differ_frac_replayed": trainer_differ["replayed"]["routing_differ_frac"],
+        "trainer_routing_differ_token_frac_replayed": trainer_differ["replayed"]["routing_differ_token_frac"],
+        "hf_fp32_routed_differently_fraction": float(differ.mean()),
+        "routing_bytes_per_prompt_token": bytes_per_token["prompt_routed_experts"],
+        "routing_bytes_per_completion_token": bytes_per_token["routed_experts"],
+        "mask_bytes_per_token_width_64": bytes_per_token["sampling_mask"],
     }
-    print(f"mismatch |trainer fp32 - engine bf16| per token: own routing {own:.4f}, replayed {replayed:.4f}; "
-          f"(token, layer) pairs routed differently: {differ.mean():.3%}")
+    print(f"{'':34}{'own routing':>14}{'replayed':>12}")
+    print(f"{'mismatch |trainer - engine| / tok':34}{own:>14.4f}{replayed:>12.4f}")
+    for key, label in (("routing_differ_frac", "(token, layer) routed differently"),
+                       ("routing_differ_token_frac", "tokens routed differently")):
+        print(f"{label:34}{trainer_differ['own'][key]:>14.3%}{trainer_differ['replayed'][key]:>12.3%}")
+    print(f"transformers fp32 vs engine bf16, (token, layer) pairs: {differ.mean():.3%}")
     print(json.dumps(result))
 
 

@@ -145,7 +145,7 @@ SCHEMA_FIELDS = ("model.name", "task.name", "task.path", "orchestrator.group_siz
                  "orchestrator.seed", "generator.temperature", "generator.logprobs_mode",
                  "task.eval_path", "task.eval_size", "task.eval_fraction", "task.split_seed", "task.shuffle",
                  "task.prompt_format", "task.system_prompt", "task.chat_template_kwargs",
-                 "generator.sampling_mask_width")
+                 "generator.sampling_mask_width", "generator.record_routing")
 
 
 def register() -> None:
@@ -158,10 +158,21 @@ def register() -> None:
 
 def record_schema(cfg: TokenflowConfig) -> RecordSchema:
     """The optional per-token fields this run records: the sampling mask with
-    ``generator.sampling_mask_width`` > 0, the model-token mask for a task with an environment."""
+    ``generator.sampling_mask_width`` > 0; the model-token mask for a task with an environment;
+    routing (MoE layers x top-k of the model) with ``generator.record_routing``."""
     from pipeline.tasks import task_environment
 
-    return RecordSchema(sampling_mask_k=cfg.generator.sampling_mask_width or None,
+    routing = None
+    if cfg.generator.record_routing:
+        from pipeline.models.defaults import model_config
+        from pipeline.trainer.families import is_moe
+
+        hf = model_config(cfg.model.name)
+        if not is_moe(hf):
+            raise ValueError(f"generator.record_routing needs an MoE model; {cfg.model.name} is "
+                             f"{hf.model_type}")
+        routing = (int(hf.num_hidden_layers), int(hf.num_experts_per_tok))  # every layer MoE (families)
+    return RecordSchema(sampling_mask_k=cfg.generator.sampling_mask_width or None, routed_experts=routing,
                         model_mask=task_environment(cfg.task) is not None)
 
 
@@ -194,9 +205,9 @@ def validate(cfg: TokenflowConfig) -> None:
         (abs(cfg.trainer.temperature - cfg.generator.temperature) < 1e-9,
          f"trainer.temperature ({cfg.trainer.temperature}) must equal generator.temperature "
          f"({cfg.generator.temperature}): logprobs would be of different distributions"),
-        (not cfg.trainer.routing_replay,
-         "trainer.routing_replay needs routing in the rollout record, which runs do not carry yet "
-         "(the Trainer API replays TrainSample.routed_experts; docs/corrections.md)"),
+        (not cfg.trainer.routing_replay or cfg.generator.record_routing,
+         "trainer.routing_replay needs the generators' routing in the record: set "
+         "generator.record_routing=true (docs/corrections.md, Keep Routing)"),
     ]
     from pipeline.tasks import task_environment
 

@@ -149,6 +149,8 @@ def dataset_layout(schema: RecordSchema) -> dict[str, DatasetSpec]:
     out = {f"samples/{n}": DatasetSpec("samples", d, ()) for n, d in schema.scalar_columns().items()}
     out.update({f"samples/{n}": DatasetSpec("samples", np.dtype(np.int64), ()) for n in OFFSET_COLUMNS})
     out[f"samples/{PROMPT_COLUMN[0]}"] = DatasetSpec("prompt_tokens", PROMPT_COLUMN[1], ())
+    for name, (dtype, trail) in schema.prompt_token_fields().items():  # e.g. prompt_routed_experts
+        out[f"samples/{name}"] = DatasetSpec("prompt_tokens", dtype, trail)
     for name, (dtype, trail) in schema.token_fields().items():
         out[f"samples/{name}"] = DatasetSpec("completion_tokens", dtype, trail)
     for table, cols in (("groups", GROUP_COLUMNS), ("steps", STEP_COLUMNS),

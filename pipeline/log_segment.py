@@ -165,6 +165,8 @@ class Segment:
                 p1 = int(s["prompt_offset"][b - 1]) + int(cols["prompt_len"][-1])
                 c1 = int(s["completion_offset"][b - 1]) + int(cols["completion_len"][-1])
             cols[PROMPT_COLUMN[0]] = s[PROMPT_COLUMN[0]][p0:p1]
+            for name in self.schema.prompt_token_fields():
+                cols[name] = s[name][p0:p1]
             for name in self.schema.token_fields():
                 cols[name] = s[name][c0:c1]
             return SampleBatch(cols, self.schema, validate=True)

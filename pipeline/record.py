@@ -3,7 +3,12 @@
 Invariants this module keeps (checked on construction, raising `RecordError` naming the field):
 
 - every per-token array of a sample has exactly one entry per completion token: ``logprobs``,
-  ``versions`` and each optional per-token field the run's `RecordSchema` enables;
+  ``versions`` and each optional per-token field the run's `RecordSchema` enables; every
+  per-prompt-token array (`RecordSchema.prompt_token_fields`) one entry per prompt token;
+- routing (``routed_experts`` with ``prompt_routed_experts``) is per token AS AN INPUT of the
+  model: prompt token i's row holds the experts it was routed to, completion token t's likewise;
+  the last completion token is never fed to the model, so its row is all -1. The trainer replays
+  the ``P + C - 1`` rows before it (`sequence_routing`);
 - ``versions`` (the policy version that produced each token) are non-negative and never decrease
   along a completion (weights only move forward while a sequence is generated);
 - token ids are non-negative, behaviour logprobs are finite and ``<= LOGPROB_MAX``;
@@ -58,7 +63,8 @@ class RecordSchema:
     teacher_logprobs: bool = False
     """A float32 teacher logprob per completion token (on-policy distillation)."""
     routed_experts: tuple[int, int] | None = None
-    """(moe_layers, top_k): the experts each token was routed to at generation (routing replay)."""
+    """(moe_layers, top_k): the experts each prompt and completion token was routed to at generation
+    (Keep Routing); enables ``routed_experts`` (per completion token) and ``prompt_routed_experts``."""
     sampling_mask_k: int | None = None
     """Width k of the per-token list of token ids the sampler kept (top-k/top-p), padded with -1."""
     model_mask: bool = False
@@ -90,6 +96,12 @@ class RecordSchema:
         if not self.teacher_logprobs:
             return SCALAR_COLUMNS
         return {**SCALAR_COLUMNS, "teacher_version": np.dtype(np.int32)}
+
+    def prompt_token_fields(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+        """Optional per-prompt-token fields of this schema: name -> (dtype, trailing shape)."""
+        if self.routed_experts is None:
+            return {}
+        return {"prompt_routed_experts": (np.dtype(np.int16), tuple(self.routed_experts))}
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -182,6 +194,8 @@ class RolloutSample:
     routed_experts: np.ndarray | None = None
     sampling_mask: np.ndarray | None = None
     model_mask: np.ndarray | None = None
+    prompt_routed_experts: np.ndarray | None = None
+    """int16 [P, moe_layers, top_k]: the experts each prompt token was routed to (with routed_experts)."""
     schema: RecordSchema = field(default_factory=RecordSchema, repr=False)
     """The run's schema, which decides which optional fields must be present."""
 
@@ -209,8 +223,19 @@ class RolloutSample:
             elif len(arr) != n:
                 raise RecordError(f"{name} has {len(arr)} entries for {n} completion tokens")
             setattr(self, name, arr)
-        for name in ("token_rewards", "teacher_logprobs", "routed_experts", "sampling_mask", "model_mask"):
-            if name not in self.schema.token_fields() and getattr(self, name) is not None:
+        for name, (dtype, trail) in self.schema.prompt_token_fields().items():
+            arr = getattr(self, name)
+            if arr is None:
+                raise RecordError(f"{name} is required by the run's record schema but missing")
+            arr = _as(name, arr, dtype, 1 + len(trail))
+            if arr.shape != (len(self.prompt_ids), *trail):
+                raise RecordError(f"{name}: shape {arr.shape} != ({len(self.prompt_ids)}, *{trail}) "
+                                  "(one row per prompt token)")
+            setattr(self, name, arr)
+        enabled = {**self.schema.token_fields(), **self.schema.prompt_token_fields()}
+        for name in ("token_rewards", "teacher_logprobs", "routed_experts", "sampling_mask", "model_mask",
+                     "prompt_routed_experts"):
+            if name not in enabled and getattr(self, name) is not None:
                 raise RecordError(f"{name} is given but the run's record schema does not enable it")
         if n == 0:
             raise RecordError("completion is empty")
@@ -224,6 +249,21 @@ class RolloutSample:
     @property
     def min_version(self) -> int:
         return int(self.versions[0])
+
+
+def unrecorded_fields(schema: RecordSchema, prompt_len: int, completion_len: int) -> dict[str, np.ndarray]:
+    """Routing and sampling-mask fields for a sample the trainer never sees (an evaluation
+    answer) when the schema requires them: rows of -1, nothing recorded."""
+    shapes = {**{k: (prompt_len, v) for k, v in schema.prompt_token_fields().items()},
+              **{k: (completion_len, v) for k, v in schema.token_fields().items()
+                 if k in ("routed_experts", "sampling_mask")}}
+    return {k: np.full((n, *trail), -1, dtype) for k, (n, (dtype, trail)) in shapes.items()}
+
+
+def sequence_routing(prompt_routed: np.ndarray, completion_routed: np.ndarray) -> np.ndarray:
+    """``[P + C - 1, layers, k]``: the routing of every position the trainer feeds the model
+    (prompt rows, then every completion row but the last, which is never fed)."""
+    return np.concatenate([prompt_routed, completion_routed[:-1]])
 
 
 def check_token_values(prompt_ids: np.ndarray, completion_ids: np.ndarray, logprobs: np.ndarray,
@@ -291,6 +331,8 @@ class SampleBatch:
                 vals = [getattr(s, name) for s in samples]
             cols[name] = np.asarray(vals, dtype=dtype)
         cols["prompt_ids"] = _concat([s.prompt_ids for s in samples], PROMPT_COLUMN[1], ())
+        for name, (dtype, trail) in schema.prompt_token_fields().items():
+            cols[name] = _concat([getattr(s, name) for s in samples], dtype, trail)
         for name, (dtype, trail) in schema.token_fields().items():
             for s in samples:
                 if s.schema != schema:
@@ -314,7 +356,8 @@ class SampleBatch:
 
     # -- checks -----------------------------------------------------------------------------
     def column_names(self) -> list[str]:
-        return list(self.schema.scalar_columns()) + [PROMPT_COLUMN[0]] + list(self.schema.token_fields())
+        return (list(self.schema.scalar_columns()) + [PROMPT_COLUMN[0]] + list(self.schema.prompt_token_fields())
+                + list(self.schema.token_fields()))
 
     def validate(self) -> None:
         """Check dtypes, shapes, lengths and value bounds of every column (vectorised)."""
@@ -341,6 +384,11 @@ class SampleBatch:
         a = self.columns["prompt_ids"]
         if a.dtype != PROMPT_COLUMN[1] or a.shape != (total_p,):
             raise RecordError(f"column prompt_ids: expected int32[{total_p}], got {a.dtype}{list(a.shape)}")
+        for name, (dtype, trail) in self.schema.prompt_token_fields().items():
+            a = self.columns[name]
+            if a.dtype != dtype or a.shape != (total_p, *trail):
+                raise RecordError(f"column {name}: expected {dtype}{[total_p, *trail]}, "
+                                  f"got {a.dtype}{list(a.shape)}")
         for name, (dtype, trail) in self.schema.token_fields().items():
             a = self.columns[name]
             if a.dtype != dtype or a.shape != (total_c, *trail):
@@ -373,12 +421,15 @@ class SampleBatch:
         rows = np.asarray(rows, dtype=np.int64)
         cols = {name: self.columns[name][rows] for name in self.schema.scalar_columns()}
         cols["prompt_ids"] = _gather(self.columns["prompt_ids"], self._p_off, rows)
+        for name in self.schema.prompt_token_fields():
+            cols[name] = _gather(self.columns[name], self._p_off, rows)
         for name in self.schema.token_fields():
             cols[name] = _gather(self.columns[name], self._c_off, rows)
         return SampleBatch(cols, self.schema, validate=False)
 
-    def prompt(self, i: int) -> np.ndarray:
-        return self.columns["prompt_ids"][self._p_off[i]:self._p_off[i + 1]]
+    def prompt(self, i: int, name: str = "prompt_ids") -> np.ndarray:
+        """Row i's per-prompt-token ``name`` (the prompt's ids by default)."""
+        return self.columns[name][self._p_off[i]:self._p_off[i + 1]]
 
     def tokens(self, name: str, i: int) -> np.ndarray:
         return self.columns[name][self._c_off[i]:self._c_off[i + 1]]
@@ -388,6 +439,7 @@ class SampleBatch:
         kw = {name: self.tokens(name, i) for name in self.schema.token_fields()}
         if "teacher_version" in c:
             kw["teacher_version"] = int(c["teacher_version"][i])
+        kw.update({name: self.prompt(i, name) for name in self.schema.prompt_token_fields()})
         return RolloutSample(
             group_id=int(c["group_id"][i]), sample_index=int(c["sample_index"][i]),
             prompt_id=int(c["prompt_id"][i]), attempt=int(c["attempt"][i]),

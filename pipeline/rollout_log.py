@@ -201,7 +201,8 @@ class RolloutLogWriter:
             off[1:] += start
             self._pending[f"samples/{off_name}"].append(off)
             self._pending_counts[table] += int(lens.sum())
-        for name in (*self.schema.scalar_columns(), PROMPT_COLUMN[0], *self.schema.token_fields()):
+        for name in (*self.schema.scalar_columns(), PROMPT_COLUMN[0], *self.schema.prompt_token_fields(),
+                     *self.schema.token_fields()):
             self._pending[f"samples/{name}"].append(c[name])
         self._pending_counts["samples"] += n
         if rows[-1] >= len(self._row_tokens):

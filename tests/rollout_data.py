@@ -27,6 +27,8 @@ def make_batch(schema: RecordSchema, seed: int, n: int, first_group: int = 0, gr
     if "teacher_version" in schema.scalar_columns():
         cols["teacher_version"] = rng.integers(-1, 100, n).astype(np.int32)
     cols["prompt_ids"] = rng.integers(0, 50_000, int(plen.sum())).astype(np.int32)
+    for name, (dtype, trail) in schema.prompt_token_fields().items():  # prompt_routed_experts
+        cols[name] = rng.integers(0, 64, (int(plen.sum()), *trail)).astype(dtype)
     # versions: `version` up to a random switch point (>= 1) of each completion, then version + 1
     pos = np.arange(total) - np.repeat(np.cumsum(clen) - clen, clen)
     versions = version + (pos >= np.repeat(rng.integers(1, clen + 1), clen))

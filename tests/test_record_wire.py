@@ -32,6 +32,8 @@ def samples(draw, schema):
             if name in ("completion_ids", "logprobs", "versions"):
                 continue
             kw[name] = rng.integers(0, 5, (clen, *trail)).astype(dtype)
+        for name, (dtype, trail) in schema.prompt_token_fields().items():
+            kw[name] = rng.integers(0, 5, (plen, *trail)).astype(dtype)
         out.append(RolloutSample(
             group_id=7, sample_index=i, prompt_id=3, attempt=draw(st.integers(0, 3)),
             prompt_ids=rng.integers(0, 1000, plen), completion_ids=rng.integers(0, 1000, clen),
@@ -52,7 +54,7 @@ def test_batch_round_trips_through_the_wire(data):
     got = SampleBatch(msg.arrays, schema)
     assert msg.kind == "result" and msg.meta == {"group_id": 7}
     for a, b in zip(ss, got):
-        for name in ("prompt_ids", *schema.token_fields()):
+        for name in ("prompt_ids", *schema.prompt_token_fields(), *schema.token_fields()):
             np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
         assert (a.group_id, a.sample_index, a.attempt, a.finish_reason) == \
                (b.group_id, b.sample_index, b.attempt, b.finish_reason)
@@ -62,6 +64,8 @@ def test_batch_round_trips_through_the_wire(data):
     rev = batch.take(order)
     for i, j in enumerate(order):
         np.testing.assert_array_equal(rev.tokens("completion_ids", i), batch.tokens("completion_ids", j))
+        for name in schema.prompt_token_fields():
+            np.testing.assert_array_equal(rev.prompt(i, name), batch.prompt(j, name))
 
 
 def test_decoded_arrays_are_zero_copy_views():

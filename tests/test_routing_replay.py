@@ -1,5 +1,7 @@
 """Keep Routing in the trainer: megatron-core replaying a given routing against transformers'
-model forced to the same routing (an independent oracle), at EP1, EP2 and TP2 (+SP).
+model forced to the same routing (an independent oracle), at EP1, EP2 and TP2 (+SP); and the
+trainer's count of positions where its own router disagrees with the given routing
+(``routing_differ_frac``) against the same count from transformers' own routing.
 
 Ranks run this file as a script (megatron's parallel state is process-global); the routing is
 random (not what either model would choose), so a replay that silently does nothing fails.
@@ -60,6 +62,20 @@ def forced_hf_logprobs(model_dir, samples):
     return out
 
 
+def own_routing_differences(model_dir, samples):
+    """(pairs, near-ties, pairs whose expert set differs): transformers' own routing of every
+    position the trainer feeds against the samples' given routing."""
+    from test_routing_capture_engine import hf_routing
+
+    sequences = [np.concatenate([s.prompt_ids, s.completion_ids[:-1]]).tolist() for s in samples]
+    pairs = ties = differ = 0
+    for s, (experts, tie) in zip(samples, hf_routing(model_dir, sequences)):
+        pairs += tie.size
+        ties += int(tie.sum())
+        differ += int((np.sort(experts, -1) != np.sort(s.routed_experts, -1)).any(-1).sum())
+    return pairs, ties, differ
+
+
 def scenario(outdir: Path, args: dict) -> None:
     import torch
     from megatron.core import parallel_state as ps
@@ -78,13 +94,14 @@ def scenario(outdir: Path, args: dict) -> None:
     mine = list(range(dp_rank, N, dp))
     part = [samples[i] for i in mine]
     replayed = trainer.logprobs(part)
-    routed = [s.routed_experts for s in part]
-    for s in part:
-        s.routed_experts = None
-    own = trainer.logprobs(part)
-    for s, r, lp in zip(part, routed, replayed):
-        s.routed_experts, s.behaviour_logprobs = r, lp
+    trainer.replayer.apply = False  # route by itself, count where it differs from the given routing
+    own = trainer.logprobs(part, count_routing=True)
+    differ = trainer.routing_differences()  # a collective: every rank
+    trainer.replayer.apply = True
+    for s, lp in zip(part, replayed):
+        s.behaviour_logprobs = lp
     metrics = trainer.train_step(part)  # forward + backward under replay
+    metrics["own_differ"] = differ
     if torch.distributed.get_rank() == torch.distributed.get_process_group_ranks(
             ps.get_tensor_model_parallel_group())[0]:
         np.savez(outdir / f"dp{dp_rank}.npz", index=np.array(mine),
@@ -119,6 +136,12 @@ def test_replayed_routing_equals_transformers_forced_to_it(moe_checkpoint, tmp_p
             replayed[i], own[i] = d[f"replayed{j}"], d[f"own{j}"]
         metrics = json.loads(f.with_suffix(".json").read_text())
         assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    assert metrics["routing_differ_frac"] > 0  # counted in training forwards too (replayed path)
+    pairs, ties, differ = own_routing_differences(moe_checkpoint, samples)
+    got = metrics["own_differ"]["routing_differ_frac"]
+    print(f"\n[{parallel or 'ep1'}] own routing differs from the given one at {got:.4f} of (token, layer) "
+          f"pairs; transformers {differ / pairs:.4f} ({ties} near-ties of {pairs})")
+    assert abs(got * pairs - differ) <= ties
     err = max(float(np.abs(a - b).max()) for a, b in zip(replayed, want))
     moved = max(float(np.abs(a - b).max()) for a, b in zip(own, want))
     print(f"\n[{parallel or 'ep1'}] max |megatron(replayed) - HF(forced)| {err:.2e}; "

@@ -169,7 +169,16 @@ def test_inspect_shows_what_a_log_carries_and_its_bytes_per_token(tmp_path, caps
         got = json.loads(capsys.readouterr().out)["per_token_bytes"]
         assert got.get("sampling_mask") == want
         assert got.get("routed_experts") == (8 if schema.routed_experts else None)  # 2 x 2 int16
+        assert got.get("prompt_routed_experts") == (8 if schema.routed_experts else None)
         assert got["completion_ids"] + got["logprobs"] + got["versions"] == 12
         assert main([str(run)]) == 0
         text = capsys.readouterr().out
         assert ("sampling mask 32 B" if want else "sampling mask not recorded") in text
+        assert ("routing (prompt and completion) 8 B per prompt token + 8 B per completion token"
+                if schema.routed_experts else "routing (prompt and completion) not recorded") in text
+        if schema.routed_experts:  # the bytes the log holds per token, read from the file itself
+            from pipeline.log_reader import RolloutLog
+            with RolloutLog.open(run) as log:
+                batch = log.read(np.arange(log.num_samples))
+            for name, length in (("prompt_routed_experts", "prompt_len"), ("routed_experts", "completion_len")):
+                assert batch.columns[name].nbytes == 8 * int(batch.columns[length].sum())

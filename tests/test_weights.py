@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from pipeline.weights.buckets import ALIGN, BucketError, BucketPlan, pack, unpack
+from pipeline.weights.buckets import ALIGN, Assembly, BucketError, BucketPlan, pack, unpack
 from pipeline.weights.group import TorchDistChannel, WeightSyncError
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool]
@@ -27,7 +27,7 @@ def _random_tensor(shape, dtype, gen):
 @settings(max_examples=60, deadline=None)
 @given(shapes=st.lists(st.tuples(st.lists(st.integers(0, 40), min_size=0, max_size=3),
                                  st.sampled_from(range(len(DTYPES)))), min_size=1, max_size=12),
-       bucket_bytes=st.integers(1, 3000), seed=st.integers(0, 2**31 - 1))
+       bucket_bytes=st.integers(200, 3000), seed=st.integers(0, 2**31 - 1))  # >= 200: few pieces per tensor
 def test_pack_unpack_round_trip(shapes, bucket_bytes, seed):
     gen = torch.Generator().manual_seed(seed)
     named = [(f"w{i}", _random_tensor(tuple(shape), DTYPES[d], gen)) for i, (shape, d) in enumerate(shapes)]
@@ -35,13 +35,15 @@ def test_pack_unpack_round_trip(shapes, bucket_bytes, seed):
     assert plan.num_tensors == len(named)
     for size, slots in zip(plan.sizes, plan.buckets):
         assert slots, "no bucket is empty"
-        assert size <= bucket_bytes or len(slots) == 1, "only a lone tensor may exceed the bucket size"
+        assert size <= bucket_bytes, "a tensor larger than a bucket is split, never a bigger bucket"
         assert all(s.offset % ALIGN == 0 for s in slots)
     plan = BucketPlan.from_wire(plan.to_wire())  # the plan survives its wire form
-    got = []
+    got, assembly = [], Assembly()
     for slots, bucket in zip(plan.buckets, pack(plan, named)):
-        for name, view in unpack(slots, bucket):
-            assert view.untyped_storage().data_ptr() == bucket.untyped_storage().data_ptr(), "unpack copied"
+        for name, view in unpack(slots, bucket, assembly):
+            whole = dict(named)[name].numel() * dict(named)[name].element_size() <= bucket_bytes
+            assert whole == (view.untyped_storage().data_ptr() == bucket.untyped_storage().data_ptr()), \
+                "unpack copied a whole tensor, or handed out a split one from a bucket"
             got.append((name, view))
     assert [n for n, _ in got] == [n for n, _ in named]
     for (_, a), (_, b) in zip(named, got):
@@ -49,13 +51,21 @@ def test_pack_unpack_round_trip(shapes, bucket_bytes, seed):
         assert torch.equal(a, b)
 
 
-def test_large_tensor_gets_its_own_bucket_and_bf16_fp32_mix():
+def test_large_tensor_is_split_over_buckets_and_bf16_fp32_mix():
+    """The worked example of pipeline/weights/buckets.py."""
     named = [("a", torch.randn(100)), ("b", torch.randn(300).bfloat16()),
              ("c", torch.randn(1000)), ("d", torch.randn(10))]
     plan = BucketPlan.for_tensors(named, 2048)
-    assert [[s.name for s in b] for b in plan.buckets] == [["a", "b"], ["c"], ["d"]]
-    assert plan.buckets[0][1].offset == 448 and plan.sizes[1] == 4000
-    out = dict(kv for slots, buf in zip(plan.buckets, pack(plan, named)) for kv in unpack(slots, buf))
+    assert [[s.name for s in b] for b in plan.buckets] == [["a", "b"], ["c"], ["c", "d"]]
+    assert plan.buckets[0][1].offset == 448 and plan.sizes == (1048, 2048, 2024)
+    assert [(s.part_start, s.part_bytes) for s in (plan.buckets[1][0], plan.buckets[2][0])] == [(0, 2048), (2048, 1952)]
+    assert plan.buckets[2][1].offset == 1984 and plan.num_tensors == 4
+    assert len(BucketPlan.for_tensors(named, 1024).sizes) == 6
+    assembly = Assembly()
+    out = dict(kv for slots, buf in zip(plan.buckets, pack(plan, named)) for kv in unpack(slots, buf, assembly))
+    assert assembly.allocated == 4000
+    with pytest.raises(BucketError, match="needs an Assembly"):
+        list(unpack(plan.buckets[1], next(iter(pack(plan, [named[2]], indices=[1])))))
     assert out["b"].dtype == torch.bfloat16 and torch.equal(out["b"], named[1][1])
     assert torch.equal(out["c"], named[2][1])
 
@@ -118,7 +128,7 @@ def test_gloo_channel_carries_versions_between_processes():
         for version in (3, 4):
             update = ch.receive()
             assert update.version == version
-            assert len(update.plan.sizes) == 2, "the 20 kB tensor exceeds a 4 kB bucket and gets its own"
+            assert len(update.plan.sizes) == 6, "the 20 kB tensor is split over five 4 kB buckets"
             got = {n: t.clone() for n, t in update}
             assert got.keys() == expected.keys()
             for n in expected:
@@ -132,16 +142,61 @@ def test_gloo_channel_carries_versions_between_processes():
 
 def test_sender_dying_mid_broadcast_raises_within_timeout():
     port = _free_port()
-    proc = _start_sender(port, 1)  # sends metadata, starts bucket 0, dies packing bucket 1
+    proc = _start_sender(port, 1)  # sends metadata and the buckets of "big", dies packing bucket 5
     try:
         ch = TorchDistChannel("127.0.0.1", port, 1, 2, timeout_s=30)
         update = ch.receive()
         # No hang: the error arrives (peer reset, or at the latest the 30 s timeout) and names the step.
-        # bucket 0 was in flight (streamed: packing bucket 1 overlaps it) when the sender died
-        with pytest.raises(WeightSyncError, match="bucket [01]/2 of version 3"):
+        # bucket 4 was in flight (streamed: packing bucket 5 overlaps it) when the sender died
+        with pytest.raises(WeightSyncError, match="bucket [45]/6 of version 3"):
             for _ in update:
                 pass
         ch.close()
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+SPLIT_SENDER = textwrap.dedent("""
+    import sys, torch
+    from pipeline.weights.buckets import BucketPlan
+    from pipeline.weights.group import TorchDistChannel
+    port, bucket = int(sys.argv[1]), int(sys.argv[2])
+    ch = TorchDistChannel("127.0.0.1", port, 0, 2, timeout_s=20)
+    gen = torch.Generator().manual_seed(11)
+    big = torch.randn(5 * bucket // 8, generator=gen)  # float32: 2.5 buckets
+    named = [("small", torch.arange(7)), ("embed", big), ("tail", torch.randn(3, generator=gen).bfloat16())]
+    for version in (1, 2):  # received streamed, then staged
+        ch.send_stream(version, BucketPlan.for_tensors(named, bucket), named)
+    print(ch.buffers.allocated, flush=True)
+    ch.close()
+""")
+
+
+def test_a_tensor_of_two_and_a_half_buckets_round_trips_within_two_buckets_of_buffers():
+    """Streamed and staged receives of a tensor split over three buckets: exact bytes; the sender's
+    and the streamed receiver's counted buffers stay within two buckets; the reassembly costs the
+    tensor's own size, once."""
+    bucket, port = 1 << 16, _free_port()
+    proc = subprocess.Popen([sys.executable, "-c", SPLIT_SENDER, str(port), str(bucket)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        ch = TorchDistChannel("127.0.0.1", port, 1, 2, timeout_s=20)
+        gen = torch.Generator().manual_seed(11)
+        big = torch.randn(5 * bucket // 8, generator=gen)
+        want = {"small": torch.arange(7), "embed": big, "tail": torch.randn(3, generator=gen).bfloat16()}
+        for stage in (False, True):
+            update = ch.receive(stage=stage)
+            assert [[(s.name, s.part_start) for s in b] for b in update.plan.buckets] == \
+                [[("small", 0)], [("embed", 0)], [("embed", bucket)], [("embed", 2 * bucket), ("tail", 0)]]
+            got = {n: t.clone() for n, t in update}
+            assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+            assert update.assembly.allocated == big.numel() * 4
+        assert ch.buffers.allocated <= 2 * bucket  # the streamed receive; staged buckets are kept by design
+        ch.close()
+        sent = int(proc.stdout.readline())
+        assert 0 < sent <= 2 * bucket, f"the sender allocated {sent} B of buffers for {bucket} B buckets"
+        assert proc.wait(timeout=30) == 0
     finally:
         proc.kill()
         proc.wait(timeout=10)

@@ -171,10 +171,11 @@ def summarize(log: RolloutLog, progress=None, episode_examples: int = 3, tokeniz
 
 
 def per_token_bytes(schema) -> dict[str, int]:
-    """Bytes each per-completion-token field of ``schema`` takes per token, on the wire and in
-    the log (uncompressed): e.g. a sampling mask of width 8 is 8 int32 = 32 bytes."""
+    """Bytes each per-token field of ``schema`` takes per token (completion fields per completion
+    token, ``prompt_*`` fields per prompt token), on the wire and in the log (uncompressed): e.g.
+    a sampling mask of width 8 is 8 int32 = 32 bytes, routing of 2 MoE layers x top-2 is 8 bytes."""
     return {name: int(np.dtype(dtype).itemsize * math.prod(trail))
-            for name, (dtype, trail) in schema.token_fields().items()}
+            for name, (dtype, trail) in {**schema.token_fields(), **schema.prompt_token_fields()}.items()}
 
 
 def format_text(s: dict) -> str:
@@ -215,10 +216,16 @@ def format_text(s: dict) -> str:
                    f"p90 {x['p90']:.0f}  max {x['max']}"))
     out.append("finish        " + ", ".join(f"{k} {v:,}" for k, v in s["finish_reasons"].items()))
     b = s["per_token_bytes"]
-    extra = {"routed_experts": "routing", "sampling_mask": "sampling mask"}
-    out.append(f"per token     {sum(b.values())} B: " + ", ".join(f"{k} {v}" for k, v in b.items())
-               + "; " + ", ".join(f"{label} {'%d B' % b[k] if k in b else 'not recorded'}"
-                                   for k, label in extra.items()))
+    completion = {k: v for k, v in b.items() if not k.startswith("prompt_")}
+    prompt = {k: v for k, v in b.items() if k.startswith("prompt_")}
+    out.append(f"per token     completion {sum(completion.values())} B: "
+               + ", ".join(f"{k} {v}" for k, v in completion.items())
+               + (f"; prompt {4 + sum(prompt.values())} B: prompt_ids 4, "
+                  + ", ".join(f"{k} {v}" for k, v in prompt.items()) if prompt else ""))
+    routing = (f"{b['prompt_routed_experts']} B per prompt token + {b['routed_experts']} B per "
+               "completion token" if "routed_experts" in b else "not recorded")
+    mask = f"{b['sampling_mask']} B per completion token" if "sampling_mask" in b else "not recorded"
+    out.append(f"recorded      routing (prompt and completion) {routing}; sampling mask {mask}")
     if "episodes" in s:
         from pipeline.apps.inspect_episodes import format_episodes
 

@@ -55,7 +55,8 @@ class GeneratorConfig:
     vocabulary and every ratio of a truncated distribution is biased."""
     record_routing: bool = False
     """Keep Routing: record the experts every MoE layer routed each prompt and completion token to
-    (``Completion.routed_experts``; pipeline/generator/routing_capture.py). Needs prefix_caching off."""
+    (``Completion.routed_experts``; pipeline/generator/routing_capture.py). Turns prefix_caching
+    off: a prompt served from the prefix cache is never routed by the request."""
     gpu_memory_utilization: float = 0.85
     """Share of GPU memory vLLM may use (GPU only)."""
     max_num_seqs: int | None = None
@@ -118,9 +119,8 @@ class GeneratorConfig:
                 "the trainer would score over the full vocabulary (biased ratios): set "
                 "generator.sampling_mask_width (e.g. 64) to record the kept set, or "
                 "generator.allow_sampling_bias=true to accept the bias")
-        if self.record_routing and self.prefix_caching:
-            raise ValueError("generator.record_routing needs generator.prefix_caching=false: tokens served "
-                             "from the prefix cache are never routed by the request")
+        if self.record_routing:
+            self.prefix_caching = False
         if self.sampling_mask_width:
             if self.sampling_mask_width < max(self.top_k, 1):
                 raise ValueError(f"generator.sampling_mask_width={self.sampling_mask_width} must be >= "

@@ -185,6 +185,9 @@ class Generator:
         await self.engine.update_weight_version(str(self.version))
         if self.config.record_routing:
             self.routing_shape = tuple((await self.engine.collective_rpc("start_routing_capture"))[0])
+            if self.schema.routed_experts not in (None, self.routing_shape):
+                raise ValueError(f"the engine routes {self.routing_shape} (MoE layers, top_k), the run's "
+                                 f"record schema expects {self.schema.routed_experts}")
         self.start_s = time.monotonic() - t0
         return self
 
@@ -270,7 +273,21 @@ class Generator:
             finish_reason=c.finish_reason, generator_id=self.generator_id, t_start=t_start,
             t_end=time.time(), schema=self.schema,
             sampling_mask=np.concatenate(c.sampling_mask) if self.schema.sampling_mask_k else None,
-            model_mask=np.asarray(c.model_mask, np.uint8) if self.schema.model_mask else None)
+            model_mask=np.asarray(c.model_mask, np.uint8) if self.schema.model_mask else None,
+            **self._record_routing(request, c))
+
+    def _record_routing(self, request: GroupRequest, c: Completion) -> dict[str, np.ndarray]:
+        """The record's routing fields (`pipeline.record`): prompt rows, completion rows with the
+        never-fed last token's row -1. A position the engine never computed fails the sample."""
+        if self.schema.routed_experts is None:
+            return {}
+        routed, p = c.routed_experts, len(request.prompt_ids)
+        if routed.min() < 0:
+            missing = np.flatnonzero((routed < 0).any(axis=(1, 2)))
+            raise RuntimeError(f"group {request.group_id}: the engine never routed positions "
+                               f"{missing[:8].tolist()} (prefix cache?); no routing to record")
+        last = np.full((1, *routed.shape[1:]), -1, dtype=np.int16)
+        return {"prompt_routed_experts": routed[:p], "routed_experts": np.concatenate([routed[p:], last])}
 
     async def generate_group(self, request: GroupRequest) -> list[RolloutSample]:
         """The group's ``n`` samples, in sample order."""

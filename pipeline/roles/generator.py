@@ -45,7 +45,7 @@ from pipeline.launch.task import JOINS_RUN
 from pipeline.metrics import MetricsWriter
 from pipeline.orchestrator.links import Control, EvalItem, GeneratorLink, WorkItem
 from pipeline.orchestrator.messages import Regroup, Stop, Update
-from pipeline.record import RolloutSample, SampleBatch
+from pipeline.record import RolloutSample, SampleBatch, unrecorded_fields
 from pipeline.roles.common import cpu_cores_for, load_run_config, model_dir, pin_process
 
 log = logging.getLogger(__name__)
@@ -264,7 +264,8 @@ class GeneratorRole:
             completion_ids=np.asarray(c.token_ids, np.int32), logprobs=np.zeros(n, np.float32),
             versions=np.asarray(c.versions, np.int32), finish_reason=c.finish_reason,
             generator_id=self.rank, schema=self.schema,
-            model_mask=np.asarray(c.model_mask or [1] * n, np.uint8) if self.schema.model_mask else None)
+            model_mask=np.asarray(c.model_mask or [1] * n, np.uint8) if self.schema.model_mask else None,
+            **unrecorded_fields(self.schema, len(item.prompt_ids), n))
         self.link.send_eval_result(item.step, np.array([item.index]),
                                    SampleBatch.from_samples([sample], self.schema))
 

@@ -40,6 +40,7 @@ from pipeline.config import TokenflowConfig, stored_record_schema
 from pipeline.metrics import MetricsWriter
 from pipeline.orchestrator.clock import staleness
 from pipeline.orchestrator.links import TrainerLink
+from pipeline.record import sequence_routing
 from pipeline.roles.common import (agree_over_ranks, cpu_cores_for, load_run_config, model_dir, pin_process,
                                    publish_model)
 from pipeline.roles.weight_push import WeightPusher
@@ -194,8 +195,10 @@ class TrainerRole:
                                    model_mask=batch.tokens("model_mask", i)
                                    if "model_mask" in batch.columns else None,
                                    teacher_logprobs=batch.tokens("teacher_logprobs", i)
-                                   if "teacher_logprobs" in batch.columns else None) for i in range(len(batch))]
-
+                                   if "teacher_logprobs" in batch.columns else None,
+                                   routed_experts=sequence_routing(batch.prompt(i, "prompt_routed_experts"),
+                                                                   batch.tokens("routed_experts", i))
+                                   if "routed_experts" in batch.columns else None) for i in range(len(batch))]
             me = cfg.run.mismatch_every
             mismatch = self._mismatch(batch, samples) if me and step % me == 0 else None
             m = self.trainer.train_step(samples)

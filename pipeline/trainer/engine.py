@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
@@ -28,7 +29,7 @@ from .layout import PaddedLayout, TrainSample
 from .config import TrainerConfig
 from .corrections import check_trainer_config
 from .loss import group_advantages, policy_loss
-from .routing_replay import attach_routing, enable_routing_replay, replay
+from .routing_replay import RoutingReplay, attach_routing
 from .sampling_mask import attach_kept_ids, kept_log_mass
 
 
@@ -65,8 +66,10 @@ class Trainer:
         model_parallel_cuda_manual_seed(cfg.seed)
         model = build_gpt_model(self.hf_config, p, cfg.moe)
         load_hf_weights(model, self.hf_config, cfg.model_dir)
-        if cfg.routing_replay:
-            enable_routing_replay(model)
+        self.replayer = None  # compares recorded routing with the router's (replays it with routing_replay)
+        if cfg.routing_replay or model.config.num_moe_experts:
+            self.replayer = RoutingReplay(model, cfg.routing_replay, ps.get_tensor_model_parallel_rank(),
+                                          p.tp, model.config.sequence_parallel)
         self.optimizer_kind = cfg.optimizer if cfg.optimizer != "auto" else (
             "megatron" if self.cuda else "torch")
         self.model = self._wrap_ddp(model)
@@ -86,7 +89,6 @@ class Trainer:
                                    device="cuda" if self.cuda else "cpu")
         self.dp_group = ps.get_data_parallel_group()
         self.tp_group = ps.get_tensor_model_parallel_group()
-        self._tp_rank, self._tp_size = ps.get_tensor_model_parallel_rank(), p.tp
         self.steps = 0
 
     # ---------------------------------------------------------------- construction helpers
@@ -136,16 +138,19 @@ class Trainer:
     def _attach(self, samples):
         """The layout's micro-batches with recorded sampling masks and (routing replay) routing."""
         mbs = attach_kept_ids(self.layout.micro_batches(samples), samples, self.layout.device)
-        return attach_routing(mbs, samples, self.layout.device) if self.cfg.routing_replay else mbs
+        return attach_routing(mbs, samples, self.layout.device) if self.replayer is not None else mbs
 
     # ---------------------------------------------------------------- forward
-    def _token_logprobs(self, model, mb, want_entropy=False):
-        """``[rows, S]`` logprobs of the labels (and entropies, no grad) under ``model``."""
+    def _token_logprobs(self, model, mb, want_entropy=False, count_routing=False):
+        """``[rows, S]`` logprobs of the labels (and entropies, no grad) under ``model``; with
+        ``count_routing`` the recorded-vs-own routing differences are counted."""
         import torch
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         routed = mb.extras.get("routed_experts") if model is self.model else None
-        with replay(model, routed, self._tp_rank, self._tp_size, model.config.sequence_parallel):
+        real = [st + c if i >= 0 else 0 for i, st, c in zip(mb.sample_index, mb.starts, mb.lengths)]
+        with self.replayer.forward(routed, real if count_routing else None) if routed is not None \
+                else nullcontext():
             logits = model(mb.input_ids, mb.position_ids, mb.attention_mask,
                            packed_seq_params=mb.packed_seq_params)
         logits = logits.float() / self.cfg.temperature
@@ -168,8 +173,10 @@ class Trainer:
         torch.distributed.all_reduce(stats, group=self.tp_group)
         return stats[0].log() - stats[1] / stats[0]
 
-    def logprobs(self, samples: Sequence[TrainSample], reference: bool = False) -> list[np.ndarray]:
-        """Per-completion-token logprobs of ``samples`` under the current (or reference) policy."""
+    def logprobs(self, samples: Sequence[TrainSample], reference: bool = False,
+                 count_routing: bool = False) -> list[np.ndarray]:
+        """Per-completion-token logprobs of ``samples`` under the current (or reference) policy;
+        ``count_routing``: count own-vs-recorded routing differences (`routing_differences`)."""
         import torch
 
         model = self.ref_model if reference else self.model
@@ -179,12 +186,17 @@ class Trainer:
         model.eval()
         with torch.no_grad():
             for mb in self._equalised(self._attach(samples)):
-                values, _ = self._token_logprobs(model, mb)
+                values, _ = self._token_logprobs(model, mb, count_routing=count_routing)
                 real = [i for i in mb.sample_index if i >= 0]
                 for i, arr in zip(real, self.layout.gather(mb, values)):
                     out[i] = arr
         model.train()
         return out
+
+    def routing_differences(self) -> dict[str, float]:
+        """``routing_differ_frac`` / ``routing_differ_token_frac`` counted since the last call (a
+        collective; {} for a dense model or when no counted forward carried routing)."""
+        return self.replayer.collect(self._all_reduce) if self.replayer is not None else {}
 
     # ---------------------------------------------------------------- training
     def _with_advantages(self, samples) -> list[TrainSample]:
@@ -236,6 +248,7 @@ class Trainer:
                     totals.get(k, 0.0) + (v if k == "tokens" else v / len(chunks))
         if self.routing is not None:
             totals.update(self.routing.collect(self._all_reduce, self.cfg.parallel.tp))
+        totals.update(self.routing_differences())
         self.steps += 1
         totals["step_time_s"] = time.perf_counter() - start
         totals["tokens_per_s"] = totals["tokens"] / totals["step_time_s"]
@@ -260,7 +273,7 @@ class Trainer:
             if self.routing is not None:
                 self.routing.track([st + c if i >= 0 else 0
                                     for i, st, c in zip(mb.sample_index, mb.starts, mb.lengths)])
-            logp, entropy = self._token_logprobs(self.model, mb, want_entropy=True)
+            logp, entropy = self._token_logprobs(self.model, mb, want_entropy=True, count_routing=True)
             loss, m = policy_loss(
                 logp, mb.extras["behaviour"], mb.extras["advantage"], mb.loss_mask, normaliser,
                 cfg.loss,

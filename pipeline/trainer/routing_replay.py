@@ -10,6 +10,8 @@ mixture weights are the trainer's (softmax over the replayed experts' logits, as
 router computes them), only the choice is the generator's.
 
 Invariants:
+- Samples carry routing whenever the generator records it (``generator.record_routing``);
+  ``trainer.routing_replay`` decides whether it is replayed or only compared with.
 - Only the policy model replays: instances are attached to its routers here (a reference model
   built alongside gets none), and removed from megatron's process-global instance list so other
   models in the process never see them.
@@ -20,10 +22,18 @@ Invariants:
   uses global ids.
 - A micro-batch replays only if every real row carries routing; positions that are padding
   replay experts ``0..k-1`` (their outputs are masked out of the loss). Otherwise the model
-  routes by itself, which `replay` reports by returning False.
+  routes by itself, which `RoutingReplay.forward` reports by yielding False.
 - ``moe_router_fusion`` bypasses replay in megatron-core 0.16.1 and is refused.
 - No activation recomputation runs in this trainer, so backward never re-routes and forward
   replay is enough; indices are cleared after each forward.
+- Agreement is measured with replay on AND off: every router of an MoE policy carries an
+  ``ObservingReplay`` (`observing_replay_class`), which also computes the router's own top-k
+  (megatron's own function, on the trainer's hidden states) when a target is set. Over the
+  training forwards `RoutingReplay` counts the (real token, layer) pairs whose own expert SET differs from the recorded one
+  (``routing_differ_frac``) and the real tokens with any such layer (``routing_differ_token_frac``);
+  prompt and completion positions alike, padding never. With replay on, later layers see the
+  replayed earlier layers, so the two settings measure different things by design: "what would
+  the trainer have chosen here" along the generator's path vs along its own.
 
 Worked example: 2 rows of width S = 3, 1 layer, k = 2; row 0 routes its positions to
 [[0,1],[2,3],[1,3]], row 1 (a padding-only dummy) gets [[0,1]]*3; the layer's target is rows
@@ -33,7 +43,8 @@ gets tokens 2 and 3 only: [[2,3],[0,1]].
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Sequence
+from functools import lru_cache
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -47,19 +58,40 @@ def moe_routers(model) -> list:
 
 
 def enable_routing_replay(model) -> int:
-    """Attach a replay instance to every router of ``model``; returns the number of MoE layers."""
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
+    """Attach an ``ObservingReplay`` to every router of ``model``; returns the number of MoE layers."""
     routers = moe_routers(model)
     if not routers:
         raise ValueError("trainer.routing_replay needs an MoE model; this model has no routers")
     for router in routers:
         if router.config.moe_router_fusion:
             raise ValueError("moe_router_fusion bypasses routing replay in megatron-core 0.16.1")
-        if router.router_replay is None:
-            router.router_replay = RouterReplay()
-            RouterReplay.global_router_replay_instances.remove(router.router_replay)
+        if not isinstance(router.router_replay, observing_replay_class()):
+            router.router_replay = observing_replay_class()()
     return len(routers)
+
+
+@lru_cache(maxsize=None)
+def observing_replay_class():
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    class ObservingReplay(RouterReplay):
+        """megatron's replay instance that, while a target is set, also keeps the router's own
+        top-k choice (``own_topk``) for comparison; kept out of megatron's global instance list."""
+
+        def __init__(self):
+            super().__init__()
+            RouterReplay.global_router_replay_instances.remove(self)
+            self.own_topk = None
+
+        def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None,
+                            default_compute_topk: Callable | None = None):
+            if self.target_topk_idx is not None:
+                with torch.no_grad():
+                    self.own_topk = default_compute_topk(scores.detach(), topk, num_groups=num_groups,
+                                                         group_topk=group_topk)[1]
+            return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+
+    return ObservingReplay
 
 
 def attach_routing(micro_batches: Sequence, samples: Sequence, device) -> list:
@@ -79,6 +111,9 @@ def attach_routing(micro_batches: Sequence, samples: Sequence, device) -> list:
                 if r.shape != (n, layers, k):
                     raise ValueError(f"sample {i}: routed_experts has shape {r.shape}, expected "
                                      f"({n}, {layers}, {k}) (prompt + completion - 1 positions)")
+                if r.min() < 0:
+                    raise ValueError(f"sample {i}: routed_experts holds -1 (a position the generator "
+                                     "never computed) among the positions the trainer feeds")
                 out[row, :n] = r
         mb.extras["routed_experts"] = torch.from_numpy(out).to(device)
     return list(micro_batches)
@@ -97,28 +132,61 @@ def layer_targets(routed: torch.Tensor, tp_rank: int = 0, tp_size: int = 1,
     return [s_major[:, :, l].reshape(-1, routed.shape[-1]) for l in range(routed.shape[2])]
 
 
-@contextmanager
-def replay(model, routed: torch.Tensor | None, tp_rank: int = 0, tp_size: int = 1,
-           sequence_parallel: bool = False):
-    """Within the block, ``model``'s routers replay ``routed`` ([rows, S, layers, k]); yields
-    whether replay is active (False: ``routed`` is None, the model routes by itself)."""
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+class RoutingReplay:
+    """The policy model's routers: replay recorded routing (``apply``) or only compare with it."""
 
-    if routed is None:
-        yield False
-        return
-    routers = moe_routers(model)
-    targets = layer_targets(routed, tp_rank, tp_size, sequence_parallel)
-    if len(targets) != len(routers):
-        raise ValueError(f"routing has {len(targets)} layers, the model {len(routers)} MoE layers")
-    for router, target in zip(routers, targets):
-        if router.router_replay is None:
-            raise ValueError("routing given but replay is off: set trainer.routing_replay=true")
-        router.router_replay.set_target_indices(target)
-        router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-    try:
-        yield True
-    finally:
-        for router in routers:
-            router.router_replay.clear_indices()
-            router.router_replay.clear_router_replay_action()
+    def __init__(self, model, apply: bool, tp_rank: int = 0, tp_size: int = 1,
+                 sequence_parallel: bool = False):
+        self.layers = enable_routing_replay(model)
+        self.routers = moe_routers(model)
+        self.apply = apply
+        self.tp_rank, self.tp_size, self.sequence_parallel = tp_rank, tp_size, sequence_parallel
+        self.counts = torch.zeros(3, dtype=torch.float64)  # differing pairs, differing tokens, tokens
+
+    @contextmanager
+    def forward(self, routed: torch.Tensor | None, real_lengths: Sequence[int] | None = None):
+        """Within the block the routers replay ``routed`` ([rows, S, layers, k]) if ``apply``, else
+        route by themselves; with ``real_lengths`` (per row: positions holding real tokens) the
+        own-vs-recorded differences are counted. Yields whether replay is active."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        if routed is None:
+            yield False
+            return
+        targets = layer_targets(routed, self.tp_rank, self.tp_size, self.sequence_parallel)
+        if len(targets) != len(self.routers):
+            raise ValueError(f"routing has {len(targets)} layers, the model {len(self.routers)} MoE layers")
+        for router, target in zip(self.routers, targets):
+            router.router_replay.set_target_indices(target)
+            if self.apply:
+                router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        try:
+            yield self.apply
+            if real_lengths is not None:
+                self._count(targets, routed.shape[:2], real_lengths)
+        finally:
+            for router in self.routers:
+                router.router_replay.clear_indices()
+                router.router_replay.clear_router_replay_action()
+                router.router_replay.own_topk = None
+
+    def _count(self, targets, shape, real_lengths) -> None:
+        rows, length = shape
+        real = torch.arange(length).unsqueeze(0) < torch.as_tensor(real_lengths).unsqueeze(1)
+        real = layer_targets(real[..., None, None], self.tp_rank, self.tp_size,
+                             self.sequence_parallel)[0][:, 0].cpu()
+        differ = torch.stack([
+            (router.router_replay.own_topk.cpu().sort(-1).values != t.cpu().sort(-1).values).any(-1)
+            for router, t in zip(self.routers, targets)], dim=1)[real]  # [real tokens, layers]
+        self.counts += torch.tensor([float(differ.sum()), float(differ.any(1).sum()),
+                                     float(real.sum())], dtype=torch.float64)
+
+    def collect(self, all_reduce) -> dict[str, float]:
+        """Metrics since the last ``collect`` (a collective over the world; {} when no training
+        forward carried routing), then reset."""
+        total = all_reduce(self.counts, None).cpu()  # TP duplicates cancel in the ratios
+        self.counts.zero_()
+        if total[2] == 0:
+            return {}
+        return {"routing_differ_frac": float(total[0] / (total[2] * self.layers)),
+                "routing_differ_token_frac": float(total[1] / total[2])}

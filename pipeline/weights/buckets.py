@@ -6,10 +6,15 @@ one large transfer. A `BucketPlan` fixes the layout before any byte moves, from 
 shapes alone, so a sender can broadcast the plan first and then stream each bucket as it fills.
 
 Invariants:
-- Tensors keep their order; each lies in exactly one bucket at an offset aligned to `ALIGN` bytes
-  (so a ``uint8`` slice can be viewed as any dtype without copying).
-- A bucket holds tensors until the next one would overflow ``bucket_bytes``; a tensor larger than
-  ``bucket_bytes`` gets a bucket of its own, sized to it. No bucket is empty.
+- Tensors keep their order; each lies in one bucket at an offset aligned to `ALIGN` bytes (so a
+  ``uint8`` slice can be viewed as any dtype without copying), except a tensor larger than
+  ``bucket_bytes``, which is split into pieces (byte ranges) over consecutive buckets.
+- No bucket exceeds ``bucket_bytes`` and none is empty: a bucket holds tensors until the next one
+  would overflow it; a tensor larger than a bucket starts a new bucket and fills whole buckets,
+  its last piece's bucket taking the tensors after it as usual. So a sender's two buffers hold at
+  most two buckets whatever the model's largest tensor (a 1 GB embedding streams through 2 x
+  bucket_bytes), and a receiver's two bucket buffers likewise; a receiver that must hand whole
+  tensors on reassembles a split tensor into memory of its own size (`Assembly`, counted apart).
 - Every tensor has a source (the sender rank that owns it; 0 unless given) and a bucket holds the
   tensors of one source only: a change of source closes the bucket, so several senders (one per
   expert-parallel rank) can stream their own buckets of one plan.
@@ -22,9 +27,10 @@ Invariants:
 Worked example, ``ALIGN = 64``: tensors a: fp32[100] (400 B), b: bf16[300] (600 B),
 c: fp32[1000] (4000 B), d: fp32[10] (40 B).
 With ``bucket_bytes = 2048``: b starts at 448 (400 rounded up to 64) and ends at 1048, so bucket 0 =
-[a @ 0, b @ 448] (1048 B); c would end at 1088 + 4000 > 2048, so bucket 1 = [c @ 0] (4000 B, larger
-than a bucket, alone); d would end at 4032 + 40 > 2048, so bucket 2 = [d @ 0] (40 B).
-With ``bucket_bytes = 1024`` b no longer fits after a: four buckets [a], [b], [c], [d].
+[a @ 0, b @ 448] (1048 B); c (4000 B) is larger than a bucket: bucket 1 = [c bytes 0-2047 @ 0]
+(2048 B), bucket 2 = [c bytes 2048-3999 @ 0, d @ 1984] (2024 B).
+With ``bucket_bytes = 1024`` b no longer fits after a: [a], [b], then c in pieces of 1024, 1024,
+1024 and 928 bytes, d joining the last: [c 3072-3999 @ 0, d @ 960] (1000 B) - six buckets.
 """
 from __future__ import annotations
 
@@ -69,19 +75,32 @@ def _itemsize(name: str) -> int:
 
 @dataclass(frozen=True)
 class TensorSlot:
-    """Where one tensor lies in its bucket."""
+    """Where one tensor (or one piece of a split tensor) lies in its bucket."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     offset: int
+    part_start: int = 0
+    """First byte of the tensor this slot holds (a piece of a split tensor starts later than 0)."""
+    part_bytes: int | None = None
+    """Bytes of the tensor this slot holds (None: the whole tensor)."""
 
     @property
-    def nbytes(self) -> int:
+    def tensor_bytes(self) -> int:
         n = _itemsize(self.dtype)
         for s in self.shape:
             n *= s
         return n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this slot occupies in its bucket."""
+        return self.tensor_bytes if self.part_bytes is None else self.part_bytes
+
+    @property
+    def is_piece(self) -> bool:
+        return self.part_bytes is not None
 
 
 @dataclass(frozen=True)
@@ -125,8 +144,18 @@ class BucketPlan:
                 sources.append(source)
                 current, start = [], 0
             source = src
-            current.append(TensorSlot(slot.name, slot.dtype, slot.shape, start))
-            end = start + slot.nbytes
+            if slot.nbytes <= bucket_bytes:
+                current.append(TensorSlot(slot.name, slot.dtype, slot.shape, start))
+                end = start + slot.nbytes
+                continue
+            for first in range(0, slot.nbytes, bucket_bytes):  # split: whole buckets, then the rest
+                part = min(bucket_bytes, slot.nbytes - first)
+                current = [TensorSlot(slot.name, slot.dtype, slot.shape, 0, first, part)]
+                end = part
+                if first + part < slot.nbytes:
+                    buckets.append(current)
+                    sizes.append(end)
+                    sources.append(source)
         if current:
             buckets.append(current)
             sizes.append(end)
@@ -139,7 +168,8 @@ class BucketPlan:
 
     @property
     def num_tensors(self) -> int:
-        return sum(len(b) for b in self.buckets)
+        """Tensors in the plan (a split tensor counts once)."""
+        return sum(1 for b in self.buckets for s in b if s.part_start == 0)
 
     @property
     def total_bytes(self) -> int:
@@ -150,8 +180,10 @@ class BucketPlan:
         return [i for i, s in enumerate(self.sources) if s == source]
 
     def to_wire(self) -> list[Any]:
-        """msgpack-able form: ``[[size, source, [[name, dtype, shape, offset], ...]], ...]``."""
-        return [[size, src, [[s.name, s.dtype, list(s.shape), s.offset] for s in slots]]
+        """msgpack-able form: ``[[size, source, [[name, dtype, shape, offset(, part_start,
+        part_bytes)], ...]], ...]`` (the piece fields only for a piece of a split tensor)."""
+        return [[size, src, [[s.name, s.dtype, list(s.shape), s.offset]
+                             + ([s.part_start, s.part_bytes] if s.is_piece else []) for s in slots]]
                 for size, src, slots in zip(self.sizes, self.sources, self.buckets)]
 
     @classmethod
@@ -159,8 +191,9 @@ class BucketPlan:
         try:
             sizes = tuple(int(size) for size, _, _ in wire)
             sources = tuple(int(src) for _, src, _ in wire)
-            buckets = tuple(tuple(TensorSlot(str(n), str(d), tuple(int(x) for x in shp), int(off))
-                                  for n, d, shp, off in slots) for _, _, slots in wire)
+            buckets = tuple(tuple(TensorSlot(str(n), str(d), tuple(int(x) for x in shp), int(off),
+                                             *(int(x) for x in piece))
+                                  for n, d, shp, off, *piece in slots) for _, _, slots in wire)
         except (TypeError, ValueError) as e:
             raise BucketError(f"malformed bucket plan on the wire: {e}") from e
         for size, slots in zip(sizes, buckets):
@@ -169,6 +202,10 @@ class BucketPlan:
                 if s.offset % ALIGN or s.offset + s.nbytes > size:
                     raise BucketError(f"tensor {s.name!r} at offset {s.offset} does not fit its "
                                       f"{size}-byte bucket or is misaligned")
+                if s.is_piece and not (0 <= s.part_start and 0 < s.part_bytes
+                                       and s.part_start + s.part_bytes <= s.tensor_bytes):
+                    raise BucketError(f"piece of tensor {s.name!r} (bytes {s.part_start}+{s.part_bytes}) "
+                                      f"lies outside its {s.tensor_bytes} bytes")
         return cls(buckets, sizes, sources)
 
 
@@ -218,8 +255,9 @@ def pack(plan: BucketPlan, named: Iterable[tuple[str, "torch.Tensor"]], device=N
     from `named`, which holds exactly those buckets' tensors in plan order.
 
     Consumes `named` lazily, one bucket at a time, so a sender gathers the next tensors while the
-    previous bucket is in flight. With ``buffers`` the bucket yielded k-th lives in buffer k % 2:
-    the consumer must be done with it before asking for bucket k + 2. Without, each bucket is new.
+    previous bucket is in flight; a split tensor is taken once, at its first piece, and held until
+    its last. With ``buffers`` the bucket yielded k-th lives in buffer k % 2: the consumer must be
+    done with it before asking for bucket k + 2. Without, each bucket is new.
     Raises `BucketError` when a tensor's name, dtype or shape differs from the plan, or when
     `named` ends early or has extra tensors.
     """
@@ -229,31 +267,70 @@ def pack(plan: BucketPlan, named: Iterable[tuple[str, "torch.Tensor"]], device=N
     indices = range(len(plan.sizes)) if indices is None else indices
     if buffers is not None and len(indices):
         buffers.reserve(max(plan.sizes[i] for i in indices))
+    split = None  # the flat bytes of the split tensor whose pieces are being packed
     for k, index in enumerate(indices):
         size, slots = plan.sizes[index], plan.buckets[index]
         buf = None
         for slot in slots:
-            try:
-                name, t = next(it)
-            except StopIteration:
-                raise BucketError(f"tensors ended before {slot.name!r} of the plan") from None
-            if name != slot.name or dtype_name(t.dtype) != slot.dtype or tuple(t.shape) != slot.shape:
-                raise BucketError(f"tensor {name!r} {dtype_name(t.dtype)}{list(t.shape)} does not match "
-                                  f"the plan's {slot.name!r} {slot.dtype}{list(slot.shape)}")
+            if slot.part_start == 0:
+                try:
+                    name, t = next(it)
+                except StopIteration:
+                    raise BucketError(f"tensors ended before {slot.name!r} of the plan") from None
+                if name != slot.name or dtype_name(t.dtype) != slot.dtype or tuple(t.shape) != slot.shape:
+                    raise BucketError(f"tensor {name!r} {dtype_name(t.dtype)}{list(t.shape)} does not match "
+                                      f"the plan's {slot.name!r} {slot.dtype}{list(slot.shape)}")
+                flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+                split = flat if slot.is_piece else None
+            elif split is None:
+                raise BucketError(f"a piece of {slot.name!r} is packed without its first piece")
+            else:
+                flat = split
             if buf is None:
-                dev = device if device is not None else t.device
+                dev = device if device is not None else flat.device
                 buf = (buffers.get(k, size, dev) if buffers is not None
                        else torch.empty(size, dtype=torch.uint8, device=dev))
-            flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-            buf[slot.offset:slot.offset + slot.nbytes].copy_(flat)
+            buf[slot.offset:slot.offset + slot.nbytes].copy_(flat[slot.part_start:slot.part_start + slot.nbytes])
         yield buf
     extra = next(it, None)
     if extra is not None:
         raise BucketError(f"tensor {extra[0]!r} is not in the bucket plan")
 
 
-def unpack(slots: Sequence[TensorSlot], bucket: "torch.Tensor") -> Iterator[tuple[str, "torch.Tensor"]]:
-    """Yield ``(name, tensor)`` views of one bucket's bytes (no copies; they alias `bucket`)."""
+class Assembly:
+    """Reassembles tensors split over buckets on a receiver: a piece is copied into a tensor of
+    the whole tensor's size, handed out when its last piece arrived. ``allocated`` counts the
+    bytes allocated (the largest split tensor is what a receiver needs beyond its two buckets)."""
+
+    def __init__(self):
+        self.allocated = 0
+        self._open: tuple[TensorSlot, "torch.Tensor", int] | None = None  # slot, bytes, bytes filled
+
+    def add(self, slot: TensorSlot, piece: "torch.Tensor") -> "torch.Tensor | None":
+        """Copy one piece in; the whole tensor once complete (else None)."""
+        import torch
+
+        if slot.part_start == 0:
+            if self._open is not None:
+                raise BucketError(f"tensor {self._open[0].name!r} was left incomplete by {slot.name!r}")
+            self._open = (slot, torch.empty(slot.tensor_bytes, dtype=torch.uint8, device=piece.device), 0)
+            self.allocated += slot.tensor_bytes
+        if self._open is None or self._open[0].name != slot.name or self._open[2] != slot.part_start:
+            raise BucketError(f"piece of {slot.name!r} at byte {slot.part_start} arrived out of order")
+        first, whole, _ = self._open
+        whole[slot.part_start:slot.part_start + slot.nbytes].copy_(piece)
+        filled = slot.part_start + slot.nbytes
+        self._open = (first, whole, filled)
+        if filled < slot.tensor_bytes:
+            return None
+        self._open = None
+        return whole.view(_torch_dtype(slot.dtype)).view(slot.shape)
+
+
+def unpack(slots: Sequence[TensorSlot], bucket: "torch.Tensor",
+           assembly: Assembly | None = None) -> Iterator[tuple[str, "torch.Tensor"]]:
+    """Yield ``(name, tensor)`` views of one bucket's bytes (no copies; they alias `bucket`); a
+    split tensor's pieces go to ``assembly``, which yields it whole after its last piece."""
     import torch
 
     if bucket.dtype != torch.uint8 or bucket.dim() != 1:
@@ -263,4 +340,11 @@ def unpack(slots: Sequence[TensorSlot], bucket: "torch.Tensor") -> Iterator[tupl
             raise BucketError(f"tensor {s.name!r} ends at byte {s.offset + s.nbytes} beyond the "
                               f"{bucket.numel()}-byte bucket")
         raw = bucket[s.offset:s.offset + s.nbytes]
-        yield s.name, raw.view(_torch_dtype(s.dtype)).view(s.shape)
+        if not s.is_piece:
+            yield s.name, raw.view(_torch_dtype(s.dtype)).view(s.shape)
+            continue
+        if assembly is None:
+            raise BucketError(f"tensor {s.name!r} is split over buckets: unpacking it needs an Assembly")
+        whole = assembly.add(s, raw)
+        if whole is not None:
+            yield s.name, whole

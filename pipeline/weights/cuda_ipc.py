@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import msgpack
 
-from pipeline.weights.buckets import BucketPlan, BufferPair, pack, unpack
+from pipeline.weights.buckets import Assembly, BucketPlan, BufferPair, pack, unpack
 from pipeline.weights.group import ReceivedWeights, WeightChannel, WeightSyncError
 
 if TYPE_CHECKING:
@@ -100,8 +100,9 @@ def import_buckets(document: bytes) -> tuple[int, BucketPlan, Iterator[tuple[str
         raise WeightSyncError("CUDA IPC document: bucket sizes differ from its plan")
 
     def tensors() -> Iterator[tuple[str, "torch.Tensor"]]:
+        assembly = Assembly()  # a tensor split over buckets is handed out whole
         for slots, entry in zip(plan.buckets, entries):
-            yield from unpack(slots, _open(entry))
+            yield from unpack(slots, _open(entry), assembly)
 
     return version, plan, tensors()
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import msgpack
 
-from pipeline.weights.buckets import BucketPlan, BufferPair, pack, unpack
+from pipeline.weights.buckets import Assembly, BucketPlan, BufferPair, pack, unpack
 
 if TYPE_CHECKING:
     import torch
@@ -52,18 +52,20 @@ class ReceivedWeights:
 
     The tensors are views into received buckets: in a streamed receive bucket k's stay valid until
     bucket k + 2 is asked for, i.e. while bucket k + 1 is loaded (copy them before keeping them
-    longer); in a staged one, for good.
+    longer); in a staged one, for good. A tensor split over buckets is handed out whole, from
+    ``assembly`` (memory of its own, counted there), after its last piece.
     """
 
     version: int
     plan: BucketPlan
     _buckets: Iterator["torch.Tensor"]
     buckets_received: int = field(default=0)
+    assembly: Assembly = field(default_factory=Assembly)
 
     def __iter__(self) -> Iterator[tuple[str, "torch.Tensor"]]:
         for i, bucket in enumerate(self._buckets):  # runs the channel's iterator to its end
             self.buckets_received += 1
-            yield from unpack(self.plan.buckets[i], bucket)
+            yield from unpack(self.plan.buckets[i], bucket, self.assembly)
 
 
 class WeightChannel(abc.ABC):

@@ -45,6 +45,8 @@ def synthetic_group(item: WorkItem, generator_id: int, schema: RecordSchema, min
     }
     cols = {k: np.asarray(v, dtype=SCALAR_COLUMNS[k]) for k, v in cols.items()}
     cols["prompt_ids"] = np.tile(np.asarray(item.prompt_ids, np.int32), n)
+    for name, (dtype, trail) in schema.prompt_token_fields().items():
+        cols[name] = np.zeros((n * len(item.prompt_ids), *trail), dtype=dtype)
     for name, (dtype, trail) in schema.token_fields().items():
         if name == "completion_ids":
             cols[name] = ids
