@@ -82,7 +82,10 @@ def scenario_oracle(outdir: Path, args: dict) -> None:
     before = trainer.logprobs(samples)
     trainer.export_hf(outdir / "export0")
     perturb_behaviour(samples, before, args["seed"])
-    metrics = trainer.train_step(samples)
+    from megatron.core import parallel_state as ps
+
+    share = samples[ps.get_data_parallel_rank()::ps.get_data_parallel_world_size()]
+    metrics = trainer.train_step(share)
     after = trainer.logprobs(samples)
     trainer.export_hf(outdir / "export1")
     base_moved = max(float((p - base_before[n]).abs().max()) for n, p in gpt.named_parameters()
@@ -122,23 +125,45 @@ def checkpoints(tmp_path_factory):
     return {kind: sharpened_checkpoint(kind, root / kind) for kind in ("dense", "moe")}
 
 
+N_SAMPLES = 8
+
+
+def _run(kind, world, parallel, model_dir, outdir):
+    from safetensors import safe_open
+
+    args = {"model_dir": str(model_dir), "seed": 3, "n": N_SAMPLES, "lora": LORA, "parallel": parallel,
+            "routing": kind == "moe"}
+    launch("oracle", world, outdir, args, script=Path(__file__))
+    with safe_open(str(outdir / "logprobs.safetensors"), "np") as f:
+        before = [f.get_tensor(f"before.{i}") for i in range(N_SAMPLES)]
+        after = [f.get_tensor(f"after.{i}") for i in range(N_SAMPLES)]
+    return before, after
+
+
+@pytest.fixture(scope="module")
+def single_rank(checkpoints, tmp_path_factory):
+    """The one-rank run of each kind (logprobs after its step), run once per module."""
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            cache[kind] = _run(kind, 1, {}, checkpoints[kind], tmp_path_factory.mktemp(f"single-{kind}"))
+        return cache[kind]
+    return get
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("kind,world,parallel", [
     ("dense", 1, {}), ("moe", 1, {}), ("dense", 2, {"tp": 2}), ("moe", 2, {"ep": 2}),
 ], ids=["dense-tp1", "moe-tp1", "dense-tp2", "moe-ep2"])
-def test_lora_logprobs_match_peft(kind, world, parallel, checkpoints, tmp_path):
+def test_lora_logprobs_match_peft(kind, world, parallel, checkpoints, single_rank, tmp_path):
     from safetensors import safe_open
 
     from pipeline.trainer.model import load_hf_config
 
-    n = 8
-    args = {"model_dir": str(checkpoints[kind]), "seed": 3, "n": n, "lora": LORA, "parallel": parallel,
-            "routing": kind == "moe"}
-    launch("oracle", world, tmp_path, args, script=Path(__file__))
+    n = N_SAMPLES
+    before, after = _run(kind, world, parallel, checkpoints[kind], tmp_path)
     samples = make_samples(3, n, 512)
-    with safe_open(str(tmp_path / "logprobs.safetensors"), "np") as f:
-        before = [f.get_tensor(f"before.{i}") for i in range(n)]
-        after = [f.get_tensor(f"after.{i}") for i in range(n)]
     ref_before = peft_logprobs(checkpoints[kind], tmp_path / "export0", samples)
     ref_after = peft_logprobs(checkpoints[kind], tmp_path / "export1", samples)
     err_before = max(float(np.abs(a - b).max()) for a, b in zip(before, ref_before))
@@ -151,6 +176,10 @@ def test_lora_logprobs_match_peft(kind, world, parallel, checkpoints, tmp_path):
           f"{res['metrics']['trainable_params']:.0f}")
     assert err_before < PEFT_LOGPROB_TOL and err_after < PEFT_LOGPROB_TOL
     assert moved > 10 * PEFT_LOGPROB_TOL, "the LoRA step did not change the model"
+    if world > 1:  # the same step on one rank: the layout changes nothing
+        layout_err = max(float(np.abs(a - b).max()) for a, b in zip(after, single_rank(kind)[1]))
+        print(f"  after the step, max |{parallel} - one rank| logprob: {layout_err:.2e}")
+        assert layout_err < PEFT_LOGPROB_TOL
     for r in results:
         assert r["base_moved"] == 0.0, "a frozen base weight changed"
         assert r["state_all_adapters"] and r["state_count"] == len(r["trainable"]) > 0
@@ -172,7 +201,7 @@ def test_lora_logprobs_match_peft(kind, world, parallel, checkpoints, tmp_path):
         print(f"  experts with tokens: {len(used)} (adapter gradients > 0), without: {len(idle)} (exactly 0)")
 
 
-def test_refused_lora_settings(checkpoints):
+def test_refused_lora_settings():
     from pipeline.trainer.config import LoraConfig, ParallelConfig
     from pipeline.trainer.lora import check_lora_config, select_targets
 

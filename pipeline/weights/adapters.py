@@ -41,6 +41,12 @@ def is_adapter_update(first_name: str) -> bool:
     return first_name == SCALING_NAME
 
 
+def _natural(name: str) -> tuple:
+    """Sort key keeping each layer's weights together, layers in numeric order: the order a full
+    update has (given out of layer order, the dense engine test saw an update not take effect)."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split("."))
+
+
 class AdapterMerger:
     """Turns adapter updates into merged HF weights against a kept copy of the base weights."""
 
@@ -85,16 +91,16 @@ class AdapterMerger:
             odd = sorted(set(a) ^ set(b))[:3]
             raise ValueError(f"adapter update has A without B or B without A for {odd}")
         out = []
-        for name in a:
+        for name in sorted(a, key=_natural):
             w = self._base(name)
             delta = b[name] @ a[name]
             if delta.shape != w.shape:
                 raise ValueError(f"{name}: B @ A has shape {tuple(delta.shape)}, the base weight "
                                  f"{tuple(w.shape)}")
             out.append((name, (w + scaling * delta).to(self.dtypes[name])))
-        out += [(name, self.base[name].to(self.dtypes[name])) for name in sorted(self.merged_last - set(a))]
+        out += [(name, self.base[name].to(self.dtypes[name], copy=True)) for name in self.merged_last - set(a)]
         self.merged_last = set(a)
-        return out
+        return sorted(out, key=lambda item: _natural(item[0]))
 
     def base_bytes(self) -> int:
         """Bytes of the kept base copies."""
