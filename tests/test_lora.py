@@ -5,7 +5,8 @@ draws non-trivial adapters (``init_adapters(b_std>0)``), computes logprobs, expo
 adapter directory, takes one step and exports again; the test loads each export with ``peft``
 onto the base transformers model (an independent implementation: PEFT's own LoRA layers, and
 for experts its ``target_parameters`` wrapper of transformers' fused expert tensors) and
-compares per-token logprobs. The MoE scenario also checks that an expert's adapters receive a
+compares per-token logprobs; a checkpoint after the step (adapters and their Adam state only)
+must resume the next step exactly. The MoE scenario also checks that an expert's adapters receive a
 gradient exactly when tokens are routed to that expert, and every scenario that the base weights
 did not move and that the optimizer holds adapter state only.
 """
@@ -88,6 +89,12 @@ def scenario_oracle(outdir: Path, args: dict) -> None:
     metrics = trainer.train_step(share)
     after = trainer.logprobs(samples)
     trainer.export_hf(outdir / "export1")
+    trainer.save(outdir / "ckpt")  # adapters + their Adam state; resume must be exact
+    m_direct = trainer.train_step(share)
+    w_direct = {n: p.detach().clone() for n, p in gpt.named_parameters()}
+    trainer.load(outdir / "ckpt")
+    m_resumed = trainer.train_step(share)
+    resume_diff = max(float((p.detach() - w_direct[n]).abs().max()) for n, p in gpt.named_parameters())
     base_moved = max(float((p - base_before[n]).abs().max()) for n, p in gpt.named_parameters()
                      if n in base_before)
     state_names = {n for n, p in gpt.named_parameters() if p in trainer.optimizer.state}
@@ -96,7 +103,8 @@ def scenario_oracle(outdir: Path, args: dict) -> None:
                   | {f"after.{i}": torch.from_numpy(a) for i, a in enumerate(after)},
                   str(outdir / "logprobs.safetensors"))
     (outdir / f"result{torch.distributed.get_rank()}.json").write_text(json.dumps({
-        "metrics": metrics, "base_moved": base_moved, "routed": routed,
+        "metrics": metrics, "base_moved": base_moved, "routed": routed, "resume_diff": resume_diff,
+        "resume_loss": [m_direct["loss"], m_resumed["loss"]],
         "state_all_adapters": all(n.rpartition(".")[2] in ("lora_A", "lora_B") for n in state_names),
         "state_count": len(state_names), "trainable": [n for n, p in gpt.named_parameters() if p.requires_grad]}))
     trainer.close()
@@ -180,7 +188,12 @@ def test_lora_logprobs_match_peft(kind, world, parallel, checkpoints, single_ran
         layout_err = max(float(np.abs(a - b).max()) for a, b in zip(after, single_rank(kind)[1]))
         print(f"  after the step, max |{parallel} - one rank| logprob: {layout_err:.2e}")
         assert layout_err < PEFT_LOGPROB_TOL
+    ckpt = json.loads((tmp_path / "ckpt" / "model.safetensors.index.json").read_text())["weight_map"]
+    meta = json.loads((tmp_path / "ckpt" / "trainer.json").read_text())
+    assert ckpt and all(".lora_A." in k or ".lora_B." in k for k in ckpt), "the checkpoint holds base weights"
+    assert meta["lora"]["rank"] == LORA["rank"] and meta["lora"]["base"] == str(checkpoints[kind].resolve())
     for r in results:
+        assert r["resume_diff"] == 0.0 and r["resume_loss"][0] == r["resume_loss"][1], "resume is not exact"
         assert r["base_moved"] == 0.0, "a frozen base weight changed"
         assert r["state_all_adapters"] and r["state_count"] == len(r["trainable"]) > 0
         assert all(n.rpartition(".")[2] in ("lora_A", "lora_B") for n in r["trainable"])
