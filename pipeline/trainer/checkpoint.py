@@ -7,7 +7,12 @@ index)::
     exp_avg-r*.safetensors   + exp_avg.safetensors.index.json     Adam first moments, HF names
     exp_avg_sq-r*.safetensors + exp_avg_sq.safetensors.index.json Adam second moments
     rng-r00000.safetensors   one per world rank: "cpu", "cuda" (on GPU), "tracker.<name>"
-    trainer.json             {"format": 2, "steps", "adam_step", "param_groups", "layout"}
+    trainer.json             {"format": 2, "steps", "adam_step", "param_groups", "layout", "lora"}
+
+A LoRA trainer (``pipeline.trainer.lora``) stores only its adapters and their Adam moments, under
+their HF adapter names (``...q_proj.lora_A.weight``), and in ``trainer.json`` ``"lora"``: rank,
+alpha, target patterns and ``base``, the resolved base checkpoint directory they adapt; a
+checkpoint loads only into a trainer with the same LoRA setting (None for full-weight ones).
 
 Resharding (own, not megatron's dist-checkpointing, which on megatron-core 0.16.1 needs CUDA for
 the distributed optimizer and stores pickled common state): an Adam moment has exactly its
@@ -77,6 +82,15 @@ def _moment(trainer, key: str):
     return distopt_moment
 
 
+def _lora_meta(trainer) -> dict | None:
+    """The adapters' settings and the base they adapt (None: a full-weight checkpoint)."""
+    if trainer.lora is None:
+        return None
+    c = trainer.lora.cfg
+    return {"rank": c.rank, "alpha": c.alpha, "targets": list(c.targets),
+            "base": str(Path(trainer.cfg.model_dir).resolve())}
+
+
 def _adam_step(trainer) -> int:
     """Adam's step count, checked to be the same for every parameter of this rank."""
     if trainer.optimizer_kind == "torch":
@@ -125,7 +139,8 @@ def save_checkpoint(trainer, directory: Path) -> None:
     torch.distributed.barrier()
     if rank == 0:
         meta = {"format": FORMAT, "steps": trainer.steps, "adam_step": step,
-                "param_groups": _param_groups(trainer), "layout": _layout(trainer)}
+                "param_groups": _param_groups(trainer), "layout": _layout(trainer),
+                "lora": _lora_meta(trainer)}
         tmp = directory / "trainer.json.tmp"
         tmp.write_text(json.dumps(meta, indent=1, default=list))
         tmp.replace(directory / "trainer.json")
@@ -148,6 +163,9 @@ def load_checkpoint(trainer, directory: Path) -> None:
     if meta.get("format") != FORMAT:
         raise ValueError(f"{meta_path}: checkpoint format {meta.get('format')!r}, this trainer "
                          f"reads format {FORMAT}")
+    if meta.get("lora") != _lora_meta(trainer):
+        raise ValueError(f"{meta_path}: checkpoint LoRA setting {meta.get('lora')} differs from this "
+                         f"trainer's {_lora_meta(trainer)} (trainer.lora.* must match the run that saved it)")
     params = dict(unwrap(trainer.model).named_parameters())
     with torch.no_grad():
         for name, shard in iter_megatron_shards(trainer.model, trainer.hf_config,
@@ -173,10 +191,11 @@ def load_checkpoint(trainer, directory: Path) -> None:
 def _load_torch_adam(trainer, params, moments, meta) -> None:
     import torch
 
-    order = {id(p): i for i, p in enumerate(trainer.model.parameters())}
+    order = {id(p): i for i, p in enumerate(trainer.trainable())}
     state = {}
     if meta["adam_step"]:
-        for name, p in params.items():
+        for name in moments[MOMENTS[0]]:
+            p = params[name]
             state[order[id(p)]] = {"step": torch.tensor(float(meta["adam_step"])),
                                    **{k: moments[k][name].to(p.device, p.dtype) for k in MOMENTS}}
     groups = []
@@ -199,7 +218,8 @@ def _load_distopt(trainer, params, moments, meta) -> None:
     if not meta["adam_step"]:
         return
     with torch.no_grad():
-        for name, p in params.items():
+        for name in moments[MOMENTS[0]]:
+            p = params[name]
             opt = _owning_distopt(trainer, p)
             if p not in opt.model_param_group_index_map:
                 continue

@@ -56,6 +56,23 @@ class LossConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters (LoRA, ``docs/lora.md``): train ``W + (alpha/rank) B A`` with ``W`` frozen.
+
+    Targets are regular expressions searched in the megatron module names of the adaptable linear
+    layers: ``...self_attention.linear_qkv`` (HF q/k/v_proj), ``...self_attention.linear_proj``
+    (o_proj), ``...mlp.linear_fc1`` (gate/up_proj), ``...mlp.linear_fc2`` (down_proj) and each
+    expert's ``...mlp.experts.local_experts.J.linear_fc1`` / ``linear_fc2``. Every pattern must
+    match at least one of them.
+    """
+
+    rank: int = 0  # adapter rank r (0: LoRA off, full-weight training)
+    alpha: float = 16.0  # scale numerator: the update is (alpha / rank) * B @ A
+    dropout: float = 0.0  # dropout on the adapter's input (training only; needs tp == 1 when > 0)
+    targets: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])  # regexes over module names (default: attention, dense MLP and every expert's MLP)
+
+
+@dataclass
 class TrainerConfig:
     """Trainer hyper-parameters and layout."""
 
@@ -63,6 +80,7 @@ class TrainerConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # TP / EP / ETP layout
     moe: MoEConfig = field(default_factory=MoEConfig)  # router losses, expert capacity
     loss: LossConfig = field(default_factory=LossConfig)  # policy-loss hyper-parameters
+    lora: LoraConfig = field(default_factory=LoraConfig)  # low-rank adapters (rank 0: off)
     lr: float = 1e-6  # learning rate (constant)
     weight_decay: float = 0.0  # AdamW weight decay
     adam_betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas

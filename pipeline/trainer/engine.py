@@ -12,6 +12,8 @@ Invariants:
   expert-parallel dispatch is a collective in every forward.
 - Checkpoints (``save``/``load``, see ``checkpoint``) hold weights and Adam moments in Hugging
   Face names and shapes; they restore exactly on any TP/EP/DP layout of the same model.
+- With ``trainer.lora.rank > 0`` (``lora``) the base weights are frozen: only the adapters are in
+  the optimizer, its state, the gradient norm, checkpoints and weight syncs.
 """
 from __future__ import annotations
 
@@ -66,6 +68,11 @@ class Trainer:
         model_parallel_cuda_manual_seed(cfg.seed)
         model = build_gpt_model(self.hf_config, p, cfg.moe)
         load_hf_weights(model, self.hf_config, cfg.model_dir)
+        self.lora = None
+        if cfg.lora.rank:
+            from .lora import attach_lora
+
+            self.lora = attach_lora(model, cfg.lora, p, self.hf_config, cfg.seed)
         self.replayer = None  # compares recorded routing with the router's (replays it with routing_replay)
         if cfg.routing_replay or model.config.num_moe_experts:
             self.replayer = RoutingReplay(model, cfg.routing_replay, ps.get_tensor_model_parallel_rank(),
@@ -90,6 +97,12 @@ class Trainer:
         self.dp_group = ps.get_data_parallel_group()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.steps = 0
+        from pipeline.weights.shards import ShardedWeights
+
+        from .lora import trainable_parameters
+
+        self.trainable_params = trainable_parameters(self.model, self.hf_config)
+        self.sync_bytes = ShardedWeights(self.model, self.hf_config).total_bytes  # what one weight sync moves
 
     # ---------------------------------------------------------------- construction helpers
     def _wrap_ddp(self, model):
@@ -100,12 +113,16 @@ class Trainer:
             use_distributed_optimizer=self.optimizer_kind == "megatron")
         return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
 
+    def trainable(self) -> list:
+        """The parameters the optimizer updates (a LoRA model: its adapters only)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
     def _make_optimizer(self):
         import torch
 
         c = self.cfg
         if self.optimizer_kind == "torch":
-            return torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=c.adam_betas,
+            return torch.optim.AdamW(self.trainable(), lr=c.lr, betas=c.adam_betas,
                                      eps=c.adam_eps, weight_decay=c.weight_decay)
         if self.optimizer_kind != "megatron":
             raise ValueError(f"optimizer must be 'torch', 'megatron' or 'auto', got {c.optimizer!r}")
@@ -250,6 +267,8 @@ class Trainer:
             totals.update(self.routing.collect(self._all_reduce, self.cfg.parallel.tp))
         totals.update(self.routing_differences())
         self.steps += 1
+        totals["trainable_params"] = float(self.trainable_params)
+        totals["sync_bytes"] = float(self.sync_bytes)
         totals["step_time_s"] = time.perf_counter() - start
         totals["tokens_per_s"] = totals["tokens"] / totals["step_time_s"]
         return totals
@@ -303,7 +322,7 @@ class Trainer:
         if self.optimizer_kind == "megatron":
             _, grad_norm, _ = self.optimizer.step()
             return float(grad_norm or 0.0)
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = self.trainable()
         for p in params:
             p.grad = p.main_grad.to(p.dtype)
         grad_norm = self.grad_norm()
@@ -321,7 +340,7 @@ class Trainer:
         dense, expert = 0.0, 0.0
         tp_rank = ps.get_tensor_model_parallel_rank()
         etp_rank = ps.get_expert_tensor_parallel_rank()
-        for p in self.model.parameters():
+        for p in self.trainable():
             sq = float(p.main_grad.double().pow(2).sum())
             is_sharded = getattr(p, "tensor_model_parallel", False)
             if not getattr(p, "allreduce", True):  # expert parameter: distinct per EP rank

@@ -14,6 +14,9 @@ Invariants:
   tiny models export bit-identical to the checkpoint; bfloat16 ones round once, as transformers'
   ``save_pretrained`` would.
 - A directory is complete when its ``config.json`` exists: it is written last.
+- A LoRA run (``trainer.lora.rank > 0``) exports a PEFT adapter directory instead
+  (``pipeline.trainer.peft_format``: ``adapter_config.json``, written last, and
+  ``adapter_model.safetensors``) naming its base checkpoint in ``base_model_name_or_path``.
 """
 from __future__ import annotations
 
@@ -55,6 +58,8 @@ def export_live(trainer, out_dir: Path) -> Path | None:
     from .hf_shards import write_tensor_set
 
     out = Path(out_dir)
+    if trainer.lora is not None:
+        return _export_live_adapters(trainer, out)
     if torch.distributed.get_rank() == 0 and (out / "config.json").exists():
         (out / "config.json").unlink()
     write_tensor_set(trainer.model, trainer.hf_config, out, "model", lambda n, p: p,
@@ -65,14 +70,37 @@ def export_live(trainer, out_dir: Path) -> Path | None:
     return out
 
 
+def _export_live_adapters(trainer, out: Path) -> Path | None:
+    """A LoRA trainer's export: a PEFT adapter directory (collective; rank 0 writes it)."""
+    from .model import iter_hf_weights
+    from .peft_format import write_peft_dir
+
+    adapters = dict(iter_hf_weights(trainer.model, trainer.hf_config))  # adapters only, small
+    if not adapters:
+        return None
+    c = trainer.lora.cfg
+    return write_peft_dir(out, adapters, trainer.hf_config, c.rank, c.alpha,
+                          str(Path(trainer.cfg.model_dir).resolve()))
+
+
 def export_checkpoint(checkpoint: Path, out: Path, source_dir: Path) -> Path:
-    """Convert a trainer checkpoint's ``model`` tensor set into a Hugging Face directory."""
+    """Convert a trainer checkpoint's ``model`` tensor set into a Hugging Face directory (a
+    LoRA checkpoint: into a PEFT adapter directory for its base)."""
+    import json
+
     from safetensors.torch import load_file, save_file
 
     from .hf_shards import write_index
     from .model import load_hf_config
 
     hf_config = load_hf_config(source_dir)
+    lora = json.loads((checkpoint / "trainer.json").read_text()).get("lora")
+    if lora is not None:
+        from .peft_format import write_peft_dir
+
+        adapters = {k: v for f in sorted(checkpoint.glob("model-r*.safetensors"))
+                    for k, v in load_file(str(f)).items()}
+        return write_peft_dir(out, adapters, hf_config, lora["rank"], lora["alpha"], lora["base"])
     dtype = hf_dtype(hf_config)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").unlink(missing_ok=True)

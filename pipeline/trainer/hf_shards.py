@@ -54,7 +54,7 @@ def owned_hf_tensors(model, hf_config, value_of: Callable) -> Iterator[tuple[str
     from .model import conversion_rules, gather_full, unwrap
 
     params = dict(unwrap(model).named_parameters())
-    for rule in conversion_rules(hf_config):
+    for rule in conversion_rules(hf_config, model):
         value = value_of(rule.megatron, params[rule.megatron]).detach().to(torch.float32)
         group_writes, writes = _writes(rule)
         if not group_writes:

@@ -169,7 +169,7 @@ def build_gpt_model(hf_config, parallel: ParallelConfig, moe_cfg: MoEConfig | No
 class _Rule:
     megatron: str  # megatron parameter name (without a DDP "module." prefix)
     hf: tuple[str, ...]  # HF names feeding it (q,k,v for qkv; gate,up for glu)
-    kind: str  # "copy", "qkv" or "glu"
+    kind: str  # "copy", "qkv", "glu" or "shared" (one replicated tensor stored under every HF name: LoRA's fused A)
     split_dim: int | None  # TP split dimension for "copy" (None: replicated)
     expert: int | None = None  # global expert id for expert weights
 
@@ -278,6 +278,10 @@ def shard_of(rule: _Rule, tensors, hf_config):
     import torch
 
     _, rank, size = _groups(rule)
+    if rule.kind == "shared":
+        if any(not torch.equal(tensors[0], t) for t in tensors[1:]):
+            raise ValueError(f"{rule.megatron}: {', '.join(rule.hf)} must be equal (one fused adapter)")
+        return tensors[0]
     if rule.kind == "qkv":
         return _shard(_merge_qkv(hf_config, *tensors), 0, rank, size)
     if rule.kind == "glu":
@@ -285,13 +289,26 @@ def shard_of(rule: _Rule, tensors, hf_config):
     return _shard(tensors[0], rule.split_dim, rank, size)
 
 
+def model_rules(model, hf_config, ep_rank: int, ep_size: int) -> list[_Rule]:
+    """The conversion rules of what ``model`` trains for EP rank ``ep_rank``: every weight, or
+    only the adapters of a LoRA model (``pipeline.trainer.lora``)."""
+    from .lora import lora_rules, lora_state
+
+    state = lora_state(model)
+    base = _rules(hf_config, ep_rank, ep_size)
+    return lora_rules(base, state) if state is not None else base
+
+
 def iter_megatron_shards(model, hf_config, read) -> Iterator[tuple[str, "torch.Tensor"]]:
-    """``(megatron name, this rank's shard)`` for every parameter of ``model``, cut from full HF
-    tensors that ``read(hf_name)`` returns; checks shapes and that every parameter is covered."""
+    """``(megatron name, this rank's shard)`` for every trained parameter of ``model`` (all of
+    them, or a LoRA model's adapters), cut from full HF tensors that ``read(hf_name)`` returns;
+    checks shapes and that every such parameter is covered."""
+    from .lora import lora_state
+
     params = dict(unwrap(model).named_parameters())
     ep_rank, ep_size = _ep_rank_size(hf_config)
-    expected = set(params)
-    for rule in _rules(hf_config, ep_rank, ep_size):
+    expected = {n for n in params if lora_state(model) is None or n.rpartition(".")[2] in ("lora_A", "lora_B")}
+    for rule in model_rules(model, hf_config, ep_rank, ep_size):
         shard = shard_of(rule, [read(n) for n in rule.hf], hf_config)
         shape = tuple(params[rule.megatron].shape)
         if tuple(shard.shape) != shape:
@@ -347,6 +364,8 @@ def gather_full(rule: _Rule, value, hf_config) -> list:
     import torch
 
     group, _, size = _groups(rule)
+    if rule.kind == "shared":
+        return [value.clone() for _ in rule.hf]
     shards = _all_gather(value, group, size)
     if rule.kind == "qkv":
         return [*_split_qkv(hf_config, torch.cat(shards, 0))]
@@ -356,9 +375,12 @@ def gather_full(rule: _Rule, value, hf_config) -> list:
     return [shards[0].clone() if rule.split_dim is None else torch.cat(shards, rule.split_dim)]
 
 
-def conversion_rules(hf_config) -> list[_Rule]:
-    """This rank's conversion rules (its EP rank's experts)."""
-    return _rules(hf_config, *_ep_rank_size(hf_config))
+def conversion_rules(hf_config, model=None) -> list[_Rule]:
+    """This rank's conversion rules (its EP rank's experts); of ``model``'s trained parameters
+    when given (a LoRA model: its adapters)."""
+    if model is None:
+        return _rules(hf_config, *_ep_rank_size(hf_config))
+    return model_rules(model, hf_config, *_ep_rank_size(hf_config))
 
 
 def iter_hf_weights(model, hf_config, grads: bool = False) -> Iterator[tuple[str, "torch.Tensor"]]:
@@ -376,7 +398,7 @@ def iter_hf_weights(model, hf_config, grads: bool = False) -> Iterator[tuple[str
     from megatron.core import parallel_state as ps
 
     ep_group = ps.get_expert_model_parallel_group() if ep_size > 1 else None
-    for rule in _rules(hf_config, ep_rank, ep_size):
+    for rule in model_rules(model, hf_config, ep_rank, ep_size):
         param = params[rule.megatron]
         value = param
         if grads:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -36,8 +37,11 @@ def _die_with_parent() -> None:
 
 
 def run(model_dir: str, tp: int = 1, ep: int = 1, receivers: int = 1, bucket_mb: float = 1.0,
-        reps: int = 2, timeout_s: float = 300.0, outdir: Path | None = None) -> dict:
-    """Sync ``reps`` times; returns {"trainer": [per rank], "receivers": [per receiver]}."""
+        reps: int = 2, timeout_s: float = 300.0, outdir: Path | None = None, lora_rank: int = 0) -> dict:
+    """Sync ``reps`` times; returns {"trainer": [per rank], "receivers": [per receiver]}.
+    ``lora_rank`` > 0: the trainer trains LoRA adapters of that rank (all targets, B = 0 at
+    start) and syncs only them; each receiver merges them into the base (``AdapterMerger``) and
+    compares the merged weights with the checkpoint (equal: B is 0)."""
     import tempfile
 
     world = tp * ep
@@ -46,7 +50,7 @@ def run(model_dir: str, tp: int = 1, ep: int = 1, receivers: int = 1, bucket_mb:
     dist_port, weight_port = _free_port(), _free_port()
     common = {"model_dir": str(model_dir), "tp": tp, "ep": ep, "world": world, "receivers": receivers,
               "bucket_bytes": int(bucket_mb * 2**20), "reps": reps, "dist_port": dist_port,
-              "weight_port": weight_port, "timeout_s": timeout_s, "out": str(out)}
+              "weight_port": weight_port, "timeout_s": timeout_s, "out": str(out), "lora_rank": lora_rank}
     procs = []
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     try:
@@ -81,7 +85,7 @@ def run(model_dir: str, tp: int = 1, ep: int = 1, receivers: int = 1, bucket_mb:
 def _trainer_rank(rank: int, a: dict) -> dict:
     import torch
 
-    from pipeline.trainer.config import ParallelConfig, TrainerConfig
+    from pipeline.trainer.config import LoraConfig, ParallelConfig, TrainerConfig
     from pipeline.trainer.engine import Trainer
     from pipeline.weights.buckets import BucketPlan
     from pipeline.weights.group import TorchDistChannel
@@ -89,7 +93,7 @@ def _trainer_rank(rank: int, a: dict) -> dict:
 
     torch.set_num_threads(1)
     cfg = TrainerConfig(model_dir=a["model_dir"], parallel=ParallelConfig(tp=a["tp"], ep=a["ep"]),
-                        timeout_s=a["timeout_s"])
+                        timeout_s=a["timeout_s"], lora=LoraConfig(rank=a.get("lora_rank", 0)))
     trainer = Trainer(cfg, rank=rank, world_size=a["world"], init_method=f"tcp://127.0.0.1:{a['dist_port']}")
     shards = ShardedWeights(trainer.model, trainer.hf_config)
     plan = BucketPlan.from_specs(shards.specs, a["bucket_bytes"])
@@ -130,14 +134,18 @@ def _receiver(index: int, a: dict) -> dict:
 
     from pipeline.models.tiny import resolve_model
     from pipeline.trainer.model import load_hf_config
+    from pipeline.weights.adapters import AdapterMerger
     from pipeline.weights.group import TorchDistChannel
 
     torch.set_num_threads(1)
     hf = load_hf_config(a["model_dir"])
+    merger = AdapterMerger(a["model_dir"]) if a.get("lora_rank") else None
     senders = a["ep"] if getattr(hf, "num_experts", 0) else 1
     files = sorted(resolve_model(a["model_dir"]).glob("*.safetensors"))
     handles = [safe_open(str(f), framework="pt") for f in files]
     where = {n: h for h in handles for n in h.keys()}
+    expected = set(where) if merger is None else {  # LoRA with every target: each projection
+        n for n in where if re.search(r"(q|k|v|o|gate|up|down)_proj\.weight$", n)}
     channel = TorchDistChannel("127.0.0.1", a["weight_port"], senders + index, senders + a["receivers"],
                                a["timeout_s"], senders=senders)
     versions, times, mismatched, names = [], [], [], []
@@ -145,7 +153,7 @@ def _receiver(index: int, a: dict) -> dict:
         t0 = time.perf_counter()
         update = channel.receive()
         names = []
-        for name, t in update:
+        for name, t in (update if merger is None else merger.merged(update)):
             names.append(name)
             ref = where[name].get_tensor(name) if name in where else None
             if ref is None or ref.dtype != t.dtype or not torch.equal(ref, t):
@@ -154,7 +162,7 @@ def _receiver(index: int, a: dict) -> dict:
         versions.append(update.version)
     result = {"index": index, "versions": versions, "receive_s": times, "tensors": len(names),
               "unique": len(set(names)), "checkpoint_tensors": len(where), "mismatched": mismatched[:10],
-              "mismatched_count": len(mismatched), "missing": sorted(set(where) - set(names))[:10],
+              "mismatched_count": len(mismatched), "missing": sorted(expected - set(names))[:10],
               "buffers_allocated": channel.buffers.allocated, "buffers_resident": channel.buffers.resident}
     channel.close()
     return result

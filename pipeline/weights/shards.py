@@ -21,6 +21,9 @@ Invariants:
   to its groups, and each sender sends its buckets in it, so with at most two buckets in flight
   per sender no wait cycle can form (a sender only waits for receivers, which only wait for
   earlier buckets, whose gathers every rank has passed).
+- A LoRA model (``pipeline.trainer.lora``) syncs only its adapters: the same units built from
+  its adapter rules (``...q_proj.lora_A.weight``, ...), preceded by one float32 tensor
+  ``lora.scaling`` = alpha / r from sender 0; the generator merges them (``adapters.py``).
 Example: TP2 x EP2 on 4 ranks (megatron order tp-ep-dp: TP/ETP groups {0,1} {2,3}, EP groups
 {0,2} {1,3}), 8 experts: senders are rank 0 (dense + experts 0-3) and rank 2 (experts 4-7);
 ranks 1 and 3 only take part in their gathers.
@@ -29,6 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
+
+from pipeline.weights.adapters import SCALING_NAME
 
 if TYPE_CHECKING:
     import torch
@@ -51,7 +56,8 @@ class ShardedWeights:
         from megatron.core import parallel_state as ps
 
         from pipeline.trainer.export import hf_dtype
-        from pipeline.trainer.model import _ep_rank_size, _groups, _rules, unwrap
+        from pipeline.trainer.lora import lora_state
+        from pipeline.trainer.model import _ep_rank_size, _groups, model_rules, unwrap
         from pipeline.weights.buckets import dtype_name
 
         self.hf_config = hf_config
@@ -69,7 +75,7 @@ class ShardedWeights:
                              f"are not supported")
         self.gather_dense = ps.get_data_parallel_rank() == 0
         self.gather_experts = ps.get_expert_data_parallel_rank() == 0
-        per_rank = [_rules(hf_config, r, ep_size) for r in range(ep_size)]
+        per_rank = [model_rules(model, hf_config, r, ep_size) for r in range(ep_size)]
         self.units: list[_Unit] = []
         i, base = 0, per_rank[0]
         while i < len(base):
@@ -85,23 +91,28 @@ class ShardedWeights:
             i = j
         name = dtype_name(self.dtype)
         self.specs = [(hf, name, shape, u.source) for u in self.units for hf, shape in zip(u.rule.hf, u.shapes)]
+        lora = lora_state(model)
+        self.scaling = None if lora is None else lora.scaling
+        if lora is not None:  # an adapter update opens with its scale (pipeline/weights/adapters.py)
+            self.specs.insert(0, (SCALING_NAME, "float32", (1,), 0))
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of one sync (every sender's tensors, before bucket alignment)."""
+        from pipeline.weights.buckets import _itemsize
+
+        total = 0
+        for _, dtype, shape, _ in self.specs:
+            n = _itemsize(dtype)
+            for d in shape:
+                n *= d
+            total += n
+        return total
 
     def _unit(self, rule, source: int, tp_size: int) -> _Unit:
-        import torch
+        from pipeline.trainer.lora import full_hf_shapes
 
-        from pipeline.trainer.model import _split_qkv
-
-        local = tuple(self.params[rule.megatron].shape)
-        dim = 0 if rule.kind in ("qkv", "glu") else rule.split_dim
-        full = list(local)
-        if dim is not None:
-            full[dim] *= tp_size
-        if rule.kind == "qkv":
-            shapes = tuple(tuple(t.shape) for t in _split_qkv(self.hf_config, torch.empty(full, device="meta")))
-        elif rule.kind == "glu":
-            shapes = ((full[0] // 2, *full[1:]),) * 2
-        else:
-            shapes = (tuple(full),)
+        shapes = full_hf_shapes(rule, tuple(self.params[rule.megatron].shape), tp_size, self.hf_config)
         return _Unit(rule, source, shapes)
 
     def tensors(self) -> Iterator[tuple[str, "torch.Tensor"]]:
@@ -111,6 +122,8 @@ class ShardedWeights:
 
         from pipeline.trainer.model import _all_gather, _groups, _split_qkv
 
+        if self.scaling is not None and self.source == 0:
+            yield SCALING_NAME, torch.tensor([self.scaling], dtype=torch.float32)
         for u in self.units:
             rule = u.rule
             expert = rule.expert is not None
@@ -120,10 +133,12 @@ class ShardedWeights:
                 continue
             group, _, size = _groups(rule)
             value = self.params[rule.megatron].detach().to(self.dtype, copy=True)  # never a live view
-            shards = _all_gather(value, group, size)
+            shards = [value] if rule.kind == "shared" else _all_gather(value, group, size)
             if self.source != u.source:
                 continue
-            if rule.kind == "qkv":
+            if rule.kind == "shared":
+                full = (shards[0],) * len(rule.hf)
+            elif rule.kind == "qkv":
                 full = _split_qkv(self.hf_config, torch.cat(shards, 0))
             elif rule.kind == "glu":
                 halves = [s.chunk(2, dim=0) for s in shards]
