@@ -177,7 +177,7 @@ def test_a_generator_job_joins_and_leaves_a_slurm_run(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-            subprocess.run(["tokenflow", "cancel", str(run)], timeout=30)
+            subprocess.run([sys.executable, "-m", "pipeline.cli", "cancel", str(run)], timeout=30, cwd=REPO)
         for job in jobs:
             subprocess.run(["scancel", str(job["job_id"])], timeout=30)
     assert proc.returncode == 0, out[-4000:]

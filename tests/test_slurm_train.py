@@ -79,8 +79,11 @@ def test_tiny_run_survives_two_requeues_with_exactly_once_storage(tmp_path):
         subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)
         t_requeue = time.time()
         # 2) checkpoint signal once attempt 1 trained a step: the trainer checkpoints where it stops
-        wait_until(lambda: [r for r in read_metrics(run, "train_step") if r["t"] > t_requeue], 240,
-                   "a step trained after the first requeue")
+        # (attempt 0 may still finish the step it was in after the requeue's SIGTERM: wait for attempt 1's)
+        attempt1 = run / "rendezvous/attempt-1"
+        wait_until(lambda: attempt1.exists() and [r for r in read_metrics(run, "train_step")
+                                                  if r["t"] > attempt1.stat().st_mtime], 240,
+                   "a step trained by attempt 1")
         subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
         out, _ = proc.communicate(timeout=420)
     finally:

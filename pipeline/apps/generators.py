@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=1, help="generators to add (default 1)")
     parser.add_argument("overrides", nargs="*", help="cluster=local|slurm and cluster.generator.FIELD=VALUE "
                         "(default: the run's own cluster settings)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options may come before or after the overrides
     try:
         cfg = _config(args.run_dir, args.overrides)
         from pipeline.apps.ops import still_running
