@@ -103,6 +103,7 @@ def test_replay_trains_from_the_recorded_log_without_generators(async_run, tmp_p
         assert fed.tolist() == order[:len(fed)].tolist()
 
 
+@pytest.mark.slow  # two synchronous runs, 156 s in CI: reproducibility only (the async run checks the mismatch)
 def test_synchronous_runs_are_reproducible_from_the_seed(tmp_path):
     curves = []
     for name in ("sync-a", "sync-b"):
