@@ -152,7 +152,9 @@ def test_a_generator_job_joins_gets_leases_and_leaves_mid_run(tmp_path):
 
 @pytest.mark.slurm
 @pytest.mark.engine
-@pytest.mark.slow  # like the local one, plus scheduling; not run yet (the shared cluster was busy)
+@pytest.mark.slow  # like the local one, plus scheduling
+@pytest.mark.xfail(reason="issue 15 open: in its one run (12:42 UTC) the joiner's role, sent SIGTERM by scancel "
+                          "together with its engine, logged no Leave within 120 s", strict=False)
 def test_a_generator_job_joins_and_leaves_a_slurm_run(tmp_path):
     """The same on the Slurm test cluster: the run is one heterogeneous job, the generator job a
     second job (on a node with room beside the trainer), cancelled with scancel."""

@@ -55,6 +55,15 @@ def steps_logged(run: Path) -> list[int]:
     return [r["step"] for r in read_metrics(run, "train_step")]
 
 
+def submitted_job(run: Path) -> str | None:
+    """The Slurm job id of the run's last launch, once its line is written (the file may exist empty)."""
+    try:
+        lines = (run / "launch/launches.jsonl").read_text().splitlines()
+        return json.loads(lines[-1])["job_id"] if lines else None
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
 def status_of(run: Path) -> dict:
     out = tokenflow("status", str(run), "--json")
     assert out.returncode == 0, out.stderr
@@ -68,9 +77,7 @@ def test_tiny_run_survives_two_requeues_with_exactly_once_storage(tmp_path):
                              f"run.steps={steps}", "run.checkpoint_every=2", *TINY], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=ENV, cwd=REPO)
     try:
-        job_id = wait_until(lambda: (run / "launch/launches.jsonl").exists() and
-                            json.loads((run / "launch/launches.jsonl").read_text().splitlines()[-1])["job_id"],
-                            60, "the job was submitted")
+        job_id = wait_until(lambda: submitted_job(run), 60, "the job was submitted")
         # 1) hard requeue once step 2 is checkpointed: the tasks are killed, the trainer resumes from step-2
         wait_until(lambda: (run / "checkpoints/step-2/COMPLETE").exists(), 240, "checkpoint step-2")
         s = status_of(run)
@@ -234,9 +241,7 @@ def test_kill_9_of_orchestrator_generator_and_engine_then_preemption(tmp_path):
     orch, engine, gen = chaos.kills
     urgent = None
     try:
-        job_id = wait_until(lambda: (run / "launch/launches.jsonl").exists() and
-                            json.loads((run / "launch/launches.jsonl").read_text().splitlines()[-1])["job_id"],
-                            60, "the job was submitted")
+        job_id = wait_until(lambda: submitted_job(run), 60, "the job was submitted")
         trainer_pid = wait_for(lambda: role_process(run, 0), 240, "the trainer role process")
         first_gen = wait_for(lambda: role_process(run, 1), 240, "the generator role process")
         chaos.strike(orch, lambda: orchestrator_process(run))
