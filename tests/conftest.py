@@ -77,3 +77,18 @@ def no_process_left_behind(monkeypatch):
     if left:
         pytest.fail("processes left behind (killed now): " +
                     "; ".join(f"{pid}: {cmd[:160]}" for pid, cmd in sorted(left.items())), pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """One asyncio loop per test module (engine tests drive vLLM's AsyncLLM from it); at the end the
+    tasks left on it (vLLM's output handlers of engines already shut down) are cancelled."""
+    import asyncio
+
+    lp = asyncio.new_event_loop()
+    yield lp
+    pending = asyncio.all_tasks(lp)
+    for task in pending:
+        task.cancel()
+    lp.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    lp.close()

@@ -56,17 +56,6 @@ class HangsOnce(Echo):
 
 
 @pytest.fixture(scope="module")
-def loop():
-    lp = asyncio.new_event_loop()
-    yield lp
-    pending = asyncio.all_tasks(lp)
-    for task in pending:
-        task.cancel()
-    lp.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-    lp.close()
-
-
-@pytest.fixture(scope="module")
 def engine(loop, tmp_path_factory):
     """(generator, tokenizer, {version: checkpoint}) of the dense tiny model at version 1."""
     from transformers import AutoTokenizer

@@ -83,17 +83,6 @@ def _start_sender(port, updates):
     return subprocess.Popen([sys.executable, "-c", SENDER, str(port), json.dumps(updates)])
 
 
-@pytest.fixture(scope="module")
-def loop():
-    lp = asyncio.new_event_loop()
-    yield lp
-    pending = asyncio.all_tasks(lp)  # vLLM's output handlers of engines already shut down
-    for task in pending:
-        task.cancel()
-    lp.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-    lp.close()
-
-
 @pytest.fixture(scope="module", params=["dense", "moe"])
 def engine(request, loop, tmp_path_factory):
     """(generator, {version: checkpoint dir}) for one model kind, started fresh from version 1."""

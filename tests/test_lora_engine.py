@@ -13,7 +13,6 @@ logprobs, compared exactly, are the check; MoE experts' packed tensors are cover
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import shutil
@@ -103,17 +102,6 @@ def _start(loop, model_dir):
 def _state(loop, gen):
     greedy = [(c.token_ids, c.logprobs) for c in loop.run_until_complete(gen.evaluate(PROMPTS))]
     return greedy, loop.run_until_complete(gen.engine.compute_weight_checksums())
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lp = asyncio.new_event_loop()
-    yield lp
-    pending = asyncio.all_tasks(lp)
-    for task in pending:
-        task.cancel()
-    lp.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-    lp.close()
 
 
 @pytest.mark.parametrize("kind", [
