@@ -431,7 +431,7 @@ DOOMED_GENERATOR = textwrap.dedent("""
 
 @pytest.mark.parametrize("sync", ["staged", "streamed"])
 def test_a_generator_killed_mid_broadcast_leaves_none_serving_mixed_weights(engine, loop, sync):
-    """Two receivers in one weight group; one is SIGKILLed after three buckets. The surviving
+    """Two receivers in one weight group; one is SIGKILLed after 20 of 95 buckets. The surviving
     engine either got every bucket (then it serves the new version, whole) or it serves the old
     version untouched (staged), or it stays paused until a complete version is loaded (streamed):
     its weights always equal one complete version's fresh-load checksums while it serves."""
