@@ -127,6 +127,14 @@ def _flat_plan(total: int):
     return BucketPlan.from_specs([("flat", "uint8", (total,))], total)
 
 
+def _one_per_bucket(named):
+    """The "unbatched" plan: every tensor whole in a bucket of its own (no packing, no splitting)."""
+    from pipeline.weights.buckets import BucketPlan, TensorSlot, dtype_name
+
+    slots = [TensorSlot(n, dtype_name(t.dtype), tuple(t.shape), 0) for n, t in named]
+    return BucketPlan(tuple((s,) for s in slots), tuple(s.nbytes for s in slots))
+
+
 def _as_flat(named, flat):
     """The set's bytes as one flat uint8 tensor (the big set already is one)."""
     import torch
@@ -178,7 +186,7 @@ def bandwidth_sender(host: str, port: int, big_layers: int, big_vocab: int, reps
                     if mode == "packed":
                         channel.send_tensors(0, named, BUCKET_BYTES)
                     elif mode == "unbatched":
-                        channel.send_tensors(0, named, 1)
+                        channel.send_stream(0, _one_per_bucket(named), named)
                     else:
                         channel.send_packed(0, _flat_plan(flat.numel()), [flat])
         _sync(channel, 0)
