@@ -55,8 +55,10 @@ def _trainer_pid(run_dir: Path) -> int:
     return pid
 
 
-def run_killed_and_resumed(run_dir: Path, steps: int, kill_after: int, timeout_s: float = 900) -> None:
-    """Start the run, SIGKILL its trainer once step ``kill_after`` is logged, resume to the end."""
+def run_killed_and_resumed(run_dir: Path, steps: int, kill_after: int, timeout_s: float = 900) -> int:
+    """Start the run, SIGKILL its trainer once step ``kill_after`` is logged, resume to the end.
+    Returns how many lines ``metrics.jsonl`` held when the killed run had ended (the resumed run's
+    lines follow them)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log = open(run_dir.with_suffix(".driver.log"), "a")
     proc = subprocess.Popen(_command(run_dir, steps), stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -75,10 +77,12 @@ def run_killed_and_resumed(run_dir: Path, steps: int, kill_after: int, timeout_s
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    killed_lines = len((run_dir / "metrics.jsonl").read_text().splitlines())
     out = subprocess.run(_command(run_dir, steps), stdout=log, stderr=subprocess.STDOUT, env=env,
                          timeout=timeout_s)
     if out.returncode != 0:
         raise RuntimeError(f"the resumed run failed (rc {out.returncode}); see {log.name}")
+    return killed_lines
 
 
 def waste(run_dir: Path) -> dict:
