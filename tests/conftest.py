@@ -1,10 +1,13 @@
 """Shared pytest set-up: resource markers skip with a printed reason when the resource is absent;
-every test fails if a process it started outlives it (`no_process_left_behind`)."""
+every test fails if a process it started outlives it (`no_process_left_behind`), and a Slurm test
+fails if it leaves a job queued or a node out of service (`slurm_cluster_left_clean`), which is
+then cancelled or resumed so that the next tests' jobs do not wait behind it."""
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
+import time
 import uuid
 
 import pytest
@@ -92,3 +95,53 @@ def loop():
         task.cancel()
     lp.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
     lp.close()
+
+
+def _slurm(*args: str) -> str:
+    out = subprocess.run(list(args), capture_output=True, text=True, timeout=30)
+    return out.stdout
+
+
+def _jobs_since(t0: float) -> dict[str, str]:
+    """Jobs in the queue submitted at or after ``t0`` (one entry per job, het components folded):
+    job id -> "state (reason) name"."""
+    jobs = {}
+    for line in _slurm("squeue", "-h", "-o", "%i|%V|%T|%R|%j").splitlines():
+        job, submitted, state, reason, name = (line.split("|") + [""] * 5)[:5]
+        try:
+            when = time.mktime(time.strptime(submitted, "%Y-%m-%dT%H:%M:%S"))
+        except ValueError:
+            when = t0
+        if when >= t0 - 1:
+            jobs.setdefault(job.split("+")[0], f"{state} ({reason}) {name}")
+    return jobs
+
+
+@pytest.fixture(autouse=True)
+def slurm_cluster_left_clean(request):
+    """After a `slurm` test: its jobs (submitted while it ran) leave the queue within 30 s, and no
+    node is drained or down. Otherwise the test fails naming them, the jobs are cancelled and the
+    nodes resumed (a job left queued would hold every later test's job pending)."""
+    if "slurm" not in request.keywords:
+        yield
+        return
+    t0 = time.time()
+    yield
+    deadline = time.monotonic() + 30
+    while (left := _jobs_since(t0)) and time.monotonic() < deadline:
+        time.sleep(1)
+    problems = [f"job {job} still queued: {what}" for job, what in sorted(left.items())]
+    if left:
+        subprocess.run(["scancel", *left], capture_output=True, timeout=30)
+        deadline = time.monotonic() + 60
+        while _jobs_since(t0) and time.monotonic() < deadline:
+            time.sleep(1)
+    for line in set(_slurm("sinfo", "-h", "-N", "-o", "%N|%T|%E").splitlines()):  # a row per partition
+        node, state, reason = (line.split("|") + [""] * 3)[:3]
+        if any(bad in state for bad in ("drain", "down", "fail")):
+            problems.append(f"node {node} {state}: {reason}")
+            subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True,
+                           timeout=30)
+    if problems:
+        pytest.fail("the Slurm test cluster was left busy (cancelled/resumed now): " + "; ".join(sorted(problems)),
+                    pytrace=False)

@@ -14,18 +14,10 @@ import threading
 import numpy as np
 import pytest
 
-from pipeline.envs import ENVIRONMENTS, Environment, EpisodeConfig, Step
+from pipeline.envs import ENVIRONMENTS, EpisodeConfig
+from support.envs import OBSERVATION, Echo
 
 pytestmark = pytest.mark.engine
-
-OBSERVATION = "\n<|im_start|>tool\n=42<|im_end|>\n<|im_start|>assistant\n"
-
-
-class Echo(Environment):
-    """Answers every turn with OBSERVATION; never done (the turn limit ends the episode)."""
-
-    def step(self, message):
-        return Step(OBSERVATION, 0.0, False)
 
 
 class Gate(Echo):
@@ -200,3 +192,31 @@ def test_a_hung_environment_costs_only_its_episode(engine, loop):
                 assert all((s.model_mask == 0).any() for s in samples)  # both reached the tool turn
     finally:
         HangsOnce.release.set()
+
+
+def test_episodes_over_an_environment_process_equal_episodes_in_process(engine, loop):
+    """The same group (same seeds) with the environment in the generator process and in an
+    environment process (`episode.env_processes`): identical tokens, masks and versions."""
+    from pipeline.envs.remote import EnvironmentPool
+    from pipeline.generator.config import GroupRequest
+    from pipeline.generator.episodes import EpisodeRunner
+    from pipeline.record import RecordSchema
+
+    gen, tokenizer, _ = engine
+    gen.schema = RecordSchema(model_mask=True)
+    prompt = tokenizer("<|im_start|>user\n21*43=<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
+    cfg = EpisodeConfig(max_turns=3, step_timeout_s=5.0, env_processes=2)
+    pool = EnvironmentPool(cfg.env_processes, cfg.step_timeout_s, cfg.env_restarts)
+    try:
+        runs = []
+        for runner in (EpisodeRunner("echo", cfg, tokenizer), EpisodeRunner("support.envs:Echo", cfg, tokenizer, pool)):
+            gen.episodes = runner
+            runs.append(loop.run_until_complete(gen.generate_group(GroupRequest(11, 1, 0, prompt, 4))))
+    finally:
+        pool.close()
+    here, there = runs
+    assert len(here) == len(there) == 4
+    for a, b in zip(here, there):
+        assert (a.model_mask == 0).any(), "the environment never answered"
+        assert a.completion_ids.tolist() == b.completion_ids.tolist() and a.model_mask.tolist() == b.model_mask.tolist()
+        assert a.versions.tolist() == b.versions.tolist() and a.finish_reason == b.finish_reason

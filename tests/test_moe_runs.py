@@ -30,9 +30,18 @@ COMMON = [f"run.steps={STEPS}", "run.eval_every=8", "run.checkpoint_every=4", "r
           "orchestrator.group_size=8", "trainer.micro_batch_tokens=1024"]
 
 
-def tokenflow(*args: str, timeout: float = 1200) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,
-                         env=ENV, timeout=timeout, cwd=REPO)
+def tokenflow(*args: str, timeout: float = 600, run: Path | None = None) -> subprocess.CompletedProcess:
+    """Run the CLI; past `timeout` (kept under the test's own timeout so that this report is shown)
+    fail with the queue, the nodes and the tails of `run`'s role logs."""
+    try:
+        out = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,
+                             env=ENV, timeout=timeout, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        report = [subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+                  for cmd in (["squeue", "-o", "%i %T %R %j"], ["sinfo", "-N", "-o", "%N %T %E"])]
+        for log in sorted((run / "logs").glob("*")) if run is not None and (run / "logs").exists() else []:
+            report.append(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:]))
+        pytest.fail(f"tokenflow {args[0]} not done after {timeout} s:\n" + "\n".join(report))
     assert out.returncode == 0, f"tokenflow {args[0]} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
     return out
 
@@ -83,6 +92,7 @@ def check_run(run: Path, tmp_path: Path) -> None:
 
 @pytest.mark.slurm
 @pytest.mark.engine
+@pytest.mark.timeout(1300)  # above its commands' own timeouts (600 + 300 + 300 s), which report why
 def test_slurm_tp2ep2_het_job_over_three_nodes_learns(tmp_path):
     run = tmp_path / "slurm-tp2ep2"
     mpi = importlib.util.find_spec("mpi4py") is not None  # CI installs it: the ranks bootstrap from MPI
@@ -90,7 +100,7 @@ def test_slurm_tp2ep2_het_job_over_three_nodes_learns(tmp_path):
         print("\nmpi4py is not importable: this run uses the file rendezvous instead of cluster.mpi=pmix")
     tokenflow("train", "experiment=moe-tp2ep2-slurm", "run.name=slurm-tp2ep2", f"hydra.run.dir={run}",
               "cluster.trainer.time_min=30", "cluster.generator.time_min=30", *COMMON,
-              *(["cluster.mpi=pmix"] if mpi else []), timeout=1800)
+              *(["cluster.mpi=pmix"] if mpi else []), timeout=600, run=run)
     if mpi:
         for r in range(4):
             assert f"MPI bootstrap: trainer rank {r} of 4" in (run / "logs" / f"trainer.{r}.out").read_text()
@@ -105,6 +115,6 @@ def test_slurm_tp2ep2_het_job_over_three_nodes_learns(tmp_path):
     tokenflow("replay", str(run), f"model.name={exported}", "run.steps=2", f"hydra.run.dir={replay}",
               "run.name=replay", "cluster=local", "cluster.trainer_ranks=1", "trainer.parallel.tp=1",
               "trainer.parallel.ep=1", "run.progress=false", "run.tensorboard=false", "trainer.export=never",
-              timeout=900)
+              timeout=300, run=replay)
     assert len(list(read_metrics(replay, "train_step"))) == 2
     assert json.loads((replay / "model.json").read_text())["path"] == str(exported)

@@ -70,6 +70,7 @@ def status_of(run: Path) -> dict:
     return json.loads(out.stdout)
 
 
+@pytest.mark.slow  # about 6 min on 2 cores (334 s measured): three attempts, each starts its engine
 def test_tiny_run_survives_two_requeues_with_exactly_once_storage(tmp_path):
     run = tmp_path / "rq"
     steps = 16  # enough that the run is still going when the requeues come, however fast the machine

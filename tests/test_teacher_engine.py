@@ -88,6 +88,7 @@ def _role_pids(run: Path) -> list[int]:
         if log.exists() else []
 
 
+@pytest.mark.slow  # about 2 min on 2 cores (112 s measured): TOKENFLOW_SLOW=1 runs it
 def test_lagged_teacher_killed_and_restarted_keeps_every_group_and_the_version_window(tmp_path):
     from pipeline.models.tiny import TinyModelSpec, ensure_tiny_model
 

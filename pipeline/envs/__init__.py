@@ -1,7 +1,8 @@
 """Environments for multi-turn episodes: the model acts, an environment answers (`base`).
 
 `make_environment(name)` builds a fresh environment for one episode; built-in: ``calculator``
-(`calculator`). The episode loop that drives them lives in `pipeline.generator.episodes`;
+(`calculator`); any other ``module:Class`` names an importable `Environment` subclass. With
+``episode.env_processes`` they run in separate processes (`remote`, `server`). The episode loop that drives them lives in `pipeline.generator.episodes`;
 `docs/episodes.md` describes the design.
 """
 from __future__ import annotations
@@ -14,11 +15,21 @@ ENVIRONMENTS = {"calculator": CalculatorEnv}
 
 
 def make_environment(name: str) -> Environment:
-    """A fresh environment of kind `name` (one per episode)."""
-    try:
+    """A fresh environment of kind `name` (one per episode): a built-in name or ``module:Class``."""
+    if name in ENVIRONMENTS:
         return ENVIRONMENTS[name]()
-    except KeyError:
-        raise ValueError(f"unknown environment {name!r} (known: {sorted(ENVIRONMENTS)})") from None
+    module, _, cls = name.partition(":")
+    if not cls:
+        raise ValueError(f"unknown environment {name!r} (built-in: {sorted(ENVIRONMENTS)}; or module:Class)")
+    import importlib
+
+    try:
+        kind = getattr(importlib.import_module(module), cls)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"environment {name!r} cannot be imported: {exc}") from None
+    if not (isinstance(kind, type) and issubclass(kind, Environment)):
+        raise ValueError(f"environment {name!r} is not an Environment subclass")
+    return kind()
 
 
 __all__ = ["CalculatorEnv", "ENVIRONMENTS", "Environment", "EnvironmentError_", "EpisodeConfig", "Step",

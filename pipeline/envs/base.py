@@ -7,6 +7,8 @@ episode is over. Invariants:
 
 - the environment sees text, the record keeps tokens: observations are tokenized once by the
   generator and appended to the same token sequence, so the trainer sees exactly the engine's ids;
+- an environment runs in the generator process or, with ``episode.env_processes``, in separate
+  environment processes over ZeroMQ (`pipeline.envs.remote`); the episode loop is the same;
 - a step runs in its own daemon thread and is waited on for at most ``EpisodeConfig.step_timeout_s``:
   an environment that raises or hangs raises `EnvironmentError_` in the episode loop, which records
   that episode as failed (finish reason ``env_error``) after ``EpisodeConfig.env_retries`` fresh
@@ -41,6 +43,11 @@ class EpisodeConfig:
     env_retries: int = 1
     """Fresh attempts of an episode whose environment failed before it is recorded as failed
     (finish reason ``env_error``, scored like any completion)."""
+    env_processes: int = 0
+    """0: environments run in the generator process (each step in a thread); N > 0: in N separate
+    environment processes over ZeroMQ (`pipeline.envs.remote`), episodes spread over them."""
+    env_restarts: int = 100
+    """Restarts of each environment process that died; past them its episodes fail."""
 
     def validate(self) -> None:
         if self.max_turns < 1:
@@ -49,6 +56,9 @@ class EpisodeConfig:
             raise ValueError(f"episode.step_timeout_s must be > 0, got {self.step_timeout_s}")
         if self.env_retries < 0:
             raise ValueError(f"episode.env_retries must be >= 0, got {self.env_retries}")
+        if self.env_processes < 0 or self.env_restarts < 0:
+            raise ValueError(f"episode.env_processes and episode.env_restarts must be >= 0, got "
+                             f"{self.env_processes} and {self.env_restarts}")
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,9 @@ class Environment(abc.ABC):
     @abc.abstractmethod
     def step(self, message: str) -> Step:
         """React to one model turn (its text, special tokens removed)."""
+
+    def close(self) -> None:
+        """Release what the episode holds (called once it is over, also after a failure)."""
 
 
 async def call_with_timeout(fn: Callable[[], T], timeout_s: float, what: str) -> T:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from pipeline.envs import EnvironmentError_, EpisodeConfig, call_with_timeout, make_environment, step_with_timeout
 
 if TYPE_CHECKING:
+    from pipeline.envs.remote import EnvironmentPool
     from pipeline.generator.engine import Completion, Generator
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class EpisodeRunner:
     config: EpisodeConfig
     tokenizer: object
     """The model's tokenizer: decodes model turns for the environment, encodes observations."""
+    pool: "EnvironmentPool | None" = None
+    """The environment processes the environments live in (``episode.env_processes``); None: here."""
 
     async def run(self, gen: "Generator", prompt_ids: Sequence[int], seed_of_segment: Callable[[int], int | None],
                   budget: int, greedy: bool = False) -> "Completion":
@@ -76,7 +79,7 @@ class EpisodeRunner:
 
         cfg = self.config
         done = Completion([], [], [], "length", model_mask=[])
-        env = make_environment(self.env)
+        env = self.pool.environment(self.env) if self.pool is not None else make_environment(self.env)
         try:
             prompt_text = self.tokenizer.decode(list(prompt_ids), skip_special_tokens=True)
             await call_with_timeout(lambda: env.reset(prompt_text), cfg.step_timeout_s, f"{self.env}.reset")
@@ -106,6 +109,11 @@ class EpisodeRunner:
             raise AssertionError("unreachable: the last turn returns")
         except EnvironmentError_ as exc:
             return done, exc
+        finally:
+            try:
+                await call_with_timeout(env.close, cfg.step_timeout_s, f"{self.env}.close")
+            except EnvironmentError_ as exc:
+                log.warning("%s", exc)
 
 
 def _append(done: "Completion", ids, logprobs, versions, mask: int) -> None:
@@ -125,4 +133,10 @@ def episode_runner(cfg, model_dir: str) -> EpisodeRunner | None:
     env = task_environment(cfg.task)
     if env is None:
         return None
-    return EpisodeRunner(env, cfg.episode, AutoTokenizer.from_pretrained(model_dir))
+    make_environment(env)  # a name that does not resolve fails here, before any episode
+    pool = None
+    if cfg.episode.env_processes:
+        from pipeline.envs.remote import EnvironmentPool
+
+        pool = EnvironmentPool(cfg.episode.env_processes, cfg.episode.step_timeout_s, cfg.episode.env_restarts)
+    return EpisodeRunner(env, cfg.episode, AutoTokenizer.from_pretrained(model_dir), pool)

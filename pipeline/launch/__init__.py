@@ -9,8 +9,8 @@ from pipeline.launch.base import Launcher, Run, TaskFailed
 from pipeline.launch.local import LocalLauncher
 from pipeline.launch.plan import ComponentSpec, JobPlan, LaunchError
 from pipeline.launch.slurm import SlurmLauncher, SlurmRun
-from pipeline.launch.rendezvous import Rendezvous, RendezvousTimeout, free_port, mpi_broadcast, mpi_world
+from pipeline.launch.rendezvous import Rendezvous, RendezvousTimeout, free_port, mpi_broadcast, under_mpi
 from pipeline.launch.task import TaskInfo
 
 __all__ = ["ComponentSpec", "JobPlan", "LaunchError", "Launcher", "LocalLauncher", "Rendezvous", "RendezvousTimeout",
-           "Run", "SlurmLauncher", "SlurmRun", "TaskFailed", "TaskInfo", "free_port", "mpi_broadcast", "mpi_world"]
+           "Run", "SlurmLauncher", "SlurmRun", "TaskFailed", "TaskInfo", "free_port", "mpi_broadcast", "under_mpi"]

@@ -110,13 +110,9 @@ def free_port(host: str = "") -> int:
         return s.getsockname()[1]
 
 
-def mpi_world() -> Optional[Any]:
-    """mpi4py's COMM_WORLD if the process was launched under MPI (PMIx/mpirun) with >1 rank, else None."""
-    if not any(k in os.environ for k in ("PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK")):
-        return None
-    from mpi4py import MPI  # optional dependency (extra "mpi"); imported only under an MPI launcher
-
-    return MPI.COMM_WORLD
+def under_mpi() -> bool:
+    """Whether the process was launched under MPI (PMIx/mpirun: their variables are in the environment)."""
+    return any(k in os.environ for k in ("PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK"))
 
 
 def mpi_broadcast(comm: Any, info: Optional[Dict[str, Any]], root: int = 0) -> Dict[str, Any]:
@@ -131,24 +127,25 @@ def mpi_broadcast(comm: Any, info: Optional[Dict[str, Any]], root: int = 0) -> D
     return json.loads(buf.tobytes().decode())
 
 
-def mpi_bootstrap(comm: Any, component: int, rank: int, size: int, host: str,
-                  timeout_s: float = 300.0) -> Dict[str, Any]:
+def mpi_bootstrap(component: int, rank: int, size: int, host: str, timeout_s: float = 300.0) -> Dict[str, Any]:
     """Rank, size and master address of this task's component, from MPI instead of files.
 
-    Every task of the step calls it (collective over `comm`, COMM_WORLD): the tasks are split by
+    Every task of the step calls it (MPI_Init, then collective over COMM_WORLD): the tasks are split by
     `component` (their index in the plan), MPI's rank and size in the split must equal the plan's
     (`rank`, `size`: otherwise a ValueError names both), and the component's rank 0 broadcasts
     ``host`` and a free port on it. Returns {"rank", "size", "host", "port"}; MPI is finalized.
-    MPI's collectives have no timeout of their own: `faulthandler`'s timer (a C thread, so it fires
-    inside a blocking MPI call) prints where the task waited and ends it (exit 1) after `timeout_s`.
+    MPI_Init (importing mpi4py's MPI) and MPI's collectives have no timeout of their own:
+    `faulthandler`'s timer (a C thread, so it fires inside a blocking MPI call), armed before the
+    import, prints where the task waited and ends it (exit 1) after `timeout_s`.
     """
     import faulthandler
-
-    from mpi4py import MPI
 
     # C-level timer: it fires even while a blocking MPI call holds the interpreter
     print(f"MPI bootstrap: waiting for every task of the step (at most {timeout_s:g} s)", flush=True)
     faulthandler.dump_traceback_later(timeout_s, exit=True)
+    from mpi4py import MPI  # MPI_Init: connects to the launcher's PMIx server
+
+    comm = MPI.COMM_WORLD
     sub = comm.Split(color=component, key=comm.Get_rank())
     placed = (sub.Get_rank(), sub.Get_size())
     master = mpi_broadcast(sub, {"host": host, "port": free_port()} if placed[0] == 0 else None)

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Tuple
 
 from pipeline.launch.plan import JobPlan, LaunchError
-from pipeline.launch.rendezvous import DIST_ENV, Rendezvous, mpi_bootstrap, mpi_world
+from pipeline.launch.rendezvous import DIST_ENV, Rendezvous, mpi_bootstrap, under_mpi
 from pipeline.launch.supervisor import ROLE_PROCESS_ENV, RoleFailed, TaskSupervisor, role_argv
 from pipeline.supervise import become_subreaper, end_tree
 from pipeline.run_files import LOGS_DIR, PLAN_FILE, RESULTS_DIR
@@ -252,12 +252,11 @@ def _mpi_dist_env(plan: JobPlan, role: str, rank: int, node: str) -> Dict[str, s
     without PMI in the environment, nothing (the roles use the file rendezvous)."""
     if not plan.mpi:
         return {}
-    comm = mpi_world()
-    if comm is None:
+    if not under_mpi():
         print(f"plan.mpi={plan.mpi} but this task was not launched under MPI: file rendezvous", flush=True)
         return {}
     roles = list(plan.components)
-    got = mpi_bootstrap(comm, roles.index(role), rank, plan.components[role].num_tasks, node)
+    got = mpi_bootstrap(roles.index(role), rank, plan.components[role].num_tasks, node)
     print(f"MPI bootstrap: {role} rank {got['rank']} of {got['size']}, master {got['host']}:{got['port']}", flush=True)
     return {DIST_ENV: json.dumps(got)}
 
