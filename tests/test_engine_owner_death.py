@@ -3,8 +3,12 @@
 The case measured under Slurm: a generator role owns a vLLM engine and runs under its task
 supervisor (a child subreaper that would end the role's leftovers); both are SIGKILLed (Slurm's
 KillWait), so nobody is left to end EngineCore and its worker. They must end by themselves within a
-few seconds. Without the owner watch they live on, reparented to init (checked once: the test then
-fails with both listed). One tiny dense engine, eager: ~40 s alone on 2 cores.
+few seconds. Without the owner watch they live on, reparented to init (checked once: the engine test
+then fails with both listed). One tiny dense engine, eager: ~50 s alone on 2 cores (`engine`).
+
+Two cheap tests (~1 s each) check the watch's bounds with plain processes in vLLM's places: an
+"engine core" child of the owner and a "worker" below it that imports our worker extension, as vLLM
+does; and that a watch never ends a parent outside the owner's tree.
 """
 from __future__ import annotations
 
@@ -18,7 +22,6 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.engine
 
 OWNER = textwrap.dedent("""
     import asyncio, json, os, sys
@@ -54,12 +57,100 @@ SUPERVISOR = textwrap.dedent("""
 """)
 
 
+SLEEPER = "import time; time.sleep(120)"
+WORKER = "import pipeline.generator.worker_extension, time; time.sleep(120)"  # vLLM imports it in each worker
+SPAWN = textwrap.dedent("""
+    import json, os, subprocess, sys, time
+    if sys.argv[1] == "owner":
+        from pipeline.generator.owner_watch import mark_owner
+        mark_owner()
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[2]])
+    with open(sys.argv[3] + ".tmp", "w") as f:
+        json.dump({"me": os.getpid(), "child": child.pid}, f)
+    os.replace(sys.argv[3] + ".tmp", sys.argv[3])
+    child.wait()
+    time.sleep(120)  # outlives its child: only a kill ends it
+""")
+
+
+def _wait_for(path, timeout_s: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} was not written within {timeout_s} s"
+        time.sleep(0.05)
+    return json.loads(path.read_text())
+
+
+def _gone_within(pids: list[int], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while any(_alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _kill_all(pids: list[int]) -> None:
+    for p in pids:
+        if _alive(p):
+            os.kill(p, signal.SIGKILL)
+
+
+def test_the_watch_ends_the_worker_and_its_engine_core_parent_when_the_owner_is_sigkilled(tmp_path):
+    """owner (mark_owner) -> core (inherits the token) -> worker (imports the extension)."""
+    core_script = SPAWN.replace('sys.argv[1] == "owner"', "False").replace("sys.argv[2]", repr(WORKER)) \
+        .replace("sys.argv[3]", repr(str(tmp_path / "core.json")))
+    owner = subprocess.Popen([sys.executable, "-c", SPAWN, "owner", core_script, str(tmp_path / "owner.json")])
+    tree = [owner.pid]
+    try:
+        core = _wait_for(tmp_path / "core.json")
+        tree += [core["me"], core["child"]]
+        time.sleep(1.0)  # the worker's import (and so its watch) is done well within this
+        assert all(_alive(p) for p in tree)
+        owner.kill()
+        owner.wait(timeout=10)
+        assert _gone_within(tree[1:], 10.0), f"core {core['me']} or worker {core['child']} outlived the owner"
+    finally:
+        _kill_all(tree)
+        owner.wait(timeout=10)
+
+
+def test_the_watch_never_ends_a_parent_outside_the_owner_tree(tmp_path):
+    """A worker whose parent does not carry the owner's token (say the engine core died first and a
+    supervisor adopted the worker) ends only itself."""
+    from pipeline.generator.owner_watch import OWNER_ENV
+    from pipeline.supervise import start_time
+
+    owner = subprocess.Popen([sys.executable, "-c", SLEEPER])
+    env = {**os.environ, "WORKER_OWNER": f"{owner.pid}:{start_time(owner.pid)}"}
+    env.pop(OWNER_ENV, None)
+    stranger_script = SPAWN.replace(
+        "child = subprocess.Popen([sys.executable, \"-c\", sys.argv[2]])",
+        f"child = subprocess.Popen([sys.executable, '-c', sys.argv[2]], "
+        f"env={{**os.environ, {OWNER_ENV!r}: os.environ['WORKER_OWNER']}})")
+    stranger = subprocess.Popen([sys.executable, "-c", stranger_script, "stranger", WORKER,
+                                 str(tmp_path / "stranger.json")], env=env)
+    try:
+        worker = _wait_for(tmp_path / "stranger.json")["child"]
+        time.sleep(1.0)
+        owner.kill()
+        owner.wait(timeout=10)
+        assert _gone_within([worker], 10.0), "the watched worker outlived its owner"
+        time.sleep(2 * 0.5)  # two watch polls: a wrong kill of the parent would have happened by now
+        assert stranger.poll() is None, "the watch ended a parent that does not carry the owner's token"
+    finally:
+        _kill_all([owner.pid, stranger.pid])
+        owner.wait(timeout=10)
+        stranger.wait(timeout=10)
+
+
 def _alive(pid: int) -> bool:
     from pipeline.supervise import alive
 
     return alive(pid)
 
 
+@pytest.mark.engine
 def test_engine_processes_end_when_their_owner_and_its_supervisor_are_sigkilled(tmp_path):
     from pipeline.models.tiny import ensure_tiny_model
     from pipeline.supervise import MARKER_ENV, leftovers
