@@ -11,19 +11,22 @@ role and its supervisor together).
 How: the owner calls `mark_owner()` right before it starts an engine. It puts ``OWNER_ENV =
 "<pid>:<start time>"`` in its environment, which EngineCore and the workers inherit (and
 ``SPT_NOENV=1``, without which vLLM's process titles overwrite what ``/proc/<pid>/environ`` shows).
-Each worker
-imports our worker extension (`pipeline.generator.worker_extension`), whose import calls
+Each worker imports our worker extension (`pipeline.generator.worker_extension`), whose import calls
 `watch_owner()`: a daemon thread reads the owner's ``/proc/<pid>/stat`` every `POLL_S`; once the
 owner is gone (exited, a zombie, or its pid taken by another process: the start time differs) the
 thread SIGKILLs the worker's parent if the parent carries the same ``OWNER_ENV`` value (EngineCore),
-then the worker itself. Nothing is asked of the owner when it dies.
+then the worker itself. Nothing is asked of the owner when it dies. (Where vLLM runs the worker
+inside EngineCore, one rank on a GPU, the watch runs in EngineCore: its parent is the owner, so it
+ends only itself.)
 
 Invariants:
 - only processes carrying the owner's token are ended, i.e. descendants of the owner started after
   it called `mark_owner()`; never the owner, never a process outside its tree (a subreaper that
   adopted the engine, another run's engine);
 - an engine process ends within ``POLL_S`` plus the kernel's kill latency of its owner's death; a
-  worker that starts after its owner died ends at once;
+  worker that starts after its owner died ends at once (not covered: an owner dying in the first
+  second of start-up, before EngineCore has spawned its worker: EngineCore then gives up on its
+  handshake with the owner after vLLM's handshake timeout, 5 minutes);
 - at most one watch per process; in the owner itself, and in a process without ``OWNER_ENV``,
   `watch_owner()` does nothing.
 
