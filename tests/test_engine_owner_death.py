@@ -58,27 +58,32 @@ SUPERVISOR = textwrap.dedent("""
 
 
 SLEEPER = "import time; time.sleep(120)"
-WORKER = "import pipeline.generator.worker_extension, time; time.sleep(120)"  # vLLM imports it in each worker
+WORKER = ("import sys, time, pipeline.generator.worker_extension\n"  # vLLM imports it in each worker
+          "open(sys.argv[1], 'w').close()\ntime.sleep(120)")
 SPAWN = textwrap.dedent("""
     import json, os, subprocess, sys, time
-    if sys.argv[1] == "owner":
-        from pipeline.generator.owner_watch import mark_owner
+    from pipeline.generator.owner_watch import OWNER_ENV, mark_owner
+
+    mode, out, child_argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+    if mode == "owner":
         mark_owner()
-    child = subprocess.Popen([sys.executable, "-c", sys.argv[2]])
-    with open(sys.argv[3] + ".tmp", "w") as f:
+    env = dict(os.environ)
+    if mode.startswith("token="):  # the child alone gets an owner's token
+        env[OWNER_ENV] = mode[len("token="):]
+    child = subprocess.Popen([sys.executable, *child_argv], env=env)
+    with open(out + ".tmp", "w") as f:
         json.dump({"me": os.getpid(), "child": child.pid}, f)
-    os.replace(sys.argv[3] + ".tmp", sys.argv[3])
+    os.replace(out + ".tmp", out)
     child.wait()
     time.sleep(120)  # outlives its child: only a kill ends it
 """)
 
 
-def _wait_for(path, timeout_s: float = 60.0) -> dict:
+def _wait_for(path, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not path.exists():
         assert time.monotonic() < deadline, f"{path} was not written within {timeout_s} s"
         time.sleep(0.05)
-    return json.loads(path.read_text())
 
 
 def _gone_within(pids: list[int], timeout_s: float) -> bool:
@@ -98,14 +103,14 @@ def _kill_all(pids: list[int]) -> None:
 
 def test_the_watch_ends_the_worker_and_its_engine_core_parent_when_the_owner_is_sigkilled(tmp_path):
     """owner (mark_owner) -> core (inherits the token) -> worker (imports the extension)."""
-    core_script = SPAWN.replace('sys.argv[1] == "owner"', "False").replace("sys.argv[2]", repr(WORKER)) \
-        .replace("sys.argv[3]", repr(str(tmp_path / "core.json")))
-    owner = subprocess.Popen([sys.executable, "-c", SPAWN, "owner", core_script, str(tmp_path / "owner.json")])
+    core_json, watching = tmp_path / "core.json", tmp_path / "watching"
+    owner = subprocess.Popen([sys.executable, "-c", SPAWN, "owner", str(tmp_path / "owner.json"),
+                              "-c", SPAWN, "core", str(core_json), "-c", WORKER, str(watching)])
     tree = [owner.pid]
     try:
-        core = _wait_for(tmp_path / "core.json")
+        _wait_for(watching)
+        core = json.loads(core_json.read_text())
         tree += [core["me"], core["child"]]
-        time.sleep(1.0)  # the worker's import (and so its watch) is done well within this
         assert all(_alive(p) for p in tree)
         owner.kill()
         owner.wait(timeout=10)
@@ -118,25 +123,19 @@ def test_the_watch_ends_the_worker_and_its_engine_core_parent_when_the_owner_is_
 def test_the_watch_never_ends_a_parent_outside_the_owner_tree(tmp_path):
     """A worker whose parent does not carry the owner's token (say the engine core died first and a
     supervisor adopted the worker) ends only itself."""
-    from pipeline.generator.owner_watch import OWNER_ENV
     from pipeline.supervise import start_time
 
     owner = subprocess.Popen([sys.executable, "-c", SLEEPER])
-    env = {**os.environ, "WORKER_OWNER": f"{owner.pid}:{start_time(owner.pid)}"}
-    env.pop(OWNER_ENV, None)
-    stranger_script = SPAWN.replace(
-        "child = subprocess.Popen([sys.executable, \"-c\", sys.argv[2]])",
-        f"child = subprocess.Popen([sys.executable, '-c', sys.argv[2]], "
-        f"env={{**os.environ, {OWNER_ENV!r}: os.environ['WORKER_OWNER']}})")
-    stranger = subprocess.Popen([sys.executable, "-c", stranger_script, "stranger", WORKER,
-                                 str(tmp_path / "stranger.json")], env=env)
+    watching = tmp_path / "watching"
+    stranger = subprocess.Popen([sys.executable, "-c", SPAWN, f"token={owner.pid}:{start_time(owner.pid)}",
+                                 str(tmp_path / "stranger.json"), "-c", WORKER, str(watching)])
     try:
-        worker = _wait_for(tmp_path / "stranger.json")["child"]
-        time.sleep(1.0)
+        _wait_for(watching)
+        worker = json.loads((tmp_path / "stranger.json").read_text())["child"]
         owner.kill()
         owner.wait(timeout=10)
         assert _gone_within([worker], 10.0), "the watched worker outlived its owner"
-        time.sleep(2 * 0.5)  # two watch polls: a wrong kill of the parent would have happened by now
+        time.sleep(0.5)  # a wrong SIGKILL of the parent is sent before the worker's own: let it land
         assert stranger.poll() is None, "the watch ended a parent that does not carry the owner's token"
     finally:
         _kill_all([owner.pid, stranger.pid])
