@@ -64,6 +64,15 @@ def _stat(pid: int) -> tuple[int, str] | None:
     return int(fields[1]), fields[0]
 
 
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (with the pid, names one process), None if it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return int(text[text.rindex(")") + 2:].split()[19])  # field 22 of proc(5)
+
+
 def alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
     st = _stat(pid)

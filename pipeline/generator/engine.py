@@ -176,10 +176,12 @@ class Generator:
     async def start(self) -> "Generator":
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from pipeline.generator.owner_watch import mark_owner
         from pipeline.supervise import descendants
 
         t0 = time.monotonic()
         before = set(descendants(os.getpid()))
+        mark_owner()  # the engine's processes end when this one dies, SIGKILL included
         self.engine = AsyncLLM.from_engine_args(engine_args(self.config))
         self._engine_pids = [p for p in descendants(os.getpid()) if p not in before]
         await self.engine.update_weight_version(str(self.version))

@@ -2,8 +2,10 @@
 
 Named in vLLM's ``worker_extension_cls`` as ``pipeline.generator.worker_extension.WeightSyncExtension``;
 vLLM mixes it into its Worker class inside the (spawned) worker processes, and the driver calls its
-methods through ``collective_rpc``. Importing this module has no side effects and imports neither
-vLLM nor torch at module level.
+methods through ``collective_rpc``. Importing this module imports neither vLLM nor torch at module
+level; its one side effect is the owner watch (`pipeline.generator.owner_watch`): vLLM imports it in
+each engine worker before the worker is built, so that is where the engine's processes learn to end
+with the process that owns the engine. Elsewhere (the owner, a process without an owner) it does nothing.
 
 Invariants:
 - Weights arrive under HF names and shapes (per-expert ``...experts.{e}.gate_proj.weight`` or fused
@@ -38,6 +40,8 @@ from __future__ import annotations
 
 import re
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
+
+from pipeline.generator.owner_watch import watch_owner
 
 if TYPE_CHECKING:
     import torch
@@ -346,3 +350,6 @@ class WeightSyncExtension:
 
     def take_routing(self, request_id: str, positions: int) -> bytes:
         return self._routing.take(request_id, positions)
+
+
+watch_owner()  # in an engine worker: end the engine when its owner dies (owner_watch.py)

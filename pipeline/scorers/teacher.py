@@ -56,10 +56,12 @@ class TeacherScorer:
             extra = {"enable_chunked_prefill": False,
                      "max_num_batched_tokens": max(max_model_len, _CPU_BATCHED_TOKENS)}
         from pipeline.generator.engine import EXTENSION
+        from pipeline.generator.owner_watch import mark_owner
 
         self.max_model_len = max_model_len
         self.checkpoint, self.run_dir, self.snapshot_wait_s = Path(checkpoint), run_dir, snapshot_wait_s
         self.version = 0
+        mark_owner()  # the engine's processes end when this one dies, SIGKILL included
         self.llm = LLM(model=str(checkpoint), dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
                        enable_prefix_caching=False, seed=0, disable_log_stats=True,
                        worker_extension_cls=EXTENSION, **extra)

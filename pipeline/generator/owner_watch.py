@@ -1,0 +1,109 @@
+"""vLLM's engine processes end with the process that owns the engine, however that process dies.
+
+The *owner* is the process that builds a vLLM engine (``AsyncLLM``/``LLM``): a generator role, a
+teacher scorer, a test, a benchmark. vLLM runs the engine in processes of its own: the owner spawns
+``EngineCore``, which spawns one worker per rank. vLLM ends them when the owner exits normally, and a
+worker leaves when its EngineCore dies (vLLM's death pipe); but EngineCore has no parent-death
+option, so an owner killed with SIGKILL leaves EngineCore and its worker (≈2.2 GB for a tiny model)
+running, reparented to init or to a subreaper that may be dead too (Slurm's KillWait SIGKILLs the
+role and its supervisor together).
+
+How: the owner calls `mark_owner()` right before it starts an engine. It puts ``OWNER_ENV =
+"<pid>:<start time>"`` in its environment, which EngineCore and the workers inherit (and
+``SPT_NOENV=1``, without which vLLM's process titles overwrite what ``/proc/<pid>/environ`` shows).
+Each worker imports our worker extension (`pipeline.generator.worker_extension`), whose import calls
+`watch_owner()`: a daemon thread reads the owner's ``/proc/<pid>/stat`` every `POLL_S`; once the
+owner is gone (exited, a zombie, or its pid taken by another process: the start time differs) the
+thread SIGKILLs the worker's parent if the parent carries the same ``OWNER_ENV`` value (EngineCore),
+then the worker itself. Nothing is asked of the owner when it dies. (Where vLLM runs the worker
+inside EngineCore, one rank on a GPU, the watch runs in EngineCore: its parent is the owner, so it
+ends only itself.)
+
+Invariants:
+- only processes carrying the owner's token are ended, i.e. descendants of the owner started after
+  it called `mark_owner()`; never the owner, never a process outside its tree (a subreaper that
+  adopted the engine, another run's engine);
+- an engine process ends within ``POLL_S`` plus the kernel's kill latency of its owner's death; a
+  worker that starts after its owner died ends at once (not covered: an owner dying in the first
+  second of start-up, before EngineCore has spawned its worker: EngineCore then gives up on its
+  handshake with the owner after vLLM's handshake timeout, 5 minutes);
+- at most one watch per process; in the owner itself, and in a process without ``OWNER_ENV``,
+  `watch_owner()` does nothing.
+
+Example: a generator role, pid 4100 started at clock tick 88120, calls `mark_owner()`
+(``TOKENFLOW_ENGINE_OWNER=4100:88120``) and starts ``AsyncLLM``: EngineCore 4130 and its worker 4152
+inherit the token. Slurm SIGKILLs 4100 and its supervisor at t = 0. By t = 0.5 s the watch thread in
+4152 finds 4100 gone, SIGKILLs 4130 (its parent, same token), then 4152; the multiprocessing resource
+tracker 4100 started exits once 4152, the last holder of its pipe, is gone.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from pipeline.supervise import alive, start_time
+
+OWNER_ENV = "TOKENFLOW_ENGINE_OWNER"
+"""``<pid>:<start time in clock ticks>`` of the process that owns the engine; inherited by its processes."""
+KEEP_ENVIRON_ENV = "SPT_NOENV"
+"""Tells ``setproctitle`` (vLLM titles its processes ``VLLM::EngineCore``, ``VLLM::Worker``) to leave
+``/proc/<pid>/environ`` readable: by default it writes the title over the environment block, which
+hides ``OWNER_ENV`` and the tests' ``MARKER_ENV`` from every reader of ``/proc``."""
+POLL_S = 0.5
+"""How often a watch looks at its owner."""
+
+_watching: int | None = None  # the pid whose watch thread runs (a forked child must start its own)
+
+
+def mark_owner() -> str:
+    """Name this process the owner of the engines it starts from now on; returns the token."""
+    pid = os.getpid()
+    token = f"{pid}:{start_time(pid)}"
+    os.environ[OWNER_ENV] = token
+    os.environ[KEEP_ENVIRON_ENV] = "1"
+    return token
+
+
+def _owner_alive(pid: int, started: int) -> bool:
+    return alive(pid) and start_time(pid) == started
+
+
+def _carries(pid: int, token: str) -> bool:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return False
+    return f"{OWNER_ENV}={token}".encode() in env.split(b"\0")
+
+
+def _end_when_gone(pid: int, started: int, token: str) -> None:
+    while _owner_alive(pid, started):
+        time.sleep(POLL_S)
+    parent = os.getppid()
+    engine_core = parent != pid and _carries(parent, token)
+    print(f"tokenflow: engine owner {pid} is gone; ending engine process {os.getpid()}"
+          + (f" and its parent {parent}" if engine_core else ""), file=sys.stderr, flush=True)
+    if engine_core:
+        os.kill(parent, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def watch_owner() -> bool:
+    """In an engine process: end it (and its EngineCore parent) once the owner named by ``OWNER_ENV``
+    is gone. Returns whether a watch runs in this process now."""
+    global _watching
+    token = os.environ.get(OWNER_ENV)
+    if _watching == os.getpid() or not token:
+        return _watching == os.getpid()
+    pid_text, _, started_text = token.partition(":")
+    pid, started = int(pid_text), int(started_text)
+    if pid == os.getpid():
+        return False
+    _watching = os.getpid()
+    threading.Thread(target=_end_when_gone, args=(pid, started, token), name="tokenflow-owner-watch",
+                     daemon=True).start()
+    return True

@@ -1,0 +1,187 @@
+"""vLLM's engine processes die with their owner, however it dies (`pipeline/generator/owner_watch.py`).
+
+The case measured under Slurm: a generator role owns a vLLM engine and runs under its task
+supervisor (a child subreaper that would end the role's leftovers); both are SIGKILLed (Slurm's
+KillWait), so nobody is left to end EngineCore and its worker. They must end by themselves within a
+few seconds. Without the owner watch they live on, reparented to init (checked once: the engine test
+then fails with both listed). One tiny dense engine, eager: ~50 s alone on 2 cores (`engine`).
+
+Two cheap tests (~1 s each) check the watch's bounds with plain processes in vLLM's places: an
+"engine core" child of the owner and a "worker" below it that imports our worker extension, as vLLM
+does; and that a watch never ends a parent outside the owner's tree.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+
+OWNER = textwrap.dedent("""
+    import asyncio, json, os, sys
+
+    async def main():
+        from pipeline.generator.config import GeneratorConfig
+        from pipeline.generator.engine import Generator
+        from pipeline.supervise import descendants
+
+        cfg = GeneratorConfig(model=sys.argv[1], max_model_len=128, max_tokens=8, enforce_eager=True,
+                              dtype="float32", kv_cache_gib=1, max_num_seqs=4, seed=0)
+        gen = await Generator(cfg).start()
+        done = await gen.complete([0, 17, 30, 41], lambda segment: 7)
+        assert len(done.token_ids) == 8, done.token_ids
+        with open(sys.argv[2] + ".tmp", "w") as f:
+            json.dump({"owner": os.getpid(), "engine": descendants(os.getpid())}, f)
+        os.replace(sys.argv[2] + ".tmp", sys.argv[2])
+        await asyncio.sleep(600)
+
+    if __name__ == "__main__":
+        asyncio.run(main())
+""")
+
+SUPERVISOR = textwrap.dedent("""
+    import os, sys
+    from pathlib import Path
+    from pipeline.launch.supervisor import TaskSupervisor
+
+    if __name__ == "__main__":
+        argv = [sys.executable, "-c", sys.argv[1], sys.argv[2], sys.argv[3]]
+        sys.exit(TaskSupervisor(argv, os.environ, Path(sys.argv[4]), max_restarts=0, optional=False,
+                                stop_grace_s=5, requeue=None, wait_for_requeue=False).run(()))
+""")
+
+
+SLEEPER = "import time; time.sleep(120)"
+WORKER = ("import sys, time, pipeline.generator.worker_extension\n"  # vLLM imports it in each worker
+          "open(sys.argv[1], 'w').close()\ntime.sleep(120)")
+SPAWN = textwrap.dedent("""
+    import json, os, subprocess, sys, time
+    from pipeline.generator.owner_watch import OWNER_ENV, mark_owner
+
+    mode, out, child_argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+    if mode == "owner":
+        mark_owner()
+    env = dict(os.environ)
+    if mode.startswith("token="):  # the child alone gets an owner's token
+        env[OWNER_ENV] = mode[len("token="):]
+    child = subprocess.Popen([sys.executable, *child_argv], env=env)
+    with open(out + ".tmp", "w") as f:
+        json.dump({"me": os.getpid(), "child": child.pid}, f)
+    os.replace(out + ".tmp", out)
+    child.wait()
+    time.sleep(120)  # outlives its child: only a kill ends it
+""")
+
+
+def _wait_for(path, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} was not written within {timeout_s} s"
+        time.sleep(0.05)
+
+
+def _gone_within(pids: list[int], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while any(_alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _kill_all(pids: list[int]) -> None:
+    for p in pids:
+        if _alive(p):
+            os.kill(p, signal.SIGKILL)
+
+
+def test_the_watch_ends_the_worker_and_its_engine_core_parent_when_the_owner_is_sigkilled(tmp_path):
+    """owner (mark_owner) -> core (inherits the token) -> worker (imports the extension)."""
+    core_json, watching = tmp_path / "core.json", tmp_path / "watching"
+    owner = subprocess.Popen([sys.executable, "-c", SPAWN, "owner", str(tmp_path / "owner.json"),
+                              "-c", SPAWN, "core", str(core_json), "-c", WORKER, str(watching)])
+    tree = [owner.pid]
+    try:
+        _wait_for(watching)
+        core = json.loads(core_json.read_text())
+        tree += [core["me"], core["child"]]
+        assert all(_alive(p) for p in tree)
+        owner.kill()
+        owner.wait(timeout=10)
+        assert _gone_within(tree[1:], 10.0), f"core {core['me']} or worker {core['child']} outlived the owner"
+    finally:
+        _kill_all(tree)
+        owner.wait(timeout=10)
+
+
+def test_the_watch_never_ends_a_parent_outside_the_owner_tree(tmp_path):
+    """A worker whose parent does not carry the owner's token (say the engine core died first and a
+    supervisor adopted the worker) ends only itself."""
+    from pipeline.supervise import start_time
+
+    owner = subprocess.Popen([sys.executable, "-c", SLEEPER])
+    watching = tmp_path / "watching"
+    stranger = subprocess.Popen([sys.executable, "-c", SPAWN, f"token={owner.pid}:{start_time(owner.pid)}",
+                                 str(tmp_path / "stranger.json"), "-c", WORKER, str(watching)])
+    try:
+        _wait_for(watching)
+        worker = json.loads((tmp_path / "stranger.json").read_text())["child"]
+        owner.kill()
+        owner.wait(timeout=10)
+        assert _gone_within([worker], 10.0), "the watched worker outlived its owner"
+        time.sleep(0.5)  # a wrong SIGKILL of the parent is sent before the worker's own: let it land
+        assert stranger.poll() is None, "the watch ended a parent that does not carry the owner's token"
+    finally:
+        _kill_all([owner.pid, stranger.pid])
+        owner.wait(timeout=10)
+        stranger.wait(timeout=10)
+
+
+def _alive(pid: int) -> bool:
+    from pipeline.supervise import alive
+
+    return alive(pid)
+
+
+@pytest.mark.engine
+def test_engine_processes_end_when_their_owner_and_its_supervisor_are_sigkilled(tmp_path):
+    from pipeline.models.tiny import ensure_tiny_model
+    from pipeline.supervise import MARKER_ENV, leftovers
+
+    model = ensure_tiny_model("dense")
+    pids_file = tmp_path / "pids.json"
+    sup = subprocess.Popen([sys.executable, "-c", SUPERVISOR, OWNER, str(model), str(pids_file),
+                            str(tmp_path / "result.json")])
+    engine: list[int] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not pids_file.exists():
+            assert sup.poll() is None, f"the supervisor exited ({sup.returncode}) before the engine was up"
+            assert time.monotonic() < deadline, "the owner's engine did not start within 300 s"
+            time.sleep(0.5)
+        pids = json.loads(pids_file.read_text())
+        engine = pids["engine"]  # EngineCore, its worker, the owner's multiprocessing resource tracker
+        titles = {p: open(f"/proc/{p}/cmdline").read().replace("\0", " ").strip() for p in engine}
+        assert sum("VLLM::" in t for t in titles.values()) >= 2, f"no EngineCore and worker under the owner: {titles}"
+        os.kill(sup.pid, signal.SIGKILL)  # the subreaper that would have ended the role's leftovers
+        os.kill(pids["owner"], signal.SIGKILL)
+        sup.wait(timeout=10)
+        t0 = time.monotonic()
+        while any(_alive(p) for p in engine) and time.monotonic() - t0 < 15:
+            time.sleep(0.1)
+        survivors = {p: titles[p] for p in engine if _alive(p)}
+        print(f"\nengine processes {titles} gone {time.monotonic() - t0:.1f} s after their owner's SIGKILL")
+        assert not survivors, f"engine processes outlived their SIGKILLed owner by 15 s: {survivors}"
+        left = leftovers(os.environ[MARKER_ENV], wait_s=0.0)
+        assert not left, f"processes of this test left behind: {left}"
+    finally:
+        for p in [sup.pid] + engine:  # a failed run must not leave a 2 GB engine behind
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+        sup.wait(timeout=10)
