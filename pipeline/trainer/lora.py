@@ -242,19 +242,20 @@ def init_adapters(model, hf_config, seed: int, b_std: float = 0.0) -> None:
     non-trivial adapter). Each rank draws only the full tensors of its own rules."""
     import torch
 
-    from .model import _groups, _rules, iter_megatron_shards, _ep_rank_size
+    from .model import _groups, conversion_rules, iter_megatron_shards
 
-    state = lora_state(model)
     params = dict(model.named_parameters())
     full = {}
-    for rule in lora_rules(_rules(hf_config, *_ep_rank_size(hf_config)), state):
+    for rule in conversion_rules(hf_config, model):  # this rank's adapters (its EP rank's experts)
         shapes = full_hf_shapes(rule, tuple(params[rule.megatron].shape), _groups(rule)[2], hf_config)
         if rule.megatron.endswith("lora_A"):  # one draw, stored under every name of a fused A
             bound = 1.0 / shapes[0][1] ** 0.5
-            t = torch.empty(shapes[0]).uniform_(-bound, bound, generator=_adapter_generator(seed, rule.hf[0]))
+            gen = _adapter_generator(seed, rule.hf[0])
+            t = torch.empty(shapes[0]).uniform_(-bound, bound, generator=gen)
             values = [t] * len(shapes) if rule.kind == "shared" else [t]
         else:
-            values = [torch.randn(s, generator=_adapter_generator(seed, n)) * b_std for n, s in zip(rule.hf, shapes)]
+            values = [torch.randn(s, generator=_adapter_generator(seed, n)) * b_std
+                      for n, s in zip(rule.hf, shapes)]
         full.update(zip(rule.hf, values))
     with torch.no_grad():
         for name, shard in iter_megatron_shards(model, hf_config, full.__getitem__):
