@@ -27,13 +27,17 @@ Invariants:
 - Conversion rules (``lora_rules``) are derived from the base weight's rule: HF names are the
   weight's with ``.weight`` -> ``.lora_A.weight`` / ``.lora_B.weight``, and checkpoints, weight sync
   and exports reuse the base machinery with them (``pipeline.trainer.model.model_rules``).
-- Initialisation is layout-independent: full HF-shaped adapters drawn from ``seed`` (``A`` uniform
-  in ``+-1/sqrt(in)``, PEFT's default; ``B = 0``, so the adapted model starts equal to the base),
-  cut for each rank by the same rules as loading.
+- Initialisation is layout-independent: each full HF-shaped adapter tensor is drawn from its own
+  generator, seeded by ``seed`` and its HF name (``A`` uniform in ``+-1/sqrt(in)``, PEFT's default;
+  ``B = 0``, so the adapted model starts equal to the base), and cut for each rank by the same
+  rules as loading. Expert E's adapters are therefore the same whichever EP rank holds E and
+  whatever else is adapted (a draw order over the rules would differ between EP sizes: each EP
+  rank's rule list interleaves the dense layers with its own experts only).
 """
 from __future__ import annotations
 
 import re
+import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -225,29 +229,34 @@ def full_hf_shapes(rule, local_shape, tp_size: int, hf_config) -> tuple[tuple[in
     return (tuple(full),)
 
 
-def init_adapters(model, hf_config, seed: int, b_std: float = 0.0) -> None:
-    """Set every adapter to its layout-independent initial value (module docstring); ``b_std`` > 0
-    draws ``B`` from N(0, b_std) instead of zeros (tests use it to get a non-trivial adapter)."""
+def _adapter_generator(seed: int, hf_name: str) -> "torch.Generator":
+    """The random stream of one adapter tensor: a function of ``seed`` and its HF name only."""
     import torch
 
-    from .model import _groups, _rules, iter_megatron_shards, _ep_rank_size
+    return torch.Generator().manual_seed((seed * 2**32 + zlib.crc32(hf_name.encode())) % 2**63)
 
-    state = lora_state(model)
+
+def init_adapters(model, hf_config, seed: int, b_std: float = 0.0) -> None:
+    """Set this rank's adapters to their layout-independent initial value (module docstring);
+    ``b_std`` > 0 draws ``B`` from N(0, b_std) instead of zeros (tests use it to get a
+    non-trivial adapter). Each rank draws only the full tensors of its own rules."""
+    import torch
+
+    from .model import _groups, conversion_rules, iter_megatron_shards
+
     params = dict(model.named_parameters())
-    gen = torch.Generator().manual_seed(seed)
     full = {}
-    _, ep_size = _ep_rank_size(hf_config)
-    for r in range(ep_size):  # every EP rank draws every expert's adapters, so all layouts agree
-        for rule in lora_rules(_rules(hf_config, r, ep_size), state):
-            local = tuple(params[rule.megatron].shape)
-            shapes = full_hf_shapes(rule, local, _groups(rule)[2], hf_config)
-            if rule.megatron.endswith("lora_A"):
-                bound = 1.0 / shapes[0][1] ** 0.5
-                t = torch.empty(shapes[0]).uniform_(-bound, bound, generator=gen)
-                values = [t] * len(shapes) if rule.kind == "shared" else [t]
-            else:
-                values = [torch.randn(s, generator=gen) * b_std for s in shapes]
-            full.update(zip(rule.hf, values))
+    for rule in conversion_rules(hf_config, model):  # this rank's adapters (its EP rank's experts)
+        shapes = full_hf_shapes(rule, tuple(params[rule.megatron].shape), _groups(rule)[2], hf_config)
+        if rule.megatron.endswith("lora_A"):  # one draw, stored under every name of a fused A
+            bound = 1.0 / shapes[0][1] ** 0.5
+            gen = _adapter_generator(seed, rule.hf[0])
+            t = torch.empty(shapes[0]).uniform_(-bound, bound, generator=gen)
+            values = [t] * len(shapes) if rule.kind == "shared" else [t]
+        else:
+            values = [torch.randn(s, generator=_adapter_generator(seed, n)) * b_std
+                      for n, s in zip(rule.hf, shapes)]
+        full.update(zip(rule.hf, values))
     with torch.no_grad():
         for name, shard in iter_megatron_shards(model, hf_config, full.__getitem__):
             params[name].copy_(shard.to(params[name].dtype))
