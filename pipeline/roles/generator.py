@@ -30,8 +30,10 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
+import signal
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -279,6 +281,15 @@ class GeneratorRole:
                          job=self.job)
 
 
+def log_stacks_at_sigterm() -> None:
+    """Slurm SIGKILLs a cancelled job's tasks KillWait seconds after its SIGTERM (3 s on the test
+    cluster), so `Leave` must go out before: at the SIGTERM, every thread's stack goes to the log
+    (stderr) from a C-level handler, also if the interpreter could not run the Python one, which
+    it then calls (`StopWatcher`: ``task.stop_requested``)."""
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+
+
 def main(task) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s generator %(levelname)s %(message)s")
+    log_stacks_at_sigterm()
     return asyncio.run(GeneratorRole(task).run())
