@@ -19,7 +19,8 @@ Invariants:
   departure (`_leave`: in-flight groups returned at once, then it waits for the orchestrator's
   ``stop``, at most ``generator.weight_timeout_s``) and ends it cleanly, and so does the end of the run
   (trainer rank 0's result of this attempt exists: a generator restarted after the orchestrator
-  said ``stop`` hears it no more);
+  said ``stop`` hears it no more); Slurm's SIGKILL follows ``scancel``'s SIGTERM after KillWait,
+  so the ``Leave`` goes out first and the wait for ``stop`` may be cut short (no result then);
 - only the newest weight group announced is joined, and only one published after this process
   started: a group the trainer already replaced (its Regroup queued behind a slow join) is skipped,
   so a restarted generator does not trail the trainer one group behind, each join waiting out the
