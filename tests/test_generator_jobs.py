@@ -89,12 +89,17 @@ def join_then_leave(run: Path, running, add_args: list[str], stop_job, steps: in
             "t_leave": t_leave, "version_at_join": at_join[-1] if at_join else 0}
 
 
-def check_and_report(run: Path, facts: dict, steps: int, max_staleness: int) -> dict:
+def check_and_report(run: Path, facts: dict, steps: int, max_staleness: int, killed_after_leave: bool = False) -> dict:
     """After the run: exactly-once record, the joiner's stored tokens of current versions, and the
-    trainer's wait on the join and on the departure (at most one step beyond its usual wait)."""
+    trainer's wait on the join and on the departure (at most one step beyond its usual wait).
+    ``killed_after_leave``: its scheduler SIGKILLs the joiner's task KillWait seconds after the
+    SIGTERM (Slurm; 3 s on the test cluster), which may come before the orchestrator's Stop let the
+    role return: then there is no result, but there must be no failed one."""
+    result_file = run / "results/generator.1.json"
     check_record(run, steps, max_staleness=max_staleness)
-    result = json.loads((run / "results/generator.1.json").read_text())
-    assert result["ok"], result
+    if result_file.exists() or not killed_after_leave:
+        result = json.loads(result_file.read_text())
+        assert result["ok"], result
     with RolloutLog.open(run) as log:
         rows = log.rows()[log.column("samples/generator_id") == 1]
         assert len(rows) > 0, "the joined generator's groups were not stored"
@@ -152,9 +157,7 @@ def test_a_generator_job_joins_gets_leases_and_leaves_mid_run(tmp_path):
 
 @pytest.mark.slurm
 @pytest.mark.engine
-@pytest.mark.slow  # like the local one, plus scheduling
-@pytest.mark.xfail(reason="issue 15 open: in its one run (12:42 UTC) the joiner's role, sent SIGTERM by scancel "
-                          "together with its engine, logged no Leave within 120 s", strict=False)
+@pytest.mark.slow  # 692 s here: like the local one, plus scheduling
 def test_a_generator_job_joins_and_leaves_a_slurm_run(tmp_path):
     """The same on the Slurm test cluster: the run is one heterogeneous job, the generator job a
     second job (on a node with room beside the trainer), cancelled with scancel."""
@@ -185,7 +188,7 @@ def test_a_generator_job_joins_and_leaves_a_slurm_run(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     final = status_of(run)
     assert final["complete"] and final["generator_jobs"][1]["state"] in ("CANCELLED", "COMPLETED"), final
-    check_and_report(run, facts, steps, max_staleness=1)
+    check_and_report(run, facts, steps, max_staleness=1, killed_after_leave=True)
 
 
 def _alive(pid: int) -> bool:
@@ -269,3 +272,23 @@ def test_generator_ranks_are_unique_across_jobs_and_tasks_find_theirs():
     assert plan.task_layout() == [("generator", 5), ("generator", 6), ("generator", 7)]
     assert locate(plan, {"SLURM_PROCID": "1"}) == (1, "generator", 6)
     assert plan.components["generator"].gpus_of(6) == ["2", "3"]  # second task of its node
+
+
+def test_a_generator_logs_its_stacks_at_sigterm_and_still_stops(tmp_path):
+    """The generator role's SIGTERM stack dump (C level, chained) keeps the task's stop signal
+    working: a process with both handlers, sent SIGTERM, has ``stop_requested`` set and its main
+    thread's stack in its stderr; without the chain it would only dump."""
+    code = ("import os, signal, threading\n"
+            "from pipeline.launch.task import StopWatcher\n"
+            "from pipeline.roles.generator import log_stacks_at_sigterm\n"
+            "stop = threading.Event()\n"
+            "StopWatcher(stop)\n"
+            "log_stacks_at_sigterm()\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "print('stop_requested', stop.wait(10), flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    assert "stop_requested True" in out.stdout, (out.stdout, out.stderr)
+    assert "SIGTERM received" in out.stdout, out.stdout
+    assert "Current thread" in out.stderr and 'File "<string>", line 7' in out.stderr, out.stderr

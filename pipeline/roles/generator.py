@@ -19,7 +19,8 @@ Invariants:
   departure (`_leave`: in-flight groups returned at once, then it waits for the orchestrator's
   ``stop``, at most ``generator.weight_timeout_s``) and ends it cleanly, and so does the end of the run
   (trainer rank 0's result of this attempt exists: a generator restarted after the orchestrator
-  said ``stop`` hears it no more);
+  said ``stop`` hears it no more); Slurm's SIGKILL follows ``scancel``'s SIGTERM after KillWait,
+  so the ``Leave`` goes out first and the wait for ``stop`` may be cut short (no result then);
 - only the newest weight group announced is joined, and only one published after this process
   started: a group the trainer already replaced (its Regroup queued behind a slow join) is skipped,
   so a restarted generator does not trail the trainer one group behind, each join waiting out the
@@ -30,8 +31,10 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
+import signal
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -279,6 +282,15 @@ class GeneratorRole:
                          job=self.job)
 
 
+def log_stacks_at_sigterm() -> None:
+    """Slurm SIGKILLs a cancelled job's tasks KillWait seconds after its SIGTERM (3 s on the test
+    cluster), so `Leave` must go out before: at the SIGTERM, every thread's stack goes to the log
+    (stderr) from a C-level handler, also if the interpreter could not run the Python one, which
+    it then calls (`StopWatcher`: ``task.stop_requested``)."""
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+
+
 def main(task) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s generator %(levelname)s %(message)s")
+    log_stacks_at_sigterm()
     return asyncio.run(GeneratorRole(task).run())
