@@ -214,6 +214,7 @@ def test_the_hparams_session_is_readable_by_tensorboard(sweep):
 
 
 @pytest.mark.engine
+@pytest.mark.slow  # about 2.5 min on 2 cores (140 s measured): two points, each starts its engine
 def test_a_local_sweep_ends_with_its_points_compared(tmp_path):
     sweep = tmp_path / "sw-sweep"
     cmd = [sys.executable, "-m", "pipeline.cli", "train", "-m", "run.name=sw", "run.steps=2", "trainer.lr=1e-4,3e-4",
