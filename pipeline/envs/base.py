@@ -69,7 +69,8 @@ class Step:
     """Text appended after the model's turn (empty when done)."""
     reward: float = 0.0
     """The environment's reward for this step. Not recorded yet: an episode's reward is the task's
-    verifier on its transcript, scored by the orchestrator like any completion (docs/episodes.md)."""
+    verifier on its transcript, scored by the orchestrator like any completion (docs/episodes.md); a
+    non-zero one is reported once in the generator's log."""
     done: bool = False
     """The episode is over: no further model turn."""
 

@@ -94,6 +94,8 @@ class EpisodeRunner:
                     return done, None
                 message = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
                 step = await step_with_timeout(env, message, cfg.step_timeout_s)
+                if step.reward and not _ignored_reward_reported:
+                    _report_ignored_reward(self.env, step.reward)
                 if step.done:
                     return done, None
                 if turn == cfg.max_turns - 1:  # no model turn would answer this observation
@@ -114,6 +116,17 @@ class EpisodeRunner:
                 await call_with_timeout(env.close, cfg.step_timeout_s, f"{self.env}.close")
             except EnvironmentError_ as exc:
                 log.warning("%s", exc)
+
+
+_ignored_reward_reported = False
+
+
+def _report_ignored_reward(env: str, reward: float) -> None:
+    """Say once per process that environment rewards are not used (`docs/episodes.md`, "Not done")."""
+    global _ignored_reward_reported
+    _ignored_reward_reported = True
+    log.warning("environment %s returned a step reward (%g): step rewards are not recorded; the task's "
+                "verifier alone scores each episode (docs/episodes.md)", env, reward)
 
 
 def _append(done: "Completion", ids, logprobs, versions, mask: int) -> None:
