@@ -22,6 +22,9 @@ import time
 
 import pytest
 
+from chaos import wait_for
+from pipeline.supervise import alive
+
 
 OWNER = textwrap.dedent("""
     import asyncio, json, os, sys
@@ -79,25 +82,9 @@ SPAWN = textwrap.dedent("""
 """)
 
 
-def _wait_for(path, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} was not written within {timeout_s} s"
-        time.sleep(0.05)
-
-
-def _gone_within(pids: list[int], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while any(_alive(p) for p in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def _kill_all(pids: list[int]) -> None:
     for p in pids:
-        if _alive(p):
+        if alive(p):
             os.kill(p, signal.SIGKILL)
 
 
@@ -108,13 +95,14 @@ def test_the_watch_ends_the_worker_and_its_engine_core_parent_when_the_owner_is_
                               "-c", SPAWN, "core", str(core_json), "-c", WORKER, str(watching)])
     tree = [owner.pid]
     try:
-        _wait_for(watching)
+        wait_for(watching.exists, 60, f"{watching} written")
         core = json.loads(core_json.read_text())
         tree += [core["me"], core["child"]]
-        assert all(_alive(p) for p in tree)
+        assert all(alive(p) for p in tree)
         owner.kill()
         owner.wait(timeout=10)
-        assert _gone_within(tree[1:], 10.0), f"core {core['me']} or worker {core['child']} outlived the owner"
+        wait_for(lambda: not any(alive(p) for p in tree[1:]), 10,
+                 f"core {core['me']} and worker {core['child']} ended after the owner")
     finally:
         _kill_all(tree)
         owner.wait(timeout=10)
@@ -130,23 +118,17 @@ def test_the_watch_never_ends_a_parent_outside_the_owner_tree(tmp_path):
     stranger = subprocess.Popen([sys.executable, "-c", SPAWN, f"token={owner.pid}:{start_time(owner.pid)}",
                                  str(tmp_path / "stranger.json"), "-c", WORKER, str(watching)])
     try:
-        _wait_for(watching)
+        wait_for(watching.exists, 60, f"{watching} written")
         worker = json.loads((tmp_path / "stranger.json").read_text())["child"]
         owner.kill()
         owner.wait(timeout=10)
-        assert _gone_within([worker], 10.0), "the watched worker outlived its owner"
+        wait_for(lambda: not alive(worker), 10, "the watched worker ended after its owner")
         time.sleep(0.5)  # a wrong SIGKILL of the parent is sent before the worker's own: let it land
         assert stranger.poll() is None, "the watch ended a parent that does not carry the owner's token"
     finally:
         _kill_all([owner.pid, stranger.pid])
         owner.wait(timeout=10)
         stranger.wait(timeout=10)
-
-
-def _alive(pid: int) -> bool:
-    from pipeline.supervise import alive
-
-    return alive(pid)
 
 
 @pytest.mark.engine
@@ -173,15 +155,15 @@ def test_engine_processes_end_when_their_owner_and_its_supervisor_are_sigkilled(
         os.kill(pids["owner"], signal.SIGKILL)
         sup.wait(timeout=10)
         t0 = time.monotonic()
-        while any(_alive(p) for p in engine) and time.monotonic() - t0 < 15:
+        while any(alive(p) for p in engine) and time.monotonic() - t0 < 15:
             time.sleep(0.1)
-        survivors = {p: titles[p] for p in engine if _alive(p)}
+        survivors = {p: titles[p] for p in engine if alive(p)}
         print(f"\nengine processes {titles} gone {time.monotonic() - t0:.1f} s after their owner's SIGKILL")
         assert not survivors, f"engine processes outlived their SIGKILLed owner by 15 s: {survivors}"
         left = leftovers(os.environ[MARKER_ENV], wait_s=0.0)
         assert not left, f"processes of this test left behind: {left}"
     finally:
         for p in [sup.pid] + engine:  # a failed run must not leave a 2 GB engine behind
-            if _alive(p):
+            if alive(p):
                 os.kill(p, signal.SIGKILL)
         sup.wait(timeout=10)

@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from chaos import wait_for
 from pipeline.envs import CalculatorEnv, EnvironmentError_, Step, step_with_timeout
 from pipeline.envs.remote import EnvironmentPool
 from pipeline.supervise import alive
@@ -27,14 +28,6 @@ def pool():
     p = EnvironmentPool(1, step_timeout_s=1.0, max_restarts=3)
     yield p
     p.close()
-
-
-def _wait(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not true after {timeout_s} s")
-        time.sleep(0.1)
 
 
 def test_calculator_in_an_environment_process_answers_as_in_process(pool):
@@ -80,7 +73,7 @@ def test_a_killed_environment_process_fails_its_step_and_is_restarted(pool):
             await step
 
     asyncio.run(killed_mid_step())
-    _wait(lambda: pool.restarts == 1 and pool.kept[0].proc.pid != pid, 10, "the process restarted")
+    wait_for(lambda: pool.restarts == 1 and pool.kept[0].proc.pid != pid, 10, "the process restarted")
     fresh = pool.environment("calculator")
     fresh.reset("2+2=")
     assert fresh.step("calc 2+2") == CalculatorEnv().step("calc 2+2")
@@ -119,7 +112,7 @@ def test_environment_processes_end_with_a_killed_owner(tmp_path):
         assert len(pids) == 2 and all(alive(p) for p in pids)
         owner.send_signal(signal.SIGKILL)
         owner.wait(timeout=30)
-        _wait(lambda: not any(alive(p) for p in pids), 15, "the environment processes ended")
+        wait_for(lambda: not any(alive(p) for p in pids), 15, "the environment processes ended")
     finally:
         owner.kill()
         owner.wait()
