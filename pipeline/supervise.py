@@ -54,23 +54,26 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         os.kill(os.getpid(), sig)
 
 
-def _stat(pid: int) -> tuple[int, str] | None:
-    """(parent pid, state letter) of ``pid``, None if it is gone."""
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (field 3, the state, first), None if
+    ``pid`` is gone."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
-    fields = text[text.rindex(")") + 2:].split()  # the command name may hold spaces and parentheses
-    return int(fields[1]), fields[0]
+    return text[text.rindex(")") + 2:].split()  # the command name may hold spaces and parentheses
+
+
+def _stat(pid: int) -> tuple[int, str] | None:
+    """(parent pid, state letter) of ``pid``, None if it is gone."""
+    fields = _stat_fields(pid)
+    return None if fields is None else (int(fields[1]), fields[0])
 
 
 def start_time(pid: int) -> int | None:
     """When ``pid`` started, in clock ticks since boot (with the pid, names one process), None if it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    return int(text[text.rindex(")") + 2:].split()[19])  # field 22 of proc(5)
+    fields = _stat_fields(pid)
+    return None if fields is None else int(fields[19])  # field 22 of proc(5)
 
 
 def alive(pid: int) -> bool:
