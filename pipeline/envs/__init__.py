@@ -14,10 +14,10 @@ from pipeline.envs.calculator import CalculatorEnv
 ENVIRONMENTS = {"calculator": CalculatorEnv}
 
 
-def make_environment(name: str) -> Environment:
-    """A fresh environment of kind `name` (one per episode): a built-in name or ``module:Class``."""
+def environment_class(name: str) -> type[Environment]:
+    """The environment kind `name`: a built-in name or ``module:Class`` (imported, checked)."""
     if name in ENVIRONMENTS:
-        return ENVIRONMENTS[name]()
+        return ENVIRONMENTS[name]
     module, _, cls = name.partition(":")
     if not cls:
         raise ValueError(f"unknown environment {name!r} (built-in: {sorted(ENVIRONMENTS)}; or module:Class)")
@@ -29,8 +29,13 @@ def make_environment(name: str) -> Environment:
         raise ValueError(f"environment {name!r} cannot be imported: {exc}") from None
     if not (isinstance(kind, type) and issubclass(kind, Environment)):
         raise ValueError(f"environment {name!r} is not an Environment subclass")
-    return kind()
+    return kind
+
+
+def make_environment(name: str) -> Environment:
+    """A fresh environment of kind `name` (one per episode; see `environment_class`)."""
+    return environment_class(name)()
 
 
 __all__ = ["CalculatorEnv", "ENVIRONMENTS", "Environment", "EnvironmentError_", "EpisodeConfig", "Step",
-           "call_with_timeout", "make_environment", "step_with_timeout"]
+           "call_with_timeout", "environment_class", "make_environment", "step_with_timeout"]

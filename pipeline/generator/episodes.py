@@ -33,7 +33,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from pipeline.envs import EnvironmentError_, EpisodeConfig, call_with_timeout, make_environment, step_with_timeout
+from pipeline.envs import (EnvironmentError_, EpisodeConfig, call_with_timeout, environment_class, make_environment,
+                           step_with_timeout)
 
 if TYPE_CHECKING:
     from pipeline.envs.remote import EnvironmentPool
@@ -94,7 +95,7 @@ class EpisodeRunner:
                     return done, None
                 message = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
                 step = await step_with_timeout(env, message, cfg.step_timeout_s)
-                if step.reward and not _ignored_reward_reported:
+                if step.reward:
                     _report_ignored_reward(self.env, step.reward)
                 if step.done:
                     return done, None
@@ -124,6 +125,8 @@ _ignored_reward_reported = False
 def _report_ignored_reward(env: str, reward: float) -> None:
     """Say once per process that environment rewards are not used (`docs/episodes.md`, "Not done")."""
     global _ignored_reward_reported
+    if _ignored_reward_reported:
+        return
     _ignored_reward_reported = True
     log.warning("environment %s returned a step reward (%g): step rewards are not recorded; the task's "
                 "verifier alone scores each episode (docs/episodes.md)", env, reward)
@@ -146,7 +149,7 @@ def episode_runner(cfg, model_dir: str) -> EpisodeRunner | None:
     env = task_environment(cfg.task)
     if env is None:
         return None
-    make_environment(env)  # a name that does not resolve fails here, before any episode
+    environment_class(env)  # a name that does not resolve fails here, before any episode
     pool = None
     if cfg.episode.env_processes:
         from pipeline.envs.remote import EnvironmentPool
