@@ -2,8 +2,8 @@
 
 `make_environment(name)` builds a fresh environment for one episode; built-in: ``calculator``
 (`calculator`); any other ``module:Class`` names an importable `Environment` subclass. With
-``episode.env_processes`` they run in separate processes (`remote`, `server`). The episode loop that drives them lives in `pipeline.generator.episodes`;
-`docs/episodes.md` describes the design.
+``episode.env_processes`` they run in separate processes (`remote`, `server`). The episode loop
+that drives them lives in `pipeline.generator.episodes`; `docs/episodes.md` describes the design.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """An environment process: serves the environments of many episodes over ZeroMQ (`docs/episodes.md`).
 
 Started by `pipeline.envs.remote.EnvironmentPool` (``python -m pipeline.envs.server ADDRESS``, the
-pool's wire secret in ``TOKENFLOW_ENV_SECRET``; ADDRESS exists once it serves); each client socket (one per episode, identified by
-its ZeroMQ identity) owns one environment here. Requests and answers are `pipeline.wire` messages
+pool's wire secret in ``TOKENFLOW_ENV_SECRET``; ADDRESS exists once it serves); each client socket
+(one per episode, identified by its ZeroMQ identity) owns one environment here. Requests and answers are `pipeline.wire` messages
 (an authenticated msgpack header, no arrays): kind ``reset`` (meta ``env``, ``text``), ``step``
 (meta ``text``) or ``close``; the answer is kind ``step`` (meta ``observation``, ``reward``,
 ``done``), ``ok`` or ``error`` (meta ``error``, naming what failed).
