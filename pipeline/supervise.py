@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -278,3 +279,15 @@ class KeptProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
+
+
+def signal_note(line: str) -> None:
+    """Write one line to stdout from a signal handler: unbuffered, never raising."""
+    try:
+        sys.stdout.flush()
+    except (RuntimeError, ValueError, OSError):  # the handler interrupted a write to the same buffer
+        pass
+    try:
+        os.write(sys.stdout.fileno(), (line + "\n").encode())
+    except (OSError, ValueError):
+        pass

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from pipeline.launch import ComponentSpec, JobPlan, LocalLauncher, TaskFailed
-from pipeline.supervise import KeptProcess, MARKER_ENV, leftovers
+from pipeline.supervise import KeptProcess, MARKER_ENV, alive, leftovers
 
 PROBE = "pipeline.launch.probe:probe"
 
@@ -23,14 +23,6 @@ def plan(max_restarts: int, optional: bool, **probe) -> JobPlan:
         "trainer": ComponentSpec(entry=PROBE),
         "generator": ComponentSpec(entry=PROBE, max_restarts=max_restarts, optional=optional)},
         config={"probe": {"timeout_s": 60, "crash_role": "generator", **probe}})
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 def test_a_killed_role_is_restarted_and_what_it_left_is_ended(tmp_path):
@@ -71,6 +63,51 @@ def test_sigterm_is_forwarded_as_a_stop_and_never_restarts(tmp_path):
     record = json.loads((tmp_path / "run/results/trainer.0.json").read_text())
     assert record["stopped"] and record["restart"] == 0
     assert "SIGTERM received" in (tmp_path / "run/logs/trainer.0.out").read_text()
+
+
+SECOND_SIGTERM_INSIDE_THE_FIRST = """
+import os, signal, threading, time
+from pipeline.launch.task import StopWatcher
+event = threading.Event()
+watcher = StopWatcher(event)
+real_stop, calls = watcher._stop, []
+def stop_then_hear_it_again(sig):  # the group's SIGTERM handled; the supervisor's forward lands inside
+    calls.append(sig)
+    if len(calls) > 1:
+        return real_stop(sig)
+    with watcher._lock:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)  # the nested handler runs at the next bytecode, in this same thread
+        real_stop(sig)
+watcher._stop = stop_then_hear_it_again
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.5)
+print("stopped" if event.is_set() else "not stopped", flush=True)
+"""
+
+
+def test_a_second_sigterm_inside_the_stop_handler_neither_deadlocks_nor_raises():
+    # `tokenflow cancel` signals the task's process group and the supervisor forwards the same
+    # SIGTERM to the role: two handlers, the second inside the first (a CI run hung here for 90 s).
+    out = subprocess.run([sys.executable, "-c", SECOND_SIGTERM_INSIDE_THE_FIRST], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("SIGTERM received") == 1 and out.stdout.strip().endswith("stopped"), out.stdout
+
+
+def test_a_task_stopped_by_a_signal_is_not_named_as_the_cause(tmp_path):
+    # the failing task and its victim both leave a failed result; the error names the cause even
+    # when the victim comes first in the layout
+    p = plan(max_restarts=0, optional=False, fail_role="generator")
+    p.config["probe"].pop("crash_role")
+    run = LocalLauncher(kill_grace_s=5).launch(p, tmp_path / "run")
+    victim = {"ok": False, "error": "role process 1 died (signal SIGTERM) without a result\n",
+              "restarts": 0, "abandoned": False, "stopped_by": "SIGTERM"}
+    while not run.done():
+        time.sleep(0.2)
+    (tmp_path / "run/results/trainer.0.json").write_text(json.dumps(victim))
+    with pytest.raises(TaskFailed, match="task generator.0 failed: RuntimeError: probe: role generator was told"):
+        run.wait(timeout_s=5)
 
 
 def test_a_kept_process_is_restarted_then_given_up_on(tmp_path):

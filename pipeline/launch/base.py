@@ -81,8 +81,9 @@ class Run(ABC):
                    for role, rank in self.plan.task_layout()}
         failed = [t for t, r in by_task.items() if r and not r["ok"]
                   and not r.get("abandoned")]  # an optional task the run went on without
+        failed.sort(key=lambda t: by_task[t].get("stopped_by") is not None)  # stable: layout order within
         missing = [t for t, r in by_task.items() if r is None]
-        if failed:  # the tasks whose entry raised come first: the others may only be their victims
+        if failed:  # tasks that failed unasked come first: one stopped by a signal may be their victim
             role, rank = failed[0]
             why = by_task[failed[0]]["error"].strip().splitlines()[-1]
         elif missing:

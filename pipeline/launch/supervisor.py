@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping
 
-from pipeline.supervise import become_subreaper, die_with_parent, end_tree, own
+from pipeline.supervise import become_subreaper, die_with_parent, end_tree, own, signal_note
 
 class RoleFailed(RuntimeError):
     """The task's role died and was not (or no longer) restarted."""
@@ -69,8 +69,8 @@ class TaskSupervisor:
     def _on_signal(self, sig: int, frame) -> None:
         first = self.stop_signal is None
         self.stop_signal = sig if first else self.stop_signal
-        print(f"tokenflow supervisor: {signal.Signals(sig).name} at {time.strftime('%H:%M:%S')}: "
-              f"forwarding to the role (no restart)", flush=True)
+        signal_note(f"tokenflow supervisor: {signal.Signals(sig).name} at {time.strftime('%H:%M:%S')}: "
+                    f"forwarding to the role (no restart)")
         if self.child is not None and self.child.poll() is None:
             self.child.send_signal(sig)
         if first and sig != signal.SIGTERM and self.requeue is not None:
@@ -147,7 +147,8 @@ class TaskSupervisor:
         record = _read(self.result_file)
         if not record or record.get("ok"):
             record = {"ok": False, "error": f"role process {self.child.pid} died ({why}) without a result\n"}
-        record.update(restarts=self.restarts, abandoned=self.optional and self.stop_signal is None)
+        record.update(restarts=self.restarts, abandoned=self.optional and self.stop_signal is None,
+                      stopped_by=signal.Signals(self.stop_signal).name if self.stop_signal else None)
         tmp = self.result_file.with_name(f".{self.result_file.name}.tmp")
         tmp.write_text(json.dumps(record, default=str))
         os.replace(tmp, self.result_file)

@@ -54,7 +54,7 @@ from typing import Any, Callable, Dict, Mapping, Tuple
 from pipeline.launch.plan import JobPlan, LaunchError
 from pipeline.launch.rendezvous import DIST_ENV, Rendezvous, mpi_bootstrap, under_mpi
 from pipeline.launch.supervisor import ROLE_PROCESS_ENV, RoleFailed, TaskSupervisor, role_argv
-from pipeline.supervise import become_subreaper, end_tree
+from pipeline.supervise import become_subreaper, end_tree, signal_note
 from pipeline.run_files import LOGS_DIR, PLAN_FILE, RESULTS_DIR
 
 
@@ -173,7 +173,7 @@ class StopWatcher:
 
     def __init__(self, event: threading.Event) -> None:
         self.event = event
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: a second signal's handler may run inside the first
         self.signum = checkpoint_signal()
         for sig in (self.signum, signal.SIGTERM):
             signal.signal(sig, lambda s, frame: self._stop(s))
@@ -184,12 +184,16 @@ class StopWatcher:
         self._stop(signal.sigwait({self.signum}))
 
     def _stop(self, sig: int) -> None:
+        # Runs in the main thread for a Python handler, where a second SIGTERM (``kill`` of the process
+        # group and the supervisor's forward of it) can interrupt the first between two bytecodes:
+        # the event is set before anything slow, and the note is written unbuffered (a `print` there
+        # could meet the interrupted `print`'s buffer: "reentrant call").
         with self._lock:
             if self.event.is_set():
                 return
-            print(f"tokenflow: {signal.Signals(sig).name} received at {time.strftime('%H:%M:%S')}: stopping",
-                  flush=True)
             self.event.set()
+        signal_note(f"tokenflow: {signal.Signals(sig).name} received at {time.strftime('%H:%M:%S')}: stopping")
+
 
 
 def checkpoint_signal() -> int:
