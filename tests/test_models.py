@@ -216,6 +216,7 @@ _VLLM_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.engine
+@pytest.mark.slow  # 50 s a model; every engine test of the default suite loads and generates with both
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_vllm_loads_and_generates(kind, models_root, tmp_path):
     model_dir = ensure_tiny_model(kind, root=models_root)
