@@ -83,6 +83,16 @@ def alive(pid: int) -> bool:
     return st is not None and st[1] != "Z"
 
 
+def process_group(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group ``pgid``."""
+    out = []
+    for pid in _pids():
+        fields = _stat_fields(pid)
+        if fields is not None and fields[0] != "Z" and int(fields[2]) == pgid:  # field 5 of proc(5)
+            out.append(pid)
+    return out
+
+
 def _pids() -> list[int]:
     return [int(name) for name in os.listdir("/proc") if name.isdigit()]
 

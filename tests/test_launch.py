@@ -171,6 +171,22 @@ def test_status_and_cancel_of_a_local_run(tmp_path):
     assert run.done() and [c["state"] for c in run_status(tmp_path / "run")["components"]] == ["EXITED", "EXITED"]
 
 
+def test_cancel_ends_a_local_task_that_does_not_stop(tmp_path):
+    from pipeline.apps.ops import cancel_run
+    from pipeline.supervise import process_group
+
+    plan = toy_plan(hold_s=300)
+    plan.config["probe"]["deaf_role"] = "generator"
+    run = LocalLauncher(kill_grace_s=5).launch(plan, tmp_path / "run")
+    deadline = time.monotonic() + 60
+    while len(list((tmp_path / "run/probe").glob("*.json"))) < 4 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    said = cancel_run(tmp_path / "run", grace_s=5)
+    assert "got SIGKILL" in said and "every task stopped" not in said, said
+    assert not any(process_group(pid) for pid in run.pids)  # nothing of the run is left when cancel returns
+    assert [json.loads(p.read_text())["ok"] for p in sorted((tmp_path / "run/results").glob("trainer.*"))] == [True, True]
+
+
 def test_batch_prepare_reuses_the_launch_index_of_a_requeued_job(tmp_path):
     from pipeline.apps.batch import _record_launch
 

@@ -11,6 +11,8 @@ Point any component's `entry` at "pipeline.launch.probe:probe" to check a cluste
     hold_s: float      on attempts below `hold_until_attempt` (default 1) wait up to hold_s
                        seconds for the stop signal or a requeue (for preemption tests): return
                        when stopped (as a role returns after checkpointing), fail if never
+    deaf_role: str     tasks of this role hold on for all of hold_s after the stop signal too (a
+                       role that never reaches a step boundary: for cancel tests)
     fail_role: str     tasks of this role raise before the rendezvous (for failure-handling tests)
     crash_role: str, crash_times: int   the role process of tasks of this role starts a child
                        process (standing in for a vLLM engine; its pid is in the report as
@@ -62,7 +64,8 @@ def probe(task: TaskInfo) -> Dict[str, Any]:
     out.write_text(json.dumps(report))
     if task.attempt < int(options.get("hold_until_attempt", 1)) and options.get("hold_s"):
         deadline = time.monotonic() + float(options["hold_s"])
-        while not task.stop_requested.is_set() and time.monotonic() < deadline:
+        deaf = options.get("deaf_role") == task.role
+        while (deaf or not task.stop_requested.is_set()) and time.monotonic() < deadline:
             time.sleep(0.2)  # a role's main thread returns to Python often: signal handlers run there
         if not task.stop_requested.is_set():
             raise RuntimeError(f"probe: held {options['hold_s']} s on attempt {task.attempt} and was not stopped")

@@ -27,6 +27,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -205,8 +206,13 @@ def format_status(s: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def cancel_run(run_dir: Path) -> str:
-    """Stop every task of the run's latest launch; returns what was done."""
+def cancel_run(run_dir: Path, grace_s: float = 60.0) -> str:
+    """Stop every task of the run's latest launch; returns what was done.
+
+    Slurm: ``scancel`` (Slurm's KillWait escalates). Local: SIGTERM to the process group of every
+    task still running (each task leads its own; the pid must still name a task of this run), then
+    wait until no process of those groups is left; after ``grace_s`` the rest get SIGKILL, so a role
+    that does not stop at its step boundary cannot keep the run alive."""
     run_dir = Path(run_dir).resolve()
     launch = latest_launch(run_dir)
     if launch["launcher"] in ("slurm", "sbatch"):
@@ -215,14 +221,28 @@ def cancel_run(run_dir: Path) -> str:
         if out.returncode != 0:
             raise RuntimeError(f"scancel {job_id} failed: {out.stderr.strip()}")
         return f"scancel {job_id} (every component of the heterogeneous job)"
-    stopped = []
-    for pid in launch.get("pids") or []:
-        try:
-            os.killpg(pid, signal.SIGTERM)  # each local task leads its own process group
-            stopped.append(pid)
-        except ProcessLookupError:
-            pass
-    return f"SIGTERM to the process groups of {len(stopped)} running local task(s)"
+    from pipeline.supervise import process_group
+
+    groups = [pid for pid in launch.get("pids") or [] if _alive(pid, run_dir)]
+    for pgid in groups:
+        _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while any(process_group(g) for g in groups) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for g in groups for pid in process_group(g)]
+    for pgid in groups:
+        _signal_group(pgid, signal.SIGKILL)
+    done = f"SIGTERM to the process groups of {len(groups)} running local task(s)"
+    if left:
+        return done + f"; {len(left)} process(es) still running after {grace_s:g} s got SIGKILL: {left}"
+    return done + ("; every task stopped" if groups else "")
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def status_main(argv: Optional[List[str]] = None) -> int:
@@ -249,9 +269,11 @@ def cancel_main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenflow cancel", description="stop every component of a run "
                                      "(scancel, or SIGTERM to local tasks); the same train command resumes it")
     parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--grace-s", type=float, default=60.0, help="local runs: seconds the tasks get to stop "
+                        "after SIGTERM before SIGKILL (Slurm: its KillWait)")
     args = parser.parse_args(argv)
     try:
-        print(f"tokenflow cancel: {cancel_run(args.run_dir)}")
+        print(f"tokenflow cancel: {cancel_run(args.run_dir, args.grace_s)}")
     except (FileNotFoundError, RuntimeError) as exc:
         print(f"tokenflow cancel: {exc}", file=sys.stderr)
         return 2
