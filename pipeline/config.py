@@ -145,7 +145,7 @@ SCHEMA_FIELDS = ("model.name", "task.name", "task.path", "orchestrator.group_siz
                  "orchestrator.seed", "generator.temperature", "generator.logprobs_mode",
                  "task.eval_path", "task.eval_size", "task.eval_fraction", "task.split_seed", "task.shuffle",
                  "task.prompt_format", "task.system_prompt", "task.chat_template_kwargs",
-                 "generator.sampling_mask_width", "generator.record_routing")
+                 "generator.sampling_mask_width", "generator.record_routing", "episode.step_rewards")
 
 
 def register() -> None:
@@ -158,8 +158,9 @@ def register() -> None:
 
 def record_schema(cfg: TokenflowConfig) -> RecordSchema:
     """The optional per-token fields this run records: the sampling mask with
-    ``generator.sampling_mask_width`` > 0; the model-token mask for a task with an environment;
-    routing (MoE layers x top-k of the model) with ``generator.record_routing``."""
+    ``generator.sampling_mask_width`` > 0; the model-token mask for a task with an environment, and
+    its step rewards (``token_rewards``) with ``episode.step_rewards``; routing (MoE layers x top-k of
+    the model) with ``generator.record_routing``."""
     from pipeline.tasks import task_environment
 
     routing = None
@@ -172,8 +173,9 @@ def record_schema(cfg: TokenflowConfig) -> RecordSchema:
             raise ValueError(f"generator.record_routing needs an MoE model; {cfg.model.name} is "
                              f"{hf.model_type}")
         routing = (int(hf.num_hidden_layers), int(hf.num_experts_per_tok))  # every layer MoE (families)
+    episodes = task_environment(cfg.task) is not None
     return RecordSchema(sampling_mask_k=cfg.generator.sampling_mask_width or None, routed_experts=routing,
-                        model_mask=task_environment(cfg.task) is not None)
+                        model_mask=episodes, token_rewards=episodes and cfg.episode.step_rewards)
 
 
 def stored_record_schema(cfg: TokenflowConfig) -> RecordSchema:
@@ -182,7 +184,8 @@ def stored_record_schema(cfg: TokenflowConfig) -> RecordSchema:
     teacher; `pipeline.scorers`)."""
     from dataclasses import replace
 
-    return replace(record_schema(cfg), token_rewards=cfg.scorers.reward == "process_reward",
+    generated = record_schema(cfg)
+    return replace(generated, token_rewards=generated.token_rewards or cfg.scorers.reward == "process_reward",
                    teacher_logprobs=cfg.scorers.teacher != "none")
 
 
@@ -211,10 +214,12 @@ def validate(cfg: TokenflowConfig) -> None:
     ]
     from pipeline.tasks import task_environment
 
-    checks.append((task_environment(cfg.task) is None or not (cfg.generator.sampling_mask_width or
-                                                              cfg.generator.record_routing),
-                   f"task.name={cfg.task.name} runs multi-turn episodes, which record no sampling mask or "
-                   "routing yet: unset generator.sampling_mask_width and generator.record_routing"))
+    checks.append((not cfg.episode.step_rewards or task_environment(cfg.task) is not None,
+                   f"episode.step_rewards needs a task with an environment (task.name={cfg.task.name} has none)"))
+    checks.append((not cfg.episode.step_rewards or not cfg.scorers.remote,
+                   "episode.step_rewards records the environment's step rewards in token_rewards, which "
+                   "scorer roles (scorers.reward != verifier or scorers.teacher != none) do not pass on: "
+                   "use one or the other"))
     p = cfg.trainer.parallel
     model_parallel = p.tp * (p.etp or p.tp) * p.ep
     checks.append((cfg.cluster.trainer_ranks % (p.tp * p.ep) == 0,

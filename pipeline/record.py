@@ -17,7 +17,9 @@ Invariants this module keeps (checked on construction, raising `RecordError` nam
   on tokens the policy sampled and 0 on environment tokens, holds only 0/1, and a completion starts
   with a model token (so its first token's version is its oldest model token's, the one staleness
   counts). Environment tokens carry logprob 0 and the version of the model token before them, so
-  the version rule above holds unchanged along an episode;
+  the version rule above holds unchanged along an episode; with the sampling mask they carry a row
+  of -1 (no kept set), with ``token_rewards`` (environment step rewards) 0: a step's reward sits
+  at the last token of the model turn it answered;
 - an optional per-token field is present if and only if the schema enables it, so every sample of a
   run has the same fields (the HDF5 log creates every enabled dataset up front: SWMR forbids new
   datasets later).
@@ -59,7 +61,9 @@ class RecordSchema:
     """Which optional per-token fields a run records. Fixed by the run's config for its whole life."""
 
     token_rewards: bool = False
-    """A float32 reward per completion token (process rewards), besides the scalar reward."""
+    """A float32 reward per completion token, besides the scalar reward: each step's reward at the
+    token that ends it, 0 elsewhere (process rewards, `pipeline.scorers.models`; an episode's
+    environment step rewards at the last token of each model turn, `pipeline.generator.episodes`)."""
     teacher_logprobs: bool = False
     """A float32 teacher logprob per completion token (on-policy distillation)."""
     routed_experts: tuple[int, int] | None = None
@@ -252,12 +256,16 @@ class RolloutSample:
 
 
 def unrecorded_fields(schema: RecordSchema, prompt_len: int, completion_len: int) -> dict[str, np.ndarray]:
-    """Routing and sampling-mask fields for a sample the trainer never sees (an evaluation
-    answer) when the schema requires them: rows of -1, nothing recorded."""
+    """Routing, sampling-mask and (episodes' step rewards) token-reward fields for a sample the
+    trainer never sees (an evaluation answer) when the schema requires them: rows of -1 and
+    rewards of 0, nothing recorded."""
     shapes = {**{k: (prompt_len, v) for k, v in schema.prompt_token_fields().items()},
               **{k: (completion_len, v) for k, v in schema.token_fields().items()
                  if k in ("routed_experts", "sampling_mask")}}
-    return {k: np.full((n, *trail), -1, dtype) for k, (n, (dtype, trail)) in shapes.items()}
+    out = {k: np.full((n, *trail), -1, dtype) for k, (n, (dtype, trail)) in shapes.items()}
+    if schema.token_rewards:
+        out["token_rewards"] = np.zeros(completion_len, np.float32)
+    return out
 
 
 def sequence_routing(prompt_routed: np.ndarray, completion_routed: np.ndarray) -> np.ndarray:

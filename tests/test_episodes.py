@@ -152,18 +152,48 @@ def test_inspect_turns_worked_example():
         [("model", 3, [3, 3]), ("env", 2, [3, 3]), ("model", 2, [4, 4])]
 
 
-def test_episode_config_is_validated_and_episodes_refuse_unsupported_recordings():
-    from pipeline.config import TokenflowConfig, record_schema, validate
+def test_episode_config_is_validated_and_step_rewards_enable_token_rewards():
+    """Episodes record the model mask; ``episode.step_rewards`` adds ``token_rewards`` to what the
+    generators send and the log stores; it needs an environment and no scorer roles (which would
+    drop the generators' token rewards); evaluation answers carry zero rewards."""
+    from pipeline.config import TokenflowConfig, record_schema, stored_record_schema, validate
     from pipeline.envs import EpisodeConfig
+    from pipeline.record import unrecorded_fields
 
     with pytest.raises(ValueError, match="episode.step_timeout_s"):
         EpisodeConfig(step_timeout_s=0).validate()
     cfg = TokenflowConfig()
     cfg.task.name = "toolcalc"
     assert record_schema(cfg).model_mask and not record_schema(TokenflowConfig()).model_mask
-    cfg.generator.sampling_mask_width = 8
-    with pytest.raises(ValueError, match="multi-turn episodes"):
+    assert not record_schema(cfg).token_rewards
+    cfg.episode.step_rewards = True
+    assert record_schema(cfg).token_rewards and stored_record_schema(cfg).token_rewards
+    validate(cfg)
+    assert unrecorded_fields(record_schema(cfg), 3, 4)["token_rewards"].tolist() == [0.0] * 4
+    cfg.scorers.teacher, cfg.scorers.teacher_model = "frozen", "/teacher"
+    with pytest.raises(ValueError, match="scorer roles"):
         validate(cfg)
+    plain = TokenflowConfig()
+    plain.episode.step_rewards = True
+    with pytest.raises(ValueError, match="needs a task with an environment"):
+        validate(plain)
+
+
+def test_step_rewards_must_be_finite_numbers():
+    class Bad(Environment):
+        def __init__(self, reward):
+            self.reward = reward
+
+        def step(self, message):
+            return Step("", self.reward, True)
+
+    async def scenario():
+        assert (await step_with_timeout(Bad(np.float32(0.5)), "x", 5)).reward == 0.5
+        for reward in (float("nan"), "1"):
+            with pytest.raises(EnvironmentError_, match="not a finite number"):
+                await step_with_timeout(Bad(reward), "x", 5)
+
+    asyncio.run(scenario())
 
 
 def test_episode_records_round_trip_through_the_log_exactly_once_and_inspect_shows_them(tmp_path, capsys):

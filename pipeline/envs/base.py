@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import math
+import numbers
 import threading
 from dataclasses import dataclass
 from typing import Callable, TypeVar
@@ -48,6 +50,10 @@ class EpisodeConfig:
     environment processes over ZeroMQ (`pipeline.envs.remote`), episodes spread over them."""
     env_restarts: int = 100
     """Restarts of each environment process that died; past them its episodes fail."""
+    step_rewards: bool = False
+    """Record each environment step's reward in the rollout record's ``token_rewards``, at the last
+    token of the model turn the step answered (0 on every other token; `pipeline.generator.episodes`).
+    Off: step rewards are dropped and the task's verifier alone scores each episode."""
 
     def validate(self) -> None:
         if self.max_turns < 1:
@@ -68,9 +74,10 @@ class Step:
     observation: str
     """Text appended after the model's turn (empty when done)."""
     reward: float = 0.0
-    """The environment's reward for this step. Not recorded yet: an episode's reward is the task's
-    verifier on its transcript, scored by the orchestrator like any completion (docs/episodes.md); a
-    non-zero one is reported once in the generator's log."""
+    """The environment's reward for this step (finite). With ``episode.step_rewards`` it is recorded
+    in ``token_rewards`` at the last token of the model turn it answers; without, it is dropped (a
+    non-zero one is reported once in the generator's log). The episode's scalar reward is the task's
+    verifier on its transcript either way (docs/episodes.md)."""
     done: bool = False
     """The episode is over: no further model turn."""
 
@@ -124,8 +131,11 @@ async def call_with_timeout(fn: Callable[[], T], timeout_s: float, what: str) ->
 
 
 async def step_with_timeout(env: Environment, message: str, timeout_s: float) -> Step:
-    """``env.step(message)`` under `call_with_timeout`; a result that is not a `Step` fails too."""
+    """``env.step(message)`` under `call_with_timeout`; a result that is not a `Step`, or whose
+    reward is not a finite number, fails too."""
     step = await call_with_timeout(lambda: env.step(message), timeout_s, f"{type(env).__name__}.step")
     if not isinstance(step, Step):
         raise EnvironmentError_(f"{type(env).__name__}.step returned {type(step).__name__}, not Step")
+    if not isinstance(step.reward, numbers.Real) or not math.isfinite(step.reward):
+        raise EnvironmentError_(f"{type(env).__name__}.step returned reward {step.reward!r}, not a finite number")
     return step

@@ -80,6 +80,9 @@ class Completion:
     (``generator.record_routing``; the last segment's, which recomputed every earlier position)."""
     model_mask: list[int] | None = None
     """Episodes only: 1 per token the policy sampled, 0 per environment token (pipeline.generator.episodes)."""
+    token_rewards: list[float] | None = None
+    """Episodes only: per token, the reward of the environment step its model turn ended with, at the
+    turn's last token; 0 elsewhere (pipeline.generator.episodes)."""
 
 
 @dataclass
@@ -276,6 +279,7 @@ class Generator:
             t_end=time.time(), schema=self.schema,
             sampling_mask=np.concatenate(c.sampling_mask) if self.schema.sampling_mask_k else None,
             model_mask=np.asarray(c.model_mask, np.uint8) if self.schema.model_mask else None,
+            token_rewards=np.asarray(c.token_rewards, np.float32) if self.schema.token_rewards else None,
             **self._record_routing(request, c))
 
     def _record_routing(self, request: GroupRequest, c: Completion) -> dict[str, np.ndarray]:

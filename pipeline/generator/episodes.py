@@ -9,13 +9,22 @@ An episode is one rollout sample whose completion is model turn 1, observation 1
 - each model token keeps the version vLLM labelled it with (`Generator.complete`), whatever turn it
   is in: an episode spans weight updates like any long request; environment tokens carry logprob 0,
   ``model_mask`` 0 and the version of the model token before them (the record's version rule);
-- the token budget (``generator.max_tokens``) bounds model and environment tokens together: an
-  observation that would overflow it is cut and the episode ends with finish reason ``length``, as
-  does one still going after ``episode.max_turns`` model turns (the environment sees the last turn,
-  its observation is not appended: no model turn would answer it); a model turn that does not stop on
+- an episode always ends with a model token: an observation is appended only if at least one
+  token of the budget (``generator.max_tokens``, model and environment tokens together) is left
+  after it for the next model turn; otherwise, as after ``episode.max_turns`` model turns, the
+  environment has seen the last turn but its observation is not appended (no model turn would
+  answer it) and the episode ends with finish reason ``length``. A model turn that does not stop on
   EOS or a stop token (``length``, ``abort``) ends the episode with its reason;
-- episodes record neither the sampling mask nor routing (a run with ``generator.sampling_mask_width``
-  or ``generator.record_routing`` and a task with an environment is refused by `pipeline.config.validate`);
+- step rewards (``episode.step_rewards``): the reward of the step that answered model turn k sits in
+  ``token_rewards`` at turn k's last token, every other token 0 (the record's convention for process
+  rewards: a step's score at the token that ends it);
+- the sampling mask (``generator.sampling_mask_width``) holds each model token's kept set as its turn
+  recorded it and a row of -1 (no set: the trainer renormalises nothing there) per environment token;
+- routing (``generator.record_routing``, prefix caching off): the episode's routing is the one its
+  last model turn's request computed, which ran every earlier position (prompt, earlier turns,
+  observations) again: last computation wins, as within one request (`routing_capture`) and for an
+  abort-resumed sample; since the episode ends with a model token, it covers every position the
+  trainer feeds;
 - an environment that raises or hangs (`pipeline.envs.base`) restarts the episode from its prompt
   with a fresh environment and fresh seeds, at most ``episode.env_retries`` times; then the last
   attempt's tokens are returned with finish reason ``env_error``. The loop never raises for an
@@ -25,13 +34,17 @@ Worked example (calculator, budget 48): prompt "...37*48=...assistant\\n"; turn 
 "calc 37*48<|im_end|>" (6 tokens, version 3, mask 1); the environment answers
 "\\n<|im_start|>tool\\n=1776<|im_end|>\\n<|im_start|>assistant\\n" (12 tokens, logprob 0, version 3, mask 0);
 a weight update lands; turn 2 samples "1776<|im_end|>" (3 tokens, version 4, mask 1); the environment
-says done: completion 21 tokens, versions [3]*18 + [4]*3, finish reason "stop".
+says done with reward 1.0: completion 21 tokens, versions [3]*18 + [4]*3, finish reason "stop";
+with ``episode.step_rewards`` ``token_rewards`` is 0 everywhere but its last token (index 20): 1.0
+(turn 1's step gave 0).
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
+
+import numpy as np
 
 from pipeline.envs import (EnvironmentError_, EpisodeConfig, call_with_timeout, environment_class, make_environment,
                            step_with_timeout)
@@ -71,7 +84,7 @@ class EpisodeRunner:
         if not done.token_ids:  # failed before the first model turn (reset): record that turn alone
             offset = attempts * self.config.max_turns * SEGMENTS_PER_TURN
             c = await gen.complete(prompt_ids, lambda seg: seed_of_segment(offset + seg), budget, greedy)
-            _append(done, c.token_ids, c.logprobs, c.versions, 1)
+            _append_turn(done, c)
         done.finish_reason = "env_error"
         return done
 
@@ -79,7 +92,7 @@ class EpisodeRunner:
         from pipeline.generator.engine import Completion
 
         cfg = self.config
-        done = Completion([], [], [], "length", model_mask=[])
+        done = Completion([], [], [], "length", model_mask=[], token_rewards=[])
         env = self.pool.environment(self.env) if self.pool is not None else make_environment(self.env)
         try:
             prompt_text = self.tokenizer.decode(list(prompt_ids), skip_special_tokens=True)
@@ -89,26 +102,22 @@ class EpisodeRunner:
                 c = await gen.complete(list(prompt_ids) + done.token_ids,
                                        lambda seg: seed_of_segment(offset + seg),
                                        budget - len(done.token_ids), greedy)
-                _append(done, c.token_ids, c.logprobs, c.versions, 1)
-                done.finish_reason = c.finish_reason
+                _append_turn(done, c)
                 if c.finish_reason != "stop":
                     return done, None
                 message = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
                 step = await step_with_timeout(env, message, cfg.step_timeout_s)
-                if step.reward:
+                if cfg.step_rewards:
+                    done.token_rewards[-1] = float(step.reward)
+                elif step.reward:
                     _report_ignored_reward(self.env, step.reward)
                 if step.done:
                     return done, None
-                if turn == cfg.max_turns - 1:  # no model turn would answer this observation
-                    done.finish_reason = "length"
-                    return done, None
                 obs = list(self.tokenizer.encode(step.observation, add_special_tokens=False))
-                room = budget - len(done.token_ids)
-                n = min(len(obs), room)
-                _append(done, obs[:n], [0.0] * n, [done.versions[-1]] * n, 0)
-                if n < len(obs) or n == room:
-                    done.finish_reason = "length"
+                if turn == cfg.max_turns - 1 or len(obs) >= budget - len(done.token_ids):
+                    done.finish_reason = "length"  # no model turn would answer this observation
                     return done, None
+                _append_observation(done, obs)
             raise AssertionError("unreachable: the last turn returns")
         except EnvironmentError_ as exc:
             return done, exc
@@ -128,15 +137,39 @@ def _report_ignored_reward(env: str, reward: float) -> None:
     if _ignored_reward_reported:
         return
     _ignored_reward_reported = True
-    log.warning("environment %s returned a step reward (%g): step rewards are not recorded; the task's "
-                "verifier alone scores each episode (docs/episodes.md)", env, reward)
+    log.warning("environment %s returned a step reward (%g): step rewards are not recorded without "
+                "episode.step_rewards=true; the task's verifier alone scores each episode (docs/episodes.md)",
+                env, reward)
 
 
-def _append(done: "Completion", ids, logprobs, versions, mask: int) -> None:
-    done.token_ids += list(ids)
-    done.logprobs += list(logprobs)
-    done.versions += list(versions)
-    done.model_mask += [mask] * len(ids)
+def _append_turn(done: "Completion", c: "Completion") -> None:
+    """Append model turn `c` (one `Generator.complete`): its tokens, logprobs, versions, mask 1, reward
+    0, its kept sets (when recorded) and its routing, which replaces the earlier turns' (module
+    invariants)."""
+    done.token_ids += c.token_ids
+    done.logprobs += c.logprobs
+    done.versions += c.versions
+    done.model_mask += [1] * len(c.token_ids)
+    done.token_rewards += [0.0] * len(c.token_ids)
+    if c.sampling_mask is not None:
+        done.sampling_mask = (done.sampling_mask or []) + c.sampling_mask
+    if c.routed_experts is not None:
+        done.routed_experts = c.routed_experts
+    done.finish_reason = c.finish_reason
+
+
+def _append_observation(done: "Completion", obs: list[int]) -> None:
+    """Append environment tokens: logprob 0, the version of the token before them, mask 0, reward 0,
+    and (when the turns record kept sets) rows of -1."""
+    n = len(obs)
+    done.token_ids += obs
+    done.logprobs += [0.0] * n
+    done.versions += [done.versions[-1]] * n
+    done.model_mask += [0] * n
+    done.token_rewards += [0.0] * n
+    if done.sampling_mask is not None:
+        width = done.sampling_mask[-1].shape[1]
+        done.sampling_mask = done.sampling_mask + [np.full((n, width), -1, np.int32)]
 
 
 def episode_runner(cfg, model_dir: str) -> EpisodeRunner | None:

@@ -22,3 +22,14 @@ class Sleepy(Environment):
         if message == "hang":
             time.sleep(60)
         return Step(f"={message}", 0.5, message == "done")
+
+
+class Rewarding(Environment):
+    """Answers every turn with OBSERVATION and the reward ``turn + 0.25`` (turn 1, 2, ...); never done."""
+
+    def __init__(self):
+        self.turns = 0
+
+    def step(self, message):
+        self.turns += 1
+        return Step(OBSERVATION, self.turns + 0.25, False)
