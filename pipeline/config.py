@@ -145,7 +145,8 @@ SCHEMA_FIELDS = ("model.name", "task.name", "task.path", "orchestrator.group_siz
                  "orchestrator.seed", "generator.temperature", "generator.logprobs_mode",
                  "task.eval_path", "task.eval_size", "task.eval_fraction", "task.split_seed", "task.shuffle",
                  "task.prompt_format", "task.system_prompt", "task.chat_template_kwargs",
-                 "generator.sampling_mask_width", "generator.record_routing", "episode.step_rewards")
+                 "generator.sampling_mask_width", "generator.record_routing", "episode.step_rewards",
+                 "episode.environment")
 
 
 def register() -> None:
@@ -173,7 +174,7 @@ def record_schema(cfg: TokenflowConfig) -> RecordSchema:
             raise ValueError(f"generator.record_routing needs an MoE model; {cfg.model.name} is "
                              f"{hf.model_type}")
         routing = (int(hf.num_hidden_layers), int(hf.num_experts_per_tok))  # every layer MoE (families)
-    episodes = task_environment(cfg.task) is not None
+    episodes = task_environment(cfg.task, cfg.episode.environment) is not None
     return RecordSchema(sampling_mask_k=cfg.generator.sampling_mask_width or None, routed_experts=routing,
                         model_mask=episodes, token_rewards=episodes and cfg.episode.step_rewards)
 
@@ -214,7 +215,15 @@ def validate(cfg: TokenflowConfig) -> None:
     ]
     from pipeline.tasks import task_environment
 
-    checks.append((not cfg.episode.step_rewards or task_environment(cfg.task) is not None,
+    if cfg.episode.environment:
+        from pipeline.envs import environment_class
+
+        try:
+            environment_class(cfg.episode.environment)
+        except ValueError as exc:
+            raise ValueError(f"episode.environment: {exc}") from None
+    checks.append((not cfg.episode.step_rewards
+                   or task_environment(cfg.task, cfg.episode.environment) is not None,
                    f"episode.step_rewards needs a task with an environment (task.name={cfg.task.name} has none)"))
     checks.append((not cfg.episode.step_rewards or not cfg.scorers.remote,
                    "episode.step_rewards records the environment's step rewards in token_rewards, which "

@@ -177,6 +177,12 @@ def test_episode_config_is_validated_and_step_rewards_enable_token_rewards():
     plain.episode.step_rewards = True
     with pytest.raises(ValueError, match="needs a task with an environment"):
         validate(plain)
+    plain.episode.environment = "support.envs:Echo"  # any task's prompts become episodes
+    validate(plain)
+    assert record_schema(plain).model_mask and record_schema(plain).token_rewards
+    plain.episode.environment = "support.envs:NoSuchEnv"
+    with pytest.raises(ValueError, match="episode.environment: environment 'support.envs:NoSuchEnv' cannot be"):
+        validate(plain)
 
 
 def test_step_rewards_must_be_finite_numbers():

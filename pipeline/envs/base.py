@@ -50,6 +50,11 @@ class EpisodeConfig:
     environment processes over ZeroMQ (`pipeline.envs.remote`), episodes spread over them."""
     env_restarts: int = 100
     """Restarts of each environment process that died; past them its episodes fail."""
+    environment: str = ""
+    """The environment every episode runs in: a built-in name (``calculator``) or ``module:Class`` of
+    an `Environment` subclass importable by the generators. Empty: the task's own (``toolcalc``:
+    the calculator; other tasks have none and generate single-turn samples). Set for any task, it
+    turns its prompts into episodes (the task's verifier still scores each one)."""
     step_rewards: bool = False
     """Record each environment step's reward in the rollout record's ``token_rewards``, at the last
     token of the model turn the step answered (0 on every other token; `pipeline.generator.episodes`).

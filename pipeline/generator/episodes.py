@@ -179,7 +179,7 @@ def episode_runner(cfg, model_dir: str) -> EpisodeRunner | None:
 
     from pipeline.tasks import task_environment
 
-    env = task_environment(cfg.task)
+    env = task_environment(cfg.task, cfg.episode.environment)
     if env is None:
         return None
     environment_class(env)  # a name that does not resolve fails here, before any episode

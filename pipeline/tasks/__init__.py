@@ -67,9 +67,10 @@ def make_task(cfg: TaskConfig) -> Task:
     return task
 
 
-def task_environment(cfg: TaskConfig) -> str | None:
-    """The environment a task's episodes run in (`pipeline.envs`), None for single-turn tasks."""
-    return ToolCalcTask.environment if cfg.name == ToolCalcTask.name else None
+def task_environment(cfg: TaskConfig, environment: str = "") -> str | None:
+    """The environment a task's episodes run in (`pipeline.envs`): ``environment`` (the run's
+    ``episode.environment``) if set, else the task's own; None for single-turn tasks."""
+    return environment or (ToolCalcTask.environment if cfg.name == ToolCalcTask.name else None)
 
 
 __all__ = ["AdditionTask", "JsonlTask", "Prompt", "SortDigitsTask", "Task", "TaskConfig", "ToolCalcTask", "make_task",
