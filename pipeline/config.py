@@ -215,6 +215,10 @@ def validate(cfg: TokenflowConfig) -> None:
                                                               cfg.generator.record_routing),
                    f"task.name={cfg.task.name} runs multi-turn episodes, which record no sampling mask or "
                    "routing yet: unset generator.sampling_mask_width and generator.record_routing"))
+    checks.append((cfg.scorers.teacher != "lagged" or (cfg.generator.tensor_parallel_size == 1
+                                                      and cfg.trainer.lora.rank == 0),
+                   "scorers.teacher=lagged receives the policy's full weights as one rank of the weight "
+                   "group: it needs generator.tensor_parallel_size=1 and trainer.lora.rank=0 (docs/scorers.md)"))
     p = cfg.trainer.parallel
     model_parallel = p.tp * (p.etp or p.tp) * p.ep
     checks.append((cfg.cluster.trainer_ranks % (p.tp * p.ep) == 0,

@@ -9,6 +9,9 @@ messages (msgpack header + raw array frames, signed with the run secret; no pick
   scorer -> pool   ``scorer_hello`` {service, rank, slots}; ``scorer_alive`` {} every second;
                    ``scored`` {request, jobs, error} + one array per filled field
   pool -> scorer   ``score`` {request, jobs, schema} + the groups' columns (one SampleBatch)
+  pool -> teacher  ``weights_regroup`` {epoch}, ``weights_update`` {version}: the orchestrator's
+                   weight-group changes and update announcements, to a lagged teacher (one that
+                   said ``follows_weights``; `pipeline.scorers.lagged`)
 
 Invariants:
 - a group needs every configured service ("reward": reward model or process rewards; "teacher":
@@ -19,7 +22,10 @@ Invariants:
   to the front of its service's queue and is re-sent to a live scorer: a dying scorer costs no
   group. After ``max_attempts`` sends the group completes with an error (``score_error``);
 - a scorer's own error answer (bad input) fails the group at once (retrying would fail again);
-- at most ``inflight_batches`` requests per scorer, each of at most ``batch_groups`` groups.
+- at most ``inflight_batches`` requests per scorer, each of at most ``batch_groups`` groups;
+- a live teacher that follows the weights is a member of the trainer's weight group, named
+  ``teacher-<rank>`` with an incarnation that changes when it restarts (`weight_members`), so the
+  trainer builds it into the next group and a dead one (dropped as above) out of it.
 
 Worked example: two reward scorers, ``batch_groups=4``; 6 groups arrive: scorer A gets groups
 0-3, scorer B groups 4-5. A is killed: after ``dead_after_s`` without a heartbeat, groups 0-3
@@ -83,6 +89,8 @@ class _Peer:
     rank: int
     slots: int
     last_seen: float
+    incarnation: int = 0
+    follows_weights: bool = False
     requests: set[int] = field(default_factory=set)
 
 
@@ -144,6 +152,24 @@ class RemoteScoring:
         """Follow the orchestrator's policy clock: the trainer's last reported version."""
         self.policy_version = lambda: clock.reported or 0
 
+    def weight_members(self) -> dict[str, int]:
+        """Live teachers that receive the weights: ``teacher-<rank>`` -> incarnation."""
+        return {f"teacher-{p.rank}": p.incarnation for p in self.peers.values() if p.follows_weights}
+
+    def regroup(self, epoch: int) -> None:
+        """The trainer built weight group ``epoch``: tell the teachers that receive weights."""
+        self._to_followers("weights_regroup", {"epoch": int(epoch)})
+
+    def weights_announced(self, version: int) -> None:
+        """The trainer is about to broadcast ``version``: the followers receive it too."""
+        self._to_followers("weights_update", {"version": int(version)})
+
+    def _to_followers(self, kind: str, meta: dict) -> None:
+        for peer, info in list(self.peers.items()):
+            if info.follows_weights and not self.server.send(peer, kind, meta):
+                self.counts["send_failed"] += 1
+                self._drop_peer(peer)
+
     def metrics(self) -> dict[str, float]:
         live = Counter(p.service for p in self.peers.values())
         return {**{f"scorer_{k}": v for k, v in self.counts.items()},
@@ -186,7 +212,8 @@ class RemoteScoring:
                 self.counts["restarted"] += 1
                 self._drop_peer(old)
             if peer not in self.peers:
-                self.peers[peer] = _Peer(service, rank, max(1, int(msg.meta.get("slots", 1))), now)
+                self.peers[peer] = _Peer(service, rank, max(1, int(msg.meta.get("slots", 1))), now,
+                                         next(self._ids), bool(msg.meta.get("follows_weights")))
         elif peer not in self.peers:
             self.server.send(peer, "scorer_who")  # we restarted (or it was dropped): say hello again
             return
