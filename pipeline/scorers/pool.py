@@ -62,7 +62,7 @@ SERVICE_FIELDS = {"reward": ("reward", "token_rewards"), "teacher": ("teacher_lo
 
 def lagged_teacher_version(policy_version: int, lag: int, every: int) -> int:
     """The snapshot a lagged teacher uses while the policy is at ``policy_version``: the newest
-    checkpointed version (a multiple of ``every``) at most ``lag`` behind, so it lies in
+    multiple of ``every`` (the refresh interval, ``run.checkpoint_every``) at most ``lag`` behind, so it lies in
     [v - lag - every + 1, v - lag]; before the policy reaches ``lag``, version 0 (the initial
     weights). Example: lag 2, every 3: v = 2..4 -> 0, v = 5..7 -> 3, v = 8 -> 6."""
     return max(0, (policy_version - lag) // every * every)
@@ -107,8 +107,8 @@ class RemoteScoring:
 
     def __init__(self, run_dir: Path, cfg: ScorersConfig, schema: RecordSchema,
                  verifier: Scorer | None, transport: TransportConfig, refresh_every: int = 1):
-        """``refresh_every``: the steps between the trainer's checkpoints (a lagged teacher's
-        snapshots)."""
+        """``refresh_every``: M, the steps between a lagged teacher's refreshes (the trainer's
+        checkpoint interval, so a teacher that missed a broadcast finds that version on disk)."""
         self.cfg, self.schema, self.verifier = cfg, schema, verifier
         self.refresh_every = refresh_every
         self.policy_version: Callable[[], int] = lambda: 0
