@@ -86,3 +86,46 @@ def test_follower_keeps_the_snapshots_a_lagged_teacher_needs(tmp_path):
         sender.close()
     finally:
         follower.close()
+
+
+def test_pool_lists_a_following_teacher_as_a_weight_member_and_forwards_to_it(tmp_path):
+    """The scorer pool over real ZeroMQ sockets: a teacher that says ``follows_weights`` is a
+    member ``teacher-<rank>`` (a new incarnation after a restart), hears regroups and
+    announcements; a teacher that does not follow hears neither and is no member."""
+    from pipeline.record import RecordSchema
+    from pipeline.scorers.config import ScorersConfig
+    from pipeline.scorers.pool import RemoteScoring
+    from pipeline.transport import MessageClient, TransportConfig, load_or_create_secret
+
+    pool = RemoteScoring(tmp_path, ScorersConfig(teacher="lagged"), RecordSchema(teacher_logprobs=True),
+                         verifier=object(), transport=TransportConfig(host="127.0.0.1"))
+    key = load_or_create_secret(tmp_path)
+    clients = []
+
+    def hello(identity: str, rank: int, follows: bool) -> MessageClient:
+        c = MessageClient(key, pool.server.address, TransportConfig(), identity)
+        c.send("scorer_hello", {"service": "teacher", "rank": rank, "slots": 1, "follows_weights": follows})
+        clients.append(c)
+        return c
+
+    def next_kind(c: MessageClient, timeout_s: float = 5.0) -> tuple[str, dict] | None:
+        msg = c.recv(timeout_s)
+        return None if msg is None else (msg.kind, dict(msg.meta))
+
+    try:
+        first, other = hello("teacher-0-1", 0, True), hello("teacher-1-2", 1, False)
+        _wait(lambda: not list(pool.completed()) and len(pool.peers) == 2, "the hellos")
+        members = pool.weight_members()
+        assert list(members) == ["teacher-0"]
+        pool.regroup(4)
+        pool.weights_announced(7)
+        assert next_kind(first) == ("weights_regroup", {"epoch": 4})
+        assert next_kind(first) == ("weights_update", {"version": 7})
+        assert next_kind(other, 0.3) is None
+        hello("teacher-0-3", 0, True)  # rank 0 restarted: the old process is dropped
+        _wait(lambda: not list(pool.completed()) and len(pool.peers) == 2 and
+              pool.weight_members()["teacher-0"] != members["teacher-0"], "the restart")
+    finally:
+        for c in clients:
+            c.close()
+        pool.close()

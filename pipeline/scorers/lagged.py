@@ -4,9 +4,9 @@ arrives here, and the versions the teacher will switch to later are kept in host
 The teacher process is one more receiver rank of the trainer's weight group (`pipeline.weights.
 group`, `docs/weight-sync.md`): the scorer pool lists it among the group's members as
 ``teacher-<rank>`` and forwards the orchestrator's regroups and update announcements to it
-(`pipeline.scorers.pool`), which the process hands to this follower's own thread, so a broadcast
-never waits for a scoring request to finish and the trainer never waits for the teacher longer
-than for a generator.
+(`pipeline.scorers.pool`), which the process's scoring loop hands to this follower's own thread:
+the receive runs beside the engine's scoring, and a broadcast waits at most for the scoring
+request in progress when it was announced.
 
 Invariants:
 - every announced update is received whole, in order, on the group joined last (a group that does
