@@ -90,8 +90,9 @@ def test_follower_keeps_the_snapshots_a_lagged_teacher_needs(tmp_path):
 
 def test_pool_lists_a_following_teacher_as_a_weight_member_and_forwards_to_it(tmp_path):
     """The scorer pool over real ZeroMQ sockets: a teacher that says ``follows_weights`` is a
-    member ``teacher-<rank>`` (a new incarnation after a restart), hears regroups and
-    announcements; a teacher that does not follow hears neither and is no member."""
+    member ``teacher-<rank>`` (the same incarnation after being dropped for silence, a new one
+    after a restart), hears regroups and announcements, also while dropped; a teacher that does
+    not follow hears neither and is no member."""
     from pipeline.record import RecordSchema
     from pipeline.scorers.config import ScorersConfig
     from pipeline.scorers.pool import RemoteScoring
@@ -122,6 +123,12 @@ def test_pool_lists_a_following_teacher_as_a_weight_member_and_forwards_to_it(tm
         assert next_kind(first) == ("weights_regroup", {"epoch": 4})
         assert next_kind(first) == ("weights_update", {"version": 7})
         assert next_kind(other, 0.3) is None
+        pool.peers.pop(b"teacher-0-1")  # dropped for silence (a long scoring request) ...
+        assert pool.weight_members() == {}
+        pool.weights_announced(8)  # ... it may still be in the trainer's group: it hears the broadcast
+        assert next_kind(first) == ("weights_update", {"version": 8})
+        first.send("scorer_hello", {"service": "teacher", "rank": 0, "slots": 1, "follows_weights": True})
+        _wait(lambda: not list(pool.completed()) and pool.weight_members() == members, "the same incarnation back")
         hello("teacher-0-3", 0, True)  # rank 0 restarted: the old process is dropped
         _wait(lambda: not list(pool.completed()) and len(pool.peers) == 2 and
               pool.weight_members()["teacher-0"] != members["teacher-0"], "the restart")

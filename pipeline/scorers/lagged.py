@@ -4,16 +4,16 @@ arrives here, and the versions the teacher will switch to later are kept in host
 The teacher process is one more receiver rank of the trainer's weight group (`pipeline.weights.
 group`, `docs/weight-sync.md`): the scorer pool lists it among the group's members as
 ``teacher-<rank>`` and forwards the orchestrator's regroups and update announcements to it
-(`pipeline.scorers.pool`), which the process's scoring loop hands to this follower's own thread:
-the receive runs beside the engine's scoring, and a broadcast waits at most for the scoring
-request in progress when it was announced.
+(`pipeline.scorers.pool`), which the process's socket loop hands to this follower's own thread
+at once (requests are scored on another thread, `pipeline.scorers.role`): the receive runs beside
+the engine's scoring and the trainer waits for the teacher no longer than for a generator.
 
 Invariants:
 - every announced update is received whole, in order, on the group joined last (a group that does
   not list this teacher, or one already superseded by a newer, is not joined; the old channel is
   closed); a failed receive closes the channel until the next regroup, as a generator does;
 - a version ``u`` is kept (copied to host memory) only if a lagged teacher can still ask for it:
-  ``u`` a multiple of the refresh interval M (`lagged_teacher_version`), and not older than the
+  ``u > 0`` (0 is the initial checkpoint) a multiple of the refresh interval M (`lagged_teacher_version`), and not older than the
   version due while the policy is at v - 1 (a request sent before v was reported may still be
   queued) for the newest version v received. Older snapshots are dropped on each receive and on
   each `take`, so with lag K the follower holds at most floor(K / M) + 2 snapshots (the multiples
@@ -127,7 +127,7 @@ class WeightFollower:
         with self._lock:
             # a request sent before v was reported (policy at v - 1) may still ask for this one
             due = lagged_teacher_version(v - 1, self.lag, self.every)
-            keep = v % self.every == 0 and v not in self._snapshots and v >= due
+            keep = v > 0 and v % self.every == 0 and v not in self._snapshots and v >= due  # 0: the initial checkpoint
         snap: dict[str, "torch.Tensor"] = {}
         for name, tensor in update:  # views into the receive buffers: copied before the next bucket
             if keep:

@@ -24,8 +24,10 @@ Invariants:
 - a scorer's own error answer (bad input) fails the group at once (retrying would fail again);
 - at most ``inflight_batches`` requests per scorer, each of at most ``batch_groups`` groups;
 - a live teacher that follows the weights is a member of the trainer's weight group, named
-  ``teacher-<rank>`` with an incarnation that changes when it restarts (`weight_members`), so the
-  trainer builds it into the next group and a dead one (dropped as above) out of it.
+  ``teacher-<rank>`` with an incarnation that changes only when it restarts (`weight_members`), so
+  the trainer builds it into the next group and a dead one (dropped as above) out of it. Weight
+  messages go to the newest process of each rank even while it is dropped for silence (a long
+  scoring request): it may still be a member of the group the trainer broadcasts into.
 
 Worked example: two reward scorers, ``batch_groups=4``; 6 groups arrive: scorer A gets groups
 0-3, scorer B groups 4-5. A is killed: after ``dead_after_s`` without a heartbeat, groups 0-3
@@ -89,7 +91,6 @@ class _Peer:
     rank: int
     slots: int
     last_seen: float
-    incarnation: int = 0
     follows_weights: bool = False
     requests: set[int] = field(default_factory=set)
 
@@ -124,6 +125,8 @@ class RemoteScoring:
         self.requests: dict[int, _Request] = {}
         self._ids = itertools.count()
         self.counts: Counter[str] = Counter()
+        self.followers: dict[int, bytes] = {}  # rank -> the newest teacher process following the weights
+        self.incarnations: dict[bytes, int] = {}  # scorer identity -> its incarnation number
         self.samples: Counter[str] = Counter()
 
     # -- the AsyncScoring interface ------------------------------------------------------------
@@ -154,7 +157,7 @@ class RemoteScoring:
 
     def weight_members(self) -> dict[str, int]:
         """Live teachers that receive the weights: ``teacher-<rank>`` -> incarnation."""
-        return {f"teacher-{p.rank}": p.incarnation for p in self.peers.values() if p.follows_weights}
+        return {f"teacher-{p.rank}": self.incarnations[peer] for peer, p in self.peers.items() if p.follows_weights}
 
     def regroup(self, epoch: int) -> None:
         """The trainer built weight group ``epoch``: tell the teachers that receive weights."""
@@ -165,10 +168,11 @@ class RemoteScoring:
         self._to_followers("weights_update", {"version": int(version)})
 
     def _to_followers(self, kind: str, meta: dict) -> None:
-        for peer, info in list(self.peers.items()):
-            if info.follows_weights and not self.server.send(peer, kind, meta):
+        for peer in list(self.followers.values()):
+            if not self.server.send(peer, kind, meta):
                 self.counts["send_failed"] += 1
-                self._drop_peer(peer)
+                if peer in self.peers:
+                    self._drop_peer(peer)
 
     def metrics(self) -> dict[str, float]:
         live = Counter(p.service for p in self.peers.values())
@@ -212,8 +216,11 @@ class RemoteScoring:
                 self.counts["restarted"] += 1
                 self._drop_peer(old)
             if peer not in self.peers:
-                self.peers[peer] = _Peer(service, rank, max(1, int(msg.meta.get("slots", 1))), now,
-                                         next(self._ids), bool(msg.meta.get("follows_weights")))
+                follows = bool(msg.meta.get("follows_weights"))
+                self.peers[peer] = _Peer(service, rank, max(1, int(msg.meta.get("slots", 1))), now, follows)
+                self.incarnations.setdefault(peer, next(self._ids))
+                if follows:
+                    self.followers[rank] = peer
         elif peer not in self.peers:
             self.server.send(peer, "scorer_who")  # we restarted (or it was dropped): say hello again
             return

@@ -10,8 +10,11 @@ Invariants:
   hello with its service, rank and slots, and sends a heartbeat every second;
 - it answers each ``score`` request with one ``scored`` message: the filled fields as raw arrays
   concatenated over the request's groups (``reward`` [samples], ``token_rewards`` /
-  ``teacher_logprobs`` [completion tokens]) plus ``group_rows`` / ``group_tokens``; an exception
-  while scoring is answered as ``error`` (text), never raised;
+  ``teacher_logprobs`` [completion tokens]) plus ``group_rows`` / ``group_tokens``, in request
+  order; an exception while scoring is answered as ``error`` (text), never raised;
+- requests are scored one at a time on a thread of their own, so the loop that owns the socket
+  keeps its heartbeat (a long request is not taken for a dead scorer) and forwards weight messages
+  while a request is scored;
 - a lagged teacher also receives every weight update (`pipeline.scorers.lagged`): it says so in
   its hello (``follows_weights``), and the pool's ``weights_regroup`` {epoch} / ``weights_update``
   {version} go to its `WeightFollower`, whose own thread joins and receives;
@@ -26,6 +29,8 @@ import logging
 import os
 import threading
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -103,9 +108,17 @@ def serve(run_dir: Path, cfg: ScorersConfig, service: str, rank: int,
     busy_s = 0.0
     started = last_alive = last_heard = last_metrics = time.monotonic()
     stop = stop or threading.Event()
+    scoring = ThreadPoolExecutor(1, thread_name_prefix="scoring")  # the socket stays on this thread
+    answers: deque[Future] = deque()  # in request order
     try:
         while not stop.is_set():
-            msg = client.recv(0.5)
+            msg = client.recv(0.05 if answers else 0.5)
+            while answers and answers[0].done():
+                meta, arrays, seconds = answers.popleft().result()
+                busy_s += seconds
+                client.send("scored", meta, arrays)
+                samples += int(arrays["group_rows"].sum()) if "group_rows" in arrays else 0
+                requests += 1
             now = time.monotonic()
             if msg is not None:
                 last_heard = now
@@ -117,13 +130,8 @@ def serve(run_dir: Path, cfg: ScorersConfig, service: str, rank: int,
                     follower.regroup(int(msg.meta["epoch"]))
                 elif msg.kind == "weights_update" and follower is not None:
                     follower.update(int(msg.meta["version"]))
-                elif msg.kind == "score":
-                    t0 = time.perf_counter()
-                    meta, arrays = _answer(scorer, msg)
-                    busy_s += time.perf_counter() - t0
-                    client.send("scored", meta, arrays)
-                    samples += int(arrays["group_rows"].sum()) if "group_rows" in arrays else 0
-                    requests += 1
+                elif msg.kind == "score":  # scored beside this loop, which keeps heartbeating
+                    answers.append(scoring.submit(_timed_answer, scorer, msg))
             elif now - last_heard > orphan_after_s:
                 log.warning("no word from the scorer pool for %.0fs: leaving", orphan_after_s)
                 break
@@ -143,6 +151,7 @@ def serve(run_dir: Path, cfg: ScorersConfig, service: str, rank: int,
                             samples_per_s=samples / max(now - started, 1e-9), **_teacher_state(scorer))
                 last_metrics = now
     finally:
+        scoring.shutdown(wait=False, cancel_futures=True)
         client.close()
         if follower is not None:
             metrics.log("scorer", service=service, rank=rank, samples=samples, requests=requests,
@@ -164,6 +173,12 @@ def _teacher_state(scorer) -> dict:
 
 #: Service -> the plan component (and metrics role) offering it.
 ROLE_OF = {v: k for k, v in ROLE_SERVICES.items()}
+
+
+def _timed_answer(scorer, msg) -> tuple[dict, dict[str, np.ndarray], float]:
+    t0 = time.perf_counter()
+    meta, arrays = _answer(scorer, msg)
+    return meta, arrays, time.perf_counter() - t0
 
 
 def _answer(scorer, msg) -> tuple[dict, dict[str, np.ndarray]]:
