@@ -229,6 +229,10 @@ def validate(cfg: TokenflowConfig) -> None:
                    "episode.step_rewards records the environment's step rewards in token_rewards, which "
                    "scorer roles (scorers.reward != verifier or scorers.teacher != none) do not pass on: "
                    "use one or the other"))
+    checks.append((cfg.scorers.teacher != "lagged" or (cfg.generator.tensor_parallel_size == 1
+                                                      and cfg.trainer.lora.rank == 0),
+                   "scorers.teacher=lagged receives the policy's full weights as one rank of the weight "
+                   "group: it needs generator.tensor_parallel_size=1 and trainer.lora.rank=0 (docs/scorers.md)"))
     p = cfg.trainer.parallel
     model_parallel = p.tp * (p.etp or p.tp) * p.ep
     checks.append((cfg.cluster.trainer_ranks % (p.tp * p.ep) == 0,

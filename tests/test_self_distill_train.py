@@ -1,6 +1,6 @@
 """Lagged self-distillation in a whole `tokenflow train` run: trainer (megatron-core), a vLLM
-generator and a vLLM teacher that follows the trainer's checkpoints K versions back, with GRPO plus
-the reverse-KL term. A long run on 2 cores: marked slow (TOKENFLOW_SLOW=1 runs it)."""
+generator and a vLLM teacher K versions behind the policy, refreshed from the versions it receives
+over the weight channel (a member of the trainer's weight group), with GRPO plus the reverse-KL term. A long run on 2 cores: marked slow (TOKENFLOW_SLOW=1 runs it)."""
 from __future__ import annotations
 
 import math
@@ -39,6 +39,11 @@ def test_lagged_self_distillation_run_keeps_the_teacher_in_its_window(tmp_path):
         batch = log.read(log.rows())
         consumed_at = {int(r): tv for _, tv, rows in log.step_records() for r in rows}
         rows = log.rows()
+    teacher = [m for m in read_metrics(run, "scorer") if m.get("service") == "teacher"][-1]
+    print("teacher:", {k: v for k, v in teacher.items() if k.startswith(("refresh_", "weights_", "snapshots_"))})
+    assert teacher["weights_received"] >= STEPS - LAG and teacher["weight_failures"] == 0
+    assert teacher["refresh_channel"] >= 2 and teacher["refresh_checkpoint"] == 0  # every refresh over the channel
+    assert teacher["snapshots_held"] <= LAG // EVERY + 2
     tv = batch.columns["teacher_version"]
     print("samples by teacher version:", dict(zip(*np.unique(tv, return_counts=True))))
     assert len(set(tv.tolist())) >= 2 and all(t % EVERY == 0 for t in tv.tolist())  # refreshed

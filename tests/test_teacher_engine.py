@@ -1,5 +1,6 @@
-"""The teacher role on a real vLLM engine: a lagged teacher that follows the policy's snapshots,
-killed with SIGKILL mid-run and restarted in place by its task supervisor. Every group is stored
+"""The teacher role on a real vLLM engine: a lagged teacher that is no member of a weight group (the
+trainer here pushes no weights), so it follows the policy's checkpoints, its fallback for versions
+it never received; killed with SIGKILL mid-run and restarted in place by its task supervisor. Every group is stored
 once, with teacher logprobs equal to transformers' under the snapshot recorded as its
 ``teacher_version``, and that version lies in the lag window across refreshes."""
 from __future__ import annotations

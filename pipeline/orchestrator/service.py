@@ -222,7 +222,10 @@ class Orchestrator:
     def _on_members(self, peer: bytes, msg: m.ListMembers) -> None:
         """The trainer asks which generators are alive (to build the weight group)."""
         self._reap_dead()
-        self._send(peer, m.Members(self.generators.members()))
+        members = self.generators.members()
+        if hasattr(self.scoring, "weight_members"):  # a lagged teacher receives the weights too
+            members = {**members, **self.scoring.weight_members()}
+        self._send(peer, m.Members(members))
         for gen in self.generators.released():  # the trainer's next group is built without them
             self._send(gen, m.Stop())
 
@@ -232,6 +235,8 @@ class Orchestrator:
         self._membership("regroup", None, epoch=msg.epoch)
         for gen in self.generators.listeners():
             self._send(gen, msg)
+        if hasattr(self.scoring, "regroup"):
+            self.scoring.regroup(msg.epoch)
 
     def _reap_dead(self) -> None:
         for peer in self.generators.reap():
@@ -436,6 +441,8 @@ class Orchestrator:
         self.clock.weights_announced(msg.version)
         for gen in self.generators.listeners():
             self._send(gen, m.Update(msg.version))
+        if hasattr(self.scoring, "weights_announced"):
+            self.scoring.weights_announced(msg.version)
 
     def _on_finish(self, peer: bytes, msg: m.Finish) -> None:
         for gen in self.generators.listeners():

@@ -196,6 +196,8 @@ class TrainerRole:
                                    if "model_mask" in batch.columns else None,
                                    teacher_logprobs=batch.tokens("teacher_logprobs", i)
                                    if "teacher_logprobs" in batch.columns else None,
+                                   token_rewards=batch.tokens("token_rewards", i)
+                                   if "token_rewards" in batch.columns else None,
                                    routed_experts=sequence_routing(batch.prompt(i, "prompt_routed_experts"),
                                                                    batch.tokens("routed_experts", i))
                                    if "routed_experts" in batch.columns else None) for i in range(len(batch))]

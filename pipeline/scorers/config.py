@@ -31,13 +31,14 @@ class ScorersConfig:
     teacher: str = "none"
     """"none"; "frozen": a vLLM engine on ``teacher_model`` fills ``teacher_logprobs``;
     "lagged": the teacher is the policy's own snapshot ``teacher_lag`` versions back, refreshed
-    at every trainer checkpoint (``run.checkpoint_every`` steps; docs/scorers.md)."""
+    every ``run.checkpoint_every`` steps from the versions it receives over the weight channel
+    (docs/scorers.md)."""
     teacher_model: str = ""
     """Checkpoint directory of the frozen teacher (same tokenizer as the policy); "lagged": the
     policy's initial checkpoint (version 0), empty = the run's model."""
     teacher_lag: int = 1
     """lagged: K, how many versions the teacher trails the policy (>= 1: the snapshot of version
-    v - K is on disk before the policy reaches v)."""
+    v - K was received before the policy reaches v)."""
     reward_scorers: int = 1
     """Reward scorer processes (with reward != verifier)."""
     teachers: int = 1

@@ -9,6 +9,9 @@ messages (msgpack header + raw array frames, signed with the run secret; no pick
   scorer -> pool   ``scorer_hello`` {service, rank, slots}; ``scorer_alive`` {} every second;
                    ``scored`` {request, jobs, error} + one array per filled field
   pool -> scorer   ``score`` {request, jobs, schema} + the groups' columns (one SampleBatch)
+  pool -> teacher  ``weights_regroup`` {epoch}, ``weights_update`` {version}: the orchestrator's
+                   weight-group changes and update announcements, to a lagged teacher (one that
+                   said ``follows_weights``; `pipeline.scorers.lagged`)
 
 Invariants:
 - a group needs every configured service ("reward": reward model or process rewards; "teacher":
@@ -19,7 +22,12 @@ Invariants:
   to the front of its service's queue and is re-sent to a live scorer: a dying scorer costs no
   group. After ``max_attempts`` sends the group completes with an error (``score_error``);
 - a scorer's own error answer (bad input) fails the group at once (retrying would fail again);
-- at most ``inflight_batches`` requests per scorer, each of at most ``batch_groups`` groups.
+- at most ``inflight_batches`` requests per scorer, each of at most ``batch_groups`` groups;
+- a live teacher that follows the weights is a member of the trainer's weight group, named
+  ``teacher-<rank>`` with an incarnation that changes only when it restarts (`weight_members`), so
+  the trainer builds it into the next group and a dead one (dropped as above) out of it. Weight
+  messages go to the newest process of each rank even while it is dropped for silence (a long
+  scoring request): it may still be a member of the group the trainer broadcasts into.
 
 Worked example: two reward scorers, ``batch_groups=4``; 6 groups arrive: scorer A gets groups
 0-3, scorer B groups 4-5. A is killed: after ``dead_after_s`` without a heartbeat, groups 0-3
@@ -56,7 +64,7 @@ SERVICE_FIELDS = {"reward": ("reward", "token_rewards"), "teacher": ("teacher_lo
 
 def lagged_teacher_version(policy_version: int, lag: int, every: int) -> int:
     """The snapshot a lagged teacher uses while the policy is at ``policy_version``: the newest
-    checkpointed version (a multiple of ``every``) at most ``lag`` behind, so it lies in
+    multiple of ``every`` (the refresh interval, ``run.checkpoint_every``) at most ``lag`` behind, so it lies in
     [v - lag - every + 1, v - lag]; before the policy reaches ``lag``, version 0 (the initial
     weights). Example: lag 2, every 3: v = 2..4 -> 0, v = 5..7 -> 3, v = 8 -> 6."""
     return max(0, (policy_version - lag) // every * every)
@@ -83,6 +91,7 @@ class _Peer:
     rank: int
     slots: int
     last_seen: float
+    follows_weights: bool = False
     requests: set[int] = field(default_factory=set)
 
 
@@ -99,8 +108,8 @@ class RemoteScoring:
 
     def __init__(self, run_dir: Path, cfg: ScorersConfig, schema: RecordSchema,
                  verifier: Scorer | None, transport: TransportConfig, refresh_every: int = 1):
-        """``refresh_every``: the steps between the trainer's checkpoints (a lagged teacher's
-        snapshots)."""
+        """``refresh_every``: M, the steps between a lagged teacher's refreshes (the trainer's
+        checkpoint interval, so a teacher that missed a broadcast finds that version on disk)."""
         self.cfg, self.schema, self.verifier = cfg, schema, verifier
         self.refresh_every = refresh_every
         self.policy_version: Callable[[], int] = lambda: 0
@@ -116,6 +125,8 @@ class RemoteScoring:
         self.requests: dict[int, _Request] = {}
         self._ids = itertools.count()
         self.counts: Counter[str] = Counter()
+        self.followers: dict[int, bytes] = {}  # rank -> the newest teacher process following the weights
+        self.incarnations: dict[bytes, int] = {}  # scorer identity -> its incarnation number
         self.samples: Counter[str] = Counter()
 
     # -- the AsyncScoring interface ------------------------------------------------------------
@@ -143,6 +154,25 @@ class RemoteScoring:
     def bind_clock(self, clock) -> None:
         """Follow the orchestrator's policy clock: the trainer's last reported version."""
         self.policy_version = lambda: clock.reported or 0
+
+    def weight_members(self) -> dict[str, int]:
+        """Live teachers that receive the weights: ``teacher-<rank>`` -> incarnation."""
+        return {f"teacher-{p.rank}": self.incarnations[peer] for peer, p in self.peers.items() if p.follows_weights}
+
+    def regroup(self, epoch: int) -> None:
+        """The trainer built weight group ``epoch``: tell the teachers that receive weights."""
+        self._to_followers("weights_regroup", {"epoch": int(epoch)})
+
+    def weights_announced(self, version: int) -> None:
+        """The trainer is about to broadcast ``version``: the followers receive it too."""
+        self._to_followers("weights_update", {"version": int(version)})
+
+    def _to_followers(self, kind: str, meta: dict) -> None:
+        for peer in list(self.followers.values()):
+            if not self.server.send(peer, kind, meta):
+                self.counts["send_failed"] += 1
+                if peer in self.peers:
+                    self._drop_peer(peer)
 
     def metrics(self) -> dict[str, float]:
         live = Counter(p.service for p in self.peers.values())
@@ -186,7 +216,11 @@ class RemoteScoring:
                 self.counts["restarted"] += 1
                 self._drop_peer(old)
             if peer not in self.peers:
-                self.peers[peer] = _Peer(service, rank, max(1, int(msg.meta.get("slots", 1))), now)
+                follows = bool(msg.meta.get("follows_weights"))
+                self.peers[peer] = _Peer(service, rank, max(1, int(msg.meta.get("slots", 1))), now, follows)
+                self.incarnations.setdefault(peer, next(self._ids))
+                if follows:
+                    self.followers[rank] = peer
         elif peer not in self.peers:
             self.server.send(peer, "scorer_who")  # we restarted (or it was dropped): say hello again
             return

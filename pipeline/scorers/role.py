@@ -10,8 +10,14 @@ Invariants:
   hello with its service, rank and slots, and sends a heartbeat every second;
 - it answers each ``score`` request with one ``scored`` message: the filled fields as raw arrays
   concatenated over the request's groups (``reward`` [samples], ``token_rewards`` /
-  ``teacher_logprobs`` [completion tokens]) plus ``group_rows`` / ``group_tokens``; an exception
-  while scoring is answered as ``error`` (text), never raised;
+  ``teacher_logprobs`` [completion tokens]) plus ``group_rows`` / ``group_tokens``, in request
+  order; an exception while scoring is answered as ``error`` (text), never raised;
+- requests are scored one at a time on a thread of their own, so the loop that owns the socket
+  keeps its heartbeat (a long request is not taken for a dead scorer) and forwards weight messages
+  while a request is scored;
+- a lagged teacher also receives every weight update (`pipeline.scorers.lagged`): it says so in
+  its hello (``follows_weights``), and the pool's ``weights_regroup`` {epoch} / ``weights_update``
+  {version} go to its `WeightFollower`, whose own thread joins and receives;
 - it exits on ``scorer_stop`` (the orchestrator closed), on the task's stop request, or after
   ``orphan_after_s`` without hearing from the pool (its orchestrator is gone for good).
 """
@@ -23,6 +29,8 @@ import logging
 import os
 import threading
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -64,9 +72,21 @@ def _address(run_dir: Path, timeout_s: float) -> str:
             time.sleep(0.1)
 
 
+def weight_follower(run_cfg, rank: int, rendezvous):
+    """A lagged teacher's `WeightFollower` (None for any other service)."""
+    if run_cfg.scorers.teacher != "lagged":
+        return None
+    from pipeline.scorers.lagged import WeightFollower
+
+    return WeightFollower(f"teacher-{rank}", rendezvous, run_cfg.scorers.teacher_lag,
+                          run_cfg.run.checkpoint_every, run_cfg.generator.weight_timeout_s)
+
+
 def serve(run_dir: Path, cfg: ScorersConfig, service: str, rank: int,
-          stop: threading.Event | None = None, orphan_after_s: float = 300.0) -> dict:
-    """Answer score requests until told to stop; returns totals (samples, busy seconds)."""
+          stop: threading.Event | None = None, orphan_after_s: float = 300.0,
+          follower=None) -> dict:
+    """Answer score requests until told to stop; returns totals (samples, busy seconds).
+    ``follower``: a lagged teacher's `WeightFollower` (closed on return)."""
     from pipeline.metrics import MetricsWriter
 
     run_dir = Path(run_dir)
@@ -75,20 +95,30 @@ def serve(run_dir: Path, cfg: ScorersConfig, service: str, rank: int,
         from pipeline.roles.common import model_dir
         teacher_model = str(model_dir(run_dir, timeout_s=orphan_after_s))
     scorer = build_scorer(cfg, service, run_dir, teacher_model)
+    scorer.follower = follower
     key = load_or_create_secret(run_dir)
     address = _address(run_dir, orphan_after_s)
     identity = f"{service}-{rank}-{os.getpid()}"
     client = MessageClient(key, address, TransportConfig(), identity)
     metrics = MetricsWriter(run_dir, f"{ROLE_OF[service]}.{rank}")
-    hello = {"service": service, "rank": rank, "slots": cfg.inflight_batches}
+    hello = {"service": service, "rank": rank, "slots": cfg.inflight_batches,
+             "follows_weights": follower is not None}
     client.send("scorer_hello", hello)
     samples = requests = 0
     busy_s = 0.0
     started = last_alive = last_heard = last_metrics = time.monotonic()
     stop = stop or threading.Event()
+    scoring = ThreadPoolExecutor(1, thread_name_prefix="scoring")  # the socket stays on this thread
+    answers: deque[Future] = deque()  # in request order
     try:
         while not stop.is_set():
-            msg = client.recv(0.5)
+            msg = client.recv(0.05 if answers else 0.5)
+            while answers and answers[0].done():
+                meta, arrays, seconds = answers.popleft().result()
+                busy_s += seconds
+                client.send("scored", meta, arrays)
+                samples += int(arrays["group_rows"].sum()) if "group_rows" in arrays else 0
+                requests += 1
             now = time.monotonic()
             if msg is not None:
                 last_heard = now
@@ -96,13 +126,12 @@ def serve(run_dir: Path, cfg: ScorersConfig, service: str, rank: int,
                     break
                 if msg.kind == "scorer_who":
                     client.send("scorer_hello", hello)
-                elif msg.kind == "score":
-                    t0 = time.perf_counter()
-                    meta, arrays = _answer(scorer, msg)
-                    busy_s += time.perf_counter() - t0
-                    client.send("scored", meta, arrays)
-                    samples += int(arrays["group_rows"].sum()) if "group_rows" in arrays else 0
-                    requests += 1
+                elif msg.kind == "weights_regroup" and follower is not None:
+                    follower.regroup(int(msg.meta["epoch"]))
+                elif msg.kind == "weights_update" and follower is not None:
+                    follower.update(int(msg.meta["version"]))
+                elif msg.kind == "score":  # scored beside this loop, which keeps heartbeating
+                    answers.append(scoring.submit(_timed_answer, scorer, msg))
             elif now - last_heard > orphan_after_s:
                 log.warning("no word from the scorer pool for %.0fs: leaving", orphan_after_s)
                 break
@@ -119,16 +148,37 @@ def serve(run_dir: Path, cfg: ScorersConfig, service: str, rank: int,
             if now - last_metrics >= 5.0:
                 metrics.log("scorer", service=service, rank=rank, samples=samples, requests=requests,
                             busy_s=busy_s, samples_per_busy_s=samples / max(busy_s, 1e-9),
-                            samples_per_s=samples / max(now - started, 1e-9))
+                            samples_per_s=samples / max(now - started, 1e-9), **_teacher_state(scorer))
                 last_metrics = now
     finally:
+        scoring.shutdown(wait=False, cancel_futures=True)
         client.close()
+        if follower is not None:
+            metrics.log("scorer", service=service, rank=rank, samples=samples, requests=requests,
+                        busy_s=busy_s, **_teacher_state(scorer))
+            follower.close()
         metrics.close()
     return {"service": service, "samples": samples, "requests": requests, "busy_s": busy_s}
 
 
+def _teacher_state(scorer) -> dict:
+    """A lagged teacher's refreshes by source and what its follower received and holds."""
+    f = getattr(scorer, "follower", None)
+    if f is None:
+        return {}
+    return {"teacher_version": scorer.version, **{f"refresh_{k}": n for k, n in scorer.refreshes.items()},
+            "weights_received": f.updates, "weights_version": f.received, "snapshots_kept": f.kept,
+            "snapshots_held": len(f.held()), "weight_failures": f.failures}
+
+
 #: Service -> the plan component (and metrics role) offering it.
 ROLE_OF = {v: k for k, v in ROLE_SERVICES.items()}
+
+
+def _timed_answer(scorer, msg) -> tuple[dict, dict[str, np.ndarray], float]:
+    t0 = time.perf_counter()
+    meta, arrays = _answer(scorer, msg)
+    return meta, arrays, time.perf_counter() - t0
 
 
 def _answer(scorer, msg) -> tuple[dict, dict[str, np.ndarray]]:
@@ -158,7 +208,9 @@ def main(task) -> dict:
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {task.role} %(levelname)s %(message)s")
     cfg = load_run_config(task.run_dir)
-    return serve(task.run_dir, cfg.scorers, ROLE_SERVICES[task.role], task.rank, task.stop_requested)
+    service = ROLE_SERVICES[task.role]
+    follower = weight_follower(cfg, task.rank, task.rendezvous) if service == "teacher" else None
+    return serve(task.run_dir, cfg.scorers, service, task.rank, task.stop_requested, follower=follower)
 
 
 def cli(argv: list[str] | None = None) -> int:
@@ -172,7 +224,13 @@ def cli(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.service} %(levelname)s %(message)s")
-    serve(args.run_dir, load_run_config(args.run_dir).scorers, args.service, args.rank)
+    cfg = load_run_config(args.run_dir)
+    follower = None
+    if args.service == "teacher":
+        from pipeline.launch.rendezvous import Rendezvous, running_attempt
+
+        follower = weight_follower(cfg, args.rank, Rendezvous(args.run_dir, running_attempt(args.run_dir, 300.0)))
+    serve(args.run_dir, cfg.scorers, args.service, args.rank, follower=follower)
     return 0
 
 

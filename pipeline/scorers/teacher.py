@@ -10,10 +10,14 @@ Invariants:
 - prefix caching is off (cached prefixes would come back without prompt logprobs) and, on CPU,
   prefills are never chunked (`pipeline.generator.engine` has the reason);
 - the teacher and the policy share a tokenizer: completion token ids are scored as they are;
-- a lagged teacher (`use_version`) holds one policy snapshot at a time: version 0 is the
-  checkpoint it started from, version N > 0 the trainer's checkpoint ``RUN/checkpoints/step-N``
-  (its ``model-r*.safetensors``, Hugging Face names), loaded in place through the generator's
-  worker extension; ``version`` is the snapshot the last answer was computed with.
+- a lagged teacher (`use_version`) holds one policy snapshot at a time in its engine: version 0
+  is the checkpoint it started from, version N > 0 the snapshot its `WeightFollower` received over
+  the weight channel (``source`` "channel"), or, for a version broadcast before this process was
+  a member of the weight group (it restarted, started late or the run resumed), the trainer's
+  checkpoint ``RUN/checkpoints/step-N`` (``source`` "checkpoint"; its ``model-r*.safetensors``);
+  either is loaded in place through the generator's worker extension. Asked for a version older
+  than the one it holds (a request queued across a refresh), it keeps the newer one, which lies
+  in the window too. ``version`` is the snapshot the last answer was computed with.
 
 Worked example: prompt ``[5, 9]``, completion ``[4, 2]``: the request is ``[5, 9, 4, 2]``; prompt
 logprobs come back as ``[None, lp(9|5), lp(4|5 9), lp(2|5 9 4)]`` and the teacher logprobs are
@@ -61,35 +65,66 @@ class TeacherScorer:
         self.max_model_len = max_model_len
         self.checkpoint, self.run_dir, self.snapshot_wait_s = Path(checkpoint), run_dir, snapshot_wait_s
         self.version = 0
+        self.follower = None  # a lagged teacher's WeightFollower (set by the role)
+        self.refreshes: dict[str, int] = {"channel": 0, "checkpoint": 0, "initial": 0}
         mark_owner()  # the engine's processes end when this one dies, SIGKILL included
         self.llm = LLM(model=str(checkpoint), dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
                        enable_prefix_caching=False, seed=0, disable_log_stats=True,
                        worker_extension_cls=EXTENSION, **extra)
 
     def use_version(self, version: int) -> int:
-        """Hold policy snapshot ``version`` (load it unless held); returns it."""
-        if version == self.version:
-            return version
-        if version == 0:
-            files = [self.checkpoint]
+        """Hold policy snapshot ``version`` (load it unless held; a newer one held is kept);
+        returns the version held."""
+        if 0 <= version <= self.version:
+            return self.version
+        snap = self.follower.take(version) if self.follower is not None and version > 0 else None
+        if snap is not None:
+            self._load_tensors(snap)
+            source = "channel"
+        elif version == 0:
+            self._load_files([self.checkpoint])
+            source = "initial"
         else:
-            from pipeline.run_files import CHECKPOINTS_DIR, checkpoint_name
+            self._load_files(self._checkpoint_files(version))
+            source = "checkpoint"
+        self.version = version
+        self.refreshes[source] += 1
+        return version
 
-            if self.run_dir is None:
-                raise ValueError("a lagged teacher needs the run directory")
-            snap = Path(self.run_dir) / CHECKPOINTS_DIR / checkpoint_name(version)
-            deadline = time.monotonic() + self.snapshot_wait_s
-            while not (snap / "COMPLETE").exists():  # written last, after every shard
-                if time.monotonic() > deadline:
-                    raise FileNotFoundError(f"no complete policy snapshot {snap} after "
-                                            f"{self.snapshot_wait_s:.0f}s")
-                time.sleep(0.2)
-            files = sorted(snap.glob("model-r*.safetensors"))
+    def _checkpoint_files(self, version: int) -> list[Path]:
+        from pipeline.run_files import CHECKPOINTS_DIR, checkpoint_name
+
+        if self.run_dir is None:
+            raise ValueError("a lagged teacher needs the run directory")
+        snap = Path(self.run_dir) / CHECKPOINTS_DIR / checkpoint_name(version)
+        deadline = time.monotonic() + self.snapshot_wait_s
+        while not (snap / "COMPLETE").exists():  # written last, after every shard
+            if time.monotonic() > deadline:
+                raise FileNotFoundError(f"policy version {version} was not received over the weight "
+                                        f"channel and {snap} is not complete after {self.snapshot_wait_s:.0f}s")
+            time.sleep(0.2)
+        return sorted(snap.glob("model-r*.safetensors"))
+
+    def _load_files(self, files: list[Path]) -> None:
         self.version = -1  # a failed load leaves mixed weights: held version unknown
         for f in files:
             self.llm.collective_rpc("load_weights_from_safetensors", args=(str(f),))
-        self.version = version
-        return version
+
+    def _load_tensors(self, named: dict) -> None:
+        """Load a received snapshot: written to a private safetensors file in host memory
+        (/dev/shm where there is one), loaded like a checkpoint shard, removed."""
+        import shutil
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        where = tempfile.mkdtemp(prefix="tokenflow-teacher-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        try:
+            path = Path(where) / "snapshot.safetensors"
+            save_file({k: t.contiguous() for k, t in named.items()}, str(path))
+            self._load_files([path])
+        finally:
+            shutil.rmtree(where, ignore_errors=True)
 
     def __call__(self, batch: SampleBatch) -> dict[str, np.ndarray]:
         from vllm import SamplingParams

@@ -51,6 +51,7 @@ class LossConfig:
     kl_coef: float = 0.0  # weight of the k3 KL estimate to the reference policy (0: off)
     pg_coef: float = 1.0  # weight of the policy-gradient (PPO-clip) term; 0 with distill_coef > 0: distillation alone
     distill_coef: float = 0.0  # weight of the reverse KL to the teacher (needs teacher_logprobs: scorers.teacher; loss.py, docs/scorers.md)
+    token_reward_coef: float = 0.0  # c in the per-token advantage A + c * (reward-to-go of token_rewards) (0: off; needs token_rewards; loss.py)
     aggregation: str = "token"  # "token" (global token mean) or "sequence" (mean of row means)
     advantage_std_norm: bool = True  # GRPO: divide by the group's reward std (Dr. GRPO: False)
 

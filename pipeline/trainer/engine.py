@@ -30,7 +30,7 @@ import numpy as np
 from .layout import PaddedLayout, TrainSample
 from .config import TrainerConfig
 from .corrections import check_trainer_config
-from .loss import group_advantages, policy_loss
+from .loss import group_advantages, policy_loss, reward_to_go, token_advantages
 from .routing_replay import RoutingReplay, attach_routing
 from .sampling_mask import attach_kept_ids, kept_log_mass
 
@@ -260,6 +260,8 @@ class Trainer:
                 extra["ref"] = [ref[i] for i in chunk]
             if self.cfg.loss.distill_coef:
                 extra["teacher"] = [_teacher_logprobs(samples[i]) for i in chunk]
+            if self.cfg.loss.token_reward_coef:
+                extra["token_returns"] = [_token_returns(samples[i]) for i in chunk]
             for k, v in self._optimizer_step(part, extra).items():  # tokens: sum, *_max: max, others: mean
                 totals[k] = max(totals.get(k, 0.0), v) if k.endswith("_max") else \
                     totals.get(k, 0.0) + (v if k == "tokens" else v / len(chunks))
@@ -294,7 +296,10 @@ class Trainer:
                                     for i, st, c in zip(mb.sample_index, mb.starts, mb.lengths)])
             logp, entropy = self._token_logprobs(self.model, mb, want_entropy=True, count_routing=True)
             loss, m = policy_loss(
-                logp, mb.extras["behaviour"], mb.extras["advantage"], mb.loss_mask, normaliser,
+                logp, mb.extras["behaviour"],
+                token_advantages(mb.extras["advantage"], self.layout.scatter(mb, extra["token_returns"])
+                                 if "token_returns" in extra else None, cfg.loss.token_reward_coef),
+                mb.loss_mask, normaliser,
                 cfg.loss,
                 proximal_logprobs=self.layout.scatter(mb, extra["proximal"]) if "proximal" in extra else None,
                 ref_logprobs=self.layout.scatter(mb, extra["ref"]) if "ref" in extra else None,
@@ -384,3 +389,10 @@ def _teacher_logprobs(sample: TrainSample) -> np.ndarray:
         raise ValueError("trainer.loss.distill_coef is set but a sample has no teacher logprobs "
                          "(scorers.teacher must be set: docs/scorers.md)")
     return sample.teacher_logprobs
+
+
+def _token_returns(sample: TrainSample) -> np.ndarray:
+    if sample.token_rewards is None:
+        raise ValueError("trainer.loss.token_reward_coef is set but a sample has no token rewards "
+                         "(scorers.reward=process_reward, or an environment with step rewards)")
+    return reward_to_go(sample.token_rewards)

@@ -45,6 +45,7 @@ class TrainSample:
     routed_experts: np.ndarray | None = None  # [P + C - 1, layers, k] generator routing (routing_replay.py)
     model_mask: np.ndarray | None = None  # [C] 1 = sampled by the policy, 0 = environment token (episodes); None: all 1
     teacher_logprobs: np.ndarray | None = None  # float, length C: the teacher's logprobs of the completion (distillation, loss.py)
+    token_rewards: np.ndarray | None = None  # float, length C: per-token rewards (process rewards, environment step rewards; loss.py)
 
     def __post_init__(self):
         self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int64)

@@ -33,6 +33,16 @@ importance-weighted like the PG term. Metric ``teacher_kl`` sums rkl over masked
 Example: logp = log 0.5, teacher = log 0.25 at one token: rkl = log 2 = 0.693; the term's gradient
 pushes logp of that token down with weight 0.693 * distill_coef / N.
 
+Per-token rewards (``token_rewards``: a process-reward scorer's step scores, an episode's
+per-step environment rewards; 0 at tokens without one). With ``token_reward_coef`` c != 0 the
+advantage of completion token t of a sequence with advantage A is
+  A_t = A + c * sum_{t' >= t} r_t'                      (the undiscounted reward-to-go)
+so a step's reward credits every token up to and including the one it is recorded at, and
+nothing after it. The sum runs over every completion token, environment tokens (model_mask 0,
+never trained) included: an environment reward recorded at a tool-output token still credits
+the model tokens before it. Example: A = 0.5, c = 0.1, token_rewards = [0, 2, 0, -1]: the
+reward-to-go is [1, 1, -1, -1] and A_t = [0.6, 0.6, 0.4, 0.4].
+
 Worked example (token aggregation, eps = 0.2, token_tis with cap 2, no KL): one row of 2 tokens,
 A = +1, behaviour = 0, proximal = [log 1.0, log 2.5], logp = [log 1.5, log 2.5], global token
 count 4:
@@ -42,6 +52,7 @@ count 4:
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .config import LossConfig
@@ -65,6 +76,28 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, std_norm: b
         return centered.float()
     var = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, centered ** 2) / counts
     return (centered / (var.sqrt()[inverse] + eps)).float()
+
+
+def reward_to_go(token_rewards: np.ndarray) -> np.ndarray:
+    """``out[t] = sum_{t' >= t} token_rewards[t']`` (float32; summed in float64)."""
+    r = np.asarray(token_rewards, dtype=np.float64)
+    if r.ndim != 1 or not np.isfinite(r).all():
+        raise ValueError(f"token rewards must be a finite 1-D array, got shape {r.shape}")
+    return np.cumsum(r[::-1])[::-1].astype(np.float32)
+
+
+def token_advantages(advantages: torch.Tensor, token_returns: torch.Tensor | None,
+                     coef: float) -> torch.Tensor:
+    """Per-token advantages ``A[:, None] + coef * token_returns`` (``[rows, tokens]``, the
+    returns from `reward_to_go`, laid out like the logprobs); ``advantages`` as they are when
+    ``coef`` is 0. See "Per-token rewards" in the module docstring."""
+    if not coef:
+        return advantages
+    if token_returns is None:
+        raise ValueError("trainer.loss.token_reward_coef is set but no token rewards were given "
+                         "(scorers.reward=process_reward, or an environment with step rewards)")
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages
+    return adv + coef * token_returns.to(adv.dtype)
 
 
 def policy_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,

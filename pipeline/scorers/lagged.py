@@ -1,0 +1,147 @@
+"""A lagged teacher's receiving end of the weight channel: every policy version the trainer pushes
+arrives here, and the versions the teacher will switch to later are kept in host memory.
+
+The teacher process is one more receiver rank of the trainer's weight group (`pipeline.weights.
+group`, `docs/weight-sync.md`): the scorer pool lists it among the group's members as
+``teacher-<rank>`` and forwards the orchestrator's regroups and update announcements to it
+(`pipeline.scorers.pool`), which the process's socket loop hands to this follower's own thread
+at once (requests are scored on another thread, `pipeline.scorers.role`): the receive runs beside
+the engine's scoring and the trainer waits for the teacher no longer than for a generator.
+
+Invariants:
+- every announced update is received whole, in order, on the group joined last (a group that does
+  not list this teacher, or one already superseded by a newer, is not joined; the old channel is
+  closed); a failed receive closes the channel until the next regroup, as a generator does;
+- a version ``u`` is kept (copied to host memory) only if a lagged teacher can still ask for it:
+  ``u > 0`` (0 is the initial checkpoint) a multiple of the refresh interval M (`lagged_teacher_version`), and not older than the
+  version due while the policy is at v - 1 (a request sent before v was reported may still be
+  queued) for the newest version v received. Older snapshots are dropped on each receive and on
+  each `take`, so with lag K the follower holds at most floor(K / M) + 2 snapshots (the multiples
+  of M in [due(v - 1), v]; one fewer once the due one is loaded into the engine). Host memory:
+  that many copies of the weights (float32 of the trainer's parameters).
+
+Worked example, K = 2, M = 3: versions 1..9 arrive. Kept: 3, 6, 9. After version 6 the due
+version (at policy 5) is 3: held {3, 6} (2 = floor(2/3) + 2); the teacher takes 3 when asked
+(policy at 5..7): held {6}; after 9 (due at 8: 6): held {6, 9}.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import TYPE_CHECKING
+
+from pipeline.scorers.pool import lagged_teacher_version
+
+if TYPE_CHECKING:
+    import torch
+
+    from pipeline.launch.rendezvous import Rendezvous
+
+log = logging.getLogger(__name__)
+
+
+class WeightFollower:
+    """Receives every weight update in its own thread and keeps the snapshots a lagged teacher
+    will need (see the module docstring)."""
+
+    def __init__(self, identity: str, rendezvous: "Rendezvous", lag: int, every: int, timeout_s: float):
+        """``identity``: this teacher's member name in the weight group (``teacher-<rank>``);
+        ``lag``, ``every``: K and M; ``timeout_s``: of every join and receive."""
+        self.identity, self.rendezvous = identity, rendezvous
+        self.lag, self.every, self.timeout_s = lag, every, timeout_s
+        self.channel = None
+        self.epoch = 0
+        self.received: int | None = None  # newest version received whole
+        self.updates = self.kept = self.failures = 0
+        self._snapshots: dict[int, dict[str, "torch.Tensor"]] = {}
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[tuple[str, int] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="weight-follower", daemon=True)
+        self._thread.start()
+
+    # -- from the scorer's loop -------------------------------------------------------------
+    def regroup(self, epoch: int) -> None:
+        """The trainer built weight group ``epoch``: join it (if it lists this teacher)."""
+        self._queue.put(("regroup", epoch))
+
+    def update(self, version: int) -> None:
+        """The trainer announced ``version``: its broadcast follows on the current group."""
+        self._queue.put(("update", version))
+
+    def take(self, version: int) -> dict[str, "torch.Tensor"] | None:
+        """The snapshot of ``version`` (HF names -> CPU tensors), given up by the follower, or
+        None if it was never received; snapshots older than ``version`` are dropped."""
+        with self._lock:
+            snap = self._snapshots.pop(version, None)
+            for old in [v for v in self._snapshots if v < version]:
+                del self._snapshots[old]
+        return snap
+
+    def held(self) -> list[int]:
+        with self._lock:
+            return sorted(self._snapshots)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(self.timeout_s)
+        self._close_channel()
+
+    # -- the follower's thread --------------------------------------------------------------
+    def _run(self) -> None:
+        from pipeline.weights.group import WeightSyncError
+
+        while (item := self._queue.get()) is not None:
+            kind, value = item
+            try:
+                if kind == "regroup":
+                    self._join(value)
+                elif self.channel is not None:
+                    self._receive(value)
+            except (WeightSyncError, TimeoutError) as exc:  # the trainer regroups; wait for it
+                self.failures += 1
+                self._close_channel()
+                log.error("weight %s %d failed (%s); waiting for the trainer's next group", kind, value, exc)
+
+    def _join(self, epoch: int) -> None:
+        from pipeline.weights.group import TorchDistChannel
+
+        if epoch <= self.epoch or self.rendezvous.get(f"weights-{epoch + 1}") is not None:
+            return  # old news, or a group the trainer gave up already (its successor's regroup follows)
+        w = self.rendezvous.wait(f"weights-{epoch}", self.timeout_s)
+        self._close_channel()
+        self.epoch = epoch
+        me = w["ranks"].get(self.identity)
+        if me is None:
+            log.info("weight group epoch %d does not list %s", epoch, self.identity)
+            return
+        self.channel = TorchDistChannel(w["host"], w["port"], me, w["world_size"], self.timeout_s,
+                                        w["backend"], epoch, w.get("senders", 1))
+        log.info("joined weight group epoch %d as rank %d of %d", epoch, me, w["world_size"])
+
+    def _receive(self, announced: int) -> None:
+        update = self.channel.receive(stage=False)
+        v = update.version
+        if v != announced:
+            log.warning("announced version %d, received %d", announced, v)
+        with self._lock:
+            # a request sent before v was reported (policy at v - 1) may still ask for this one
+            due = lagged_teacher_version(v - 1, self.lag, self.every)
+            keep = v > 0 and v % self.every == 0 and v not in self._snapshots and v >= due  # 0: the initial checkpoint
+        snap: dict[str, "torch.Tensor"] = {}
+        for name, tensor in update:  # views into the receive buffers: copied before the next bucket
+            if keep:
+                snap[name] = tensor.detach().to("cpu", copy=True)
+        with self._lock:
+            if keep:
+                self._snapshots[v] = snap
+                self.kept += 1
+            for old in [u for u in self._snapshots if u < due]:
+                del self._snapshots[old]
+            self.received = v
+            self.updates += 1
+
+    def _close_channel(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
