@@ -37,5 +37,6 @@ def test_tp2_ep2_streams_each_expert_from_its_owner_and_receivers_get_the_checkp
     assert all("experts" in n for n in by_rank[2]["sent"]), "only the leader sends dense weights"
     sent = by_rank[0]["sent"] + by_rank[2]["sent"]
     assert len(sent) == len(set(sent)) == r["receivers"][0]["checkpoint_tensors"]
-    for t in (by_rank[0], by_rank[2]):
-        assert 0 < t["buffers_allocated"] <= 2 * t["max_bucket"]
+    for t in (by_rank[0], by_rank[2]):  # 0 when every bucket of a sender is one tensor's bytes (sent uncopied)
+        assert 0 <= t["buffers_allocated"] <= 2 * t["max_bucket"]
+    assert by_rank[0]["buffers_allocated"] > 0  # the leader packs the small dense tensors

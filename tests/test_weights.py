@@ -70,6 +70,30 @@ def test_large_tensor_is_split_over_buckets_and_bf16_fp32_mix():
     assert torch.equal(out["c"], named[2][1])
 
 
+def test_a_bucket_that_is_one_tensors_bytes_is_sent_and_received_without_a_copy():
+    """borrow: the whole-bucket piece of c (bucket 1 of the worked example) is c's own memory; the
+    mixed buckets are packed copies. A receiver's Assembly takes a piece received in place as is."""
+    from pipeline.weights.buckets import BufferPair, lone
+
+    named = [("a", torch.randn(100)), ("b", torch.randn(300).bfloat16()),
+             ("c", torch.randn(1000)), ("d", torch.randn(10))]
+    plan = BucketPlan.for_tensors(named, 2048)
+    assert [lone(b, n) is not None for b, n in zip(plan.buckets, plan.sizes)] == [False, True, False]
+    c = named[2][1]
+    buffers = BufferPair()
+    buckets = [b.clone() if i != 1 else b for i, b in enumerate(pack(plan, named, buffers=buffers, borrow=True))]
+    assert buckets[1].data_ptr() == c.data_ptr() and all(b.data_ptr() != c.data_ptr() for b in buckets[::2])
+    assembly = Assembly()
+    into = assembly.target(plan.buckets[1][0], "cpu")  # where a receiver receives bucket 1
+    into.copy_(buckets[1])  # (the broadcast)
+    got = list(unpack(plan.buckets[0], buckets[0], assembly)) + list(unpack(plan.buckets[1], into, assembly))
+    got += list(unpack(plan.buckets[2], buckets[2], assembly))
+    assert [n for n, _ in got] == ["a", "b", "c", "d"] and assembly.allocated == 4000
+    assert all(torch.equal(t, dict(named)[n]) for n, t in got)
+    with pytest.raises(BucketError, match="arrived before its first"):
+        Assembly().add(plan.buckets[2][0], buckets[2][:1952])
+
+
 def test_pack_rejects_tensors_that_differ_from_the_plan():
     plan = BucketPlan.for_tensors([("a", torch.zeros(4))], 1024)
     with pytest.raises(BucketError, match="does not match"):

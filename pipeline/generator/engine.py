@@ -20,6 +20,10 @@ Invariants:
   ``abort``  abort in-flight requests; each resumes as a new request whose prompt is prompt +
              partial completion with the remaining budget; the sample is the concatenation
              (tokens, logprobs, versions) of its segments, finish reason that of the last segment.
+  In ``keep`` and ``keep_kv`` the pause, the load, the relabel (and ``keep``'s cache reset) go to
+  the engine core as one batch of calls, handled in order with no engine step between them (the
+  scheduler is paused first), and the resume follows once all succeeded: the pause costs the
+  engine step in progress, the load and one round trip, not a round trip per call.
   Staged (``weight_sync``) the update is first received in the background while generation goes
   on; a failed receive raises `WeightReceiveError` and changes nothing. Streamed, it is received
   and loaded bucket by bucket inside the pause. If loading fails inside the pause the engine stays
@@ -96,6 +100,9 @@ class UpdateReport:
     """Receiving in the background before the pause (staged updates only)."""
     mode: str = "staged"
     """'staged', 'streamed' or 'checkpoint' (loaded from a path)."""
+    worker_load_s: float = 0.0
+    """Of `load_s`, the slowest worker's own time loading (receiving too unless staged): the rest
+    of the pause is waiting for the engine step in progress and round trips to the engine."""
 
 
 def resolve_weight_sync(config: GeneratorConfig) -> str:
@@ -327,34 +334,74 @@ class Generator:
                 await self._rpc("start_receiving", version)
                 while "pending" in (states := await self._rpc("received", version)):
                     await asyncio.sleep(_STAGING_POLL_S)
-                if any(s != "ok" for s in states):
+                if any(not s.startswith("ok") for s in states):
                     raise WeightReceiveError(f"receiving version {version} failed: {states}; the loaded "
                                              f"weights are unchanged and generation continues")
+                version = _staged_version(states, version)
             if self.config.interrupt == "abort":
                 self._abort_epoch += 1
+            load = ("checkpoint" if path is not None else self.weight_sync, version, path or "")
             t_pause = time.monotonic()
-            keep_kv = self.config.interrupt == "keep_kv"
-            if keep_kv:  # AsyncLLM.pause_generation minus its cosmetic 20 ms sleep (nothing to clear)
-                await self.engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+            if self.config.interrupt in ("keep", "keep_kv") and version is not None:
+                loaded = await self._swap_at_once(load, int(version))
             else:
-                await self.engine.pause_generation(mode=_PAUSE_MODE[self.config.interrupt], clear_cache=True)
-            t1 = time.monotonic()
-            if path is not None:
-                await self._rpc("load_weights_from_safetensors", version, path)
-            else:
-                got = await self._rpc("load_received" if staged else "receive_weights", version)
-                if len(set(got)) != 1 or (version is not None and got[0] != version):
-                    raise WeightUpdateError(f"workers received versions {got}, expected {version}; "
-                                            f"the engine stays paused")
-                version = got[0]
-            t2 = time.monotonic()
-            if not keep_kv:
-                await self.engine.reset_prefix_cache()
-            await self.engine.update_weight_version(str(version))
-            self.version = int(version)
+                loaded = await self._swap_in_steps(load, version)
+            t_loaded = time.monotonic()
             await self.engine.resume_generation()
             mode = "checkpoint" if path is not None else self.weight_sync
-            return UpdateReport(self.version, time.monotonic() - t_pause, t2 - t1, t_pause - t0, mode)
+            return UpdateReport(self.version, time.monotonic() - t_pause, t_loaded - t_pause, t_pause - t0,
+                                mode, max(r["load_s"] for r in loaded))
+
+    async def _swap_at_once(self, load: tuple[str, int | None, str], version: int) -> list[dict]:
+        """keep / keep_kv with the version known: pause, load, (reset the prefix cache,) relabel,
+        sent together and handled by the engine core in this order with no step between them (a
+        paused scheduler runs none), so the pause costs one round trip to the engine instead of
+        one per call; the caller resumes once every answer is in. A failed load leaves the engine
+        paused, labelled `version` but running nothing (the next complete load relabels it)."""
+        core, keep_kv = self.engine.engine_core, self.config.interrupt == "keep_kv"
+        if not keep_kv:
+            await self.engine.renderer.clear_mm_cache_async()  # pause_generation's client-side part
+        calls = [core.pause_scheduler_async(mode="keep", clear_cache=not keep_kv),
+                 self._rpc("load_version", version, *load)]
+        if not keep_kv:
+            calls.append(core.reset_prefix_cache_async(False, False))
+        calls.append(core.set_weight_version_async(str(version)))
+        # Tasks start in creation order and each sends its message before its first wait, so the
+        # engine core receives them in this order on its one input socket.
+        results = await asyncio.gather(*(asyncio.ensure_future(c) for c in calls), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0] if isinstance(failed[0], WeightUpdateError) else WeightUpdateError(
+                f"the update to version {version} failed; the engine stays paused until a complete "
+                f"version is loaded: {failed[0]}") from failed[0]
+        self._check_loaded(results[1], version)
+        self.version = version
+        return results[1]
+
+    async def _swap_in_steps(self, load: tuple[str, int | None, str], version: int | None) -> list[dict]:
+        """drain / abort (or no version known): pause, load, reset the prefix cache, relabel, one
+        call after the other (keep_kv keeps the caches)."""
+        keep_kv = self.config.interrupt == "keep_kv"
+        if keep_kv:
+            await self.engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+        else:
+            await self.engine.pause_generation(mode=_PAUSE_MODE[self.config.interrupt], clear_cache=True)
+        loaded = await self._rpc("load_version", version, *load)
+        version = self._check_loaded(loaded, version)
+        if not keep_kv:
+            await self.engine.reset_prefix_cache()
+        await self.engine.update_weight_version(str(version))
+        self.version = version
+        return loaded
+
+    @staticmethod
+    def _check_loaded(loaded: list[dict], version: int | None) -> int:
+        """The one version every worker loaded (`version` when given), else `WeightUpdateError`."""
+        got = {int(r["version"]) for r in loaded}
+        if len(got) != 1 or (version is not None and got != {version}):
+            raise WeightUpdateError(f"workers loaded versions {sorted(got)}, expected {version}; "
+                                    f"the engine stays paused")
+        return got.pop()
 
     async def _rpc(self, method: str, version: int | None, *args) -> list:
         try:
@@ -369,6 +416,13 @@ class Generator:
 
     async def expert_layout(self) -> list[dict[str, str]]:
         return await self.engine.collective_rpc("expert_layout")
+
+
+def _staged_version(states: list[str], version: int | None) -> int | None:
+    """The version every worker staged (states ``'ok <version>'``), or `version` when they disagree
+    (the load then names the disagreement)."""
+    staged = {int(s.split()[1]) for s in states}
+    return staged.pop() if len(staged) == 1 and version in (None, *staged) else version
 
 
 def _token_versions(output: Any) -> list[int]:

@@ -308,7 +308,7 @@ class WeightSyncExtension:
         self._tf_staging = (thread, result)
 
     def received(self) -> str:
-        """State of the background receive: 'pending', 'ok', or 'failed: <error>' (the failed
+        """State of the background receive: 'pending', 'ok <version>', or 'failed: <error>' (the failed
         update is then dropped, leaving the loaded weights untouched)."""
         staging = getattr(self, "_tf_staging", None)
         if staging is None:
@@ -319,7 +319,7 @@ class WeightSyncExtension:
         if "error" in result:
             self._tf_staging = None
             return f"failed: {result['error']}"
-        return "ok"
+        return f"ok {result['version']}"
 
     def load_received(self) -> int:
         """Load the update `start_receiving` received; returns its version (raises its error)."""
@@ -333,6 +333,19 @@ class WeightSyncExtension:
         self._tf_staging = None
         self.load_hf_weights(result["tensors"])
         return result["version"]
+
+    def load_version(self, source: str, version: int | None, path: str = "") -> dict[str, Any]:
+        """The driver's load inside a pause: ``source`` 'staged' (`load_received`), 'streamed'
+        (`receive_weights`) or 'checkpoint' (`path`, holding `version`); returns the version
+        loaded and this worker's seconds loading it (``load_s``)."""
+        import time
+
+        t0 = time.perf_counter()
+        if source == "checkpoint":
+            self.load_weights_from_safetensors(path)
+        else:
+            version = self.load_received() if source == "staged" else self.receive_weights()
+        return {"version": version, "load_s": time.perf_counter() - t0}
 
     def leave_weight_group(self) -> None:
         channel = getattr(self, "_tf_channel", None)

@@ -14,7 +14,8 @@ Invariants:
   its last piece's bucket taking the tensors after it as usual. So a sender's two buffers hold at
   most two buckets whatever the model's largest tensor (a 1 GB embedding streams through 2 x
   bucket_bytes), and a receiver's two bucket buffers likewise; a receiver that must hand whole
-  tensors on reassembles a split tensor into memory of its own size (`Assembly`, counted apart).
+  tensors on reassembles a split tensor into memory of its own size (`Assembly`, counted apart),
+  receiving its whole-bucket pieces there directly (they never occupy a bucket buffer).
 - Every tensor has a source (the sender rank that owns it; 0 unless given) and a bucket holds the
   tensors of one source only: a change of source closes the bucket, so several senders (one per
   expert-parallel rank) can stream their own buckets of one plan.
@@ -225,8 +226,9 @@ class BufferPair:
         self.allocated = 0
 
     def reserve(self, size: int) -> None:
-        """The largest bucket about to pass through: size new buffers for it."""
-        self._min = max(self._min, int(size))
+        """The largest bucket of the stream about to pass through: size new buffers for it (a
+        buffer already larger is kept and reused)."""
+        self._min = int(size)
 
     @property
     def resident(self) -> int:
@@ -249,15 +251,24 @@ class BufferPair:
         self._bufs = [None, None]
 
 
+def lone(slots: Sequence[TensorSlot], size: int) -> TensorSlot | None:
+    """The one slot that is the whole of a ``size``-byte bucket (a piece of a split tensor filling
+    it, or a tensor alone in it), else None: such a bucket's bytes are that tensor's bytes."""
+    return slots[0] if len(slots) == 1 and slots[0].offset == 0 and slots[0].nbytes == size else None
+
+
 def pack(plan: BucketPlan, named: Iterable[tuple[str, "torch.Tensor"]], device=None,
-         buffers: BufferPair | None = None, indices: Sequence[int] | None = None) -> Iterator["torch.Tensor"]:
+         buffers: BufferPair | None = None, indices: Sequence[int] | None = None,
+         borrow: bool = False) -> Iterator["torch.Tensor"]:
     """Yield buckets of `plan` (``indices``, default all, in order) as flat uint8 tensors filled
     from `named`, which holds exactly those buckets' tensors in plan order.
 
     Consumes `named` lazily, one bucket at a time, so a sender gathers the next tensors while the
     previous bucket is in flight; a split tensor is taken once, at its first piece, and held until
     its last. With ``buffers`` the bucket yielded k-th lives in buffer k % 2: the consumer must be
-    done with it before asking for bucket k + 2. Without, each bucket is new.
+    done with it before asking for bucket k + 2. Without, each bucket is new. With ``borrow`` a
+    bucket that is one tensor's contiguous bytes (`lone`) already on the device is yielded as a
+    view of the tensor itself, uncopied (the consumer must not write to it).
     Raises `BucketError` when a tensor's name, dtype or shape differs from the plan, or when
     `named` ends early or has extra tensors.
     """
@@ -286,8 +297,11 @@ def pack(plan: BucketPlan, named: Iterable[tuple[str, "torch.Tensor"]], device=N
                 raise BucketError(f"a piece of {slot.name!r} is packed without its first piece")
             else:
                 flat = split
+            dev = device if device is not None else flat.device
+            if borrow and lone(slots, size) is not None and flat.device == torch.device(dev):
+                buf = flat[slot.part_start:slot.part_start + slot.nbytes]
+                break
             if buf is None:
-                dev = device if device is not None else flat.device
                 buf = (buffers.get(k, size, dev) if buffers is not None
                        else torch.empty(size, dtype=torch.uint8, device=dev))
             buf[slot.offset:slot.offset + slot.nbytes].copy_(flat[slot.part_start:slot.part_start + slot.nbytes])
@@ -298,33 +312,53 @@ def pack(plan: BucketPlan, named: Iterable[tuple[str, "torch.Tensor"]], device=N
 
 
 class Assembly:
-    """Reassembles tensors split over buckets on a receiver: a piece is copied into a tensor of
-    the whole tensor's size, handed out when its last piece arrived. ``allocated`` counts the
-    bytes allocated (the largest split tensor is what a receiver needs beyond its two buckets)."""
+    """Reassembles tensors split over buckets on a receiver into memory of the whole tensor's
+    size, handed out when its last piece is in: a piece is copied in, or received there directly
+    (`target`: a bucket that is one piece, `lone`). ``allocated`` counts the bytes allocated (the
+    largest split tensor is what a receiver needs beyond its two buckets)."""
 
     def __init__(self):
         self.allocated = 0
-        self._open: tuple[TensorSlot, "torch.Tensor", int] | None = None  # slot, bytes, bytes filled
+        self._open: dict[str, list] = {}  # name -> [whole tensor's bytes, bytes filled]
 
-    def add(self, slot: TensorSlot, piece: "torch.Tensor") -> "torch.Tensor | None":
-        """Copy one piece in; the whole tensor once complete (else None)."""
+    def _whole(self, slot: TensorSlot, device) -> list:
         import torch
 
-        if slot.part_start == 0:
-            if self._open is not None:
-                raise BucketError(f"tensor {self._open[0].name!r} was left incomplete by {slot.name!r}")
-            self._open = (slot, torch.empty(slot.tensor_bytes, dtype=torch.uint8, device=piece.device), 0)
+        entry = self._open.get(slot.name)
+        if entry is None:
+            if slot.part_start != 0:
+                raise BucketError(f"piece of {slot.name!r} at byte {slot.part_start} arrived before its first")
+            entry = self._open[slot.name] = [torch.empty(slot.tensor_bytes, dtype=torch.uint8, device=device), 0]
             self.allocated += slot.tensor_bytes
-        if self._open is None or self._open[0].name != slot.name or self._open[2] != slot.part_start:
-            raise BucketError(f"piece of {slot.name!r} at byte {slot.part_start} arrived out of order")
-        first, whole, _ = self._open
-        whole[slot.part_start:slot.part_start + slot.nbytes].copy_(piece)
-        filled = slot.part_start + slot.nbytes
-        self._open = (first, whole, filled)
+        return entry
+
+    def target(self, slot: TensorSlot, device) -> "torch.Tensor":
+        """Where a bucket that is exactly this piece can be received: the piece's bytes of the whole."""
+        whole = self._whole(slot, device)[0]
+        return whole[slot.part_start:slot.part_start + slot.nbytes]
+
+    def add(self, slot: TensorSlot, piece: "torch.Tensor") -> "torch.Tensor | None":
+        """Take one piece (copied unless it was received in place); the whole tensor once complete
+        (else None). Pieces of one tensor must come in order."""
+        entry = self._whole(slot, piece.device)
+        whole, filled = entry
+        if filled != slot.part_start:
+            raise BucketError(f"piece of {slot.name!r} at byte {slot.part_start} arrived out of order "
+                              f"({filled} bytes filled)")
+        dst = whole[slot.part_start:slot.part_start + slot.nbytes]
+        if dst.data_ptr() != piece.data_ptr():
+            dst.copy_(piece)
+        entry[1] = filled = slot.part_start + slot.nbytes
         if filled < slot.tensor_bytes:
             return None
-        self._open = None
+        del self._open[slot.name]
         return whole.view(_torch_dtype(slot.dtype)).view(slot.shape)
+
+    def check_complete(self) -> None:
+        """Raise if a split tensor still lacks pieces (the update ended early)."""
+        if self._open:
+            name, (whole, filled) = next(iter(self._open.items()))
+            raise BucketError(f"tensor {name!r} is incomplete: {filled} of {whole.numel()} bytes arrived")
 
 
 def unpack(slots: Sequence[TensorSlot], bucket: "torch.Tensor",

@@ -24,6 +24,11 @@ two buckets). Example, buckets 0..3: while bucket 2 is loaded, buffer 1 holds bu
 buffer 0 holds bucket 2; asking for bucket 3 receives it into buffer 1. Posting bucket k+1 before
 handing out bucket k would overwrite bucket k-1 while bucket k is loaded. A staged receive keeps
 every bucket (one copy of the weights) and receives bucket k+1 while bucket k is handed out.
+No copy where a bucket is one tensor's bytes (`buckets.lone`): the sender broadcasts the tensor's
+own memory (``pack(borrow=True)``), and a receiver receives a bucket that is one piece of a split
+tensor straight into that tensor's reassembly memory (`Assembly.target`), not into a buffer. E.g. a
+622 MB embedding in 64 MiB buckets: nine whole-bucket pieces go uncopied on both ends, only the
+last piece (sharing its bucket with the next tensors) is packed and copied out.
 Every call waits at most ``timeout_s``; a peer that dies mid-update makes the survivors raise
 `WeightSyncError` (naming the step that failed) within that time instead of hanging.
 """
@@ -36,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import msgpack
 
-from pipeline.weights.buckets import Assembly, BucketPlan, BufferPair, pack, unpack
+from pipeline.weights.buckets import Assembly, BucketPlan, BufferPair, lone, pack, unpack
 
 if TYPE_CHECKING:
     import torch
@@ -66,6 +71,7 @@ class ReceivedWeights:
         for i, bucket in enumerate(self._buckets):  # runs the channel's iterator to its end
             self.buckets_received += 1
             yield from unpack(self.plan.buckets[i], bucket, self.assembly)
+        self.assembly.check_complete()
 
 
 class WeightChannel(abc.ABC):
@@ -164,7 +170,7 @@ class TorchDistChannel(WeightChannel):
     # -- sending -------------------------------------------------------------------------------
     def send_stream(self, version: int, plan: BucketPlan, named: Iterable[tuple[str, "torch.Tensor"]]) -> None:
         mine = plan.of_source(self.rank) if self.rank < self.senders else []
-        self.send_packed(version, plan, pack(plan, named, self.device, self.buffers, mine))
+        self.send_packed(version, plan, pack(plan, named, self.device, self.buffers, mine, borrow=True))
 
     def send_packed(self, version: int, plan: BucketPlan, buckets: Iterable["torch.Tensor"]) -> None:
         """Send this sender's buckets, already packed (flat uint8, in plan order); with at most
@@ -214,12 +220,18 @@ class TorchDistChannel(WeightChannel):
         if any(not 0 <= s < self.senders for s in plan.sources):
             raise WeightSyncError(f"the plan of version {version} names senders {sorted(set(plan.sources))} "
                                   f"but the group has {self.senders}")
-        return ReceivedWeights(version, plan, self._receive_buckets(plan, version, stage))
+        assembly = Assembly()
+        return ReceivedWeights(version, plan, self._receive_buckets(plan, version, stage, assembly),
+                               assembly=assembly)
 
-    def _receive_buckets(self, plan: BucketPlan, version: int, stage: bool) -> Iterator["torch.Tensor"]:
+    def _receive_buckets(self, plan: BucketPlan, version: int, stage: bool,
+                         assembly: Assembly) -> Iterator["torch.Tensor"]:
         import torch
 
         def target(i: int) -> "torch.Tensor":
+            piece = lone(plan.buckets[i], plan.sizes[i])
+            if piece is not None and piece.is_piece:  # straight into the split tensor's memory
+                return assembly.target(piece, self.device)
             if stage:
                 return torch.empty(plan.sizes[i], dtype=torch.uint8, device=self.device)
             return self.buffers.get(i, plan.sizes[i])
@@ -234,8 +246,9 @@ class TorchDistChannel(WeightChannel):
         count = len(plan.sizes)
         if not count:
             return
-        if not stage:
-            self.buffers.reserve(max(plan.sizes))
+        if not stage:  # buckets that are one piece of a split tensor never pass through the buffers
+            self.buffers.reserve(max((size for slots, size in zip(plan.buckets, plan.sizes)
+                                      if not getattr(lone(slots, size), "is_piece", False)), default=0))
         pending = start(0)
         for i in range(count):
             work, buf = pending
