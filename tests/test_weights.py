@@ -117,7 +117,7 @@ SENDER = textwrap.dedent("""
     from pipeline.weights.group import TorchDistChannel
     from pipeline.weights.buckets import BucketPlan, pack
     port, die_after = int(sys.argv[1]), int(sys.argv[2])
-    ch = TorchDistChannel("127.0.0.1", port, 0, 2, timeout_s=20)
+    ch = TorchDistChannel("127.0.0.1", port, 0, 2, timeout_s=60)
     gen = torch.Generator().manual_seed(7)
     named = [("big", torch.randn(5000, generator=gen)), ("bf", torch.randn(33, 7, generator=gen).bfloat16()),
              ("i", torch.arange(10))]
@@ -145,7 +145,7 @@ def test_gloo_channel_carries_versions_between_processes():
     port = _free_port()
     proc = _start_sender(port, -1)
     try:
-        ch = TorchDistChannel("127.0.0.1", port, 1, 2, timeout_s=20)
+        ch = TorchDistChannel("127.0.0.1", port, 1, 2, timeout_s=60)
         gen = torch.Generator().manual_seed(7)
         expected = {"big": torch.randn(5000, generator=gen), "bf": torch.randn(33, 7, generator=gen).bfloat16(),
                     "i": torch.arange(10)}
@@ -186,7 +186,7 @@ SPLIT_SENDER = textwrap.dedent("""
     from pipeline.weights.buckets import BucketPlan
     from pipeline.weights.group import TorchDistChannel
     port, bucket = int(sys.argv[1]), int(sys.argv[2])
-    ch = TorchDistChannel("127.0.0.1", port, 0, 2, timeout_s=20)
+    ch = TorchDistChannel("127.0.0.1", port, 0, 2, timeout_s=60)
     gen = torch.Generator().manual_seed(11)
     big = torch.randn(5 * bucket // 8, generator=gen)  # float32: 2.5 buckets
     named = [("small", torch.arange(7)), ("embed", big), ("tail", torch.randn(3, generator=gen).bfloat16())]
@@ -205,7 +205,7 @@ def test_a_tensor_of_two_and_a_half_buckets_round_trips_within_two_buckets_of_bu
     proc = subprocess.Popen([sys.executable, "-c", SPLIT_SENDER, str(port), str(bucket)],
                             stdout=subprocess.PIPE, text=True)
     try:
-        ch = TorchDistChannel("127.0.0.1", port, 1, 2, timeout_s=20)
+        ch = TorchDistChannel("127.0.0.1", port, 1, 2, timeout_s=60)
         gen = torch.Generator().manual_seed(11)
         big = torch.randn(5 * bucket // 8, generator=gen)
         want = {"small": torch.arange(7), "embed": big, "tail": torch.randn(3, generator=gen).bfloat16()}
