@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 _PER_EXPERT = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _FUSED = re.compile(r"^(gate_up_proj|down_proj)(\.weight)?$")
 _ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_ANNOUNCE_POLL_S = 10.0  # a continuous staged receive re-checks this often that its group is still open
 
 
 class ExpertWriter:
@@ -257,15 +258,36 @@ class WeightSyncExtension:
         ``channel``: 'broadcast' (`TorchDistChannel`) or 'cuda_ipc' (`CudaIpcChannel`, same GPU)."""
         self.leave_weight_group()
         rank = first_rank + int(self.rank)
-        if channel == "cuda_ipc":
-            from pipeline.weights.cuda_ipc import CudaIpcChannel
-
-            self._tf_channel = CudaIpcChannel(host, port, rank, world_size, timeout_s, epoch, senders)
-        else:
-            from pipeline.weights.group import TorchDistChannel
-
-            self._tf_channel = TorchDistChannel(host, port, rank, world_size, timeout_s, backend, epoch, senders)
+        self._tf_channel = _open_channel(host, port, rank, world_size, timeout_s, backend, epoch, senders, channel)
         return rank
+
+    def start_joining_weight_group(self, host: str, port: int, first_rank: int, world_size: int,
+                                   timeout_s: float, backend: str = "gloo", epoch: int = 0, senders: int = 1,
+                                   channel: str = "broadcast") -> int:
+        """Start joining weight group ``epoch`` on a background thread (`GroupBuild`), staying in the
+        group in use until `use_weight_group` switches; returns this worker's rank in it."""
+        from pipeline.weights.group_build import GroupBuild
+
+        rank = first_rank + int(self.rank)
+        joins = self.__dict__.setdefault("_tf_joins", {})
+        if epoch in joins:
+            joins.pop(epoch).abandon()
+        joins[epoch] = GroupBuild(epoch, None, lambda: _open_channel(host, port, rank, world_size, timeout_s,
+                                                                      backend, epoch, senders, channel))
+        self._tf_join_timeout = timeout_s
+        return rank
+
+    def use_weight_group(self, epoch: int) -> None:
+        """Switch to group ``epoch`` (started by `start_joining_weight_group`; waits for it to form,
+        at most its timeout): the group in use is closed, joins of older groups are given up."""
+        joins = self.__dict__.get("_tf_joins", {})
+        if epoch not in joins:
+            raise RuntimeError(f"weight group epoch {epoch} was never joined")
+        for older in [e for e in joins if e < epoch]:
+            joins.pop(older).abandon()
+        channel = joins.pop(epoch).wait(self._tf_join_timeout + 5)
+        self.leave_weight_group()
+        self._tf_channel = channel
 
     def _channel(self):
         channel = getattr(self, "_tf_channel", None)
@@ -285,56 +307,79 @@ class WeightSyncExtension:
         buffers = self._channel().buffers
         return {"allocated": buffers.allocated, "resident": buffers.resident}
 
-    def start_receiving(self) -> None:
+    def start_receiving(self, continuous: bool = False) -> None:
         """Staged: receive the next update into host memory on a background thread while the
-        engine keeps generating (costs one copy of the weights); `load_received` then applies it."""
+        engine keeps generating (costs one copy of the weights); `load_received` then applies it.
+        ``continuous``: keep receiving every update the leader sends, the newest not yet loaded
+        kept (two copies at most while one arrives), each waited for in the group's store
+        (`announced`, without limit) before the broadcast (whose wait is bounded): the sender
+        never waits for this engine's steps."""
         import threading
 
         channel = self._channel()
         if getattr(self, "_tf_staging", None) is not None:
             raise RuntimeError("an update is already being received")
         result: dict[str, Any] = {}
+        lock = threading.Lock()
 
         def receive() -> None:
+            announced = getattr(channel, "announced", None) if continuous else None  # CUDA IPC: none
             try:
-                update = channel.receive(stage=True)
-                result["tensors"] = list(update)  # views that keep their buckets alive
-                result["version"] = update.version
-            except BaseException as e:  # handed to load_received, which raises it
+                while True:
+                    while announced is not None and not announced(_ANNOUNCE_POLL_S):
+                        pass
+                    update = channel.receive(stage=True)
+                    tensors = list(update)  # views that keep their buckets alive
+                    with lock:
+                        result["tensors"], result["version"] = tensors, update.version
+                    if not continuous:
+                        return
+            except BaseException as e:  # handed to received / load_received
                 result["error"] = e
 
         thread = threading.Thread(target=receive, name="tokenflow-weight-receive", daemon=True)
         thread.start()
-        self._tf_staging = (thread, result)
+        self._tf_staging = (thread, result, lock, continuous)
 
-    def received(self) -> str:
-        """State of the background receive: 'pending', 'ok', or 'failed: <error>' (the failed
-        update is then dropped, leaving the loaded weights untouched)."""
+    def received(self, version: int | None = None) -> str:
+        """State of the background receive: 'ok' (an update, of ``version`` or newer when given,
+        is ready), 'pending', or 'failed: <error>' (the receive is dropped, leaving the loaded
+        weights untouched)."""
         staging = getattr(self, "_tf_staging", None)
         if staging is None:
             raise RuntimeError("received called without start_receiving")
-        thread, result = staging
+        thread, result, lock, _ = staging
+        with lock:
+            ready = "version" in result and (version is None or result["version"] >= version)
+        if ready or (not thread.is_alive() and "error" not in result):
+            return "ok"
         if thread.is_alive():
             return "pending"
-        if "error" in result:
-            self._tf_staging = None
-            return f"failed: {result['error']}"
-        return "ok"
+        self._tf_staging = None
+        return f"failed: {result['error']}"
 
     def load_received(self) -> int:
-        """Load the update `start_receiving` received; returns its version (raises its error)."""
+        """Load the (newest) update received; returns its version (raises its error)."""
         staging = getattr(self, "_tf_staging", None)
         if staging is None:
             raise RuntimeError("load_received called without start_receiving")
-        thread, result = staging
-        thread.join(self._channel().timeout.total_seconds())
-        if thread.is_alive():
-            raise TimeoutError("the background weight receive did not finish within the channel timeout")
-        self._tf_staging = None
-        self.load_hf_weights(result["tensors"])
-        return result["version"]
+        thread, result, lock, continuous = staging
+        if not continuous:
+            thread.join(self._channel().timeout.total_seconds())
+            if thread.is_alive():
+                raise TimeoutError("the background weight receive did not finish within the channel timeout")
+            self._tf_staging = None
+        with lock:
+            if "version" not in result:
+                raise RuntimeError(f"no update received: {result.get('error')}")
+            tensors, version = result.pop("tensors"), result.pop("version")
+        self.load_hf_weights(tensors)
+        return version
 
     def leave_weight_group(self) -> None:
+        """Close the group in use and drop a receive posted in it (joins under way are kept: see
+        `use_weight_group`)."""
+        self._tf_staging = None  # its thread fails on the closed channel
         channel = getattr(self, "_tf_channel", None)
         if channel is not None:
             channel.close()
@@ -353,3 +398,15 @@ class WeightSyncExtension:
 
 
 watch_owner()  # in an engine worker: end the engine when its owner dies (owner_watch.py)
+
+
+def _open_channel(host: str, port: int, rank: int, world_size: int, timeout_s: float, backend: str, epoch: int,
+                  senders: int, channel: str):
+    """This worker's end of a weight group: 'broadcast' (`TorchDistChannel`) or 'cuda_ipc'."""
+    if channel == "cuda_ipc":
+        from pipeline.weights.cuda_ipc import CudaIpcChannel
+
+        return CudaIpcChannel(host, port, rank, world_size, timeout_s, epoch, senders)
+    from pipeline.weights.group import TorchDistChannel
+
+    return TorchDistChannel(host, port, rank, world_size, timeout_s, backend, epoch, senders)
