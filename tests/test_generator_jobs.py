@@ -36,17 +36,18 @@ def _membership(run: Path, event: str, gid: int | None = None) -> list[dict]:
             and (gid is None or r["generator_id"] == gid)]
 
 
-def trainer_wait_after(run: Path, t: float) -> dict:
-    """The trainer's wait on an event at unix time ``t``: the steps from the event until the first
-    step after the trainer switched to the weight group the event caused (the first regroup after
-    ``t``: it starts forming; the ``switch`` record: the first version announced into it, or a later
-    group); the longest ``wait_s + sync_s`` among them, against the median of the same sum over the
+def trainer_wait_after(run: Path, t: float, after_switch: int = 3) -> dict:
+    """The trainer's wait on an event at unix time ``t``: the steps from the event until
+    ``after_switch`` steps after the trainer switched to the weight group the event caused (the
+    first regroup after ``t``: it starts forming; the ``switch`` record: the first version announced
+    into it, or a later group), so a joiner's first broadcasts while its engine starts generating
+    are in; the longest ``wait_s + sync_s`` among them, against the median of the same sum over the
     run and one step (median gap between step records)."""
     regroup = next(r for r in _membership(run, "regroup") if r["t"] >= t)
     switch = next((r for r in _membership(run, "switch") if r["epoch"] >= regroup["epoch"]), regroup)
     steps = list(read_metrics(run, "train_step"))
     after = next(i for i, r in enumerate(steps) if r["t"] >= switch["t"])
-    covered = [r for r in steps[:after + 1] if r["t"] >= t] or [steps[after]]
+    covered = [r for r in steps[:after + 1 + after_switch] if r["t"] >= t] or [steps[after]]
     worst = max(covered, key=lambda r: r["wait_s"] + r["sync_s"])
     usual = statistics.median(r["wait_s"] + r["sync_s"] for r in steps)
     one_step = statistics.median(b["t"] - a["t"] for a, b in zip(steps, steps[1:]))

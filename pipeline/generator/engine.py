@@ -21,11 +21,7 @@ Invariants:
              partial completion with the remaining budget; the sample is the concatenation
              (tokens, logprobs, versions) of its segments, finish reason that of the last segment.
   Staged (``weight_sync``) the update is first received in the background while generation goes
-  on; a failed receive raises `WeightReceiveError` and changes nothing. With ``post_receives``
-  (the generator role's setting; tensor parallel size 1) every worker receives continuously from
-  its first update in a group on (every update the trainer sends, the newest kept until loaded):
-  the trainer's broadcast never waits for an engine step (a slow first step of a new engine holds
-  only itself), and an update loads the newest version received, the one asked for or later. Streamed, it is received
+  on; a failed receive raises `WeightReceiveError` and changes nothing. Streamed, it is received
   and loaded bucket by bucket inside the pause. If loading fails inside the pause the engine stays
   paused (its weights may be half-written) and `WeightUpdateError` propagates: the caller must
   load a complete version (rejoin the group) before generating again, so no engine ever serves a
@@ -175,8 +171,6 @@ class Generator:
         self.routing_shape: tuple[int, int] | None = None  # (MoE layers, top_k) with record_routing
         self.start_s = 0.0
         self.weight_sync = resolve_weight_sync(config)
-        self.post_receives = False  # staged: receive continuously (see the module docstring)
-        self._receiving = False  # a continuous receive runs in the workers' group in use
         self._engine_pids: list[int] = []  # processes the engine started (ended by `shutdown`)
 
     async def start(self) -> "Generator":
@@ -312,7 +306,6 @@ class Generator:
                                 backend: str = "gloo", epoch: int = 0, senders: int = 1) -> list[int]:
         """Each engine worker joins the weight group (``senders`` trainer ranks send; the channel
         is ``config.weight_channel``); returns their ranks."""
-        self._receiving = False
         return await self.engine.collective_rpc(
             "join_weight_group", args=(host, port, first_rank, world_size, self.config.weight_timeout_s,
                                        backend, epoch, senders, self.config.weight_channel))
@@ -326,16 +319,8 @@ class Generator:
                                                 backend, epoch, senders, self.config.weight_channel))
 
     async def use_weight_group(self, epoch: int) -> None:
-        """Switch every worker to weight group ``epoch`` (waits until it formed); receiving
-        continuously (`post_receives`), from now on."""
-        self._receiving = False
+        """Switch every worker to weight group ``epoch`` (waits until it formed)."""
         await self.engine.collective_rpc("use_weight_group", args=(epoch,))
-        if self._continuous():
-            await self._rpc("start_receiving", None, True)
-            self._receiving = True
-
-    def _continuous(self) -> bool:
-        return self.weight_sync == "staged" and self.post_receives and self.config.tensor_parallel_size == 1
 
     async def update_weights(self, version: int | None = None, path: str | None = None) -> UpdateReport:
         """Load a new version in place: from the weight group (``path=None``; the version is the one
@@ -347,14 +332,10 @@ class Generator:
             t0 = time.monotonic()
             staged = path is None and self.weight_sync == "staged"
             if staged:  # receive while generating; pause only to load
-                continuous = self._continuous()
-                if not self._receiving:
-                    await self._rpc("start_receiving", version, continuous)
-                self._receiving = continuous
-                while "pending" in (states := await self._rpc("received", version, version)):
+                await self._rpc("start_receiving", version)
+                while "pending" in (states := await self._rpc("received", version)):
                     await asyncio.sleep(_STAGING_POLL_S)
                 if any(s != "ok" for s in states):
-                    self._receiving = False
                     raise WeightReceiveError(f"receiving version {version} failed: {states}; the loaded "
                                              f"weights are unchanged and generation continues")
             if self.config.interrupt == "abort":
@@ -370,8 +351,7 @@ class Generator:
                 await self._rpc("load_weights_from_safetensors", version, path)
             else:
                 got = await self._rpc("load_received" if staged else "receive_weights", version)
-                if len(set(got)) != 1 or (version is not None and got[0] != version
-                                          and not (self._receiving and got[0] > version)):
+                if len(set(got)) != 1 or (version is not None and got[0] != version):
                     raise WeightUpdateError(f"workers received versions {got}, expected {version}; "
                                             f"the engine stays paused")
                 version = got[0]

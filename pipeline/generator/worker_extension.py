@@ -50,7 +50,6 @@ if TYPE_CHECKING:
 _PER_EXPERT = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _FUSED = re.compile(r"^(gate_up_proj|down_proj)(\.weight)?$")
 _ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
-_ANNOUNCE_POLL_S = 10.0  # a continuous staged receive re-checks this often that its group is still open
 
 
 class ExpertWriter:
@@ -307,79 +306,56 @@ class WeightSyncExtension:
         buffers = self._channel().buffers
         return {"allocated": buffers.allocated, "resident": buffers.resident}
 
-    def start_receiving(self, continuous: bool = False) -> None:
+    def start_receiving(self) -> None:
         """Staged: receive the next update into host memory on a background thread while the
-        engine keeps generating (costs one copy of the weights); `load_received` then applies it.
-        ``continuous``: keep receiving every update the leader sends, the newest not yet loaded
-        kept (two copies at most while one arrives), each waited for in the group's store
-        (`announced`, without limit) before the broadcast (whose wait is bounded): the sender
-        never waits for this engine's steps."""
+        engine keeps generating (costs one copy of the weights); `load_received` then applies it."""
         import threading
 
         channel = self._channel()
         if getattr(self, "_tf_staging", None) is not None:
             raise RuntimeError("an update is already being received")
         result: dict[str, Any] = {}
-        lock = threading.Lock()
 
         def receive() -> None:
-            announced = getattr(channel, "announced", None) if continuous else None  # CUDA IPC: none
             try:
-                while True:
-                    while announced is not None and not announced(_ANNOUNCE_POLL_S):
-                        pass
-                    update = channel.receive(stage=True)
-                    tensors = list(update)  # views that keep their buckets alive
-                    with lock:
-                        result["tensors"], result["version"] = tensors, update.version
-                    if not continuous:
-                        return
-            except BaseException as e:  # handed to received / load_received
+                update = channel.receive(stage=True)
+                result["tensors"] = list(update)  # views that keep their buckets alive
+                result["version"] = update.version
+            except BaseException as e:  # handed to load_received, which raises it
                 result["error"] = e
 
         thread = threading.Thread(target=receive, name="tokenflow-weight-receive", daemon=True)
         thread.start()
-        self._tf_staging = (thread, result, lock, continuous)
+        self._tf_staging = (thread, result)
 
-    def received(self, version: int | None = None) -> str:
-        """State of the background receive: 'ok' (an update, of ``version`` or newer when given,
-        is ready), 'pending', or 'failed: <error>' (the receive is dropped, leaving the loaded
-        weights untouched)."""
+    def received(self) -> str:
+        """State of the background receive: 'pending', 'ok', or 'failed: <error>' (the failed
+        update is then dropped, leaving the loaded weights untouched)."""
         staging = getattr(self, "_tf_staging", None)
         if staging is None:
             raise RuntimeError("received called without start_receiving")
-        thread, result, lock, _ = staging
-        with lock:
-            ready = "version" in result and (version is None or result["version"] >= version)
-        if ready or (not thread.is_alive() and "error" not in result):
-            return "ok"
+        thread, result = staging
         if thread.is_alive():
             return "pending"
-        self._tf_staging = None
-        return f"failed: {result['error']}"
+        if "error" in result:
+            self._tf_staging = None
+            return f"failed: {result['error']}"
+        return "ok"
 
     def load_received(self) -> int:
-        """Load the (newest) update received; returns its version (raises its error)."""
+        """Load the update `start_receiving` received; returns its version (raises its error)."""
         staging = getattr(self, "_tf_staging", None)
         if staging is None:
             raise RuntimeError("load_received called without start_receiving")
-        thread, result, lock, continuous = staging
-        if not continuous:
-            thread.join(self._channel().timeout.total_seconds())
-            if thread.is_alive():
-                raise TimeoutError("the background weight receive did not finish within the channel timeout")
-            self._tf_staging = None
-        with lock:
-            if "version" not in result:
-                raise RuntimeError(f"no update received: {result.get('error')}")
-            tensors, version = result.pop("tensors"), result.pop("version")
-        self.load_hf_weights(tensors)
-        return version
+        thread, result = staging
+        thread.join(self._channel().timeout.total_seconds())
+        if thread.is_alive():
+            raise TimeoutError("the background weight receive did not finish within the channel timeout")
+        self._tf_staging = None
+        self.load_hf_weights(result["tensors"])
+        return result["version"]
 
     def leave_weight_group(self) -> None:
-        """Close the group in use and drop a receive posted in it (joins under way are kept: see
-        `use_weight_group`)."""
-        self._tf_staging = None  # its thread fails on the closed channel
         channel = getattr(self, "_tf_channel", None)
         if channel is not None:
             channel.close()

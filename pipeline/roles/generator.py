@@ -94,7 +94,6 @@ class GeneratorRole:
         gcfg = replace(cfg.generator, model=model, seed=cfg.orchestrator.seed,
                        cpu_cores=cfg.generator.cpu_cores or (",".join(map(str, cores)) if cores else ""))
         self.gen = Generator(gcfg, generator_id=self.rank, schema=self.schema, episodes=episode_runner(cfg, model))
-        self.gen.post_receives = True  # the trainer's broadcast never waits for this engine's steps
         await self.gen.start()
         slots = max(1, gcfg.max_num_seqs // cfg.orchestrator.group_size)
         self.joinable_from = 1 + self._newest_published_epoch()  # read before the Hello (see _join)

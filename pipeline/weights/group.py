@@ -24,9 +24,6 @@ two buckets). Example, buckets 0..3: while bucket 2 is loaded, buffer 1 holds bu
 buffer 0 holds bucket 2; asking for bucket 3 receives it into buffer 1. Posting bucket k+1 before
 handing out bucket k would overwrite bucket k-1 while bucket k is loaded. A staged receive keeps
 every bucket (one copy of the weights) and receives bucket k+1 while bucket k is handed out.
-Before step 1 the leader sets the group's store key ``update<n>`` (its n-th update): a receiver may
-post its receive of update n early and wait for that key (`announced`, retried without limit)
-instead of inside the broadcast, whose wait is bounded by ``timeout_s``.
 Every call waits at most ``timeout_s``; a peer that dies mid-update makes the survivors raise
 `WeightSyncError` (naming the step that failed) within that time instead of hanging.
 """
@@ -139,7 +136,6 @@ class TorchDistChannel(WeightChannel):
                                   f"{timeout_s:.0f} s: {e}") from e
         self._store = store
         self._closed = False
-        self._updates = 0  # updates sent (leader) or received (receivers) so far: `announced`
 
     # -- collectives ----------------------------------------------------------------------------
     def _start(self, tensor: "torch.Tensor", source: int, what: str):
@@ -178,8 +174,6 @@ class TorchDistChannel(WeightChannel):
         if self.rank >= self.senders:
             raise WeightSyncError(f"rank {self.rank} is a receiver; senders are ranks 0..{self.senders - 1}")
         if self.rank == 0:
-            self._store.set(f"update{self._updates}", str(version))
-            self._updates += 1
             meta = msgpack.packb({"version": int(version), "plan": plan.to_wire()})
             self._broadcast(torch.tensor([len(meta)], dtype=torch.int64, device=self.device), "metadata length")
             self._broadcast(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device), "metadata")
@@ -200,24 +194,11 @@ class TorchDistChannel(WeightChannel):
             raise WeightSyncError(f"only {sent} of this sender's {len(mine)} buckets were given to send")
 
     # -- receiving -----------------------------------------------------------------------------
-    def announced(self, timeout_s: float) -> bool:
-        """Whether the leader began the next update (waits up to `timeout_s`; False if not yet)."""
-        if self._closed:
-            raise WeightSyncError("the weight channel is closed")
-        try:
-            self._store.wait([f"update{self._updates}"], datetime.timedelta(seconds=timeout_s))
-        except RuntimeError as e:
-            if "timeout" in str(e).lower():
-                return False
-            raise WeightSyncError(f"rank {self.rank}: the weight group's store failed: {e}") from e
-        return True
-
     def receive(self, stage: bool = False) -> ReceivedWeights:
         import torch
 
         if self.rank < self.senders:
             raise WeightSyncError(f"rank {self.rank} is a sender; it cannot receive")
-        self._updates += 1
         length = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._broadcast(length, "metadata length")
         n = int(length.item())
