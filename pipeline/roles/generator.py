@@ -88,7 +88,7 @@ class GeneratorRole:
         cfg, timeout = self.cfg, self.cfg.run.timeout_s
         cores = cpu_cores_for("generator", self.rank, cfg)
         pin_process(cores)
-        if self._run_over():
+        if self._run_over() or self.task.stop_requested.is_set():  # stopped before it had anything to leave
             return {"tokens": 0, "version": None}
         model = str(model_dir(self.run_dir, timeout))
         gcfg = replace(cfg.generator, model=model, seed=cfg.orchestrator.seed,
