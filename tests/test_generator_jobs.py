@@ -265,13 +265,15 @@ def test_a_generator_job_at_its_time_limit_departs_for_good(tmp_path):
 def test_a_generator_job_is_requeued_only_when_asked(tmp_path):
     """The job's plan: without --requeue it departs at its time limit (no requeue by submitit, its
     tasks end after their role); with it, the run's cluster.max_requeues apply."""
-    from test_weight_recovery import compose
+    from dataclasses import replace
 
+    from pipeline.config import TokenflowConfig
     from pipeline.launch.generator_jobs import job_plan
     from pipeline.launch.task import REQUEUES
 
     run = tmp_path / "run"
-    cfg = compose(run, "cluster.max_requeues=5")
+    cfg = TokenflowConfig()
+    cfg = replace(cfg, cluster=replace(cfg.cluster, max_requeues=5))
     plain = job_plan(cfg, run, 1, 1, 0, {"launcher": "local", "pids": [1]})
     asked = job_plan(cfg, run, 1, 1, 0, {"launcher": "local", "pids": [1]}, requeue=True)
     assert (plain.max_requeues, plain.config[REQUEUES]) == (0, False)
