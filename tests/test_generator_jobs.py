@@ -205,10 +205,10 @@ def test_a_generator_job_joins_and_leaves_a_slurm_run(tmp_path):
 def test_a_generator_job_at_its_time_limit_departs_for_good(tmp_path):
     """A Slurm generator job with a 4-minute time limit (Slurm's checkpoint signal comes 90 s before
     it) departs for good: it is never requeued (one row in ``sacct -D``, one attempt in its log,
-    gone from the queue). If its engine was up at the signal its generator left the run (a
-    ``generator_leave`` record, its result ok and stopped) and the job ended COMPLETED; on a
-    machine too busy to start the engine in time, Slurm ended it at the limit (TIMEOUT). The run
-    completes without it, every step trained once."""
+    gone from the queue), its state COMPLETED or, when its task was still ending at the limit,
+    TIMEOUT. Once its engine is up its generator leaves the run (a ``generator_leave`` record, its
+    result ok and stopped; on a machine too busy to start the engine before the limit there is
+    neither). The run completes without it, every step trained once."""
     from test_slurm_train import TINY
 
     from pipeline.launch.generator_jobs import job_records
@@ -250,13 +250,11 @@ def test_a_generator_job_at_its_time_limit_departs_for_good(tmp_path):
     job, state, elapsed = rows[0].split("|")
     log = (run / "logs/generator.1.out").read_text()
     assert log.count("=== generator.1 attempt") == 1, log[-3000:]
+    assert state in ("COMPLETED", "TIMEOUT") and "SIGUSR2 received" in log, (rows, log[-3000:])
     left = [r for r in read_metrics(run, "generator_leave") if r["generator_id"] == 1]
     if left:
-        assert state == "COMPLETED", rows
         result = json.loads((run / "results/generator.1.json").read_text())
         assert result["ok"] and result["stopped"], result
-    else:
-        assert state == "TIMEOUT" and "SIGUSR2 received" in log, (rows, log[-3000:])
     check_record(run, steps, max_staleness=1)
     print("generator-jobs time limit " + json.dumps({"state": state, "elapsed_s": int(elapsed),
                                                      "left": bool(left)}), flush=True)
