@@ -212,6 +212,7 @@ def test_a_generator_job_at_its_time_limit_departs_for_good(tmp_path):
     from test_slurm_train import TINY
 
     from pipeline.launch.generator_jobs import job_records
+    from pipeline.launch.slurm import ACTIVE_STATES
 
     run = tmp_path / "tl"
     steps = 100
@@ -221,8 +222,10 @@ def test_a_generator_job_at_its_time_limit_departs_for_good(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     job_id = None
 
-    def queued() -> str:
-        return subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True, timeout=30).stdout.strip()
+    def state() -> str:  # sacct's, not squeue's: squeue may answer nothing while slurmctld is busy
+        out = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], capture_output=True,
+                             text=True, timeout=30).stdout.split()
+        return out[0] if out else "UNKNOWN"
 
     try:
         running = lambda: proc.poll() is None  # noqa: E731
@@ -232,9 +235,10 @@ def test_a_generator_job_at_its_time_limit_departs_for_good(tmp_path):
                               "cluster.generator.time_min=4"], capture_output=True, text=True, timeout=120, cwd=REPO)
         assert out.returncode == 0, out.stderr
         job_id = str(job_records(run)[0]["job_id"])
-        wait_for(lambda: not queued(), 420, "the generator job to end at its time limit", running)
+        wait_for(lambda: state() not in (*ACTIVE_STATES, "UNKNOWN"), 420, "the generator job to end at its time limit",
+                 running)
         time.sleep(20)  # a requeue would show within seconds (AuthInfo cred_expire=10 on the test cluster)
-        again = queued()
+        again = state()
         rows = subprocess.run(["sacct", "-n", "-X", "-P", "-D", "-j", job_id, "-o", "JobID,State,ElapsedRaw"],
                               capture_output=True, text=True, timeout=30).stdout.split()
         out, _ = proc.communicate(timeout=900)
@@ -245,7 +249,7 @@ def test_a_generator_job_at_its_time_limit_departs_for_good(tmp_path):
         if job_id:
             subprocess.run(["scancel", job_id], timeout=30)
     assert proc.returncode == 0, out[-4000:]
-    assert not again, f"the generator job came back: {again}"
+    assert again not in ACTIVE_STATES, f"the generator job came back: {again}"
     assert len(rows) == 1, f"requeued (sacct -D lists every run of the job): {rows}"
     job, state, elapsed = rows[0].split("|")
     log = (run / "logs/generator.1.out").read_text()
