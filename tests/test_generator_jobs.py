@@ -201,7 +201,7 @@ def test_a_generator_job_joins_and_leaves_a_slurm_run(tmp_path):
 
 @pytest.mark.slurm
 @pytest.mark.engine
-@pytest.mark.slow  # about 8 min here: a run of 100 steps, the generator job's 4-minute time limit
+@pytest.mark.slow  # 536 s here: a run of 100 steps, the generator job's 4-minute time limit
 def test_a_generator_job_at_its_time_limit_departs_for_good(tmp_path):
     """A Slurm generator job with a 4-minute time limit (Slurm's checkpoint signal comes 90 s before
     it) departs for good: it is never requeued (one row in ``sacct -D``, one attempt in its log,
