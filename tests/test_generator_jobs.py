@@ -36,18 +36,26 @@ def _membership(run: Path, event: str, gid: int | None = None) -> list[dict]:
             and (gid is None or r["generator_id"] == gid)]
 
 
-def trainer_wait_after(run: Path, t: float) -> dict:
-    """The trainer's wait on an event at unix time ``t``: the first regroup after it, and the step
-    whose weight push or batch wait covered that regroup (wait_s + sync_s), against the median of
-    the same sum over the run and one step (median gap between step records)."""
+def trainer_wait_after(run: Path, t: float, after_switch: int = 3) -> dict:
+    """The trainer's wait on an event at unix time ``t``: the steps from the event until
+    ``after_switch`` steps after the trainer switched to the weight group the event caused (the
+    first regroup after ``t``: it starts forming; the ``switch`` record: the first version announced
+    into it, or a later group), so a joiner's first broadcasts while its engine starts generating
+    are in; the longest ``wait_s + sync_s`` among them, against the median of the same sum over the
+    run and one step (median gap between step records)."""
     regroup = next(r for r in _membership(run, "regroup") if r["t"] >= t)
+    switch = next((r for r in _membership(run, "switch") if r["epoch"] >= regroup["epoch"]), regroup)
     steps = list(read_metrics(run, "train_step"))
-    hit = next(r for r in steps if r["t"] >= regroup["t"])
+    after = next(i for i, r in enumerate(steps) if r["t"] >= switch["t"])
+    covered = [r for r in steps[:after + 1 + after_switch] if r["t"] >= t] or [steps[after]]
+    worst = max(covered, key=lambda r: r["wait_s"] + r["sync_s"])
     usual = statistics.median(r["wait_s"] + r["sync_s"] for r in steps)
     one_step = statistics.median(b["t"] - a["t"] for a, b in zip(steps, steps[1:]))
-    waited = hit["wait_s"] + hit["sync_s"]
-    return {"regroup_epoch": regroup["epoch"], "step": hit["step"], "wait_s": round(waited, 2),
-            "usual_wait_s": round(usual, 2), "excess_s": round(waited - usual, 2), "one_step_s": round(one_step, 2)}
+    waited = worst["wait_s"] + worst["sync_s"]
+    return {"regroup_epoch": regroup["epoch"], "steps": [covered[0]["step"], covered[-1]["step"]],
+            "switch_after_s": round(switch["t"] - regroup["t"], 2), "worst_step": worst["step"],
+            "wait_s": round(waited, 2), "usual_wait_s": round(usual, 2), "excess_s": round(waited - usual, 2),
+            "one_step_s": round(one_step, 2)}
 
 
 def join_then_leave(run: Path, running, add_args: list[str], stop_job, steps: int, jobs: list) -> dict:
@@ -191,6 +199,89 @@ def test_a_generator_job_joins_and_leaves_a_slurm_run(tmp_path):
     check_and_report(run, facts, steps, max_staleness=1, killed_after_leave=True)
 
 
+@pytest.mark.slurm
+@pytest.mark.engine
+@pytest.mark.slow  # 536 s here: a run of 100 steps, the generator job's 4-minute time limit
+def test_a_generator_job_at_its_time_limit_departs_for_good(tmp_path):
+    """A Slurm generator job with a 4-minute time limit (Slurm's checkpoint signal comes 90 s before
+    it) departs for good: it is never requeued (one row in ``sacct -D``, one attempt in its log,
+    gone from the queue), its state COMPLETED or, when its task was still ending at the limit,
+    TIMEOUT. Once its engine is up its generator leaves the run (a ``generator_leave`` record, its
+    result ok and stopped; on a machine too busy to start the engine before the limit there is
+    neither). The run completes without it, every step trained once."""
+    from test_slurm_train import TINY
+
+    from pipeline.launch.generator_jobs import job_records
+    from pipeline.launch.slurm import ACTIVE_STATES
+
+    run = tmp_path / "tl"
+    steps = 100
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "train", "run.name=tl", f"hydra.run.dir={run}",
+                             f"run.steps={steps}", "run.checkpoint_every=100", "run.mismatch_every=0", *TINY,
+                             "generator.weight_timeout_s=60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    job_id = None
+
+    def state() -> str:  # sacct's, not squeue's: squeue may answer nothing while slurmctld is busy
+        out = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], capture_output=True,
+                             text=True, timeout=30).stdout.split()
+        return out[0] if out else "UNKNOWN"
+
+    try:
+        running = lambda: proc.poll() is None  # noqa: E731
+        wait_for(lambda: _membership(run, "regroup"), 600, "the run's first weight group", running)
+        out = subprocess.run([sys.executable, "-m", "pipeline.cli", "generators", str(run), "--count", "1",
+                              "cluster=slurm", "cluster.generator.cpus_per_task=2", "cluster.generator.mem_gb=0.5",
+                              "cluster.generator.time_min=4"], capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert out.returncode == 0, out.stderr
+        job_id = str(job_records(run)[0]["job_id"])
+        wait_for(lambda: state() not in (*ACTIVE_STATES, "UNKNOWN"), 420, "the generator job to end at its time limit",
+                 running)
+        time.sleep(20)  # a requeue would show within seconds (AuthInfo cred_expire=10 on the test cluster)
+        again = state()
+        rows = subprocess.run(["sacct", "-n", "-X", "-P", "-D", "-j", job_id, "-o", "JobID,State,ElapsedRaw"],
+                              capture_output=True, text=True, timeout=30).stdout.split()
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            subprocess.run([sys.executable, "-m", "pipeline.cli", "cancel", str(run)], timeout=30, cwd=REPO)
+        if job_id:
+            subprocess.run(["scancel", job_id], timeout=30)
+    assert proc.returncode == 0, out[-4000:]
+    assert again not in ACTIVE_STATES, f"the generator job came back: {again}"
+    assert len(rows) == 1, f"requeued (sacct -D lists every run of the job): {rows}"
+    job, state, elapsed = rows[0].split("|")
+    log = (run / "logs/generator.1.out").read_text()
+    assert log.count("=== generator.1 attempt") == 1, log[-3000:]
+    assert state in ("COMPLETED", "TIMEOUT") and "SIGUSR2 received" in log, (rows, log[-3000:])
+    left = [r for r in read_metrics(run, "generator_leave") if r["generator_id"] == 1]
+    if left:
+        result = json.loads((run / "results/generator.1.json").read_text())
+        assert result["ok"] and result["stopped"], result
+    check_record(run, steps, max_staleness=1)
+    print("generator-jobs time limit " + json.dumps({"state": state, "elapsed_s": int(elapsed),
+                                                     "left": bool(left)}), flush=True)
+
+
+def test_a_generator_job_is_requeued_only_when_asked(tmp_path):
+    """The job's plan: without --requeue it departs at its time limit (no requeue by submitit, its
+    tasks end after their role); with it, the run's cluster.max_requeues apply."""
+    from dataclasses import replace
+
+    from pipeline.config import TokenflowConfig
+    from pipeline.launch.generator_jobs import job_plan
+    from pipeline.launch.task import REQUEUES
+
+    run = tmp_path / "run"
+    cfg = TokenflowConfig()
+    cfg = replace(cfg, cluster=replace(cfg.cluster, max_requeues=5))
+    plain = job_plan(cfg, run, 1, 1, 0, {"launcher": "local", "pids": [1]})
+    asked = job_plan(cfg, run, 1, 1, 0, {"launcher": "local", "pids": [1]}, requeue=True)
+    assert (plain.max_requeues, plain.config[REQUEUES]) == (0, False)
+    assert (asked.max_requeues, asked.config[REQUEUES]) == (5, True)
+
+
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -292,3 +383,65 @@ def test_a_generator_logs_its_stacks_at_sigterm_and_still_stops(tmp_path):
     assert "stop_requested True" in out.stdout, (out.stdout, out.stderr)
     assert "SIGTERM received" in out.stdout, out.stdout
     assert "Current thread" in out.stderr and 'File "<string>", line 7' in out.stderr, out.stderr
+
+
+GROUP_SWITCH_SENDER = """
+import sys, torch
+from pipeline.weights.group import TorchDistChannel
+from pipeline.weights.group_build import GroupBuild
+old_port, new_port = int(sys.argv[1]), int(sys.argv[2])
+old = TorchDistChannel("127.0.0.1", old_port, 0, 2, timeout_s=30, epoch=1)
+new = GroupBuild(2, None, lambda: TorchDistChannel("127.0.0.1", new_port, 0, 2, timeout_s=30, epoch=2))
+for version, channel in ((1, old), (2, None)):
+    if channel is None:  # the version boundary: switch to the group formed meanwhile
+        channel = new.wait(40)
+        old.close()
+    channel.send_tensors(version, [("w", torch.full((300,), float(version))), ("i", torch.arange(5) + version)], 512)
+channel.close()
+"""
+
+
+def test_a_weight_group_forms_in_the_background_while_the_old_one_carries_a_version(tmp_path):
+    """Two real processes over gloo, as trainer and generator worker: both stay in group 1 while
+    group 2 forms on `GroupBuild`'s thread; version 1 goes through group 1, version 2 through group
+    2 after the switch, each received whole (compared with the tensors the sender built). A build
+    whose peer never comes fails within its timeout naming its epoch, and an abandoned one can no
+    longer be handed out."""
+    import socket
+
+    import torch
+
+    from pipeline.weights.group import TorchDistChannel, WeightSyncError
+    from pipeline.weights.group_build import GroupBuild
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    old_port, new_port = free_port(), free_port()
+    sender = subprocess.Popen([sys.executable, "-c", GROUP_SWITCH_SENDER, str(old_port), str(new_port)],
+                              cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        old = TorchDistChannel("127.0.0.1", old_port, 1, 2, timeout_s=30, epoch=1)
+        new = GroupBuild(2, None, lambda: TorchDistChannel("127.0.0.1", new_port, 1, 2, timeout_s=30, epoch=2))
+        got = {}
+        for version in (1, 2):
+            channel = old if version == 1 else new.wait(40)
+            update = channel.receive()
+            got[update.version] = {n: t.clone() for n, t in update}
+        for version in (1, 2):
+            assert torch.equal(got[version]["w"], torch.full((300,), float(version))), version
+            assert torch.equal(got[version]["i"], torch.arange(5) + version), version
+        channel.close()
+        old.close()
+        assert sender.wait(timeout=60) == 0
+    finally:
+        sender.kill()
+    lonely = GroupBuild(3, None, lambda: TorchDistChannel("127.0.0.1", free_port(), 1, 2, timeout_s=2, epoch=3))
+    with pytest.raises(WeightSyncError, match="epoch 3 failed to form"):
+        lonely.wait(30)
+    given_up = GroupBuild(4, None, lambda: TorchDistChannel("127.0.0.1", free_port(), 1, 2, timeout_s=2, epoch=4))
+    given_up.abandon()
+    with pytest.raises(WeightSyncError, match="abandoned"):
+        given_up.wait(30)

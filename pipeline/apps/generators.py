@@ -6,7 +6,8 @@ with ``cluster=slurm`` they are one Slurm job (``cluster.generator.*``: partitio
 cpus_per_task, mem_gb, tasks_per_node, ...). They join the weight group at the trainer's next
 push, load the current weights and only then take work. A stop signal (``scancel``, the job's time
 limit, ``kill -TERM -PID`` of a local task) makes them leave: their in-flight groups go back to
-the orchestrator at once, the group shrinks at the next push (`docs/generator-jobs.md`).
+the orchestrator at once, the group shrinks at the next push (`docs/generator-jobs.md`). At its
+time limit the job departs for good; ``--requeue`` has it requeued (``cluster.max_requeues``).
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
                                      "run from their own job (local processes or one Slurm job)")
     parser.add_argument("run_dir", type=Path, help="the run directory of a running run")
     parser.add_argument("--count", type=int, default=1, help="generators to add (default 1)")
+    parser.add_argument("--requeue", action="store_true", help="requeue the job at its time limit or on "
+                        "preemption (up to cluster.max_requeues times; default: it departs for good)")
     parser.add_argument("overrides", nargs="*", help="cluster=local|slurm and cluster.generator.FIELD=VALUE "
                         "(default: the run's own cluster settings)")
     args = parser.parse_intermixed_args(argv)  # options may come before or after the overrides
@@ -29,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         if not still_running(args.run_dir.resolve()):
             raise ValueError(f"{args.run_dir} is not running (tokenflow status {args.run_dir})")
         from pipeline.launch.generator_jobs import start_job
-        record = start_job(cfg, args.run_dir, args.count)
+        record = start_job(cfg, args.run_dir, args.count, requeue=args.requeue)
     except (ValueError, FileNotFoundError) as exc:
         print(f"tokenflow generators: {exc}", file=sys.stderr)
         return 2

@@ -321,6 +321,18 @@ class Generator:
             "join_weight_group", args=(host, port, first_rank, world_size, self.config.weight_timeout_s,
                                        backend, epoch, senders, self.config.weight_channel))
 
+    async def start_joining_weight_group(self, host: str, port: int, first_rank: int, world_size: int,
+                                         backend: str = "gloo", epoch: int = 0, senders: int = 1) -> list[int]:
+        """Like `join_weight_group`, but returns at once: each worker forms the group on a background
+        thread and stays in the group in use until `use_weight_group` (epoch)."""
+        return await self.engine.collective_rpc(
+            "start_joining_weight_group", args=(host, port, first_rank, world_size, self.config.weight_timeout_s,
+                                                backend, epoch, senders, self.config.weight_channel))
+
+    async def use_weight_group(self, epoch: int) -> None:
+        """Switch every worker to weight group ``epoch`` (waits until it formed)."""
+        await self.engine.collective_rpc("use_weight_group", args=(epoch,))
+
     async def update_weights(self, version: int | None = None, path: str | None = None) -> UpdateReport:
         """Load a new version in place: from the weight group (``path=None``; the version is the one
         the sender announces and must equal `version` when given) or from a safetensors checkpoint

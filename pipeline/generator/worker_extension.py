@@ -257,15 +257,36 @@ class WeightSyncExtension:
         ``channel``: 'broadcast' (`TorchDistChannel`) or 'cuda_ipc' (`CudaIpcChannel`, same GPU)."""
         self.leave_weight_group()
         rank = first_rank + int(self.rank)
-        if channel == "cuda_ipc":
-            from pipeline.weights.cuda_ipc import CudaIpcChannel
-
-            self._tf_channel = CudaIpcChannel(host, port, rank, world_size, timeout_s, epoch, senders)
-        else:
-            from pipeline.weights.group import TorchDistChannel
-
-            self._tf_channel = TorchDistChannel(host, port, rank, world_size, timeout_s, backend, epoch, senders)
+        self._tf_channel = _open_channel(host, port, rank, world_size, timeout_s, backend, epoch, senders, channel)
         return rank
+
+    def start_joining_weight_group(self, host: str, port: int, first_rank: int, world_size: int,
+                                   timeout_s: float, backend: str = "gloo", epoch: int = 0, senders: int = 1,
+                                   channel: str = "broadcast") -> int:
+        """Start joining weight group ``epoch`` on a background thread (`GroupBuild`), staying in the
+        group in use until `use_weight_group` switches; returns this worker's rank in it."""
+        from pipeline.weights.group_build import GroupBuild
+
+        rank = first_rank + int(self.rank)
+        joins = self.__dict__.setdefault("_tf_joins", {})
+        if epoch in joins:
+            joins.pop(epoch).abandon()
+        joins[epoch] = GroupBuild(epoch, None, lambda: _open_channel(host, port, rank, world_size, timeout_s,
+                                                                      backend, epoch, senders, channel))
+        self._tf_join_timeout = timeout_s
+        return rank
+
+    def use_weight_group(self, epoch: int) -> None:
+        """Switch to group ``epoch`` (started by `start_joining_weight_group`; waits for it to form,
+        at most its timeout): the group in use is closed, joins of older groups are given up."""
+        joins = self.__dict__.get("_tf_joins", {})
+        if epoch not in joins:
+            raise RuntimeError(f"weight group epoch {epoch} was never joined")
+        for older in [e for e in joins if e < epoch]:
+            joins.pop(older).abandon()
+        channel = joins.pop(epoch).wait(self._tf_join_timeout + 5)
+        self.leave_weight_group()
+        self._tf_channel = channel
 
     def _channel(self):
         channel = getattr(self, "_tf_channel", None)
@@ -366,3 +387,15 @@ class WeightSyncExtension:
 
 
 watch_owner()  # in an engine worker: end the engine when its owner dies (owner_watch.py)
+
+
+def _open_channel(host: str, port: int, rank: int, world_size: int, timeout_s: float, backend: str, epoch: int,
+                  senders: int, channel: str):
+    """This worker's end of a weight group: 'broadcast' (`TorchDistChannel`) or 'cuda_ipc'."""
+    if channel == "cuda_ipc":
+        from pipeline.weights.cuda_ipc import CudaIpcChannel
+
+        return CudaIpcChannel(host, port, rank, world_size, timeout_s, epoch, senders)
+    from pipeline.weights.group import TorchDistChannel
+
+    return TorchDistChannel(host, port, rank, world_size, timeout_s, backend, epoch, senders)

@@ -8,8 +8,10 @@ run's current attempt (`rendezvous.running_attempt`: where the trainer published
 orchestrator's address and the run's secret; from there on they are ordinary generators (see
 `pipeline.roles.generator`): Hello, join the next weight group the trainer builds (it rebuilds
 when the orchestrator's members change), load the current weights, only then take leases.
-Leaving is a generator's stop signal (SIGTERM: scancel, the time limit, `kill -TERM -PID`):
-see `docs/generator-jobs.md`.
+Leaving is a generator's stop signal (SIGTERM: scancel, `kill -TERM -PID`; the checkpoint signal
+Slurm sends before the job's time limit): see `docs/generator-jobs.md`. A generator job at its time
+limit (or preempted) departs for good: it is not requeued unless started with ``requeue=True``
+(``tokenflow generators --requeue``; then up to ``cluster.max_requeues`` times, rejoining the run).
 
 Invariants:
 - generator ranks (hence identities ``gen-<rank>``, logs ``generator.<rank>.out``, results) are
@@ -36,7 +38,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pipeline.launch.task import JOINS_RUN, PLAN_ENV
+from pipeline.launch.task import JOINS_RUN, PLAN_ENV, REQUEUES
 from pipeline.run_files import GENERATOR_JOB_PLAN, GENERATOR_JOBS_FILE, LAUNCHES_FILE
 
 RUN_CHECK_S = 30.0
@@ -58,8 +60,10 @@ def next_first_rank(run_generators: int, records: list[dict[str, Any]]) -> int:
     return max([run_generators, *(r["first_rank"] + r["count"] for r in records)])
 
 
-def job_plan(cfg, run_dir: Path, count: int, first_rank: int, index: int, run_launch: dict[str, Any]):
-    """The plan of generator job ``index``: one component, generator, ranks first_rank.. ."""
+def job_plan(cfg, run_dir: Path, count: int, first_rank: int, index: int, run_launch: dict[str, Any],
+             requeue: bool = False):
+    """The plan of generator job ``index``: one component, generator, ranks first_rank.. ; requeued
+    at its time limit only with ``requeue``."""
     from pipeline.launch.plan import JobPlan
 
     c = cfg.cluster
@@ -76,12 +80,13 @@ def job_plan(cfg, run_dir: Path, count: int, first_rank: int, index: int, run_la
                    env={PLAN_ENV: GENERATOR_JOB_PLAN.format(index=index), JOB_ENV: name},
                    config={"run_dir": str(run_dir), JOINS_RUN: True, "timeout_s": cfg.run.timeout_s,
                            "run_launcher": run_launch.get("launcher"), "run_job_id": run_launch.get("job_id"),
-                           "run_pids": run_launch.get("pids")},
-                   max_requeues=c.max_requeues)
+                           "run_pids": run_launch.get("pids"), REQUEUES: requeue},
+                   max_requeues=c.max_requeues if requeue else 0)
 
 
-def start_job(cfg, run_dir: Path, count: int) -> dict[str, Any]:
-    """Allocate ranks, start the job, record it; returns its record (a `GENERATOR_JOBS_FILE` line)."""
+def start_job(cfg, run_dir: Path, count: int, requeue: bool = False) -> dict[str, Any]:
+    """Allocate ranks, start the job (requeued at its time limit only with ``requeue``), record it;
+    returns its record (a `GENERATOR_JOBS_FILE` line)."""
     from pipeline.launch import LocalLauncher, SlurmLauncher
 
     run_dir = Path(run_dir).resolve()
@@ -97,7 +102,7 @@ def start_job(cfg, run_dir: Path, count: int) -> dict[str, Any]:
         fcntl.flock(lock, fcntl.LOCK_EX)  # held until this job's line is written: no rank twice
         records = job_records(run_dir)
         index, first = len(records), next_first_rank(cfg.cluster.generators, records)
-        plan = job_plan(cfg, run_dir, count, first, index, run_launch)
+        plan = job_plan(cfg, run_dir, count, first, index, run_launch, requeue)
         launcher = LocalLauncher() if cfg.cluster.launcher == "local" else SlurmLauncher()
         run = launcher.launch(plan, run_dir, plan_file=GENERATOR_JOB_PLAN.format(index=index),
                               launches_file=GENERATOR_JOBS_FILE, job=plan.env[JOB_ENV], first_rank=first,

@@ -64,6 +64,10 @@ joins a running run has its own, `pipeline.launch.generator_jobs`); set in ``Job
 JOINS_RUN = "joins_run"
 """Key of ``JobPlan.config``: true for a job that joins a running run (its tasks take the run's
 current attempt, `rendezvous.running_attempt`, instead of counting launches)."""
+REQUEUES = "requeues"
+"""Key of ``JobPlan.config`` (default true): false for a job that ends at its checkpoint signal
+(time limit, preemption) instead of being requeued; its tasks exit 0 once their role returned
+(a generator job departs for good: `pipeline.launch.generator_jobs`)."""
 
 
 @dataclass
@@ -237,11 +241,12 @@ def run_task(plan: JobPlan, run_dir: Path, launch_index: int, environ: Mapping[s
     result_file.parent.mkdir(parents=True, exist_ok=True)
     result_file.unlink(missing_ok=True)
     spec = plan.components[role]
-    requeue = _submitit_requeue(checkpoint_signal()) if global_rank == 0 and _under_submitit() else None
+    requeues = _under_submitit() and plan.config.get(REQUEUES, True)
+    requeue = _submitit_requeue(checkpoint_signal()) if global_rank == 0 and requeues else None
     env = {**environ, "TOKENFLOW_GLOBAL_RANK": str(global_rank), **_mpi_dist_env(plan, role, rank, node)}
     supervisor = TaskSupervisor(role_argv(run_dir, launch_index), env, result_file,
                                 spec.max_restarts, spec.optional, plan.stop_grace_s, requeue,
-                                wait_for_requeue=_under_submitit())
+                                wait_for_requeue=requeues)
     code = supervisor.run((signal.SIGTERM, checkpoint_signal()))
     if code != 0:
         record = json.loads(result_file.read_text()) if result_file.exists() else {}

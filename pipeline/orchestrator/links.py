@@ -272,9 +272,10 @@ class TrainerLink(_Link):
     def request_eval(self, step: int, version: int) -> None:
         self.send(m.EvalRequest(step, version))
 
-    def announce_weights(self, version: int) -> None:
-        """Ask every generator to join the broadcast of ``version`` that follows."""
-        self.send(m.WeightsAnnounced(version))
+    def announce_weights(self, version: int, epoch: int = 0) -> None:
+        """Ask every generator to join the broadcast of ``version`` that follows, into weight group
+        ``epoch``."""
+        self.send(m.WeightsAnnounced(version, epoch))
 
     def finish(self) -> None:
         self.send(m.Finish())

@@ -190,6 +190,8 @@ class Update:
     """Join the broadcast of weights ``version`` and load them."""
     KIND: ClassVar[str] = "update"
     version: int
+    epoch: int = 0
+    """The weight group the broadcast goes into (0: not told)."""
 
     def __post_init__(self) -> None:
         _at_least(self, 0, "version")
@@ -274,6 +276,8 @@ class WeightsAnnounced:
     """The trainer is about to broadcast weights ``version``."""
     KIND: ClassVar[str] = "weights"
     version: int
+    epoch: int = 0
+    """The weight group it broadcasts into (0: not told)."""
 
     def __post_init__(self) -> None:
         _at_least(self, 0, "version")

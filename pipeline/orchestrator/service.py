@@ -105,6 +105,7 @@ class Orchestrator:
         self.to_ack: list[tuple[bytes, int, int, str]] = []
         self.group_rows: list[tuple] = []  # resolutions waiting for the next flush
         self.group_epoch: int | None = None
+        self.announced_epoch = 0  # the weight group the last announced version went into
         self.desk = StepDesk(cfg.groups_per_step, self.writer, self.buffer, state.step_rows)
         self._stale_checked_for = -1
         self.stopping = False
@@ -194,7 +195,7 @@ class Orchestrator:
         if self.group_epoch is not None:  # it must join the weight group before taking weights
             self._send(peer, m.Regroup(self.group_epoch))
         if self.clock.announced is not None:
-            self._send(peer, m.Update(self.clock.announced))
+            self._send(peer, m.Update(self.clock.announced, self.announced_epoch))
 
     def _on_leave(self, peer: bytes, msg: m.Leave) -> None:
         """A planned departure: its leases are re-issued now, it is no member from now on; it hears
@@ -439,8 +440,11 @@ class Orchestrator:
 
     def _on_weights(self, peer: bytes, msg: m.WeightsAnnounced) -> None:
         self.clock.weights_announced(msg.version)
+        if msg.epoch != self.announced_epoch:  # the trainer switched to a newly formed weight group
+            self.announced_epoch = msg.epoch
+            self._membership("switch", None, epoch=msg.epoch, version=msg.version)
         for gen in self.generators.listeners():
-            self._send(gen, m.Update(msg.version))
+            self._send(gen, m.Update(msg.version, msg.epoch))
         if hasattr(self.scoring, "weights_announced"):
             self.scoring.weights_announced(msg.version)
 

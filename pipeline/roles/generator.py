@@ -21,6 +21,10 @@ Invariants:
   (trainer rank 0's result of this attempt exists: a generator restarted after the orchestrator
   said ``stop`` hears it no more); Slurm's SIGKILL follows ``scancel``'s SIGTERM after KillWait,
   so the ``Leave`` goes out first and the wait for ``stop`` may be cut short (no result then);
+- a new weight group is joined in the background (`GroupBuild` in each engine worker): the
+  generator keeps receiving in the group in use until an update announced into the new group
+  arrives, and switches then (the trainer forms the group while it pushes into the old one); an
+  update into a group it is neither in nor joining is not for it;
 - only the newest weight group announced is joined, and only one published after this process
   started: a group the trainer already replaced (its Regroup queued behind a slow join) is skipped,
   so a restarted generator does not trail the trainer one group behind, each join waiting out the
@@ -69,7 +73,8 @@ class GeneratorRole:
         self.stall_s = 0.0
         self.in_flight = 0
         self.loaded = False  # the trainer's first broadcast is always taken, whatever its version
-        self.epoch: int | None = None  # weight group joined
+        self.epoch: int | None = None  # weight group in use
+        self.joins: set[int] = set()  # weight groups being joined in the background (see _join)
         self.group_fresh = False  # joined a group and took no broadcast in it yet (see _apply_controls)
         self.newest_epoch = 0  # newest weight group the trainer announced (its Regroup may wait in the queue)
         self.joinable_from = 1  # groups published before this process said Hello are its predecessor's
@@ -83,7 +88,7 @@ class GeneratorRole:
         cfg, timeout = self.cfg, self.cfg.run.timeout_s
         cores = cpu_cores_for("generator", self.rank, cfg)
         pin_process(cores)
-        if self._run_over():
+        if self._run_over() or self.task.stop_requested.is_set():  # stopped before it had anything to leave
             return {"tokens": 0, "version": None}
         model = str(model_dir(self.run_dir, timeout))
         gcfg = replace(cfg.generator, model=model, seed=cfg.orchestrator.seed,
@@ -179,8 +184,10 @@ class GeneratorRole:
             try:
                 if isinstance(item, Regroup):
                     await self._join(item.epoch)
-                elif isinstance(item, Update) and (item.version != self.gen.version or not self.loaded
-                                                   or self.group_fresh) and self.epoch is not None:
+                elif isinstance(item, Update) and item.epoch != self.epoch and item.epoch in self.joins:
+                    await self._switch(item.epoch)
+                if isinstance(item, Update) and item.epoch == self.epoch and self.epoch is not None and (
+                        item.version != self.gen.version or not self.loaded or self.group_fresh):
                     # the trainer broadcasts after every group it builds, also a version this
                     # generator holds (it rebuilds when the orchestrator's members change, e.g. after
                     # an orchestrator restart): in a new group the first announced version is taken
@@ -200,7 +207,9 @@ class GeneratorRole:
                 log.error("weight %s failed (%s); waiting for the trainer to regroup", item.KIND, exc)
 
     async def _join(self, epoch: int) -> None:
-        if self.epoch is not None and epoch <= self.epoch:
+        """Start joining weight group `epoch` (unless it is not for this process); the switch to it
+        comes with the first update announced into it (`_switch`)."""
+        if epoch <= max([self.epoch or 0, *self.joins]):
             return
         if epoch < self.joinable_from:
             # built before this process started (the orchestrator answers a Hello with the current
@@ -218,10 +227,19 @@ class GeneratorRole:
         if me is None:
             log.warning("weight group epoch %d does not include this generator", epoch)
             return
-        await self.gen.join_weight_group(w["host"], w["port"], me, w["world_size"],
-                                         backend=w["backend"], epoch=epoch, senders=w.get("senders", 1))
+        await self.gen.start_joining_weight_group(w["host"], w["port"], me, w["world_size"], backend=w["backend"],
+                                                  epoch=epoch, senders=w.get("senders", 1))
+        self.joins.add(epoch)
+        log.info("joining weight group epoch %d as rank %d of %d", epoch, me, w["world_size"])
+
+    async def _switch(self, epoch: int) -> None:
+        """Use weight group `epoch` from now on (the trainer announced a version into it)."""
+        t0 = time.monotonic()
+        self.joins = {e for e in self.joins if e > epoch}
+        self.epoch = None  # until the switch succeeded: a failure leaves no group in use
+        await self.gen.use_weight_group(epoch)
         self.epoch, self.group_fresh = epoch, True
-        log.info("joined weight group epoch %d as rank %d of %d", epoch, me, w["world_size"])
+        log.info("joined weight group epoch %d (waited %.3fs for it to form)", epoch, time.monotonic() - t0)
 
     def _newest_published_epoch(self) -> int:
         """The newest weight group the trainer published in this attempt's rendezvous (0: none)."""

@@ -11,6 +11,15 @@ Invariants:
 - a group's members are the generators alive when it was built; a member dying fails the next
   broadcast within ``generator.weight_timeout_s`` and the group is rebuilt from the survivors
   (epoch + 1), retried for up to ``run.timeout_s``;
+- a change of members the leader sees at a push (a join, a `Leave`, a restart) is never waited
+  for: the next group forms on a background thread (`GroupBuild`) while pushes go on into the
+  group in use, and the leader switches to it at the first push after it formed; while the group
+  in use holds a member that is gone, versions are not broadcast (no broadcast waits on a departed
+  member; the others load the next version from the new group), unless no member of it is left or
+  the version was sent already (the trainer waits for a batch anyway): then it waits for the new
+  group (at most ``generator.weight_timeout_s``);
+- each version is announced with the epoch of the group it goes into, and a group gets each
+  version at most once;
 - every decision that changes what a rank does next (failed, stopping, past the deadline, which
   epoch) is agreed by all trainer ranks first, so the ranks never disagree on a collective;
 - every rank runs its parameter gathers to the end, whatever happened to its sending.
@@ -28,6 +37,9 @@ from pipeline.roles.common import agree_over_ranks
 
 log = logging.getLogger(__name__)
 
+SKIP = -1
+"""The leader's agreed epoch for "no broadcast of this version" (see the module docstring)."""
+
 
 class WeightPusher:
     """Leads (rank 0) or joins (a further sending rank) the weight group and pushes versions into it."""
@@ -41,6 +53,9 @@ class WeightPusher:
         self.epoch = 0  # weight group epoch (0: no group yet)
         self.group_members: dict[str, int] = {}
         self.sync_failures = 0
+        self.built_epochs = 0  # groups published so far (leader): the next one is built_epochs + 1
+        self.pending = None  # the next group, forming in the background (leader; a GroupBuild)
+        self.sent_version: int | None = None  # the version the group in use got last (leader)
 
     def push(self, version: int) -> float:
         """Stream version `version` to the generators; seconds it took. A collective over the ranks.
@@ -59,15 +74,18 @@ class WeightPusher:
         plan = BucketPlan.from_specs(shards.specs, int(self.cfg.run.weight_bucket_mb * 2**20))
         deadline = time.monotonic() + self.cfg.run.timeout_s  # generators may be restarting meanwhile
         while True:
-            failed = False
+            failed, target = False, SKIP
             if self.leader:
                 try:
-                    self._ensure_group(first=self.epoch == 0, senders=shards.senders)
-                    self.link.announce_weights(version)
+                    target = self._group_for(version, senders=shards.senders)
+                    if target != SKIP:
+                        self.link.announce_weights(version, target)
                 except WeightSyncError as exc:
                     failed = True
                     log.error("weight group for version %d failed (%s)", version, exc)
-            epoch = self.agree(0 if failed else self.epoch, op="leader")
+            epoch = self.agree(0 if failed else target, op="leader")
+            if epoch == SKIP:  # agreed by every rank: no gathers, no broadcast, not reported
+                return time.monotonic() - t0
             tensors = shards.tensors()
             try:
                 if epoch and shards.source is not None:
@@ -80,6 +98,7 @@ class WeightPusher:
             for _ in tensors:  # every rank completes its gathers, whatever happened to the sending
                 pass
             if not self.agree(int(failed or not epoch)):
+                self.sent_version = version
                 break
             self.sync_failures += 1
             self.close()
@@ -97,7 +116,8 @@ class WeightPusher:
         return time.monotonic() - t0
 
     def generators_changed(self) -> bool:
-        """True when a group exists and the alive generators are no longer its members (leader)."""
+        """True when a group exists and the alive generators are no longer the members of the group
+        in use (leader): a push now starts the next group's build, or switches to it."""
         return self.epoch > 0 and self.link.members(self.cfg.run.timeout_s) not in ({}, self.group_members)
 
     def agree(self, value: int, op: str = "max") -> int:
@@ -105,6 +125,9 @@ class WeightPusher:
         return agree_over_ranks(value, world=self.world, cuda=self.trainer.cuda, op=op)
 
     def close(self) -> None:
+        if self.pending is not None:
+            self.pending.abandon()
+            self.pending = None
         if self.channel is not None:
             self.channel.close()
             self.channel = None
@@ -134,7 +157,9 @@ class WeightPusher:
             time.sleep(0.5)
         if self.channel is not None and members == self.group_members:
             return
-        self._build_group(members, senders)
+        self.close()
+        self.pending = self._start_group(members, senders)
+        self._switch()
 
     def _check_generators_left(self) -> None:
         """Raise once every generator task gave up (abandoned after its restarts): nobody to train on."""
@@ -145,39 +170,75 @@ class WeightPusher:
             raise RuntimeError(f"all {n} generator(s) died and used up their restarts "
                                f"(cluster.generator.max_restarts); see logs/generator.*.out")
 
-    def _build_group(self, members: dict[str, int], senders: int) -> None:
+    def _group_for(self, version: int, senders: int) -> int:
+        """The epoch to broadcast `version` into, or SKIP (leader; see the module docstring)."""
+        if self.channel is None:  # the first group, or the one after a failed broadcast: waited for
+            self._ensure_group(first=self.epoch == 0, senders=senders)
+            return self.epoch
+        members = self.link.members(self.cfg.run.timeout_s)
+        if not members:  # nobody to build a group of: wait for a generator, as at the start
+            self.close()
+            self._ensure_group(first=False, senders=senders)
+            return self.epoch
+        if members != (self.pending.members if self.pending is not None else self.group_members):
+            if self.pending is not None:
+                self.pending.abandon()
+            self.pending = self._start_group(members, senders)
+        gone = [g for g, inc in self.group_members.items() if members.get(g) != inc]
+        if self.pending is not None and (self.pending.ready() or len(gone) == len(self.group_members)
+                                         or version == self.sent_version):
+            self._switch()
+        elif gone:
+            log.info("version %d not broadcast: %s left the group in use; epoch %d is forming",
+                     version, sorted(gone), self.pending.epoch)
+            return SKIP
+        return SKIP if version == self.sent_version else self.epoch
+
+    def _start_group(self, members: dict[str, int], senders: int):
+        """Publish the next group of `members` and start forming it in the background (leader)."""
         from pipeline.launch.rendezvous import free_port
+        from pipeline.weights.group_build import GroupBuild
 
         cfg = self.cfg
         kind = cfg.generator.weight_channel
-        self.close()
-        self.epoch += 1
+        self.built_epochs = epoch = max(self.built_epochs, self.epoch) + 1
         tp = cfg.generator.tensor_parallel_size
         ranks = {ident: senders + i * tp for i, ident in enumerate(sorted(members))}
         world = senders + len(members) * tp
         port = free_port()
         backend = "nccl" if self.trainer.cuda else "gloo"
-        self.rdv.publish(f"weights-{self.epoch}", {"host": self.host, "port": port, "world_size": world,
-                                                   "epoch": self.epoch, "ranks": ranks, "backend": backend,
-                                                   "senders": senders})
-        self.link.regroup(self.epoch)
-        if kind == "cuda_ipc":
-            from pipeline.weights.cuda_ipc import CudaIpcChannel
+        if kind == "cuda_ipc" and (world != 2 or not self.trainer.cuda):
+            raise ValueError(f"generator.weight_channel=cuda_ipc needs one trainer sender and one "
+                             f"TP-1 generator on its GPU; this run has {senders} sender(s) and "
+                             f"{world - senders} generator worker(s){'' if self.trainer.cuda else ', no GPU'}")
+        self.rdv.publish(f"weights-{epoch}", {"host": self.host, "port": port, "world_size": world,
+                                              "epoch": epoch, "ranks": ranks, "backend": backend,
+                                              "senders": senders})
+        self.link.regroup(epoch)
+        timeout = cfg.generator.weight_timeout_s
 
-            if world != 2 or not self.trainer.cuda:
-                raise ValueError(f"generator.weight_channel=cuda_ipc needs one trainer sender and one "
-                                 f"TP-1 generator on its GPU; this run has {senders} sender(s) and "
-                                 f"{world - senders} generator worker(s){'' if self.trainer.cuda else ', no GPU'}")
-            self.channel = CudaIpcChannel(self.host, port, rank=0, world_size=world,
-                                          timeout_s=cfg.generator.weight_timeout_s, epoch=self.epoch)
-        else:
+        def open_channel():
+            if kind == "cuda_ipc":
+                from pipeline.weights.cuda_ipc import CudaIpcChannel
+
+                return CudaIpcChannel(self.host, port, rank=0, world_size=world, timeout_s=timeout, epoch=epoch)
             from pipeline.weights.group import TorchDistChannel
 
-            self.channel = TorchDistChannel(self.host, port, rank=0, world_size=world,
-                                            timeout_s=cfg.generator.weight_timeout_s, backend=backend,
-                                            epoch=self.epoch, senders=senders)
-        self.group_members = members
-        log.info("weight group epoch %d: %s (%d sender(s))", self.epoch, sorted(members), senders)
+            return TorchDistChannel(self.host, port, rank=0, world_size=world, timeout_s=timeout,
+                                    backend=backend, epoch=epoch, senders=senders)
+
+        log.info("weight group epoch %d forming: %s (%d sender(s))", epoch, sorted(members), senders)
+        return GroupBuild(epoch, members, open_channel)
+
+    def _switch(self) -> None:
+        """Make the pending group the one in use (waits for it to form; leader)."""
+        build, self.pending = self.pending, None
+        channel = build.wait(self.cfg.generator.weight_timeout_s + 5)
+        if self.channel is not None:
+            self.channel.close()
+        self.channel, self.epoch, self.group_members, self.sent_version = channel, build.epoch, build.members, None
+        log.info("weight group epoch %d in use: %s (formed in %.3fs, switched %.3fs after its start)",
+                 build.epoch, sorted(build.members), build.built_s, time.monotonic() - build.started)
 
     def _join_as_sender(self, epoch: int, source: int) -> None:
         """A sending rank other than the leader joins the leader's group of `epoch` as `source`."""
