@@ -26,6 +26,7 @@ import pytest
 from chaos import check_record, last_step, wait_for
 from pipeline.log_reader import RolloutLog
 from pipeline.metrics import read_metrics
+from pipeline.supervise import alive
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 250  # 0.6-1.2 s each here: the joiner's engine starts (1-2.5 min) while the run goes on
@@ -152,15 +153,25 @@ def test_a_generator_job_joins_gets_leases_and_leaves_mid_run(tmp_path):
 
     try:
         facts = join_then_leave(run, lambda: launched.state() == "RUNNING", [], stop_job, STEPS, jobs)
-        wait_for(lambda: not any(_alive(p) for p in jobs[0]["pids"]), 120, "the generator job to exit")
+        wait_for(lambda: not any(alive(p) for p in jobs[0]["pids"]), 120, "the generator job to exit")
         launched.wait(timeout_s=900)
     finally:
         for pid in (p for job in jobs for p in job["pids"]):
-            if _alive(pid):
+            if alive(pid):
                 os.killpg(pid, signal.SIGKILL)
         if not launched.done():
             launched.cancel()
     check_and_report(run, facts, STEPS, cfg.orchestrator.staleness_limit())
+
+
+def start_slurm_run(run: Path, steps: int) -> subprocess.Popen:
+    """`tokenflow train` of a tiny run as one heterogeneous Slurm job, in the background."""
+    from test_slurm_train import TINY
+
+    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "train", f"run.name={run.name}",
+                             f"hydra.run.dir={run}", f"run.steps={steps}", "run.checkpoint_every=100",
+                             "run.mismatch_every=0", *TINY, "generator.weight_timeout_s=60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
 
 
 @pytest.mark.slurm
@@ -169,14 +180,10 @@ def test_a_generator_job_joins_gets_leases_and_leaves_mid_run(tmp_path):
 def test_a_generator_job_joins_and_leaves_a_slurm_run(tmp_path):
     """The same on the Slurm test cluster: the run is one heterogeneous job, the generator job a
     second job (on a node with room beside the trainer), cancelled with scancel."""
-    from test_slurm_train import TINY, status_of
+    from test_slurm_train import status_of
 
-    run = tmp_path / "sl"
-    steps = 100
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "train", "run.name=sl", f"hydra.run.dir={run}",
-                             f"run.steps={steps}", "run.checkpoint_every=100", "run.mismatch_every=0", *TINY,
-                             "generator.weight_timeout_s=60"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    run, steps = tmp_path / "sl", 100
+    proc = start_slurm_run(run, steps)
     jobs: list[dict] = []
 
     def stop_job(job: dict) -> None:
@@ -209,17 +216,11 @@ def test_a_generator_job_at_its_time_limit_departs_for_good(tmp_path):
     TIMEOUT. Once its engine is up its generator leaves the run (a ``generator_leave`` record, its
     result ok and stopped; on a machine too busy to start the engine before the limit there is
     neither). The run completes without it, every step trained once."""
-    from test_slurm_train import TINY
-
     from pipeline.launch.generator_jobs import job_records
     from pipeline.launch.slurm import ACTIVE_STATES
 
-    run = tmp_path / "tl"
-    steps = 100
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "train", "run.name=tl", f"hydra.run.dir={run}",
-                             f"run.steps={steps}", "run.checkpoint_every=100", "run.mismatch_every=0", *TINY,
-                             "generator.weight_timeout_s=60"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    run, steps = tmp_path / "tl", 100
+    proc = start_slurm_run(run, steps)
     job_id = None
 
     def state() -> str:  # sacct's, not squeue's: squeue may answer nothing while slurmctld is busy
@@ -280,13 +281,6 @@ def test_a_generator_job_is_requeued_only_when_asked(tmp_path):
     asked = job_plan(cfg, run, 1, 1, 0, {"launcher": "local", "pids": [1]}, requeue=True)
     assert (plain.max_requeues, plain.config[REQUEUES]) == (0, False)
     assert (asked.max_requeues, asked.config[REQUEUES]) == (5, True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_leaving_generator_returns_its_leases_at_once_and_is_stopped_after_the_member_list(tmp_path):
