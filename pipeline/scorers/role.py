@@ -226,7 +226,7 @@ def cli(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.service} %(levelname)s %(message)s")
     cfg = load_run_config(args.run_dir)
     follower = None
-    if args.service == "teacher":
+    if args.service == "teacher" and cfg.scorers.teacher == "lagged":  # only it joins the run's weight group
         from pipeline.launch.rendezvous import Rendezvous, running_attempt
 
         follower = weight_follower(cfg, args.rank, Rendezvous(args.run_dir, running_attempt(args.run_dir, 300.0)))
