@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import torch
 
 from pipeline.launch.rendezvous import Rendezvous, free_port

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import subprocess
 from dataclasses import replace
 from pathlib import Path
