@@ -22,6 +22,7 @@ from typing import List
 
 from pipeline.launch.base import Launcher, Run
 from pipeline.launch.plan import JobPlan
+from pipeline.supervise import signal_group
 
 
 class LocalRun(Run):
@@ -55,21 +56,14 @@ class LocalRun(Run):
     def _stop(self) -> None:
         # each task leads its own process group: signal the group so its children (engines) stop too
         for p in self.procs:  # exited tasks too: children they left behind are still in the group
-            _signal_group(p, signal.SIGTERM)
+            signal_group(p.pid, signal.SIGTERM)
         deadline = time.monotonic() + self.kill_grace_s
         for p in self.procs:
             try:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _signal_group(p, signal.SIGKILL)
+                signal_group(p.pid, signal.SIGKILL)
                 p.wait(timeout=10)
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 class LocalLauncher(Launcher):

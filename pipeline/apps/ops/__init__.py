@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -221,28 +220,24 @@ def cancel_run(run_dir: Path, grace_s: float = 60.0) -> str:
         if out.returncode != 0:
             raise RuntimeError(f"scancel {job_id} failed: {out.stderr.strip()}")
         return f"scancel {job_id} (every component of the heterogeneous job)"
-    from pipeline.supervise import process_group
+    from pipeline.supervise import process_group, signal_group
 
     groups = [pid for pid in launch.get("pids") or [] if _alive(pid, run_dir)]
-    for pgid in groups:
-        _signal_group(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while any(process_group(g) for g in groups) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    left = [pid for g in groups for pid in process_group(g)]
-    for pgid in groups:
-        _signal_group(pgid, signal.SIGKILL)
+    def left_after(sig: int, wait_s: float) -> list[int]:
+        for pgid in groups:
+            signal_group(pgid, sig)
+        deadline = time.monotonic() + wait_s
+        while any(process_group(g) for g in groups) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return [pid for g in groups for pid in process_group(g)]
+
     done = f"SIGTERM to the process groups of {len(groups)} running local task(s)"
-    if left:
-        return done + f"; {len(left)} process(es) still running after {grace_s:g} s got SIGKILL: {left}"
-    return done + ("; every task stopped" if groups else "")
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
+    left = left_after(signal.SIGTERM, grace_s)
+    if not left:
+        return done + ("; every task stopped" if groups else "")
+    unkillable = left_after(signal.SIGKILL, 10.0)  # returns once the kernel has ended them
+    done += f"; {len(left)} process(es) still running after {grace_s:g} s got SIGKILL: {left}"
+    return done + (f"; still present after it: {unkillable}" if unkillable else "")
 
 
 def status_main(argv: Optional[List[str]] = None) -> int:
