@@ -40,6 +40,8 @@ def compose(run_dir: Path, *overrides: str):
     return cfg
 
 
+@pytest.mark.slow  # 258 s in CI: four kills, three engine starts; kill -9 stays in the default suite through
+# tests/test_log_netfs_train.py (orchestrator), tests/test_engine_owner_death.py and tests/test_generator.py (mid-broadcast)
 def test_kill_9_of_each_process_mid_run_and_the_run_completes(tmp_path):
     import os
 
