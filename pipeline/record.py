@@ -1,4 +1,5 @@
-"""The rollout record: one sample of a prompt group, and its columnar batch form.
+"""The rollout record: one sample of a prompt group, and its columnar batch form (which fields a run
+records, and their dtypes: `pipeline.record_schema`).
 
 Invariants this module keeps (checked on construction, raising `RecordError` naming the field):
 
@@ -39,10 +40,12 @@ the network and lands on disk without per-sample conversion.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
+
+from pipeline.record_schema import PROMPT_COLUMN, RecordError, RecordSchema
 
 #: Behaviour logprobs must be <= this (0 up to float32 rounding of the engine's log-softmax).
 LOGPROB_MAX = 1e-3
@@ -50,103 +53,6 @@ LOGPROB_MAX = 1e-3
 #: Finish reasons, stored as their index (uint8).
 #: "env_error": an episode whose environment failed or hung (its tokens up to there are kept).
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "env_error")
-
-
-class RecordError(ValueError):
-    """A rollout record (or batch of them) violates the record's invariants."""
-
-
-@dataclass(frozen=True)
-class RecordSchema:
-    """Which optional per-token fields a run records. Fixed by the run's config for its whole life."""
-
-    token_rewards: bool = False
-    """A float32 reward per completion token, besides the scalar reward: each step's reward at the
-    token that ends it, 0 elsewhere (process rewards, `pipeline.scorers.models`; an episode's
-    environment step rewards at the last token of each model turn, `pipeline.generator.episodes`)."""
-    teacher_logprobs: bool = False
-    """A float32 teacher logprob per completion token (on-policy distillation)."""
-    routed_experts: tuple[int, int] | None = None
-    """(moe_layers, top_k): the experts each prompt and completion token was routed to at generation
-    (Keep Routing); enables ``routed_experts`` (per completion token) and ``prompt_routed_experts``."""
-    sampling_mask_k: int | None = None
-    """Width k of the per-token list of token ids the sampler kept (top-k/top-p), padded with -1."""
-    model_mask: bool = False
-    """A uint8 per completion token: 1 = sampled by the policy, 0 = an environment observation
-    (multi-turn episodes; the trainer's loss and corrections skip the 0s)."""
-
-    def token_fields(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
-        """Per-completion-token fields of this schema: name -> (dtype, trailing shape)."""
-        out: dict[str, tuple[np.dtype, tuple[int, ...]]] = {
-            "completion_ids": (np.dtype(np.int32), ()),
-            "logprobs": (np.dtype(np.float32), ()),
-            "versions": (np.dtype(np.int32), ()),
-        }
-        if self.token_rewards:
-            out["token_rewards"] = (np.dtype(np.float32), ())
-        if self.teacher_logprobs:
-            out["teacher_logprobs"] = (np.dtype(np.float32), ())
-        if self.routed_experts is not None:
-            out["routed_experts"] = (np.dtype(np.int16), tuple(self.routed_experts))
-        if self.sampling_mask_k is not None:
-            out["sampling_mask"] = (np.dtype(np.int32), (int(self.sampling_mask_k),))
-        if self.model_mask:
-            out["model_mask"] = (np.dtype(np.uint8), ())
-        return out
-
-    def scalar_columns(self) -> dict[str, np.dtype]:
-        """Scalar (per-sample) columns of this schema: `SCALAR_COLUMNS`, plus ``teacher_version``
-        with teacher logprobs."""
-        if not self.teacher_logprobs:
-            return SCALAR_COLUMNS
-        return {**SCALAR_COLUMNS, "teacher_version": np.dtype(np.int32)}
-
-    def prompt_token_fields(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
-        """Optional per-prompt-token fields of this schema: name -> (dtype, trailing shape)."""
-        if self.routed_experts is None:
-            return {}
-        return {"prompt_routed_experts": (np.dtype(np.int16), tuple(self.routed_experts))}
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "token_rewards": self.token_rewards,
-            "teacher_logprobs": self.teacher_logprobs,
-            "routed_experts": list(self.routed_experts) if self.routed_experts else None,
-            "sampling_mask_k": self.sampling_mask_k,
-            "model_mask": self.model_mask,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "RecordSchema":
-        unknown = set(d) - {f.name for f in fields(cls)}
-        if unknown:
-            raise RecordError(f"record schema has unknown fields {sorted(unknown)}")
-        re = d.get("routed_experts")
-        return cls(
-            token_rewards=bool(d.get("token_rewards", False)),
-            teacher_logprobs=bool(d.get("teacher_logprobs", False)),
-            routed_experts=(int(re[0]), int(re[1])) if re else None,
-            sampling_mask_k=None if d.get("sampling_mask_k") is None else int(d["sampling_mask_k"]),
-            model_mask=bool(d.get("model_mask", False)),
-        )
-
-
-#: Scalar (one value per sample) columns of a SampleBatch and their dtypes.
-SCALAR_COLUMNS: dict[str, np.dtype] = {
-    "group_id": np.dtype(np.int64),
-    "sample_index": np.dtype(np.int32),
-    "prompt_id": np.dtype(np.int64),
-    "attempt": np.dtype(np.int32),
-    "finish_reason": np.dtype(np.uint8),
-    "reward": np.dtype(np.float32),
-    "generator_id": np.dtype(np.int32),
-    "t_start": np.dtype(np.float64),
-    "t_end": np.dtype(np.float64),
-    "prompt_len": np.dtype(np.int32),
-    "completion_len": np.dtype(np.int32),
-}
-#: The ragged prompt column (per prompt token).
-PROMPT_COLUMN = ("prompt_ids", np.dtype(np.int32))
 
 
 def _as(name: str, value: Any, dtype: np.dtype, ndim: int) -> np.ndarray:

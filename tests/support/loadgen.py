@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.orchestrator.links import EvalItem, GeneratorLink, TrainerLink, WorkItem
-from pipeline.record import FINISH_REASONS, SCALAR_COLUMNS, RecordSchema, SampleBatch
+from pipeline.record import FINISH_REASONS, RecordSchema, SampleBatch
+from pipeline.record_schema import SCALAR_COLUMNS
 
 
 def synthetic_group(item: WorkItem, generator_id: int, schema: RecordSchema, min_len: int,
