@@ -54,6 +54,7 @@ from pipeline.orchestrator.replay import LogFeeder
 from pipeline.orchestrator.restore import restore_from_log
 from pipeline.orchestrator.scoring import GROUP_FILTERS, AsyncScoring, Scorer, with_rewards
 from pipeline.orchestrator.steps import StepDesk
+from pipeline.orchestrator.trainer_side import TrainerSide
 from pipeline.record import RecordError, RecordSchema, SampleBatch
 from pipeline.rollout_log import GroupOutcome, RolloutLogWriter
 from pipeline.run_files import ROLLOUTS_DIR
@@ -62,7 +63,10 @@ from pipeline.wire import Message
 log = logging.getLogger(__name__)
 
 
-class Orchestrator:
+class Orchestrator(TrainerSide):
+    """The orchestrator's state and event loop; its trainer side (step batches, rollbacks,
+    evaluations) is `pipeline.orchestrator.trainer_side`."""
+
     def __init__(self, run_dir: Path, cfg: OrchestratorConfig, prompts: PromptSource,
                  scorer: Scorer, schema: RecordSchema, run_id: str = "run",
                  eval_prompts: PromptSource | None = None, replay_source: Path | None = None,
@@ -366,77 +370,6 @@ class Orchestrator:
         for peer, groups in by_peer.items():
             self._send(peer, m.Ack(groups))
         self.to_ack.clear()
-
-    # -- trainer ---------------------------------------------------------------------------
-    def _release(self, g: BufferedGroup, outcome: GroupOutcome, reason: str) -> None:
-        """A stored group leaves unconsumed: its admission slot is freed, a second row logged."""
-        self.admission.unkeep()
-        self.counts[reason] += 1
-        self.group_rows.append((g.group_id, g.attempt, outcome, int(g.rows[0]), len(g.rows),
-                                g.min_version, time.time()))
-
-    def _on_get_batch(self, peer: bytes, msg: m.GetBatch) -> None:
-        self.clock.trainer_at_step(msg.step, msg.version)
-        reply = self.desk.request(peer, msg)
-        if reply is not None:
-            self._send_batch(peer, reply)
-
-    def _serve_steps(self) -> None:
-        if self.clock.trainer_step != self._stale_checked_for:  # staleness only grows with it
-            for g in self.buffer.drop(lambda g: self.clock.is_stale(g.min_version)):
-                self._release(g, GroupOutcome.EVICTED_STALE, "dropped_stale_buffered")
-            self._stale_checked_for = self.clock.trainer_step
-        replies, recorded = self.desk.serve(self.clock.trainer_step)
-        if recorded:
-            self._flush()  # the step record is durable before any rank sees the step
-            self.counts["steps_recorded"] += 1
-        for peer, reply in replies:
-            self._send_batch(peer, reply)
-
-    def _send_batch(self, peer: bytes, batch: m.Batch) -> None:
-        self._send(peer, batch)
-        self.counts["batches_sent"] += 1
-
-    def _on_resume(self, peer: bytes, msg: m.Resume) -> None:
-        """The trainer restarted from the checkpoint taken after ``msg.step`` steps: a rollback.
-
-        Steps recorded at or after it are forgotten; their groups go back to the front of the
-        buffer, and every group (those and the buffered ones) holding tokens of a version above
-        the checkpoint (weights that no longer exist) is released as ``DROPPED_ROLLBACK`` (not in
-        a replay, whose groups' versions belong to the recorded run).
-        """
-        k = msg.step
-        self.clock.trainer_resumed(k)
-
-        def discarded(g: BufferedGroup) -> bool:
-            if self.feeder is not None:  # replay: recorded versions name the source run's weights
-                return False
-            return int(self.buffer.samples(g).columns["versions"].max()) > k
-
-        released, returned = self.desk.roll_back(k, discarded)
-        for g in released:
-            self._release(g, GroupOutcome.DROPPED_ROLLBACK, "dropped_rollback")
-        self._stale_checked_for = -1
-        self.counts["trainer_resumes"] += 1
-        log.info("trainer resumes at step %d: %d group(s) of later steps forgotten; %d group(s) released "
-                 "as dropped_rollback", k, returned, len(released))
-
-    def _on_version(self, peer: bytes, msg: m.TrainerVersion) -> None:
-        self.clock.trainer_reported(msg.version)
-
-    def _on_eval_request(self, peer: bytes, msg: m.EvalRequest) -> None:
-        if self.evaluator is None:
-            self.counts["eval_unavailable"] += 1
-            return
-        self.evaluator.start(msg.step, msg.version)
-        self.evaluator.send_work(self.server, list(self.generators))
-
-    def _on_eval_result(self, peer: bytes, msg: m.EvalResult) -> None:
-        if self.evaluator is None:
-            return
-        summary = self.evaluator.on_result(peer, msg, self.counts)
-        if summary is not None:
-            self.metrics.log("eval", **summary)
 
     def _on_weights(self, peer: bytes, msg: m.WeightsAnnounced) -> None:
         self.clock.weights_announced(msg.version)
