@@ -103,21 +103,27 @@ class WeightFollower:
 
         while (item := self._queue.get()) is not None:
             kind, value, epoch = item
-            epoch = epoch or max([self.epoch, *self.joins])  # not told: the newest group joined
             try:
                 if kind == "regroup":
                     self._join(value)
-                elif epoch in self.joins:
-                    self._switch(epoch)
-                elif epoch > self.epoch:  # the trainer's group in use left this teacher out
-                    self._close_channel()
-                    self.epoch = epoch
-                if kind == "update" and self.channel is not None and epoch == self.epoch:
-                    self._receive(value)
+                else:
+                    self._follow(value, epoch or max([self.epoch, *self.joins]))  # 0: the newest group joined
             except (WeightSyncError, TimeoutError) as exc:  # the trainer regroups; wait for it
                 self.failures += 1
                 self._close_channel()
                 log.error("weight %s %d failed (%s); waiting for the trainer's next group", kind, value, exc)
+
+    def _follow(self, version: int, epoch: int) -> None:
+        """``version`` is broadcast into group ``epoch``: switch to it if it is being joined, leave
+        the group in use if the trainer's group is a newer one without this teacher; receive it
+        if this teacher is in that group."""
+        if epoch in self.joins:
+            self._switch(epoch)
+        elif epoch > self.epoch:
+            self._close_channel()
+            self.epoch = epoch
+        if self.channel is not None and epoch == self.epoch:
+            self._receive(version)
 
     def _join(self, epoch: int) -> None:
         """Start forming group ``epoch`` in the background (older joins go on until a switch)."""
