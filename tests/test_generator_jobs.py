@@ -29,7 +29,9 @@ from pipeline.metrics import read_metrics
 from pipeline.supervise import alive
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 250  # 0.6-1.2 s each here: the joiner's engine starts (1-2.5 min) while the run goes on
+STEPS = 200  # of 8 groups x 8 samples: the joiner's engine starts (1-3 min) while the run goes on
+GROUPS_PER_STEP = 8  # steps of about 1-2 s: with 4 groups (0.3-1 s) the same CPU contention that
+# made one step 1 s slower at the join (the newcomer's engine on trainer rank 0's core) was a step
 
 
 def _membership(run: Path, event: str, gid: int | None = None) -> list[dict]:
@@ -161,7 +163,7 @@ def test_a_generator_job_joins_gets_leases_and_leaves_mid_run(tmp_path):
     run = tmp_path / "run"
     cfg = compose(run, "run.name=genjobs", f"run.steps={STEPS}", "run.eval_every=0", "run.mismatch_every=0",
                   "run.progress=false", "run.tensorboard=false", "run.checkpoint_every=100",
-                  "cluster.generators=1", "orchestrator.groups_per_step=4", "orchestrator.group_size=8",
+                  "cluster.generators=1", f"orchestrator.groups_per_step={GROUPS_PER_STEP}", "orchestrator.group_size=8",
                   "run.timeout_s=300", "generator.weight_timeout_s=60")
     prepare_run_dir(cfg)
     launched = LocalLauncher().launch(job_plan(cfg, run), run)
