@@ -29,9 +29,9 @@ from pipeline.metrics import read_metrics
 from pipeline.supervise import alive
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 200  # of 8 groups x 8 samples: the joiner's engine starts (1-3 min) while the run goes on
-GROUPS_PER_STEP = 8  # steps of about 1-2 s: with 4 groups (0.3-1 s) the same CPU contention that
-# made one step 1 s slower at the join (the newcomer's engine on trainer rank 0's core) was a step
+STEPS = 250  # 0.3-1.2 s each here: the joiner's engine starts (1-3 min) while the run goes on
+GROUPS_PER_STEP = 4  # 8 made steps of about 1 s, not the few seconds hoped for, and the events' 1 s
+# blips stayed (docs/generator-jobs.md, run 5)
 
 
 def _membership(run: Path, event: str, gid: int | None = None) -> list[dict]:
