@@ -56,9 +56,19 @@ def event_steps(run: Path, t: float, after_switch: int = 3) -> tuple[list[dict],
     return [r for r in steps[:after + 1 + after_switch] if r["t"] >= t] or [steps[after]], regroup, switch
 
 
+def waited_since(r: dict, t: float) -> float:
+    """Of step record ``r``'s ``wait_s + sync_s``, the part after unix time ``t``: the record is
+    written after the push, so ``sync_s`` ends at ``r["t"]``, the train step (``step_s``) before
+    it, the wait for the batch before that (a checkpoint between push and record only moves them
+    later, so it counts more, never less). A wait that ended before the event is not its cost."""
+    sync_from = r["t"] - r["sync_s"]
+    wait_to = sync_from - r["step_s"]
+    return min(r["sync_s"], max(0.0, r["t"] - t)) + max(0.0, wait_to - max(t, wait_to - r["wait_s"]))
+
+
 def trainer_wait_after(run: Path, t: float, other_events: tuple[float, ...] = ()) -> dict:
     """The trainer's wait on an event at unix time ``t``: the longest ``wait_s + sync_s`` of its
-    `event_steps`, against the same sum's `QUIET_PERCENTILE` over the steps no event (``t`` and
+    `event_steps` after ``t`` (`waited_since`), against the same sum's `QUIET_PERCENTILE` over the steps no event (``t`` and
     ``other_events``) may have cost, after the first 10 (the run's first group and engine steps),
     and one step (median gap between step records). ``excess_s`` (the check: at most one step)
     is the event's wait beyond that percentile: on a 2-core machine the same sum jumps by about a
@@ -68,10 +78,10 @@ def trainer_wait_after(run: Path, t: float, other_events: tuple[float, ...] = ()
     covered, regroup, switch = event_steps(run, t)
     costed = {r["step"] for e in (t, *other_events) for r in event_steps(run, e)[0]}
     quiet = [r["wait_s"] + r["sync_s"] for r in steps[10:] if r["step"] not in costed]
-    worst = max(covered, key=lambda r: r["wait_s"] + r["sync_s"])
+    worst = max(covered, key=lambda r: waited_since(r, t))
     noise = float(np.percentile(quiet, QUIET_PERCENTILE))
     one_step = statistics.median(b["t"] - a["t"] for a, b in zip(steps, steps[1:]))
-    waited = worst["wait_s"] + worst["sync_s"]
+    waited = waited_since(worst, t)
     return {"regroup_epoch": regroup["epoch"], "steps": [covered[0]["step"], covered[-1]["step"]],
             "switch_after_s": round(switch["t"] - regroup["t"], 2), "worst_step": worst["step"],
             "wait_s": round(waited, 2), "sync_s": round(worst["sync_s"], 2),
