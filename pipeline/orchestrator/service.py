@@ -379,7 +379,7 @@ class Orchestrator(TrainerSide):
         for gen in self.generators.listeners():
             self._send(gen, m.Update(msg.version, msg.epoch))
         if hasattr(self.scoring, "weights_announced"):
-            self.scoring.weights_announced(msg.version)
+            self.scoring.weights_announced(msg.version, msg.epoch)
 
     def _on_finish(self, peer: bytes, msg: m.Finish) -> None:
         for gen in self.generators.listeners():

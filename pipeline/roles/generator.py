@@ -21,6 +21,10 @@ Invariants:
   (trainer rank 0's result of this attempt exists: a generator restarted after the orchestrator
   said ``stop`` hears it no more); Slurm's SIGKILL follows ``scancel``'s SIGTERM after KillWait,
   so the ``Leave`` goes out first and the wait for ``stop`` may be cut short (no result then);
+- a generator that joins a running run (a weight group exists: a generator job's, a restarted
+  one) warms its engine up at the run's batch shape before it says Hello (`_warm_up`), so the
+  group that takes it in forms with an idle, warm engine, and neither the trainer's first
+  broadcast into it nor the ones while it serves its first leases wait for a first engine step;
 - a new weight group is joined in the background (`GroupBuild` in each engine worker): the
   generator keeps receiving in the group in use until an update announced into the new group
   arrives, and switches then (the trainer forms the group while it pushes into the old one); an
@@ -56,6 +60,9 @@ from pipeline.record import RolloutSample, SampleBatch, unrecorded_fields
 from pipeline.roles.common import cpu_cores_for, load_run_config, model_dir, pin_process
 
 log = logging.getLogger(__name__)
+
+WARM_UP_PROMPT_MAX = 256
+"""Longest prompt of the warm-up before joining a running run (`GeneratorRole._warm_up`)."""
 
 
 class GeneratorRole:
@@ -96,10 +103,12 @@ class GeneratorRole:
         self.gen = Generator(gcfg, generator_id=self.rank, schema=self.schema, episodes=episode_runner(cfg, model))
         await self.gen.start()
         slots = max(1, gcfg.max_num_seqs // cfg.orchestrator.group_size)
+        if self._newest_published_epoch():  # a running run: it says Hello once its engine is warm
+            await self._warm_up(slots * cfg.orchestrator.group_size)
         self.joinable_from = 1 + self._newest_published_epoch()  # read before the Hello (see _join)
         self.link = GeneratorLink(self.run_dir, self.rank, slots, self.schema, cfg.orchestrator.transport,
                                   timeout_s=timeout, job=self.job)
-        controls: asyncio.Queue[Control] = asyncio.Queue()
+        controls: asyncio.Queue[tuple[Control, float]] = asyncio.Queue()  # with its arrival time
         self.controls_task = asyncio.create_task(self._apply_controls(controls))
         tasks: set[asyncio.Task] = {self.controls_task}
         t_start = last_metrics = last_run_check = time.monotonic()
@@ -116,7 +125,7 @@ class GeneratorRole:
                 if isinstance(item, Control):
                     if isinstance(item, Regroup):
                         self.newest_epoch = max(self.newest_epoch, item.epoch)
-                    controls.put_nowait(item)
+                    controls.put_nowait((item, time.monotonic()))
                 elif isinstance(item, WorkItem) and left_at is None:  # after Leave: its lease is returned
                     tasks.add(asyncio.create_task(self._group(item)))
                 elif isinstance(item, EvalItem) and left_at is None:
@@ -173,31 +182,41 @@ class GeneratorRole:
         except (FileNotFoundError, ValueError, KeyError):
             return False
 
-    async def _apply_controls(self, queue: "asyncio.Queue[Control]") -> None:
+    async def _apply_controls(self, queue: "asyncio.Queue[tuple[Control, float]]") -> None:
         """Apply weight-group changes and updates one at a time, beside the polling loop (which
-        keeps the orchestrator informed that this generator is alive while a broadcast waits)."""
+        keeps the orchestrator informed that this generator is alive while a broadcast waits).
+
+        Each load is logged with where its time went, from the announcement's arrival: ``queued``
+        (behind earlier controls), ``switch`` (into a new group: the rpc to every worker, which
+        waits for the engine step in progress, and the group's forming if not yet done),
+        ``receive`` (the rpc posting the receive, which waits for the engine step in progress, and
+        the receive itself, buffers included: the trainer's broadcast waits for this part),
+        ``paused`` (the generator's stall) and its ``load``."""
         while True:
-            item = await queue.get()
+            item, arrived = await queue.get()
             if isinstance(item, Stop):
                 self.stop = True
                 return
             try:
                 if isinstance(item, Regroup):
                     await self._join(item.epoch)
-                elif isinstance(item, Update) and item.epoch != self.epoch and item.epoch in self.joins:
+                t_switch = time.monotonic()
+                if isinstance(item, Update) and item.epoch != self.epoch and item.epoch in self.joins:
                     await self._switch(item.epoch)
                 if isinstance(item, Update) and item.epoch == self.epoch and self.epoch is not None and (
                         item.version != self.gen.version or not self.loaded or self.group_fresh):
                     # the trainer broadcasts after every group it builds, also a version this
                     # generator holds (it rebuilds when the orchestrator's members change, e.g. after
                     # an orchestrator restart): in a new group the first announced version is taken
+                    t_update = time.monotonic()
                     report = await self.gen.update_weights(item.version)
                     self.loaded, self.group_fresh = True, False
                     self.link.loaded_version = report.version
                     self.link.send_want()  # tell the orchestrator at once: admission waits for it
                     self.stall_s += report.paused_s
-                    log.info("loaded version %d (paused %.3fs, load %.3fs)", report.version,
-                             report.paused_s, report.load_s)
+                    log.info("loaded version %d (epoch %d; queued %.3fs, switch %.3fs, receive %.3fs, "
+                             "paused %.3fs, load %.3fs)", report.version, self.epoch, t_switch - arrived,
+                             t_update - t_switch, report.staging_s, report.paused_s, report.load_s)
             except Exception as exc:  # collective_rpc wraps the worker's errors in a plain Exception
                 if not self.gen.engine_alive():
                     raise
@@ -205,6 +224,35 @@ class GeneratorRole:
                 self.sync_failures += 1
                 self.epoch = None
                 log.error("weight %s failed (%s); waiting for the trainer to regroup", item.KIND, exc)
+
+    async def _warm_up(self, sequences: int) -> None:
+        """Generate once at the run's batch shape (``sequences`` at a time, as many as its leases
+        allow, each ``max_tokens`` long) before saying Hello to a running run.
+
+        Until it has loaded weights a generator takes no work, so its engine is idle when the group
+        it joins forms and when the trainer's first broadcast into it comes (the rpc posting the
+        receive is handled at once); but its first generation steps are slow (allocations, kernel
+        set-up: 5-49 s measured on a loaded 2-core machine) and a broadcast waits for the engine step
+        in progress, so without this the trainer's broadcasts right after the join waited for
+        them. The weights are whatever the engine started with; the outputs are thrown away."""
+        from pipeline.generator.engine import sampling_params
+
+        t0 = time.monotonic()
+        gcfg, engine = self.gen.config, self.gen.engine
+        budget = gcfg.max_tokens
+        prompt_len = max(1, min(WARM_UP_PROMPT_MAX, gcfg.max_model_len - budget - 1))
+        vocab = engine.model_config.get_vocab_size()
+        rng = np.random.default_rng(self.rank)
+        params = sampling_params(replace(gcfg, ignore_eos=True), seed=None, max_tokens=budget)
+
+        async def one(i: int) -> None:
+            prompt = {"prompt_token_ids": rng.integers(0, vocab, prompt_len).tolist()}  # distinct: no prefix hits
+            async for _ in engine.generate(prompt, params, f"warm-up-{i}"):
+                pass
+
+        await asyncio.gather(*(one(i) for i in range(sequences)))
+        log.info("engine warmed up: %d sequences of %d + %d tokens in %.2fs", sequences, prompt_len,
+                 budget, time.monotonic() - t0)
 
     async def _join(self, epoch: int) -> None:
         """Start joining weight group `epoch` (unless it is not for this process); the switch to it

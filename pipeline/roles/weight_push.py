@@ -14,7 +14,8 @@ Invariants:
 - a change of members the leader sees at a push (a join, a `Leave`, a restart) is never waited
   for: the next group forms on a background thread (`GroupBuild`) while pushes go on into the
   group in use, and the leader switches to it at the first push after it formed; while the group
-  in use holds a member that is gone, versions are not broadcast (no broadcast waits on a departed
+  in use holds a member that is gone, a push waits up to `LEFT_GROUP_WAIT_S` for the new group to
+  form and broadcasts into it, else the version is not broadcast (no broadcast waits on a departed
   member; the others load the next version from the new group), unless no member of it is left or
   the version was sent already (the trainer waits for a batch anyway): then it waits for the new
   group (at most ``generator.weight_timeout_s``);
@@ -39,6 +40,13 @@ log = logging.getLogger(__name__)
 
 SKIP = -1
 """The leader's agreed epoch for "no broadcast of this version" (see the module docstring)."""
+
+LEFT_GROUP_WAIT_S = 1.0
+"""How long a push waits for the next group to form when a member of the group in use has left,
+before it gives the version up. The group of the remaining members formed 0.1-0.9 s after the
+regroup in the local tests; a version given up leaves them on the one before, and at the staleness
+bound the trainer's next batch waits for them, while a trainer waiting for a batch checks the
+members (and pushes) only every 5 s: 5.9 s measured on one departure (docs/generator-jobs.md)."""
 
 
 class WeightPusher:
@@ -185,7 +193,8 @@ class WeightPusher:
                 self.pending.abandon()
             self.pending = self._start_group(members, senders)
         gone = [g for g, inc in self.group_members.items() if members.get(g) != inc]
-        if self.pending is not None and (self.pending.ready() or len(gone) == len(self.group_members)
+        if self.pending is not None and (self.pending.ready(LEFT_GROUP_WAIT_S if gone else 0.0)
+                                         or len(gone) == len(self.group_members)
                                          or version == self.sent_version):
             self._switch()
         elif gone:

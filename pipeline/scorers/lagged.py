@@ -9,9 +9,14 @@ at once (requests are scored on another thread, `pipeline.scorers.role`): the re
 the engine's scoring and the trainer waits for the teacher no longer than for a generator.
 
 Invariants:
-- every announced update is received whole, in order, on the group joined last (a group that does
-  not list this teacher, or one already superseded by a newer, is not joined; the old channel is
-  closed); a failed receive closes the channel until the next regroup, as a generator does;
+- every update announced into the group it is in is received whole, in order; a new group is
+  joined in the background (`GroupBuild`), as a generator does: the trainer keeps broadcasting into
+  the group in use while the next one forms, and the follower switches to the new group (waiting
+  for it to form, at most its timeout) when an update announced into it arrives. A group that does
+  not list this teacher, or one already superseded by a newer, is not joined; an update announced
+  into a newer group it is not joining means the trainer left this teacher out: the old channel is
+  closed. An update announced without its group (epoch 0) goes into the newest group joined. A failed
+  receive closes the channel until the next regroup, as a generator does;
 - a version ``u`` is kept (copied to host memory) only if a lagged teacher can still ask for it:
   ``u > 0`` (0 is the initial checkpoint) a multiple of the refresh interval M (`lagged_teacher_version`), and not older than the
   version due while the policy is at v - 1 (a request sent before v was reported may still be
@@ -32,6 +37,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from pipeline.scorers.pool import lagged_teacher_version
+from pipeline.weights.group_build import GroupBuild
 
 if TYPE_CHECKING:
     import torch
@@ -51,23 +57,25 @@ class WeightFollower:
         self.identity, self.rendezvous = identity, rendezvous
         self.lag, self.every, self.timeout_s = lag, every, timeout_s
         self.channel = None
-        self.epoch = 0
+        self.epoch = 0  # newest group followed: the channel's, or one that left this teacher out
+        self.joins: dict[int, GroupBuild] = {}  # groups forming in the background, by epoch
         self.received: int | None = None  # newest version received whole
         self.updates = self.kept = self.failures = 0
         self._snapshots: dict[int, dict[str, "torch.Tensor"]] = {}
         self._lock = threading.Lock()
-        self._queue: queue.Queue[tuple[str, int] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[str, int, int] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="weight-follower", daemon=True)
         self._thread.start()
 
     # -- from the scorer's loop -------------------------------------------------------------
     def regroup(self, epoch: int) -> None:
-        """The trainer built weight group ``epoch``: join it (if it lists this teacher)."""
-        self._queue.put(("regroup", epoch))
+        """The trainer built weight group ``epoch``: start joining it (if it lists this teacher)."""
+        self._queue.put(("regroup", epoch, 0))
 
-    def update(self, version: int) -> None:
-        """The trainer announced ``version``: its broadcast follows on the current group."""
-        self._queue.put(("update", version))
+    def update(self, version: int, epoch: int = 0) -> None:
+        """The trainer announced ``version`` into group ``epoch`` (0: the group in use); its
+        broadcast follows."""
+        self._queue.put(("update", version, epoch))
 
     def take(self, version: int) -> dict[str, "torch.Tensor"] | None:
         """The snapshot of ``version`` (HF names -> CPU tensors), given up by the follower, or
@@ -85,6 +93,8 @@ class WeightFollower:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(self.timeout_s)
+        for build in self.joins.values():
+            build.abandon()
         self._close_channel()
 
     # -- the follower's thread --------------------------------------------------------------
@@ -92,32 +102,54 @@ class WeightFollower:
         from pipeline.weights.group import WeightSyncError
 
         while (item := self._queue.get()) is not None:
-            kind, value = item
+            kind, value, epoch = item
             try:
                 if kind == "regroup":
                     self._join(value)
-                elif self.channel is not None:
-                    self._receive(value)
+                else:
+                    self._follow(value, epoch or max([self.epoch, *self.joins]))  # 0: the newest group joined
             except (WeightSyncError, TimeoutError) as exc:  # the trainer regroups; wait for it
                 self.failures += 1
                 self._close_channel()
                 log.error("weight %s %d failed (%s); waiting for the trainer's next group", kind, value, exc)
 
+    def _follow(self, version: int, epoch: int) -> None:
+        """``version`` is broadcast into group ``epoch``: switch to it if it is being joined, leave
+        the group in use if the trainer's group is a newer one without this teacher; receive it
+        if this teacher is in that group."""
+        if epoch in self.joins:
+            self._switch(epoch)
+        elif epoch > self.epoch:
+            self._close_channel()
+            self.epoch = epoch
+        if self.channel is not None and epoch == self.epoch:
+            self._receive(version)
+
     def _join(self, epoch: int) -> None:
+        """Start forming group ``epoch`` in the background (older joins go on until a switch)."""
         from pipeline.weights.group import TorchDistChannel
 
-        if epoch <= self.epoch or self.rendezvous.get(f"weights-{epoch + 1}") is not None:
+        if epoch <= max([self.epoch, *self.joins]) or self.rendezvous.get(f"weights-{epoch + 1}") is not None:
             return  # old news, or a group the trainer gave up already (its successor's regroup follows)
         w = self.rendezvous.wait(f"weights-{epoch}", self.timeout_s)
-        self._close_channel()
-        self.epoch = epoch
         me = w["ranks"].get(self.identity)
         if me is None:
             log.info("weight group epoch %d does not list %s", epoch, self.identity)
             return
-        self.channel = TorchDistChannel(w["host"], w["port"], me, w["world_size"], self.timeout_s,
-                                        w["backend"], epoch, w.get("senders", 1))
-        log.info("joined weight group epoch %d as rank %d of %d", epoch, me, w["world_size"])
+        self.joins[epoch] = GroupBuild(epoch, None, lambda: TorchDistChannel(
+            w["host"], w["port"], me, w["world_size"], self.timeout_s, w["backend"], epoch, w.get("senders", 1)))
+        log.info("joining weight group epoch %d as rank %d of %d", epoch, me, w["world_size"])
+
+    def _switch(self, epoch: int) -> None:
+        """Use group ``epoch`` from now on (an update was announced into it): waits for it to form;
+        joins of older groups are given up."""
+        build = self.joins.pop(epoch)
+        for older in [e for e in self.joins if e < epoch]:
+            self.joins.pop(older).abandon()
+        self._close_channel()
+        self.epoch = epoch
+        self.channel = build.wait(self.timeout_s + 5)
+        log.info("switched to weight group epoch %d (formed in %.3fs)", epoch, build.built_s)
 
     def _receive(self, announced: int) -> None:
         update = self.channel.receive(stage=False)

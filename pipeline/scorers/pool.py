@@ -9,7 +9,7 @@ messages (msgpack header + raw array frames, signed with the run secret; no pick
   scorer -> pool   ``scorer_hello`` {service, rank, slots}; ``scorer_alive`` {} every second;
                    ``scored`` {request, jobs, error} + one array per filled field
   pool -> scorer   ``score`` {request, jobs, schema} + the groups' columns (one SampleBatch)
-  pool -> teacher  ``weights_regroup`` {epoch}, ``weights_update`` {version}: the orchestrator's
+  pool -> teacher  ``weights_regroup`` {epoch}, ``weights_update`` {version, epoch}: the orchestrator's
                    weight-group changes and update announcements, to a lagged teacher (one that
                    said ``follows_weights``; `pipeline.scorers.lagged`)
 
@@ -163,9 +163,10 @@ class RemoteScoring:
         """The trainer built weight group ``epoch``: tell the teachers that receive weights."""
         self._to_followers("weights_regroup", {"epoch": int(epoch)})
 
-    def weights_announced(self, version: int) -> None:
-        """The trainer is about to broadcast ``version``: the followers receive it too."""
-        self._to_followers("weights_update", {"version": int(version)})
+    def weights_announced(self, version: int, epoch: int = 0) -> None:
+        """The trainer is about to broadcast ``version`` into weight group ``epoch``: the followers
+        receive it too."""
+        self._to_followers("weights_update", {"version": int(version), "epoch": int(epoch)})
 
     def _to_followers(self, kind: str, meta: dict) -> None:
         for peer in list(self.followers.values()):

@@ -17,7 +17,7 @@ Invariants:
   while a request is scored;
 - a lagged teacher also receives every weight update (`pipeline.scorers.lagged`): it says so in
   its hello (``follows_weights``), and the pool's ``weights_regroup`` {epoch} / ``weights_update``
-  {version} go to its `WeightFollower`, whose own thread joins and receives;
+  {version, epoch} go to its `WeightFollower`, whose own thread joins and receives;
 - it exits on ``scorer_stop`` (the orchestrator closed), on the task's stop request, or after
   ``orphan_after_s`` without hearing from the pool (its orchestrator is gone for good).
 """
@@ -129,7 +129,7 @@ def serve(run_dir: Path, cfg: ScorersConfig, service: str, rank: int,
                 elif msg.kind == "weights_regroup" and follower is not None:
                     follower.regroup(int(msg.meta["epoch"]))
                 elif msg.kind == "weights_update" and follower is not None:
-                    follower.update(int(msg.meta["version"]))
+                    follower.update(int(msg.meta["version"]), int(msg.meta.get("epoch", 0)))
                 elif msg.kind == "score":  # scored beside this loop, which keeps heartbeating
                     answers.append(scoring.submit(_timed_answer, scorer, msg))
             elif now - last_heard > orphan_after_s:

@@ -54,8 +54,10 @@ class GroupBuild:
             else:
                 self._channel = channel
 
-    def ready(self) -> bool:
-        """True once the thread ended (formed or failed)."""
+    def ready(self, within_s: float = 0.0) -> bool:
+        """True once the thread ended (formed or failed); waits for that up to ``within_s``."""
+        if within_s > 0:
+            self._thread.join(within_s)
         return not self._thread.is_alive()
 
     def wait(self, timeout_s: float) -> Any:
