@@ -190,8 +190,9 @@ SPLIT_SENDER = textwrap.dedent("""
     gen = torch.Generator().manual_seed(11)
     big = torch.randn(5 * bucket // 8, generator=gen)  # float32: 2.5 buckets
     named = [("small", torch.arange(7)), ("embed", big), ("tail", torch.randn(3, generator=gen).bfloat16())]
-    for version in (1, 2):  # received streamed, then staged
-        ch.send_stream(version, BucketPlan.for_tensors(named, bucket), named)
+    for version in (1, 2, 3):  # received streamed, streamed, then staged
+        named_v = [(n, t * version if n == "embed" else t) for n, t in named]
+        ch.send_stream(version, BucketPlan.for_tensors(named_v, bucket), named_v)
     print(ch.buffers.allocated, flush=True)
     ch.close()
 """)
@@ -200,7 +201,8 @@ SPLIT_SENDER = textwrap.dedent("""
 def test_a_tensor_of_two_and_a_half_buckets_round_trips_within_two_buckets_of_buffers():
     """Streamed and staged receives of a tensor split over three buckets: exact bytes; the sender's
     and the streamed receiver's counted buffers stay within two buckets; the reassembly costs the
-    tensor's own size, once."""
+    tensor's own size, once: a second streamed update reassembles in the first one's memory, a
+    staged one in memory of its own."""
     bucket, port = 1 << 16, _free_port()
     proc = subprocess.Popen([sys.executable, "-c", SPLIT_SENDER, str(port), str(bucket)],
                             stdout=subprocess.PIPE, text=True)
@@ -209,13 +211,20 @@ def test_a_tensor_of_two_and_a_half_buckets_round_trips_within_two_buckets_of_bu
         gen = torch.Generator().manual_seed(11)
         big = torch.randn(5 * bucket // 8, generator=gen)
         want = {"small": torch.arange(7), "embed": big, "tail": torch.randn(3, generator=gen).bfloat16()}
-        for stage in (False, True):
+        embed_memory = []
+        for version, stage in ((1, False), (2, False), (3, True)):
             update = ch.receive(stage=stage)
             assert [[(s.name, s.part_start) for s in b] for b in update.plan.buckets] == \
                 [[("small", 0)], [("embed", 0)], [("embed", bucket)], [("embed", 2 * bucket), ("tail", 0)]]
-            got = {n: t.clone() for n, t in update}
+            got = {}
+            for n, t in update:  # streamed views last until the bucket after next: cloned at once
+                got[n] = t.clone()
+                if n == "embed":
+                    embed_memory.append(t.data_ptr())
+            want["embed"] = big * version
             assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
-            assert update.assembly.allocated == big.numel() * 4
+            assert update.assembly.allocated == (0 if version == 2 else big.numel() * 4)
+        assert embed_memory[1] == embed_memory[0] != embed_memory[2]
         assert ch.buffers.allocated <= 2 * bucket  # the streamed receive; staged buckets are kept by design
         ch.close()
         sent = int(proc.stdout.readline())

@@ -315,10 +315,19 @@ class Assembly:
     """Reassembles tensors split over buckets on a receiver into memory of the whole tensor's
     size, handed out when its last piece is in: a piece is copied in, or received there directly
     (`target`: a bucket that is one piece, `lone`). ``allocated`` counts the bytes allocated (the
-    largest split tensor is what a receiver needs beyond its two buckets)."""
+    largest split tensor is what a receiver needs beyond its two buckets).
 
-    def __init__(self):
+    ``keep`` (a dict owned by the caller, name -> memory) makes the memory outlive the update: a
+    later Assembly given the same dict reassembles a tensor of the same name and size in the same
+    memory, allocating nothing (a streamed receiver's next update; fresh memory would be
+    page-faulted in while gloo writes into it, which cost more than the transfer itself: 1.0 s
+    against 0.3 s for a 622 MB embedding on loopback). The tensors handed out then stay valid only
+    until the next update that shares ``keep`` begins.
+    """
+
+    def __init__(self, keep: dict[str, "torch.Tensor"] | None = None):
         self.allocated = 0
+        self._keep = keep
         self._open: dict[str, list] = {}  # name -> [whole tensor's bytes, bytes filled]
 
     def _whole(self, slot: TensorSlot, device) -> list:
@@ -328,8 +337,13 @@ class Assembly:
         if entry is None:
             if slot.part_start != 0:
                 raise BucketError(f"piece of {slot.name!r} at byte {slot.part_start} arrived before its first")
-            entry = self._open[slot.name] = [torch.empty(slot.tensor_bytes, dtype=torch.uint8, device=device), 0]
-            self.allocated += slot.tensor_bytes
+            kept = None if self._keep is None else self._keep.get(slot.name)
+            if kept is None or kept.numel() != slot.tensor_bytes or kept.device != torch.device(device):
+                kept = torch.empty(slot.tensor_bytes, dtype=torch.uint8, device=device)
+                self.allocated += slot.tensor_bytes
+                if self._keep is not None:
+                    self._keep[slot.name] = kept
+            entry = self._open[slot.name] = [kept, 0]
         return entry
 
     def target(self, slot: TensorSlot, device) -> "torch.Tensor":

@@ -141,6 +141,7 @@ class TorchDistChannel(WeightChannel):
                                   f"(world {world_size}, {senders} sender(s), epoch {epoch}) within "
                                   f"{timeout_s:.0f} s: {e}") from e
         self._store = store
+        self._assembled: dict[str, "torch.Tensor"] = {}  # split tensors' memory, reused by streamed receives
         self._closed = False
 
     # -- collectives ----------------------------------------------------------------------------
@@ -220,7 +221,7 @@ class TorchDistChannel(WeightChannel):
         if any(not 0 <= s < self.senders for s in plan.sources):
             raise WeightSyncError(f"the plan of version {version} names senders {sorted(set(plan.sources))} "
                                   f"but the group has {self.senders}")
-        assembly = Assembly()
+        assembly = Assembly(keep=None if stage else self._assembled)
         return ReceivedWeights(version, plan, self._receive_buckets(plan, version, stage, assembly),
                                assembly=assembly)
 
@@ -271,3 +272,4 @@ class TorchDistChannel(WeightChannel):
                         pass  # a group whose peer already died may refuse a clean shutdown
             self._pgs = {}
             self.buffers.release()
+            self._assembled.clear()
