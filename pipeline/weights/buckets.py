@@ -13,7 +13,7 @@ Invariants:
   would overflow it; a tensor larger than a bucket starts a new bucket and fills whole buckets,
   its last piece's bucket taking the tensors after it as usual. So a sender's two buffers hold at
   most two buckets whatever the model's largest tensor (a 1 GB embedding streams through 2 x
-  bucket_bytes), and a receiver's two bucket buffers likewise; a receiver that must hand whole
+  bucket_bytes), and a streamed receiver's three bucket buffers three; a receiver that must hand whole
   tensors on reassembles a split tensor into memory of its own size (`Assembly`, counted apart),
   receiving its whole-bucket pieces there directly (they never occupy a bucket buffer).
 - Every tensor has a source (the sender rank that owns it; 0 unless given) and a bucket holds the
@@ -21,8 +21,8 @@ Invariants:
   expert-parallel rank) can stream their own buckets of one plan.
 - The plan is plain data (`to_wire`/`from_wire` give msgpack-able lists), so it can cross any
   transport; `unpack` returns views into the bucket's storage (no copy).
-- `BufferPair` is the streaming memory of one end: two flat buffers, bucket k in buffer k % 2, each
-  grown to the largest bucket it held; it counts the bytes it allocated (``allocated``), so a
+- `BufferRing` is the streaming memory of one end: a few flat buffers (two on a sender, three on a
+  streamed receiver), bucket k in buffer k % slots, each grown to the largest bucket it held; it counts the bytes it allocated (``allocated``), so a
   streamed sync's memory is measured by the code, not read from RSS.
 
 Worked example, ``ALIGN = 64``: tensors a: fp32[100] (400 B), b: bf16[300] (600 B),
@@ -210,18 +210,22 @@ class BucketPlan:
         return cls(buckets, sizes, sources)
 
 
-class BufferPair:
-    """Two reusable flat uint8 buffers on one device: bucket k is built or received in buffer k % 2.
+class BufferRing:
+    """``slots`` reusable flat uint8 buffers on one device: bucket k is built or received in
+    buffer k % slots (a sender uses two, a streamed receiver three: `pipeline.weights.group`).
 
     ``reserve(B)`` (the largest bucket of the stream) makes every (re)allocation at least B, so
-    a stream of buckets of at most B bytes allocates at most 2 B, reused by later streams whose
-    buckets are no larger; ``allocated`` counts every byte ever allocated here (the
+    a stream of buckets of at most B bytes allocates at most ``slots`` x B, reused by later
+    streams whose buckets are no larger; ``allocated`` counts every byte ever allocated here (the
     streamed-sync memory the benchmark reports).
     """
 
-    def __init__(self, device=None):
+    def __init__(self, device=None, slots: int = 2):
+        if slots < 1:
+            raise ValueError(f"a buffer ring needs at least one slot, got {slots}")
         self.device = device
-        self._bufs: list = [None, None]
+        self.slots = slots
+        self._bufs: list = [None] * slots
         self._min = 0
         self.allocated = 0
 
@@ -236,19 +240,19 @@ class BufferPair:
         return sum(b.numel() for b in self._bufs if b is not None)
 
     def get(self, index: int, size: int, device=None) -> "torch.Tensor":
-        """A ``size``-byte view of buffer ``index % 2`` (grown if needed)."""
+        """A ``size``-byte view of buffer ``index % slots`` (grown if needed)."""
         import torch
 
         dev = torch.device(device if device is not None else (self.device or "cpu"))
-        buf = self._bufs[index % 2]
+        buf = self._bufs[index % self.slots]
         if buf is None or buf.numel() < size or buf.device != dev:
             buf = torch.empty(max(size, self._min), dtype=torch.uint8, device=dev)
-            self._bufs[index % 2] = buf
+            self._bufs[index % self.slots] = buf
             self.allocated += buf.numel()
         return buf[:size]
 
     def release(self) -> None:
-        self._bufs = [None, None]
+        self._bufs = [None] * self.slots
 
 
 def lone(slots: Sequence[TensorSlot], size: int) -> TensorSlot | None:
@@ -258,15 +262,15 @@ def lone(slots: Sequence[TensorSlot], size: int) -> TensorSlot | None:
 
 
 def pack(plan: BucketPlan, named: Iterable[tuple[str, "torch.Tensor"]], device=None,
-         buffers: BufferPair | None = None, indices: Sequence[int] | None = None,
+         buffers: BufferRing | None = None, indices: Sequence[int] | None = None,
          borrow: bool = False) -> Iterator["torch.Tensor"]:
     """Yield buckets of `plan` (``indices``, default all, in order) as flat uint8 tensors filled
     from `named`, which holds exactly those buckets' tensors in plan order.
 
     Consumes `named` lazily, one bucket at a time, so a sender gathers the next tensors while the
     previous bucket is in flight; a split tensor is taken once, at its first piece, and held until
-    its last. With ``buffers`` the bucket yielded k-th lives in buffer k % 2: the consumer must be
-    done with it before asking for bucket k + 2. Without, each bucket is new. With ``borrow`` a
+    its last. With ``buffers`` the bucket yielded k-th lives in buffer k % slots: the consumer must
+    be done with it before asking for bucket k + slots. Without, each bucket is new. With ``borrow`` a
     bucket that is one tensor's contiguous bytes (`lone`) already on the device is yielded as a
     view of the tensor itself, uncopied (the consumer must not write to it).
     Raises `BucketError` when a tensor's name, dtype or shape differs from the plan, or when
@@ -315,7 +319,7 @@ class Assembly:
     """Reassembles tensors split over buckets on a receiver into memory of the whole tensor's
     size, handed out when its last piece is in: a piece is copied in, or received there directly
     (`target`: a bucket that is one piece, `lone`). ``allocated`` counts the bytes allocated (the
-    largest split tensor is what a receiver needs beyond its two buckets).
+    largest split tensor is what a receiver needs beyond its bucket buffers).
 
     ``keep`` (a dict owned by the caller, name -> memory) makes the memory outlive the update: a
     later Assembly given the same dict reassembles a tensor of the same name and size in the same

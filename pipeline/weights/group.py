@@ -16,19 +16,25 @@ Protocol of one update (plan order; bucket i travels on the group of ``plan.sour
   2. leader: a uint8[L] tensor: msgpack ``{"version": v, "plan": BucketPlan.to_wire()}``;
   3. each bucket of the plan, in order, from its source, as a flat uint8 tensor of the plan's size.
 Streaming: a sender packs bucket k+1 while bucket k is in flight (asynchronous broadcast, two
-buffers, `BufferPair`); a streamed receiver has two buffers too and receives bucket k+1, into the
-buffer of bucket k-1, only once bucket k+1 is asked for, so bucket k's tensors stay valid until
-bucket k+2 is asked for: a consumer may hold views of one bucket while it loads the next (vLLM's
-layerwise reload holds a module's tensors until the module is complete, and a module may straddle
-two buckets). Example, buckets 0..3: while bucket 2 is loaded, buffer 1 holds bucket 1 intact and
-buffer 0 holds bucket 2; asking for bucket 3 receives it into buffer 1. Posting bucket k+1 before
-handing out bucket k would overwrite bucket k-1 while bucket k is loaded. A staged receive keeps
-every bucket (one copy of the weights) and receives bucket k+1 while bucket k is handed out.
+buffers, `BufferRing`); a streamed receiver has three buffers and, when bucket k is asked for,
+starts receiving bucket k+1 into the buffer of bucket k-2 before it waits for bucket k. So bucket
+k+1 is on the wire while bucket k is handed out, and bucket k-1's tensors stay valid until bucket
+k+1 is asked for: a consumer may hold views of one bucket while it loads the next (vLLM's layerwise
+reload holds a module's tensors until the module is complete, and a module may straddle two
+buckets). Example, buckets 0..4: while bucket 2 is loaded, buffer 1 holds bucket 1 intact, buffer 2
+bucket 2, and bucket 3 arrives in buffer 0; asking for bucket 3 starts bucket 4 into buffer 1.
+Why three: with two, bucket k+1 could only be posted once bucket k-1 was released, i.e. once bucket
+k+1 was asked for, and gloo moves no byte of a broadcast before the receiver has posted it, so
+the link idled between buckets: 1.2 GB in 64 MiB buckets took 825 ms against 591 ms with three
+buffers and 507 ms as one tensor (measured side by side; docs/weight-sync.md, "Bandwidth").
+A staged receive keeps every bucket (one copy of the weights), posting bucket k+1 the same way.
 No copy where a bucket is one tensor's bytes (`buckets.lone`): the sender broadcasts the tensor's
 own memory (``pack(borrow=True)``), and a receiver receives a bucket that is one piece of a split
 tensor straight into that tensor's reassembly memory (`Assembly.target`), not into a buffer. E.g. a
 622 MB embedding in 64 MiB buckets: nine whole-bucket pieces go uncopied on both ends, only the
-last piece (sharing its bucket with the next tensors) is packed and copied out.
+last piece (sharing its bucket with the next tensors) is packed and copied out. A streamed receive
+reassembles in the memory of the channel's previous streamed receive (an assembled tensor stays
+valid until the next `receive`), so no update page-faults fresh memory in under gloo's writes.
 Every call waits at most ``timeout_s``; a peer that dies mid-update makes the survivors raise
 `WeightSyncError` (naming the step that failed) within that time instead of hanging.
 """
@@ -41,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import msgpack
 
-from pipeline.weights.buckets import Assembly, BucketPlan, BufferPair, lone, pack, unpack
+from pipeline.weights.buckets import Assembly, BucketPlan, BufferRing, lone, pack, unpack
 
 if TYPE_CHECKING:
     import torch
@@ -58,7 +64,8 @@ class ReceivedWeights:
     The tensors are views into received buckets: in a streamed receive bucket k's stay valid until
     bucket k + 2 is asked for, i.e. while bucket k + 1 is loaded (copy them before keeping them
     longer); in a staged one, for good. A tensor split over buckets is handed out whole, from
-    ``assembly`` (memory of its own, counted there), after its last piece.
+    ``assembly`` (memory of its own, counted there), after its last piece; in a streamed receive
+    that memory is reused by the channel's next streamed receive (valid until then).
     """
 
     version: int
@@ -79,7 +86,7 @@ class WeightChannel(abc.ABC):
 
     device: "torch.device | None" = None
     """Where buckets must live to be sent (None: wherever the tensors are)."""
-    buffers: BufferPair
+    buffers: BufferRing
     """This end's streaming buffers (bytes allocated: ``buffers.allocated``)."""
 
     @abc.abstractmethod
@@ -90,7 +97,7 @@ class WeightChannel(abc.ABC):
     @abc.abstractmethod
     def receive(self, stage: bool = False) -> ReceivedWeights:
         """Receive the next update's metadata; its buckets arrive while the result is iterated
-        (``stage``: each into its own buffer, kept; else into this end's two streaming buffers)."""
+        (``stage``: each into its own buffer, kept; else into this end's three streaming buffers)."""
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -120,7 +127,7 @@ class TorchDistChannel(WeightChannel):
         self.rank, self.world_size, self.backend, self.senders = rank, world_size, backend, senders
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
-        self.buffers = BufferPair(self.device)
+        self.buffers = BufferRing(self.device, slots=2 if rank < senders else 3)
         receivers = world_size - senders
         mine = [rank] if rank < senders else range(senders)
         self._pgs: dict[int, Any] = {}
@@ -251,14 +258,12 @@ class TorchDistChannel(WeightChannel):
             self.buffers.reserve(max((size for slots, size in zip(plan.buckets, plan.sizes)
                                       if not getattr(lone(slots, size), "is_piece", False)), default=0))
         pending = start(0)
-        for i in range(count):
+        for i in range(count):  # bucket i is asked for: streamed, bucket i - 2's buffer is free now
+            following = start(i + 1) if i + 1 < count else None
             work, buf = pending
             self._wait(work, what(i))
-            if stage and i + 1 < count:  # its own buffer: in flight while bucket i is handed out
-                pending = start(i + 1)
             yield buf
-            if not stage and i + 1 < count:  # asked for bucket i + 1: bucket i - 1's buffer is free now
-                pending = start(i + 1)
+            pending = following
 
     def close(self) -> None:
         if not self._closed:
