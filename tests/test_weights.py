@@ -70,28 +70,38 @@ def test_large_tensor_is_split_over_buckets_and_bf16_fp32_mix():
     assert torch.equal(out["c"], named[2][1])
 
 
-def test_a_bucket_that_is_one_tensors_bytes_is_sent_and_received_without_a_copy():
-    """borrow: the whole-bucket piece of c (bucket 1 of the worked example) is c's own memory; the
-    mixed buckets are packed copies. A receiver's Assembly takes a piece received in place as is."""
-    from pipeline.weights.buckets import BufferRing, lone
+def test_a_large_tensor_is_sent_from_its_own_memory_and_only_small_ones_are_packed(monkeypatch):
+    """borrow, with ALONE_BYTES = 1024 on the worked example: c's two pieces travel as segments of
+    c's own memory; a and b are packed into bucket 0's buffer, d into bucket 2's (the padding
+    between c's last piece and d is not sent). A receiver that puts each segment at its offset
+    (bucket 1 straight into c's reassembly memory) unpacks every tensor exactly."""
+    from pipeline.weights import buckets
 
+    monkeypatch.setattr(buckets, "ALONE_BYTES", 1024)
     named = [("a", torch.randn(100)), ("b", torch.randn(300).bfloat16()),
              ("c", torch.randn(1000)), ("d", torch.randn(10))]
     plan = BucketPlan.for_tensors(named, 2048)
-    assert [lone(b, n) is not None for b, n in zip(plan.buckets, plan.sizes)] == [False, True, False]
+    segs = [buckets.segments(b, n) for b, n in zip(plan.buckets, plan.sizes)]
+    assert segs == [[(0, 1048, None)], [(0, 2048, 0)], [(0, 1952, 0), (1984, 2024, None)]]
     c = named[2][1]
-    buffers = BufferRing()
-    buckets = [b.clone() if i != 1 else b for i, b in enumerate(pack(plan, named, buffers=buffers, borrow=True))]
-    assert buckets[1].data_ptr() == c.data_ptr() and all(b.data_ptr() != c.data_ptr() for b in buckets[::2])
+    ring = buckets.BufferRing()
+    sent = []
+    for pieces in pack(plan, named, buffers=ring, borrow=True):
+        sent.append([(t.data_ptr(), t.clone()) for t in pieces])  # buffer views last two buckets
+    assert [p for p, _ in sent[1]] == [c.data_ptr()] and sent[2][0][0] == c.data_ptr() + 2048
+    assert sent[0][0][0] == ring.get(0, 1).data_ptr() and sent[2][1][0] == ring.get(0, 1).data_ptr() + 1984
     assembly = Assembly()
-    into = assembly.target(plan.buckets[1][0], "cpu")  # where a receiver receives bucket 1
-    into.copy_(buckets[1])  # (the broadcast)
-    got = list(unpack(plan.buckets[0], buckets[0], assembly)) + list(unpack(plan.buckets[1], into, assembly))
-    got += list(unpack(plan.buckets[2], buckets[2], assembly))
+    got = []
+    for slots, size, bucket_segs, pieces in zip(plan.buckets, plan.sizes, segs, sent):
+        piece = buckets.lone(slots, size)
+        into = assembly.target(piece, "cpu") if piece is not None and piece.is_piece else torch.zeros(size, dtype=torch.uint8)
+        for (start, end, _), (_, t) in zip(bucket_segs, pieces):
+            into[start:end].copy_(t)  # (the broadcasts)
+        got += list(unpack(slots, into, assembly))
     assert [n for n, _ in got] == ["a", "b", "c", "d"] and assembly.allocated == 4000
     assert all(torch.equal(t, dict(named)[n]) for n, t in got)
     with pytest.raises(BucketError, match="arrived before its first"):
-        Assembly().add(plan.buckets[2][0], buckets[2][:1952])
+        Assembly().add(plan.buckets[2][0], torch.zeros(1952, dtype=torch.uint8))
 
 
 def test_pack_rejects_tensors_that_differ_from_the_plan():
@@ -183,9 +193,11 @@ def test_sender_dying_mid_broadcast_raises_within_timeout():
 
 SPLIT_SENDER = textwrap.dedent("""
     import sys, torch
+    from pipeline.weights import buckets
     from pipeline.weights.buckets import BucketPlan
     from pipeline.weights.group import TorchDistChannel
     port, bucket = int(sys.argv[1]), int(sys.argv[2])
+    buckets.ALONE_BYTES = 4096  # the embedding's pieces travel from its own memory, the rest packed
     ch = TorchDistChannel("127.0.0.1", port, 0, 2, timeout_s=60)
     gen = torch.Generator().manual_seed(11)
     big = torch.randn(5 * bucket // 8, generator=gen)  # float32: 2.5 buckets
@@ -198,11 +210,14 @@ SPLIT_SENDER = textwrap.dedent("""
 """)
 
 
-def test_a_tensor_of_two_and_a_half_buckets_round_trips_within_two_buckets_of_buffers():
+def test_a_tensor_of_two_and_a_half_buckets_round_trips_within_two_buckets_of_buffers(monkeypatch):
     """Streamed and staged receives of a tensor split over three buckets: exact bytes; the sender's
     counted buffers stay within two buckets, the streamed receiver's within three; the reassembly costs the
     tensor's own size, once: a second streamed update reassembles in the first one's memory, a
-    staged one in memory of its own."""
+    staged one in memory of its own. Its pieces travel as segments of their own (ALONE_BYTES)."""
+    from pipeline.weights import buckets
+
+    monkeypatch.setattr(buckets, "ALONE_BYTES", 4096)
     bucket, port = 1 << 16, _free_port()
     proc = subprocess.Popen([sys.executable, "-c", SPLIT_SENDER, str(port), str(bucket)],
                             stdout=subprocess.PIPE, text=True)

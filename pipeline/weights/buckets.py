@@ -44,6 +44,10 @@ if TYPE_CHECKING:
 #: Byte alignment of every tensor's offset inside a bucket.
 ALIGN = 64
 
+#: A tensor (or piece) of at least this many bytes travels as a broadcast of its own memory
+#: (`segments`) instead of being copied into its bucket's buffer on the sender.
+ALONE_BYTES = 4 << 20
+
 #: Supported dtypes by wire name (the name is what travels; torch dtypes are resolved lazily).
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64", "int64", "int32", "int16", "int8",
                "uint8", "bool")
@@ -261,18 +265,47 @@ def lone(slots: Sequence[TensorSlot], size: int) -> TensorSlot | None:
     return slots[0] if len(slots) == 1 and slots[0].offset == 0 and slots[0].nbytes == size else None
 
 
+def segments(slots: Sequence[TensorSlot], size: int) -> list[tuple[int, int, int | None]]:
+    """How one bucket travels: its byte ranges ``(start, end, slot)``, in order, one broadcast
+    each, into the same offsets of the receiver's bucket: a slot of at least `ALONE_BYTES` alone
+    (``slot`` = its index: the sender sends the tensor's own memory, uncopied), each run of
+    smaller slots together (``slot`` None: packed into the sender's bucket buffer). Alignment
+    padding outside a run and empty ranges are not sent. E.g. slots of 8 MiB @ 0, 4 KiB @ 8 MiB,
+    2 KiB @ 8 MiB + 4 KiB, 24 MiB @ 8 MiB + 6 KiB -> (0, 8 MiB, 0), (8 MiB, 8 MiB + 6 KiB, None),
+    (8 MiB + 6 KiB, 32 MiB + 6 KiB, 3): three broadcasts, of which 6 KiB copied."""
+    out: list[tuple[int, int, int | None]] = []
+    run: list[int] | None = None
+    for j, slot in enumerate(slots):
+        end = slot.offset + slot.nbytes
+        if slot.nbytes >= ALONE_BYTES:
+            if run is not None:
+                out.append((run[0], run[1], None))
+                run = None
+            out.append((slot.offset, end, j))
+        elif run is None:
+            run = [slot.offset, end]
+        else:
+            run[1] = end
+    if run is not None:
+        out.append((run[0], run[1], None))
+    if out and out[-1][1] > size:
+        raise BucketError(f"the slots of a {size}-byte bucket end at byte {out[-1][1]}")
+    return [seg for seg in out if seg[1] > seg[0]]
+
+
 def pack(plan: BucketPlan, named: Iterable[tuple[str, "torch.Tensor"]], device=None,
          buffers: BufferRing | None = None, indices: Sequence[int] | None = None,
-         borrow: bool = False) -> Iterator["torch.Tensor"]:
+         borrow: bool = False) -> Iterator[Any]:
     """Yield buckets of `plan` (``indices``, default all, in order) as flat uint8 tensors filled
     from `named`, which holds exactly those buckets' tensors in plan order.
 
     Consumes `named` lazily, one bucket at a time, so a sender gathers the next tensors while the
     previous bucket is in flight; a split tensor is taken once, at its first piece, and held until
     its last. With ``buffers`` the bucket yielded k-th lives in buffer k % slots: the consumer must
-    be done with it before asking for bucket k + slots. Without, each bucket is new. With ``borrow`` a
-    bucket that is one tensor's contiguous bytes (`lone`) already on the device is yielded as a
-    view of the tensor itself, uncopied (the consumer must not write to it).
+    be done with it before asking for bucket k + slots. Without, each bucket is new. With ``borrow``
+    each bucket is yielded as the list of its `segments`' tensors instead: a segment of one large
+    tensor already on the device is a view of that tensor's own bytes, uncopied (the consumer must
+    not write to it); the others are views of the bucket's buffer, where only they were packed.
     Raises `BucketError` when a tensor's name, dtype or shape differs from the plan, or when
     `named` ends early or has extra tensors.
     """
@@ -285,8 +318,11 @@ def pack(plan: BucketPlan, named: Iterable[tuple[str, "torch.Tensor"]], device=N
     split = None  # the flat bytes of the split tensor whose pieces are being packed
     for k, index in enumerate(indices):
         size, slots = plan.sizes[index], plan.buckets[index]
+        segs = segments(slots, size) if borrow else []
+        alone = {j for _, _, j in segs if j is not None}
+        own: dict[int, "torch.Tensor"] = {}  # slot index -> its tensor's bytes, sent uncopied
         buf = None
-        for slot in slots:
+        for j, slot in enumerate(slots):
             if slot.part_start == 0:
                 try:
                     name, t = next(it)
@@ -302,14 +338,15 @@ def pack(plan: BucketPlan, named: Iterable[tuple[str, "torch.Tensor"]], device=N
             else:
                 flat = split
             dev = device if device is not None else flat.device
-            if borrow and lone(slots, size) is not None and flat.device == torch.device(dev):
-                buf = flat[slot.part_start:slot.part_start + slot.nbytes]
-                break
+            piece = flat[slot.part_start:slot.part_start + slot.nbytes]
+            if j in alone and flat.device == torch.device(dev):
+                own[j] = piece
+                continue
             if buf is None:
                 buf = (buffers.get(k, size, dev) if buffers is not None
                        else torch.empty(size, dtype=torch.uint8, device=dev))
-            buf[slot.offset:slot.offset + slot.nbytes].copy_(flat[slot.part_start:slot.part_start + slot.nbytes])
-        yield buf
+            buf[slot.offset:slot.offset + slot.nbytes].copy_(piece)
+        yield [own[j] if j in own else buf[start:end] for start, end, j in segs] if borrow else buf
     extra = next(it, None)
     if extra is not None:
         raise BucketError(f"tensor {extra[0]!r} is not in the bucket plan")

@@ -14,7 +14,9 @@ never receive each other's buckets and never wait for each other except through 
 Protocol of one update (plan order; bucket i travels on the group of ``plan.sources[i]``):
   1. leader: an int64[1] tensor holding the metadata length L;
   2. leader: a uint8[L] tensor: msgpack ``{"version": v, "plan": BucketPlan.to_wire()}``;
-  3. each bucket of the plan, in order, from its source, as a flat uint8 tensor of the plan's size.
+  3. each bucket of the plan, in order, from its source, as its `segments` (byte ranges of the
+     flat uint8 bucket, one broadcast each: a tensor of at least `ALONE_BYTES` alone, the smaller
+     ones between them together), received at their offsets in one bucket-sized buffer.
 Streaming: a sender packs bucket k+1 while bucket k is in flight (asynchronous broadcast, two
 buffers, `BufferRing`); a streamed receiver has three buffers and, when bucket k is asked for,
 starts receiving bucket k+1 into the buffer of bucket k-2 before it waits for bucket k. So bucket
@@ -28,11 +30,13 @@ k+1 was asked for, and gloo moves no byte of a broadcast before the receiver has
 the link idled between buckets: 1.2 GB in 64 MiB buckets took 825 ms against 591 ms with three
 buffers and 507 ms as one tensor (measured side by side; docs/weight-sync.md, "Bandwidth").
 A staged receive keeps every bucket (one copy of the weights), posting bucket k+1 the same way.
-No copy where a bucket is one tensor's bytes (`buckets.lone`): the sender broadcasts the tensor's
-own memory (``pack(borrow=True)``), and a receiver receives a bucket that is one piece of a split
-tensor straight into that tensor's reassembly memory (`Assembly.target`), not into a buffer. E.g. a
-622 MB embedding in 64 MiB buckets: nine whole-bucket pieces go uncopied on both ends, only the
-last piece (sharing its bucket with the next tensors) is packed and copied out. A streamed receive
+No copy of a large tensor on the sender: a segment that is one tensor's bytes is broadcast from the
+tensor's own memory (``pack(borrow=True)``), only runs of small tensors are packed (copying a 1.3 B
+model's 24 MB projections into buckets occupied a core that the transfer itself needed, on two
+cores). A receiver receives a bucket that is one piece of a split tensor straight into that
+tensor's reassembly memory (`Assembly.target`), not into a buffer. E.g. a 622 MB embedding in
+64 MiB buckets: nine whole-bucket pieces go uncopied on both ends; the last piece, sharing its
+bucket with the next tensors, is copied out of the bucket on the receiver. A streamed receive
 reassembles in the memory of the channel's previous streamed receive (an assembled tensor stays
 valid until the next `receive`), so no update page-faults fresh memory in under gloo's writes.
 Every call waits at most ``timeout_s``; a peer that dies mid-update makes the survivors raise
@@ -47,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import msgpack
 
-from pipeline.weights.buckets import Assembly, BucketPlan, BufferRing, lone, pack, unpack
+from pipeline.weights.buckets import Assembly, BucketPlan, BufferRing, lone, pack, segments, unpack
 
 if TYPE_CHECKING:
     import torch
@@ -172,17 +176,34 @@ class TorchDistChannel(WeightChannel):
             raise WeightSyncError(f"rank {self.rank}: broadcast of {what} failed (timeout "
                                   f"{self.timeout.total_seconds():.0f} s; did a peer die?): {e}") from e
 
+    def _wait_all(self, works: list, what: str) -> None:
+        for work in works:
+            self._wait(work, what)
+
     def _broadcast(self, tensor: "torch.Tensor", what: str, source: int = 0) -> None:
         self._wait(self._start(tensor, source, what), what)
 
     # -- sending -------------------------------------------------------------------------------
     def send_stream(self, version: int, plan: BucketPlan, named: Iterable[tuple[str, "torch.Tensor"]]) -> None:
         mine = plan.of_source(self.rank) if self.rank < self.senders else []
-        self.send_packed(version, plan, pack(plan, named, self.device, self.buffers, mine, borrow=True))
+        self._send(version, plan, pack(plan, named, self.device, self.buffers, mine, borrow=True))
 
     def send_packed(self, version: int, plan: BucketPlan, buckets: Iterable["torch.Tensor"]) -> None:
         """Send this sender's buckets, already packed (flat uint8, in plan order); with at most
         two in flight, so a producer may reuse the buffer of bucket k for bucket k + 2."""
+        import torch
+
+        def checked() -> Iterator[list["torch.Tensor"]]:
+            for index, bucket in zip(plan.of_source(self.rank), buckets):
+                if bucket.numel() != plan.sizes[index] or bucket.dtype != torch.uint8:
+                    raise WeightSyncError(f"bucket {index}/{len(plan.sizes)} of version {version} is "
+                                          f"{bucket.dtype}[{bucket.numel()}], plan says uint8[{plan.sizes[index]}]")
+                yield [bucket[start:end] for start, end, _ in segments(plan.buckets[index], plan.sizes[index])]
+
+        self._send(version, plan, checked())
+
+    def _send(self, version: int, plan: BucketPlan, buckets: Iterable[list["torch.Tensor"]]) -> None:
+        """The protocol's sending side: metadata (leader), then each bucket's segments."""
         import torch
 
         if self.rank >= self.senders:
@@ -192,18 +213,16 @@ class TorchDistChannel(WeightChannel):
             self._broadcast(torch.tensor([len(meta)], dtype=torch.int64, device=self.device), "metadata length")
             self._broadcast(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device), "metadata")
         mine = plan.of_source(self.rank)
-        in_flight: list[tuple[Any, str]] = []
+        in_flight: list[tuple[list[Any], str]] = []
         sent = 0
-        for index, bucket in zip(mine, buckets):
+        for index, pieces in zip(mine, buckets):
             what = f"bucket {index}/{len(plan.sizes)} of version {version}"
-            if bucket.numel() != plan.sizes[index] or bucket.dtype != torch.uint8:
-                raise WeightSyncError(f"{what} is {bucket.dtype}[{bucket.numel()}], plan says uint8[{plan.sizes[index]}]")
-            in_flight.append((self._start(bucket, self.rank, what), what))
+            in_flight.append(([self._start(piece, self.rank, what) for piece in pieces], what))
             sent += 1
             if len(in_flight) == 2:  # the next bucket reuses the buffer of the one before this
-                self._wait(*in_flight.pop(0))
-        for work, what in in_flight:
-            self._wait(work, what)
+                self._wait_all(*in_flight.pop(0))
+        for works, what in in_flight:
+            self._wait_all(works, what)
         if sent != len(mine):
             raise WeightSyncError(f"only {sent} of this sender's {len(mine)} buckets were given to send")
 
@@ -247,9 +266,10 @@ class TorchDistChannel(WeightChannel):
         def what(i: int) -> str:
             return f"bucket {i}/{len(plan.sizes)} of version {version}"
 
-        def start(i: int) -> tuple[Any, "torch.Tensor"]:
+        def start(i: int) -> tuple[list[Any], "torch.Tensor"]:
             buf = target(i)
-            return self._start(buf, plan.sources[i], what(i)), buf
+            return [self._start(buf[begin:end], plan.sources[i], what(i))
+                    for begin, end, _ in segments(plan.buckets[i], plan.sizes[i])], buf
 
         count = len(plan.sizes)
         if not count:
@@ -260,8 +280,8 @@ class TorchDistChannel(WeightChannel):
         pending = start(0)
         for i in range(count):  # bucket i is asked for: streamed, bucket i - 2's buffer is free now
             following = start(i + 1) if i + 1 < count else None
-            work, buf = pending
-            self._wait(work, what(i))
+            works, buf = pending
+            self._wait_all(works, what(i))
             yield buf
             pending = following
 
