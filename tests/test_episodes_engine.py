@@ -135,7 +135,6 @@ def test_token_in_token_out_across_turns(engine, loop):
 def test_an_episode_spanning_a_weight_update_carries_both_versions_on_the_right_tokens(engine, loop):
     """The update lands while the environment answers turn 1: turn 1 and its observation carry
     version v, every later model token v + 1 (and is the new weights' greedy choice)."""
-    from pipeline.generator.config import GroupRequest
 
     gen, tokenizer, dirs = engine
     gen.episodes = _runner("gate", tokenizer, max_turns=2, step_timeout_s=60)

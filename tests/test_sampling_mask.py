@@ -4,7 +4,6 @@ vLLM's own top-k/top-p filter and FlatLogprobs, and the refusal of biased trunca
 from __future__ import annotations
 
 import math
-import os
 import socket
 
 import numpy as np

@@ -4,7 +4,6 @@ of the distribution it sampled (and the full-vocabulary logprobs do not)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import socket
 import subprocess

@@ -242,7 +242,7 @@ def test_kill_9_of_orchestrator_generator_and_engine_then_preemption(tmp_path):
     orch, engine, gen = chaos.kills
     urgent = None
     try:
-        job_id = wait_until(lambda: submitted_job(run), 60, "the job was submitted")
+        wait_until(lambda: submitted_job(run), 60, "the job was submitted")
         trainer_pid = wait_for(lambda: role_process(run, 0), 240, "the trainer role process")
         first_gen = wait_for(lambda: role_process(run, 1), 240, "the generator role process")
         chaos.strike(orch, lambda: orchestrator_process(run))

@@ -129,7 +129,7 @@ class TaskSupervisor:
         stopped = _read(self.result_file).get("stopped", False)
         if stopped and self.wait_for_requeue and self.stop_signal != signal.SIGTERM:
             time.sleep(self.stop_grace_s + 120)  # the requeue thread ends this task long before
-            print(f"tokenflow supervisor: stopped for requeue but the job was not requeued", flush=True)
+            print("tokenflow supervisor: stopped for requeue but the job was not requeued", flush=True)
             return 1
         return self._linger_after_sigterm() if stopped else 0
 

@@ -27,7 +27,7 @@ update with ``B = 0`` loads ``[[1, 0], [0, 1]]`` again (the base), not ``[[2, 1]
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable
 
 if TYPE_CHECKING:
     import torch
