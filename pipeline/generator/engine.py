@@ -103,6 +103,9 @@ class UpdateReport:
     worker_load_s: float = 0.0
     """Of `load_s`, the slowest worker's own time loading (receiving too unless staged): the rest
     of the pause is waiting for the engine step in progress and round trips to the engine."""
+    prepared: bool = False
+    """Staged only: every worker built the update's kernel form while generating, so the pause only
+    swapped references (`pipeline/generator/kernel_swap.py`); else it was loaded in place."""
 
 
 def resolve_weight_sync(config: GeneratorConfig) -> str:
@@ -342,6 +345,7 @@ class Generator:
         async with self._update_lock:
             t0 = time.monotonic()
             staged = path is None and self.weight_sync == "staged"
+            states: list[str] = []
             if staged:  # receive while generating; pause only to load
                 await self._rpc("start_receiving", version)
                 while "pending" in (states := await self._rpc("received", version)):
@@ -362,7 +366,8 @@ class Generator:
             await self.engine.resume_generation()
             mode = "checkpoint" if path is not None else self.weight_sync
             return UpdateReport(self.version, time.monotonic() - t_pause, t_loaded - t_pause, t_pause - t0,
-                                mode, max(r["load_s"] for r in loaded))
+                                mode, max(r["load_s"] for r in loaded),
+                                bool(states) and all(s.endswith(" prepared") for s in states))
 
     async def _swap_at_once(self, load: tuple[str, int | None, str], version: int) -> list[dict]:
         """keep / keep_kv with the version known: pause, load, (reset the prefix cache,) relabel,
@@ -421,6 +426,11 @@ class Generator:
         except Exception as e:
             raise WeightUpdateError(f"{method} of version {version} failed; the engine stays paused "
                                     f"until a complete version is loaded: {e}") from e
+
+    async def step_gaps(self) -> list[list[float]]:
+        """Per worker, the engine's own stall of each update since the last call: seconds between the
+        engine steps around its swap (`pipeline.generator.step_clock`; no step in progress counted)."""
+        return await self.engine.collective_rpc("step_gaps")
 
     async def sync_buffer_bytes(self) -> list[dict[str, int]]:
         """Per worker: bytes its streaming buffers allocated so far and hold now."""
