@@ -181,11 +181,12 @@ def _group(n=1, group_id=11):
     return GroupRequest(group_id, 2, 0, PROMPTS[1], n)
 
 
-def _update_mid_generation(loop, gen, mode, new_dir, new_version, reference=None):
+def _update_mid_generation(loop, gen, mode, new_dir, new_version, reference=None, staged=False):
     """Start long greedy generations, update weights while they run; returns the samples.
 
     With ``reference`` (a list), first appends the current weights' greedy 300 tokens of the
-    samples' prompt to it."""
+    samples' prompt to it. ``staged``: the update comes through the weight group (already joined,
+    its sender sending `new_version`) instead of from `new_dir`."""
     old = (gen.config.interrupt, gen.config.ignore_eos, gen.config.max_tokens, gen.config.temperature)
     gen.config.interrupt, gen.config.ignore_eos, gen.config.max_tokens, gen.config.temperature = mode, True, 300, 0.0
     if reference is not None:
@@ -210,7 +211,8 @@ def _update_mid_generation(loop, gen, mode, new_dir, new_version, reference=None
         task = asyncio.ensure_future(asyncio.gather(*(gen.generate_sample(_group(group_id=91 + i), 0)
                                                       for i in range(3))))
         await started.wait()
-        await gen.update_weights(new_version, path=str(new_dir))
+        report = await gen.update_weights(new_version, path=None if staged else str(new_dir))
+        assert report.prepared == staged
         await watcher
         return await task
 
@@ -220,14 +222,27 @@ def _update_mid_generation(loop, gen, mode, new_dir, new_version, reference=None
         gen.config.interrupt, gen.config.ignore_eos, gen.config.max_tokens, gen.config.temperature = old
 
 
-def test_keep_kv_update_labels_every_token_with_the_weights_that_sampled_it(engine, loop):
+@pytest.mark.parametrize("source", ["checkpoint", "staged"])
+def test_keep_kv_update_labels_every_token_with_the_weights_that_sampled_it(engine, loop, source):
     """keep_kv: in-flight sequences keep their KV across the swap. Tokens labelled with the old
     version are exactly the old weights' greedy output; the first token labelled new is not (the
-    new weights sampled it), and the continuation differs from the old one."""
+    new weights sampled it), and the continuation differs from the old one. ``staged``: the update
+    is built in kernel form while they generate and swapped in with the resume in the same batch."""
     kind, gen, dirs = engine
     v_old = gen.version
     reference: list = []
-    samples = _update_mid_generation(loop, gen, "keep_kv", dirs[2], v_old + 1, reference)
+    proc = None
+    if source == "staged":
+        port = _free_port()
+        proc = _start_sender(port, [(v_old + 1, str(dirs[2] / "model.safetensors"), False)])
+        loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 2))
+    try:
+        samples = _update_mid_generation(loop, gen, "keep_kv", dirs[2], v_old + 1, reference, source == "staged")
+        if proc is not None:
+            assert proc.wait(timeout=60) == 0
+    finally:
+        if proc is not None:
+            proc.kill()
     old_greedy = reference[0]
     for s in samples:
         assert len(s.completion_ids) == 300 and s.finish_reason == "length"

@@ -68,15 +68,21 @@ class PreparedUpdate:
 
 
 def _fresh(param: "torch.Tensor", meta: "torch.Tensor | None", live_module: Any) -> "torch.Tensor":
-    """A new tensor for a shadow parameter: from the recorded checkpoint-format metadata, else a clone."""
+    """A new tensor for a shadow parameter: from the recorded checkpoint-format metadata, else a clone.
+    Its weight loader is the layer's own: an in-place reload leaves its deferring wrapper on the
+    recorded metadata, which, outside a reload, would drop the weight unloaded."""
+    from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader
     from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
     from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
 
     if meta is None:
         t = param.data.clone()
         t.__class__, t.__dict__ = param.__class__, param.__dict__.copy()
-        return t
-    return restore_layer_refs(materialize_meta_tensor(meta), live_module)
+    else:
+        t = restore_layer_refs(materialize_meta_tensor(meta), live_module)
+    if hasattr(t, "weight_loader"):
+        t.weight_loader = _get_original_loader(t)
+    return t
 
 
 class _ShadowTree:
