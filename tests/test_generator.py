@@ -227,7 +227,7 @@ def test_keep_kv_update_labels_every_token_with_the_weights_that_sampled_it(engi
     """keep_kv: in-flight sequences keep their KV across the swap. Tokens labelled with the old
     version are exactly the old weights' greedy output; the first token labelled new is not (the
     new weights sampled it), and the continuation differs from the old one. ``staged``: the update
-    is built in kernel form while they generate and swapped in with the resume in the same batch."""
+    is built in kernel form while they generate and swapped in by reference in the pause."""
     kind, gen, dirs = engine
     v_old = gen.version
     reference: list = []

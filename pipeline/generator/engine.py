@@ -27,11 +27,9 @@ Invariants:
   Staged (``weight_sync``) the update is first received in the background while generation goes
   on; a failed receive raises `WeightReceiveError` and changes nothing. When every worker also
   built the update's kernel form there (``prepared``, `pipeline.generator.kernel_swap`), the load
-  in the pause is a swap of references that the staging check just before it leaves nothing to
-  fail on, so the resume travels in the same batch: the engine core runs pause, swap, relabel,
-  resume back to back and never idles for a client round trip. Should the swap fail nonetheless,
-  the driver pauses the engine again and raises `WeightUpdateError` (steps run between the two
-  pauses are the one window where tokens could carry the new label on the old weights). Streamed, it is received
+  in the pause is a swap of references. The resume cannot join the batch: vLLM answers a keep
+  pause only once its engine core is idle, and a resume handled before that leaves the pause
+  unanswered while requests keep it busy. Streamed, it is received
   and loaded bucket by bucket inside the pause. If loading fails inside the pause the engine stays
   paused (its weights may be half-written) and `WeightUpdateError` propagates: the caller must
   load a complete version (rejoin the group) before generating again, so no engine ever serves a
@@ -365,26 +363,22 @@ class Generator:
             load = ("checkpoint" if path is not None else self.weight_sync, version, path or "")
             prepared = staged and all(s == f"ok {version} prepared" for s in states)
             t_pause = time.monotonic()
-            resumed = self.config.interrupt in ("keep", "keep_kv") and version is not None
-            if resumed:
-                loaded = await self._swap_at_once(load, int(version), resume=prepared)
+            if self.config.interrupt in ("keep", "keep_kv") and version is not None:
+                loaded = await self._swap_at_once(load, int(version))
             else:
                 loaded = await self._swap_in_steps(load, version)
             t_loaded = time.monotonic()
-            if not (resumed and prepared):
-                await self.engine.resume_generation()
+            await self.engine.resume_generation()
             mode = "checkpoint" if path is not None else self.weight_sync
             return UpdateReport(self.version, time.monotonic() - t_pause, t_loaded - t_pause, t_pause - t0,
                                 mode, max(r["load_s"] for r in loaded), prepared)
 
-    async def _swap_at_once(self, load: tuple[str, int | None, str], version: int, resume: bool) -> list[dict]:
+    async def _swap_at_once(self, load: tuple[str, int | None, str], version: int) -> list[dict]:
         """keep / keep_kv with the version known: pause, load, (reset the prefix cache,) relabel,
         sent together and handled by the engine core in this order with no step between them (a
         paused scheduler runs none), so the pause costs one round trip to the engine instead of
-        one per call; the caller resumes once every answer is in, or (``resume``: a prepared
-        staged update, a swap of references) the resume ends the batch. A failed load leaves the
-        engine paused (paused again after a batched resume), labelled `version` but running
-        nothing (the next complete load relabels it)."""
+        one per call; the caller resumes once every answer is in. A failed load leaves the engine
+        paused, labelled `version` but running nothing (the next complete load relabels it)."""
         core, keep_kv = self.engine.engine_core, self.config.interrupt == "keep_kv"
         if not keep_kv:
             await self.engine.renderer.clear_mm_cache_async()  # pause_generation's client-side part
@@ -393,23 +387,15 @@ class Generator:
         if not keep_kv:
             calls.append(core.reset_prefix_cache_async(False, False))
         calls.append(core.set_weight_version_async(str(version)))
-        if resume:
-            calls.append(core.resume_scheduler_async())
         # Tasks start in creation order and each sends its message before its first wait, so the
         # engine core receives them in this order on its one input socket.
         results = await asyncio.gather(*(asyncio.ensure_future(c) for c in calls), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
-        if not failed:
-            try:
-                self._check_loaded(results[1], version)
-            except WeightUpdateError as e:
-                failed = [e]
-        if failed and resume:
-            await core.pause_scheduler_async(mode="keep", clear_cache=False)
         if failed:
             raise failed[0] if isinstance(failed[0], WeightUpdateError) else WeightUpdateError(
                 f"the update to version {version} failed; the engine stays paused until a complete "
                 f"version is loaded: {failed[0]}") from failed[0]
+        self._check_loaded(results[1], version)
         self.version = version
         return results[1]
 

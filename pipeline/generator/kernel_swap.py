@@ -117,8 +117,9 @@ class _ShadowTree:
 
 
 def prepare(model: Any, named: Iterable[tuple[str, "torch.Tensor"]], writers: dict[str, Any]) -> PreparedUpdate | None:
-    """Build the kernel form of a full update (HF-named tensors; `writers`: the `ExpertWriter` of each
-    CPU-kernel MoE layer by HF expert prefix), or None when this engine needs the in-place reload."""
+    """Build the kernel form of a full update, or None when this engine needs the in-place reload.
+    `named`: its HF-named non-expert tensors; `writers`: the `ExpertWriter` of each CPU-kernel MoE
+    layer, which took the layer's experts while `named` was read (`worker_extension.non_expert`)."""
     import torch
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
@@ -128,16 +129,8 @@ def prepare(model: Any, named: Iterable[tuple[str, "torch.Tensor"]], writers: di
         return None
     tree = _ShadowTree({id(w.layer) for w in writers.values()})
     root = tree.copy(model)
-
-    def non_expert():
-        for hf_name, tensor in named:
-            prefix, _, suffix = hf_name.partition(".experts.")
-            writer = writers.get(prefix + ".experts") if suffix else None
-            if writer is None or not writer.add(suffix, tensor):
-                yield hf_name, tensor
-
     with torch.no_grad():
-        loaded_names = root.load_weights(non_expert())
+        loaded_names = root.load_weights(named)
     if not loaded_names:
         return None
     loaded = {id(p) for name, p in root.named_parameters(remove_duplicate=False) if name in loaded_names}

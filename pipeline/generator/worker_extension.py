@@ -128,6 +128,16 @@ class ExpertWriter:
         self.layer.w2_weight.data.copy_(w2)
 
 
+def non_expert(named: Iterable[tuple[str, "torch.Tensor"]],
+               writers: dict[str, ExpertWriter]) -> Iterator[tuple[str, "torch.Tensor"]]:
+    """The tensors of `named` that are not experts of a layer in `writers` (those go to its writer)."""
+    for hf_name, tensor in named:
+        prefix, _, suffix = hf_name.partition(".experts.")
+        writer = writers.get(prefix + ".experts") if suffix else None
+        if writer is None or not writer.add(suffix, tensor):
+            yield hf_name, tensor
+
+
 def _cpu_prepack_isa(layer: Any) -> str | None | bool:
     """ISA of the CPU experts kernel the layer runs (str), None if it runs it without prepacking
     (zentorch), False if the layer runs another kernel."""
@@ -215,16 +225,13 @@ class WeightSyncExtension:
         writers = self._expert_writers()
         count = 0
 
-        def non_expert() -> Iterator[tuple[str, "torch.Tensor"]]:
+        def counted() -> Iterator[tuple[str, "torch.Tensor"]]:
             nonlocal count
-            for hf_name, tensor in named:
+            for item in named:
                 count += 1
-                prefix, _, suffix = hf_name.partition(".experts.")
-                writer = writers.get(prefix + ".experts") if suffix else None
-                if writer is None or not writer.add(suffix, tensor):
-                    yield hf_name, tensor
+                yield item
 
-        self.model_runner.reload_weights(weights_iterator=non_expert())
+        self.model_runner.reload_weights(weights_iterator=non_expert(counted(), writers))
         for writer in writers.values():
             if all_experts or writer.touched:
                 writer.finish()
@@ -353,7 +360,8 @@ class WeightSyncExtension:
 
         if not tensors or is_adapter_update(tensors[0][0]):
             return None
-        return prepare(self.model_runner.get_model(), tensors, self._expert_writers())
+        writers = self._expert_writers()
+        return prepare(self.model_runner.get_model(), non_expert(tensors, writers), writers)
 
     def received(self) -> str:
         """State of the background receive: 'pending', 'ok <version> <prepared|in-place>', or
