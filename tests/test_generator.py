@@ -250,7 +250,9 @@ def test_keep_kv_update_labels_every_token_with_the_weights_that_sampled_it(engi
         assert 0 < k < 300, f"the update did not land mid-generation (k={k})"
         assert (s.versions[:k] == v_old).all() and (s.versions[k:] == v_old + 1).all()
         assert s.completion_ids[:k].tolist() == old_greedy[:k], "a token labelled old is not the old weights'"
-        assert s.completion_ids[k] != old_greedy[k], "the first token labelled new is the old weights' choice"
+        assert s.completion_ids[k] != old_greedy[k], (
+            f"the first token labelled new is the old weights' choice: k={k}, old greedy "
+            f"{old_greedy[max(0, k - 4):k + 6]}, sampled {s.completion_ids[max(0, k - 4):k + 6].tolist()}")
         assert np.isfinite(s.logprobs).all()
     loop.run_until_complete(gen.update_weights(gen.version + 1, path=str(dirs[1])))
 
