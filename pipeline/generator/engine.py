@@ -382,8 +382,15 @@ class Generator:
         core, keep_kv = self.engine.engine_core, self.config.interrupt == "keep_kv"
         if not keep_kv:
             await self.engine.renderer.clear_mm_cache_async()  # pause_generation's client-side part
-        calls = [core.pause_scheduler_async(mode="keep", clear_cache=not keep_kv),
-                 self._rpc("load_version", version, *load)]
+        # The pause is answered once no step is in flight: only then may the relabel follow, else a
+        # step already dispatched with the old weights would report its tokens under the new label
+        # (seen with the sub-millisecond prepared swap: the first token labelled new was the old
+        # weights' choice). The rest is sent as one batch.
+        try:
+            await core.pause_scheduler_async(mode="keep", clear_cache=not keep_kv)
+        except Exception as e:
+            raise WeightUpdateError(f"pausing for version {version} failed: {e}") from e
+        calls = [self._rpc("load_version", version, *load)]
         if not keep_kv:
             calls.append(core.reset_prefix_cache_async(False, False))
         calls.append(core.set_weight_version_async(str(version)))
@@ -395,9 +402,9 @@ class Generator:
             raise failed[0] if isinstance(failed[0], WeightUpdateError) else WeightUpdateError(
                 f"the update to version {version} failed; the engine stays paused until a complete "
                 f"version is loaded: {failed[0]}") from failed[0]
-        self._check_loaded(results[1], version)
+        self._check_loaded(results[0], version)
         self.version = version
-        return results[1]
+        return results[0]
 
     async def _swap_in_steps(self, load: tuple[str, int | None, str], version: int | None) -> list[dict]:
         """drain / abort (or no version known): pause, load, reset the prefix cache, relabel, one
