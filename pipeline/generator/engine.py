@@ -20,10 +20,11 @@ Invariants:
   ``abort``  abort in-flight requests; each resumes as a new request whose prompt is prompt +
              partial completion with the remaining budget; the sample is the concatenation
              (tokens, logprobs, versions) of its segments, finish reason that of the last segment.
-  In ``keep`` and ``keep_kv`` the pause, the load, the relabel (and ``keep``'s cache reset) go to
-  the engine core as one batch of calls, handled in order with no engine step between them (the
-  scheduler is paused first), and the resume follows once all succeeded: the pause costs the
-  engine step in progress, the load and one round trip, not a round trip per call.
+  In ``keep`` and ``keep_kv`` the pause is answered once no engine step is in flight; then the
+  load, the relabel (and ``keep``'s cache reset) go to the engine core as one batch of calls,
+  handled in order with no engine step between them, and the resume follows once all succeeded:
+  the pause costs the engine step in progress, the load and two round trips. (Relabelling before
+  the pause's answer let a step dispatched earlier report its tokens under the new label.)
   Staged (``weight_sync``) the update is first received in the background while generation goes
   on; a failed receive raises `WeightReceiveError` and changes nothing. When every worker also
   built the update's kernel form there (``prepared``, `pipeline.generator.kernel_swap`), the load
@@ -374,11 +375,11 @@ class Generator:
                                 mode, max(r["load_s"] for r in loaded), prepared)
 
     async def _swap_at_once(self, load: tuple[str, int | None, str], version: int) -> list[dict]:
-        """keep / keep_kv with the version known: pause, load, (reset the prefix cache,) relabel,
-        sent together and handled by the engine core in this order with no step between them (a
-        paused scheduler runs none), so the pause costs one round trip to the engine instead of
-        one per call; the caller resumes once every answer is in. A failed load leaves the engine
-        paused, labelled `version` but running nothing (the next complete load relabels it)."""
+        """keep / keep_kv with the version known: pause (answered once no step is in flight), then
+        load, (reset the prefix cache,) relabel, sent together and handled by the engine core in
+        this order with no step between them (a paused scheduler runs none); the caller resumes
+        once every answer is in. A failed load leaves the engine paused, labelled `version` but
+        running nothing (the next complete load relabels it)."""
         core, keep_kv = self.engine.engine_core, self.config.interrupt == "keep_kv"
         if not keep_kv:
             await self.engine.renderer.clear_mm_cache_async()  # pause_generation's client-side part
