@@ -279,12 +279,12 @@ class WeightSyncExtension:
     def use_weight_group(self, epoch: int) -> None:
         """Switch to group ``epoch`` (started by `start_joining_weight_group`; waits for it to form,
         at most its timeout): the group in use is closed, joins of older groups are given up."""
+        from pipeline.weights.group_build import take_joined
+
         joins = self.__dict__.get("_tf_joins", {})
         if epoch not in joins:
             raise RuntimeError(f"weight group epoch {epoch} was never joined")
-        for older in [e for e in joins if e < epoch]:
-            joins.pop(older).abandon()
-        channel = joins.pop(epoch).wait(self._tf_join_timeout + 5)
+        channel, _ = take_joined(joins, epoch, self._tf_join_timeout + 5)
         self.leave_weight_group()
         self._tf_channel = channel
 

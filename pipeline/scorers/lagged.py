@@ -37,7 +37,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from pipeline.scorers.pool import lagged_teacher_version
-from pipeline.weights.group_build import GroupBuild
+from pipeline.weights.group_build import GroupBuild, take_joined
 
 if TYPE_CHECKING:
     import torch
@@ -143,12 +143,9 @@ class WeightFollower:
     def _switch(self, epoch: int) -> None:
         """Use group ``epoch`` from now on (an update was announced into it): waits for it to form;
         joins of older groups are given up."""
-        build = self.joins.pop(epoch)
-        for older in [e for e in self.joins if e < epoch]:
-            self.joins.pop(older).abandon()
         self._close_channel()
         self.epoch = epoch
-        self.channel = build.wait(self.timeout_s + 5)
+        self.channel, build = take_joined(self.joins, epoch, self.timeout_s + 5)
         log.info("switched to weight group epoch %d (formed in %.3fs)", epoch, build.built_s)
 
     def _receive(self, announced: int) -> None:

@@ -80,3 +80,13 @@ class GroupBuild:
             channel, self._channel = (None if self._taken else self._channel), None
         if channel is not None:
             channel.close()
+
+
+def take_joined(joins: dict[int, GroupBuild], epoch: int, timeout_s: float) -> tuple[Any, GroupBuild]:
+    """Switch to group ``epoch`` among a member's background ``joins`` (by epoch): its build is taken
+    out and its formed channel returned with it (waits at most ``timeout_s``, else
+    `WeightSyncError`); joins of older groups are given up, newer ones go on."""
+    build = joins.pop(epoch)
+    for older in [e for e in joins if e < epoch]:
+        joins.pop(older).abandon()
+    return build.wait(timeout_s), build
