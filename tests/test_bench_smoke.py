@@ -31,11 +31,15 @@ def test_weight_sync_bandwidth_quick_reports_every_mode():
             assert r[f"{mode}_s"] > 0, (name, mode)
             assert abs(r[f"{mode}_GBps"] - r["bytes"] / r[f"{mode}_s"] / 1e9) < 1e-6 * r[f"{mode}_GBps"]
         assert abs(r["ratio"] - r["packed_GBps"] / r["single_GBps"]) < 1e-9
-    assert report["bandwidth_met"] == all(r["ratio"] >= 0.8 for r in sets.values())
+    assert report["bandwidth"]["big_params"] == params
+    assert report["bandwidth_met"] is False  # the target needs the set of >= 1 B parameters
     memory = report["bandwidth"]["sync_memory"]
     assert memory["model_bytes"] == big["bytes"]
-    # every tensor of this set is below one bucket: the bound is two buckets of at most 64 MiB
-    assert memory["bound_bytes"] == 2 * memory["largest_bucket_bytes"] <= 2 * report["bucket_bytes"]
-    # the streamed sync's buffers: two buckets at most, on each end, whatever the model's size
-    assert 0 < memory["sender_bytes"] <= memory["bound_bytes"] and 0 < memory["receiver_bytes"] <= memory["bound_bytes"]
+    # every tensor of this set is below one bucket: the bounds are two and three buckets of at most 64 MiB
+    assert memory["largest_bucket_bytes"] <= report["bucket_bytes"]
+    assert memory["sender_bound_bytes"] == 2 * memory["largest_bucket_bytes"]
+    assert memory["receiver_bound_bytes"] == 3 * memory["largest_bucket_bytes"]
+    # the streamed sync's buffers: two buckets at most on the sender, three on the receiver, whatever the model's size
+    assert 0 < memory["sender_bytes"] <= memory["sender_bound_bytes"]
+    assert 0 < memory["receiver_bytes"] <= memory["receiver_bound_bytes"]
     assert memory["within_bound"]

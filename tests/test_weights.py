@@ -70,28 +70,38 @@ def test_large_tensor_is_split_over_buckets_and_bf16_fp32_mix():
     assert torch.equal(out["c"], named[2][1])
 
 
-def test_a_bucket_that_is_one_tensors_bytes_is_sent_and_received_without_a_copy():
-    """borrow: the whole-bucket piece of c (bucket 1 of the worked example) is c's own memory; the
-    mixed buckets are packed copies. A receiver's Assembly takes a piece received in place as is."""
-    from pipeline.weights.buckets import BufferPair, lone
+def test_a_large_tensor_is_sent_from_its_own_memory_and_only_small_ones_are_packed(monkeypatch):
+    """borrow, with ALONE_BYTES = 1024 on the worked example: c's two pieces travel as segments of
+    c's own memory; a and b are packed into bucket 0's buffer, d into bucket 2's (the padding
+    between c's last piece and d is not sent). A receiver that puts each segment at its offset
+    (bucket 1 straight into c's reassembly memory) unpacks every tensor exactly."""
+    from pipeline.weights import buckets
 
+    monkeypatch.setattr(buckets, "ALONE_BYTES", 1024)
     named = [("a", torch.randn(100)), ("b", torch.randn(300).bfloat16()),
              ("c", torch.randn(1000)), ("d", torch.randn(10))]
     plan = BucketPlan.for_tensors(named, 2048)
-    assert [lone(b, n) is not None for b, n in zip(plan.buckets, plan.sizes)] == [False, True, False]
+    segs = [buckets.segments(b, n) for b, n in zip(plan.buckets, plan.sizes)]
+    assert segs == [[(0, 1048, None)], [(0, 2048, 0)], [(0, 1952, 0), (1984, 2024, None)]]
     c = named[2][1]
-    buffers = BufferPair()
-    buckets = [b.clone() if i != 1 else b for i, b in enumerate(pack(plan, named, buffers=buffers, borrow=True))]
-    assert buckets[1].data_ptr() == c.data_ptr() and all(b.data_ptr() != c.data_ptr() for b in buckets[::2])
+    ring = buckets.BufferRing()
+    sent = []
+    for pieces in pack(plan, named, buffers=ring, borrow=True):
+        sent.append([(t.data_ptr(), t.clone()) for t in pieces])  # buffer views last two buckets
+    assert [p for p, _ in sent[1]] == [c.data_ptr()] and sent[2][0][0] == c.data_ptr() + 2048
+    assert sent[0][0][0] == ring.get(0, 1).data_ptr() and sent[2][1][0] == ring.get(0, 1).data_ptr() + 1984
     assembly = Assembly()
-    into = assembly.target(plan.buckets[1][0], "cpu")  # where a receiver receives bucket 1
-    into.copy_(buckets[1])  # (the broadcast)
-    got = list(unpack(plan.buckets[0], buckets[0], assembly)) + list(unpack(plan.buckets[1], into, assembly))
-    got += list(unpack(plan.buckets[2], buckets[2], assembly))
+    got = []
+    for slots, size, bucket_segs, pieces in zip(plan.buckets, plan.sizes, segs, sent):
+        piece = buckets.lone(slots, size)
+        into = assembly.target(piece, "cpu") if piece is not None and piece.is_piece else torch.zeros(size, dtype=torch.uint8)
+        for (start, end, _), (_, t) in zip(bucket_segs, pieces):
+            into[start:end].copy_(t)  # (the broadcasts)
+        got += list(unpack(slots, into, assembly))
     assert [n for n, _ in got] == ["a", "b", "c", "d"] and assembly.allocated == 4000
     assert all(torch.equal(t, dict(named)[n]) for n, t in got)
     with pytest.raises(BucketError, match="arrived before its first"):
-        Assembly().add(plan.buckets[2][0], buckets[2][:1952])
+        Assembly().add(plan.buckets[2][0], torch.zeros(1952, dtype=torch.uint8))
 
 
 def test_pack_rejects_tensors_that_differ_from_the_plan():
@@ -183,24 +193,31 @@ def test_sender_dying_mid_broadcast_raises_within_timeout():
 
 SPLIT_SENDER = textwrap.dedent("""
     import sys, torch
+    from pipeline.weights import buckets
     from pipeline.weights.buckets import BucketPlan
     from pipeline.weights.group import TorchDistChannel
     port, bucket = int(sys.argv[1]), int(sys.argv[2])
+    buckets.ALONE_BYTES = 4096  # the embedding's pieces travel from its own memory, the rest packed
     ch = TorchDistChannel("127.0.0.1", port, 0, 2, timeout_s=60)
     gen = torch.Generator().manual_seed(11)
     big = torch.randn(5 * bucket // 8, generator=gen)  # float32: 2.5 buckets
     named = [("small", torch.arange(7)), ("embed", big), ("tail", torch.randn(3, generator=gen).bfloat16())]
-    for version in (1, 2):  # received streamed, then staged
-        ch.send_stream(version, BucketPlan.for_tensors(named, bucket), named)
+    for version in (1, 2, 3):  # received streamed, streamed, then staged
+        named_v = [(n, t * version if n == "embed" else t) for n, t in named]
+        ch.send_stream(version, BucketPlan.for_tensors(named_v, bucket), named_v)
     print(ch.buffers.allocated, flush=True)
     ch.close()
 """)
 
 
-def test_a_tensor_of_two_and_a_half_buckets_round_trips_within_two_buckets_of_buffers():
+def test_a_tensor_of_two_and_a_half_buckets_round_trips_within_two_buckets_of_buffers(monkeypatch):
     """Streamed and staged receives of a tensor split over three buckets: exact bytes; the sender's
-    and the streamed receiver's counted buffers stay within two buckets; the reassembly costs the
-    tensor's own size, once."""
+    counted buffers stay within two buckets, the streamed receiver's within three; the reassembly costs the
+    tensor's own size, once: a second streamed update reassembles in the first one's memory, a
+    staged one in memory of its own. Its pieces travel as segments of their own (ALONE_BYTES)."""
+    from pipeline.weights import buckets
+
+    monkeypatch.setattr(buckets, "ALONE_BYTES", 4096)
     bucket, port = 1 << 16, _free_port()
     proc = subprocess.Popen([sys.executable, "-c", SPLIT_SENDER, str(port), str(bucket)],
                             stdout=subprocess.PIPE, text=True)
@@ -209,14 +226,21 @@ def test_a_tensor_of_two_and_a_half_buckets_round_trips_within_two_buckets_of_bu
         gen = torch.Generator().manual_seed(11)
         big = torch.randn(5 * bucket // 8, generator=gen)
         want = {"small": torch.arange(7), "embed": big, "tail": torch.randn(3, generator=gen).bfloat16()}
-        for stage in (False, True):
+        embed_memory = []
+        for version, stage in ((1, False), (2, False), (3, True)):
             update = ch.receive(stage=stage)
             assert [[(s.name, s.part_start) for s in b] for b in update.plan.buckets] == \
                 [[("small", 0)], [("embed", 0)], [("embed", bucket)], [("embed", 2 * bucket), ("tail", 0)]]
-            got = {n: t.clone() for n, t in update}
+            got = {}
+            for n, t in update:  # streamed views last until the bucket after next: cloned at once
+                got[n] = t.clone()
+                if n == "embed":
+                    embed_memory.append(t.data_ptr())
+            want["embed"] = big * version
             assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
-            assert update.assembly.allocated == big.numel() * 4
-        assert ch.buffers.allocated <= 2 * bucket  # the streamed receive; staged buckets are kept by design
+            assert update.assembly.allocated == (0 if version == 2 else big.numel() * 4)
+        assert embed_memory[1] == embed_memory[0] != embed_memory[2]
+        assert ch.buffers.allocated <= 3 * bucket  # the streamed receives; staged buckets are kept by design
         ch.close()
         sent = int(proc.stdout.readline())
         assert 0 < sent <= 2 * bucket, f"the sender allocated {sent} B of buffers for {bucket} B buckets"
@@ -260,12 +284,12 @@ def test_a_change_of_source_closes_the_bucket_and_survives_the_wire():
     assert plan.sources == (0, 1, 0) and plan.of_source(0) == [0, 2] and plan.of_source(1) == [1]
 
 
-def test_buffer_pair_allocates_two_buckets_at_most():
-    from pipeline.weights.buckets import BufferPair
+def test_a_buffer_ring_of_two_allocates_two_buckets_at_most():
+    from pipeline.weights.buckets import BufferRing
 
     named = [(f"w{i}", torch.full((100 + 50 * (i % 3),), float(i))) for i in range(12)]
     plan = BucketPlan.for_tensors(named, 1024)
-    buffers = BufferPair()
+    buffers = BufferRing()
     seen = []
     for slots, bucket in zip(plan.buckets, pack(plan, named, buffers=buffers)):
         seen += [(n, t.clone()) for n, t in unpack(slots, bucket)]  # consumed before bucket k + 2 exists
@@ -292,7 +316,7 @@ MULTI_SENDER = textwrap.dedent("""
 
 def test_two_senders_stream_their_own_buckets_to_every_receiver():
     """Sender 0 and sender 1 each send only their tensors; both receivers get all of them, in plan
-    order, in two streaming buffers."""
+    order, in three streaming buffers."""
     port = _free_port()
     senders = [subprocess.Popen([sys.executable, "-c", MULTI_SENDER, str(port), str(s)]) for s in (0, 1)]
     other = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
@@ -310,7 +334,7 @@ def test_two_senders_stream_their_own_buckets_to_every_receiver():
             assert update.version == version and set(update.plan.sources) == {0, 1}
             got = [(n, float(t[0]), t.numel(), bool((t == t[0]).all())) for n, t in update]
             assert got == [(f"t{i}", float(version * 100 + i), 256 * (1 + i % 3), True) for i in range(16)]
-        assert ch.buffers.allocated <= 2 * max(update.plan.sizes)
+        assert ch.buffers.allocated <= 3 * max(update.plan.sizes)
         ch.close()
         assert [p.wait(timeout=30) for p in (*senders, other)] == [0, 0, 0]
     finally:
@@ -330,8 +354,10 @@ STREAM_SENDER = textwrap.dedent("""
 def test_a_streamed_bucket_stays_intact_while_the_next_one_is_loaded():
     """vLLM's layerwise reload holds views of a module's tensors until the module is complete, and
     a module may straddle two buckets: the tensors of bucket k must survive until bucket k + 2 is
-    asked for, in two receive buffers. The receiver dawdles on each bucket (as a slow load would),
-    giving an early receive of bucket k + 1 time to land over bucket k - 1."""
+    asked for, in three receive buffers, while bucket k + 1 arrives as bucket k is loaded (the
+    receiver waits for it to land in its buffer before asking for it). The receiver dawdles on
+    each bucket (as a slow load would), giving a receive posted too early time to land over
+    bucket k - 1."""
     import time
 
     port = _free_port()
@@ -347,7 +373,13 @@ def test_a_streamed_bucket_stays_intact_while_the_next_one_is_loaded():
             if previous is not None:
                 assert bool((previous == i - 1).all()), f"bucket {i - 1} was overwritten while bucket {i} was loaded"
             previous = t
-        assert ch.buffers.allocated <= 2 * max(update.plan.sizes)
+            if i + 1 < len(update.plan.sizes):  # bucket i + 1 lands while bucket i is held
+                following = ch.buffers.get(i + 1, update.plan.sizes[i + 1]).view(torch.float32)
+                deadline = time.monotonic() + 30
+                while not bool((following == i + 1).all()) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert bool((following == i + 1).all()), f"bucket {i + 1} did not arrive while bucket {i} was loaded"
+        assert ch.buffers.allocated <= 3 * max(update.plan.sizes)
         ch.close()
         assert proc.wait(timeout=30) == 0
     finally:

@@ -11,7 +11,7 @@ and length. The receiver rebuilds each storage with ``UntypedStorage._new_shared
 Two forms:
 - `export_buckets` / `import_buckets`: one document for a whole set of buckets (a check script);
 - `CudaIpcChannel`: a `WeightChannel` (``generator.weight_channel = "cuda_ipc"``) that streams one
-  bucket at a time through the sender's two `BufferPair` buffers, with a TCP store carrying the
+  bucket at a time through the sender's two `BufferRing` buffers, with a TCP store carrying the
   documents and the receiver's acknowledgements: update n's plan under ``u{n}/meta``, bucket k's
   handle under ``u{n}/b{k}``; the receiver acknowledges bucket k (``u{n}/ack{k}``) when it asks
   for bucket k + 2, and the sender packs bucket k + 2 into bucket k's buffer only after that
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import msgpack
 
-from pipeline.weights.buckets import Assembly, BucketPlan, BufferPair, pack, unpack
+from pipeline.weights.buckets import Assembly, BucketPlan, BufferRing, pack, unpack
 from pipeline.weights.group import ReceivedWeights, WeightChannel, WeightSyncError
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ class CudaIpcChannel(WeightChannel):
         self.rank = rank
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self.buffers = BufferPair(self.device)
+        self.buffers = BufferRing(self.device)
         try:
             store = dist.TCPStore(host, port, 2, is_master=(rank == 0), timeout=self.timeout,
                                   wait_for_workers=False)

@@ -14,21 +14,31 @@ never receive each other's buckets and never wait for each other except through 
 Protocol of one update (plan order; bucket i travels on the group of ``plan.sources[i]``):
   1. leader: an int64[1] tensor holding the metadata length L;
   2. leader: a uint8[L] tensor: msgpack ``{"version": v, "plan": BucketPlan.to_wire()}``;
-  3. each bucket of the plan, in order, from its source, as a flat uint8 tensor of the plan's size.
+  3. each bucket of the plan, in order, from its source, as its `segments` (byte ranges of the
+     flat uint8 bucket, one broadcast each: a tensor of at least `ALONE_BYTES` alone, the smaller
+     ones between them together), received at their offsets in one bucket-sized buffer.
 Streaming: a sender packs bucket k+1 while bucket k is in flight (asynchronous broadcast, two
-buffers, `BufferPair`); a streamed receiver has two buffers too and receives bucket k+1, into the
-buffer of bucket k-1, only once bucket k+1 is asked for, so bucket k's tensors stay valid until
-bucket k+2 is asked for: a consumer may hold views of one bucket while it loads the next (vLLM's
-layerwise reload holds a module's tensors until the module is complete, and a module may straddle
-two buckets). Example, buckets 0..3: while bucket 2 is loaded, buffer 1 holds bucket 1 intact and
-buffer 0 holds bucket 2; asking for bucket 3 receives it into buffer 1. Posting bucket k+1 before
-handing out bucket k would overwrite bucket k-1 while bucket k is loaded. A staged receive keeps
-every bucket (one copy of the weights) and receives bucket k+1 while bucket k is handed out.
-No copy where a bucket is one tensor's bytes (`buckets.lone`): the sender broadcasts the tensor's
-own memory (``pack(borrow=True)``), and a receiver receives a bucket that is one piece of a split
-tensor straight into that tensor's reassembly memory (`Assembly.target`), not into a buffer. E.g. a
-622 MB embedding in 64 MiB buckets: nine whole-bucket pieces go uncopied on both ends, only the
-last piece (sharing its bucket with the next tensors) is packed and copied out.
+buffers, `BufferRing`); a streamed receiver has three buffers and, when bucket k is asked for,
+starts receiving bucket k+1 into the buffer of bucket k-2 before it waits for bucket k. So bucket
+k+1 is on the wire while bucket k is handed out, and bucket k-1's tensors stay valid until bucket
+k+1 is asked for: a consumer may hold views of one bucket while it loads the next (vLLM's layerwise
+reload holds a module's tensors until the module is complete, and a module may straddle two
+buckets). Example, buckets 0..4: while bucket 2 is loaded, buffer 1 holds bucket 1 intact, buffer 2
+bucket 2, and bucket 3 arrives in buffer 0; asking for bucket 3 starts bucket 4 into buffer 1.
+Why three: with two, bucket k+1 could only be posted once bucket k-1 was released, i.e. once bucket
+k+1 was asked for, and gloo moves no byte of a broadcast before the receiver has posted it, so
+the link idled between buckets: 1.2 GB in 64 MiB buckets took 825 ms against 591 ms with three
+buffers and 507 ms as one tensor (measured side by side; docs/weight-sync.md, "Bandwidth").
+A staged receive keeps every bucket (one copy of the weights), posting bucket k+1 the same way.
+No copy of a large tensor on the sender: a segment that is one tensor's bytes is broadcast from the
+tensor's own memory (``pack(borrow=True)``), only runs of small tensors are packed (copying a 1.3 B
+model's 24 MB projections into buckets occupied a core that the transfer itself needed, on two
+cores). A receiver receives a bucket that is one piece of a split tensor straight into that
+tensor's reassembly memory (`Assembly.target`), not into a buffer. E.g. a 622 MB embedding in
+64 MiB buckets: nine whole-bucket pieces go uncopied on both ends; the last piece, sharing its
+bucket with the next tensors, is copied out of the bucket on the receiver. A streamed receive
+reassembles in the memory of the channel's previous streamed receive (an assembled tensor stays
+valid until the next `receive`), so no update page-faults fresh memory in under gloo's writes.
 Every call waits at most ``timeout_s``; a peer that dies mid-update makes the survivors raise
 `WeightSyncError` (naming the step that failed) within that time instead of hanging.
 """
@@ -41,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import msgpack
 
-from pipeline.weights.buckets import Assembly, BucketPlan, BufferPair, lone, pack, unpack
+from pipeline.weights.buckets import Assembly, BucketPlan, BufferRing, lone, pack, segments, unpack
 
 if TYPE_CHECKING:
     import torch
@@ -58,7 +68,8 @@ class ReceivedWeights:
     The tensors are views into received buckets: in a streamed receive bucket k's stay valid until
     bucket k + 2 is asked for, i.e. while bucket k + 1 is loaded (copy them before keeping them
     longer); in a staged one, for good. A tensor split over buckets is handed out whole, from
-    ``assembly`` (memory of its own, counted there), after its last piece.
+    ``assembly`` (memory of its own, counted there), after its last piece; in a streamed receive
+    that memory is reused by the channel's next streamed receive (valid until then).
     """
 
     version: int
@@ -79,7 +90,7 @@ class WeightChannel(abc.ABC):
 
     device: "torch.device | None" = None
     """Where buckets must live to be sent (None: wherever the tensors are)."""
-    buffers: BufferPair
+    buffers: BufferRing
     """This end's streaming buffers (bytes allocated: ``buffers.allocated``)."""
 
     @abc.abstractmethod
@@ -90,7 +101,7 @@ class WeightChannel(abc.ABC):
     @abc.abstractmethod
     def receive(self, stage: bool = False) -> ReceivedWeights:
         """Receive the next update's metadata; its buckets arrive while the result is iterated
-        (``stage``: each into its own buffer, kept; else into this end's two streaming buffers)."""
+        (``stage``: each into its own buffer, kept; else into this end's three streaming buffers)."""
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -120,7 +131,7 @@ class TorchDistChannel(WeightChannel):
         self.rank, self.world_size, self.backend, self.senders = rank, world_size, backend, senders
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
-        self.buffers = BufferPair(self.device)
+        self.buffers = BufferRing(self.device, slots=2 if rank < senders else 3)
         receivers = world_size - senders
         mine = [rank] if rank < senders else range(senders)
         self._pgs: dict[int, Any] = {}
@@ -141,6 +152,7 @@ class TorchDistChannel(WeightChannel):
                                   f"(world {world_size}, {senders} sender(s), epoch {epoch}) within "
                                   f"{timeout_s:.0f} s: {e}") from e
         self._store = store
+        self._assembled: dict[str, "torch.Tensor"] = {}  # split tensors' memory, reused by streamed receives
         self._closed = False
 
     # -- collectives ----------------------------------------------------------------------------
@@ -164,17 +176,34 @@ class TorchDistChannel(WeightChannel):
             raise WeightSyncError(f"rank {self.rank}: broadcast of {what} failed (timeout "
                                   f"{self.timeout.total_seconds():.0f} s; did a peer die?): {e}") from e
 
+    def _wait_all(self, works: list, what: str) -> None:
+        for work in works:
+            self._wait(work, what)
+
     def _broadcast(self, tensor: "torch.Tensor", what: str, source: int = 0) -> None:
         self._wait(self._start(tensor, source, what), what)
 
     # -- sending -------------------------------------------------------------------------------
     def send_stream(self, version: int, plan: BucketPlan, named: Iterable[tuple[str, "torch.Tensor"]]) -> None:
         mine = plan.of_source(self.rank) if self.rank < self.senders else []
-        self.send_packed(version, plan, pack(plan, named, self.device, self.buffers, mine, borrow=True))
+        self._send(version, plan, pack(plan, named, self.device, self.buffers, mine, borrow=True))
 
     def send_packed(self, version: int, plan: BucketPlan, buckets: Iterable["torch.Tensor"]) -> None:
         """Send this sender's buckets, already packed (flat uint8, in plan order); with at most
         two in flight, so a producer may reuse the buffer of bucket k for bucket k + 2."""
+        import torch
+
+        def checked() -> Iterator[list["torch.Tensor"]]:
+            for index, bucket in zip(plan.of_source(self.rank), buckets):
+                if bucket.numel() != plan.sizes[index] or bucket.dtype != torch.uint8:
+                    raise WeightSyncError(f"bucket {index}/{len(plan.sizes)} of version {version} is "
+                                          f"{bucket.dtype}[{bucket.numel()}], plan says uint8[{plan.sizes[index]}]")
+                yield [bucket[start:end] for start, end, _ in segments(plan.buckets[index], plan.sizes[index])]
+
+        self._send(version, plan, checked())
+
+    def _send(self, version: int, plan: BucketPlan, buckets: Iterable[list["torch.Tensor"]]) -> None:
+        """The protocol's sending side: metadata (leader), then each bucket's segments."""
         import torch
 
         if self.rank >= self.senders:
@@ -184,18 +213,16 @@ class TorchDistChannel(WeightChannel):
             self._broadcast(torch.tensor([len(meta)], dtype=torch.int64, device=self.device), "metadata length")
             self._broadcast(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device), "metadata")
         mine = plan.of_source(self.rank)
-        in_flight: list[tuple[Any, str]] = []
+        in_flight: list[tuple[list[Any], str]] = []
         sent = 0
-        for index, bucket in zip(mine, buckets):
+        for index, pieces in zip(mine, buckets):
             what = f"bucket {index}/{len(plan.sizes)} of version {version}"
-            if bucket.numel() != plan.sizes[index] or bucket.dtype != torch.uint8:
-                raise WeightSyncError(f"{what} is {bucket.dtype}[{bucket.numel()}], plan says uint8[{plan.sizes[index]}]")
-            in_flight.append((self._start(bucket, self.rank, what), what))
+            in_flight.append(([self._start(piece, self.rank, what) for piece in pieces], what))
             sent += 1
             if len(in_flight) == 2:  # the next bucket reuses the buffer of the one before this
-                self._wait(*in_flight.pop(0))
-        for work, what in in_flight:
-            self._wait(work, what)
+                self._wait_all(*in_flight.pop(0))
+        for works, what in in_flight:
+            self._wait_all(works, what)
         if sent != len(mine):
             raise WeightSyncError(f"only {sent} of this sender's {len(mine)} buckets were given to send")
 
@@ -220,7 +247,7 @@ class TorchDistChannel(WeightChannel):
         if any(not 0 <= s < self.senders for s in plan.sources):
             raise WeightSyncError(f"the plan of version {version} names senders {sorted(set(plan.sources))} "
                                   f"but the group has {self.senders}")
-        assembly = Assembly()
+        assembly = Assembly(keep=None if stage else self._assembled)
         return ReceivedWeights(version, plan, self._receive_buckets(plan, version, stage, assembly),
                                assembly=assembly)
 
@@ -239,9 +266,10 @@ class TorchDistChannel(WeightChannel):
         def what(i: int) -> str:
             return f"bucket {i}/{len(plan.sizes)} of version {version}"
 
-        def start(i: int) -> tuple[Any, "torch.Tensor"]:
+        def start(i: int) -> tuple[list[Any], "torch.Tensor"]:
             buf = target(i)
-            return self._start(buf, plan.sources[i], what(i)), buf
+            return [self._start(buf[begin:end], plan.sources[i], what(i))
+                    for begin, end, _ in segments(plan.buckets[i], plan.sizes[i])], buf
 
         count = len(plan.sizes)
         if not count:
@@ -250,14 +278,12 @@ class TorchDistChannel(WeightChannel):
             self.buffers.reserve(max((size for slots, size in zip(plan.buckets, plan.sizes)
                                       if not getattr(lone(slots, size), "is_piece", False)), default=0))
         pending = start(0)
-        for i in range(count):
-            work, buf = pending
-            self._wait(work, what(i))
-            if stage and i + 1 < count:  # its own buffer: in flight while bucket i is handed out
-                pending = start(i + 1)
+        for i in range(count):  # bucket i is asked for: streamed, bucket i - 2's buffer is free now
+            following = start(i + 1) if i + 1 < count else None
+            works, buf = pending
+            self._wait_all(works, what(i))
             yield buf
-            if not stage and i + 1 < count:  # asked for bucket i + 1: bucket i - 1's buffer is free now
-                pending = start(i + 1)
+            pending = following
 
     def close(self) -> None:
         if not self._closed:
@@ -271,3 +297,4 @@ class TorchDistChannel(WeightChannel):
                         pass  # a group whose peer already died may refuse a clean shutdown
             self._pgs = {}
             self.buffers.release()
+            self._assembled.clear()
