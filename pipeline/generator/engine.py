@@ -20,12 +20,17 @@ Invariants:
   ``abort``  abort in-flight requests; each resumes as a new request whose prompt is prompt +
              partial completion with the remaining budget; the sample is the concatenation
              (tokens, logprobs, versions) of its segments, finish reason that of the last segment.
-  In ``keep`` and ``keep_kv`` the pause, the load, the relabel (and ``keep``'s cache reset) go to
-  the engine core as one batch of calls, handled in order with no engine step between them (the
-  scheduler is paused first), and the resume follows once all succeeded: the pause costs the
-  engine step in progress, the load and one round trip, not a round trip per call.
+  In ``keep`` and ``keep_kv`` the pause is answered once no engine step is in flight; then the
+  load, the relabel (and ``keep``'s cache reset) go to the engine core as one batch of calls,
+  handled in order with no engine step between them, and the resume follows once all succeeded:
+  the pause costs the engine step in progress, the load and two round trips. (Relabelling before
+  the pause's answer let a step dispatched earlier report its tokens under the new label.)
   Staged (``weight_sync``) the update is first received in the background while generation goes
-  on; a failed receive raises `WeightReceiveError` and changes nothing. Streamed, it is received
+  on; a failed receive raises `WeightReceiveError` and changes nothing. When every worker also
+  built the update's kernel form there (``prepared``, `pipeline.generator.kernel_swap`), the load
+  in the pause is a swap of references. The resume cannot join the batch: vLLM answers a keep
+  pause only once its engine core is idle, and a resume handled before that leaves the pause
+  unanswered while requests keep it busy. Streamed, it is received
   and loaded bucket by bucket inside the pause. If loading fails inside the pause the engine stays
   paused (its weights may be half-written) and `WeightUpdateError` propagates: the caller must
   load a complete version (rejoin the group) before generating again, so no engine ever serves a
@@ -103,6 +108,9 @@ class UpdateReport:
     worker_load_s: float = 0.0
     """Of `load_s`, the slowest worker's own time loading (receiving too unless staged): the rest
     of the pause is waiting for the engine step in progress and round trips to the engine."""
+    prepared: bool = False
+    """Staged only: every worker built the update's kernel form while generating, so the pause only
+    swapped references (`pipeline/generator/kernel_swap.py`); else it was loaded in place."""
 
 
 def resolve_weight_sync(config: GeneratorConfig) -> str:
@@ -342,6 +350,7 @@ class Generator:
         async with self._update_lock:
             t0 = time.monotonic()
             staged = path is None and self.weight_sync == "staged"
+            states: list[str] = []
             if staged:  # receive while generating; pause only to load
                 await self._rpc("start_receiving", version)
                 while "pending" in (states := await self._rpc("received", version)):
@@ -353,6 +362,7 @@ class Generator:
             if self.config.interrupt == "abort":
                 self._abort_epoch += 1
             load = ("checkpoint" if path is not None else self.weight_sync, version, path or "")
+            prepared = staged and all(s == f"ok {version} prepared" for s in states)
             t_pause = time.monotonic()
             if self.config.interrupt in ("keep", "keep_kv") and version is not None:
                 loaded = await self._swap_at_once(load, int(version))
@@ -362,19 +372,26 @@ class Generator:
             await self.engine.resume_generation()
             mode = "checkpoint" if path is not None else self.weight_sync
             return UpdateReport(self.version, time.monotonic() - t_pause, t_loaded - t_pause, t_pause - t0,
-                                mode, max(r["load_s"] for r in loaded))
+                                mode, max(r["load_s"] for r in loaded), prepared)
 
     async def _swap_at_once(self, load: tuple[str, int | None, str], version: int) -> list[dict]:
-        """keep / keep_kv with the version known: pause, load, (reset the prefix cache,) relabel,
-        sent together and handled by the engine core in this order with no step between them (a
-        paused scheduler runs none), so the pause costs one round trip to the engine instead of
-        one per call; the caller resumes once every answer is in. A failed load leaves the engine
-        paused, labelled `version` but running nothing (the next complete load relabels it)."""
+        """keep / keep_kv with the version known: pause (answered once no step is in flight), then
+        load, (reset the prefix cache,) relabel, sent together and handled by the engine core in
+        this order with no step between them (a paused scheduler runs none); the caller resumes
+        once every answer is in. A failed load leaves the engine paused, labelled `version` but
+        running nothing (the next complete load relabels it)."""
         core, keep_kv = self.engine.engine_core, self.config.interrupt == "keep_kv"
         if not keep_kv:
             await self.engine.renderer.clear_mm_cache_async()  # pause_generation's client-side part
-        calls = [core.pause_scheduler_async(mode="keep", clear_cache=not keep_kv),
-                 self._rpc("load_version", version, *load)]
+        # The pause is answered once no step is in flight: only then may the relabel follow, else a
+        # step already dispatched with the old weights would report its tokens under the new label
+        # (seen with the sub-millisecond prepared swap: the first token labelled new was the old
+        # weights' choice). The rest is sent as one batch.
+        try:
+            await core.pause_scheduler_async(mode="keep", clear_cache=not keep_kv)
+        except Exception as e:
+            raise WeightUpdateError(f"pausing for version {version} failed: {e}") from e
+        calls = [self._rpc("load_version", version, *load)]
         if not keep_kv:
             calls.append(core.reset_prefix_cache_async(False, False))
         calls.append(core.set_weight_version_async(str(version)))
@@ -386,9 +403,9 @@ class Generator:
             raise failed[0] if isinstance(failed[0], WeightUpdateError) else WeightUpdateError(
                 f"the update to version {version} failed; the engine stays paused until a complete "
                 f"version is loaded: {failed[0]}") from failed[0]
-        self._check_loaded(results[1], version)
+        self._check_loaded(results[0], version)
         self.version = version
-        return results[1]
+        return results[0]
 
     async def _swap_in_steps(self, load: tuple[str, int | None, str], version: int | None) -> list[dict]:
         """drain / abort (or no version known): pause, load, reset the prefix cache, relabel, one
@@ -421,6 +438,11 @@ class Generator:
         except Exception as e:
             raise WeightUpdateError(f"{method} of version {version} failed; the engine stays paused "
                                     f"until a complete version is loaded: {e}") from e
+
+    async def step_gaps(self) -> list[list[float]]:
+        """Per worker, the engine's own stall of each update since the last call: seconds between the
+        engine steps around its swap (`pipeline.generator.step_clock`; no step in progress counted)."""
+        return await self.engine.collective_rpc("step_gaps")
 
     async def sync_buffer_bytes(self) -> list[dict[str, int]]:
         """Per worker: bytes its streaming buffers allocated so far and hold now."""

@@ -32,7 +32,12 @@ Invariants:
   (pipeline/weights/group.py), so a module's tensors (q/k/v, gate/up) must lie in two consecutive
   buckets at most: true when they, and whatever is sent between them, fit in one bucket together.
 - Staged receive (`start_receiving` / `received` / `load_received`): a background thread receives
-  the whole update into memory while the engine generates, so the pause only covers loading.
+  the whole update into memory while the engine generates and then builds its kernel form beside
+  the live model (`pipeline.generator.kernel_swap`), so the pause only swaps references; where that
+  does not apply (GPU, adapters, unknown kernels) the pause loads it in place as above. A staged
+  update that cannot be built (an MoE layer lacks experts) fails its receive: nothing changed.
+- `load_version` marks each swap on a `StepClock` (`pipeline.generator.step_clock`): `step_gaps`
+  returns the engine's own stall per update, the gap between the steps around it.
 - A worker's rank in the weight group is ``first_rank + its vLLM rank`` (TP workers each receive
   the full HF tensors and keep their shard).
 """
@@ -105,18 +110,32 @@ class ExpertWriter:
         self.pending.discard((e, role))
         self.touched = True
 
-    def finish(self) -> None:
-        """Write the assembled experts into the layer (prepacked when the CPU kernel needs it)."""
+    def build(self) -> tuple["torch.Tensor", "torch.Tensor"]:
+        """The assembled experts (w13, w2) in the kernel's layout (prepacked when it needs that)."""
         if self.pending:
             missing = sorted(self.pending)[:4]
             raise ValueError(f"{self.name}: the update lacks {len(self.pending)} expert tensors, e.g. {missing}")
-        w13, w2 = self.w13, self.w2
-        if self.isa is not None:
-            from vllm._custom_ops import cpu_prepack_moe_weight
+        if self.isa is None:
+            return self.w13, self.w2
+        from vllm._custom_ops import cpu_prepack_moe_weight
 
-            w13, w2 = cpu_prepack_moe_weight(w13, self.isa), cpu_prepack_moe_weight(w2, self.isa)
+        return cpu_prepack_moe_weight(self.w13, self.isa), cpu_prepack_moe_weight(self.w2, self.isa)
+
+    def finish(self) -> None:
+        """Write the assembled experts into the layer's tensors."""
+        w13, w2 = self.build()
         self.layer.w13_weight.data.copy_(w13)
         self.layer.w2_weight.data.copy_(w2)
+
+
+def non_expert(named: Iterable[tuple[str, "torch.Tensor"]],
+               writers: dict[str, ExpertWriter]) -> Iterator[tuple[str, "torch.Tensor"]]:
+    """The tensors of `named` that are not experts of a layer in `writers` (those go to its writer)."""
+    for hf_name, tensor in named:
+        prefix, _, suffix = hf_name.partition(".experts.")
+        writer = writers.get(prefix + ".experts") if suffix else None
+        if writer is None or not writer.add(suffix, tensor):
+            yield hf_name, tensor
 
 
 def _cpu_prepack_isa(layer: Any) -> str | None | bool:
@@ -195,23 +214,24 @@ class WeightSyncExtension:
         self._load_full(self._tf_merger.merged(counted()), all_experts=False)
         return count
 
+    def _expert_writers(self) -> dict[str, ExpertWriter]:
+        """A fresh `ExpertWriter` per CPU-kernel MoE layer, by HF expert prefix."""
+        return {_hf_prefix(name): ExpertWriter(name, layer, isa)
+                for name, (layer, isa) in self._moe_layers().items() if isa is not False}
+
     def _load_full(self, named: Iterable[tuple[str, "torch.Tensor"]], all_experts: bool) -> int:
         """Load HF-named weights; ``all_experts``: every MoE layer must receive all its experts
         (else only the layers that received any)."""
-        writers = {_hf_prefix(name): ExpertWriter(name, layer, isa)
-                   for name, (layer, isa) in self._moe_layers().items() if isa is not False}
+        writers = self._expert_writers()
         count = 0
 
-        def non_expert() -> Iterator[tuple[str, "torch.Tensor"]]:
+        def counted() -> Iterator[tuple[str, "torch.Tensor"]]:
             nonlocal count
-            for hf_name, tensor in named:
+            for item in named:
                 count += 1
-                prefix, _, suffix = hf_name.partition(".experts.")
-                writer = writers.get(prefix + ".experts") if suffix else None
-                if writer is None or not writer.add(suffix, tensor):
-                    yield hf_name, tensor
+                yield item
 
-        self.model_runner.reload_weights(weights_iterator=non_expert())
+        self.model_runner.reload_weights(weights_iterator=non_expert(counted(), writers))
         for writer in writers.values():
             if all_experts or writer.touched:
                 writer.finish()
@@ -257,6 +277,7 @@ class WeightSyncExtension:
         ``channel``: 'broadcast' (`TorchDistChannel`) or 'cuda_ipc' (`CudaIpcChannel`, same GPU)."""
         self.leave_weight_group()
         rank = first_rank + int(self.rank)
+        self._step_clock()
         self._tf_channel = _open_channel(host, port, rank, world_size, timeout_s, backend, epoch, senders, channel)
         return rank
 
@@ -308,7 +329,8 @@ class WeightSyncExtension:
 
     def start_receiving(self) -> None:
         """Staged: receive the next update into host memory on a background thread while the
-        engine keeps generating (costs one copy of the weights); `load_received` then applies it."""
+        engine keeps generating, then build its kernel form there (`_prepare`); `load_received`
+        then applies it."""
         import threading
 
         channel = self._channel()
@@ -319,7 +341,10 @@ class WeightSyncExtension:
         def receive() -> None:
             try:
                 update = channel.receive(stage=True)
-                result["tensors"] = list(update)  # views that keep their buckets alive
+                tensors = list(update)  # views that keep their buckets alive
+                result["prepared"] = self._prepare(tensors)
+                if result["prepared"] is None:
+                    result["tensors"] = tensors
                 result["version"] = update.version
             except BaseException as e:  # handed to load_received, which raises it
                 result["error"] = e
@@ -328,9 +353,19 @@ class WeightSyncExtension:
         thread.start()
         self._tf_staging = (thread, result)
 
+    def _prepare(self, tensors: list[tuple[str, "torch.Tensor"]]):
+        """The update's kernel form (`kernel_swap.prepare`), or None where the pause must load it in place."""
+        from pipeline.generator.kernel_swap import prepare
+        from pipeline.weights.adapters import is_adapter_update
+
+        if not tensors or is_adapter_update(tensors[0][0]):
+            return None
+        writers = self._expert_writers()
+        return prepare(self.model_runner.get_model(), non_expert(tensors, writers), writers)
+
     def received(self) -> str:
-        """State of the background receive: 'pending', 'ok <version>', or 'failed: <error>' (the failed
-        update is then dropped, leaving the loaded weights untouched)."""
+        """State of the background receive: 'pending', 'ok <version> <prepared|in-place>', or
+        'failed: <error>' (the failed update is then dropped, leaving the loaded weights untouched)."""
         staging = getattr(self, "_tf_staging", None)
         if staging is None:
             raise RuntimeError("received called without start_receiving")
@@ -340,10 +375,11 @@ class WeightSyncExtension:
         if "error" in result:
             self._tf_staging = None
             return f"failed: {result['error']}"
-        return f"ok {result['version']}"
+        return f"ok {result['version']} {'in-place' if result['prepared'] is None else 'prepared'}"
 
     def load_received(self) -> int:
-        """Load the update `start_receiving` received; returns its version (raises its error)."""
+        """Swap in (or, not prepared, load) the update `start_receiving` received; returns its
+        version (raises its error)."""
         staging = getattr(self, "_tf_staging", None)
         if staging is None:
             raise RuntimeError("load_received called without start_receiving")
@@ -352,7 +388,12 @@ class WeightSyncExtension:
         if thread.is_alive():
             raise TimeoutError("the background weight receive did not finish within the channel timeout")
         self._tf_staging = None
-        self.load_hf_weights(result["tensors"])
+        if "error" in result:
+            raise result["error"]
+        if result["prepared"] is None:
+            self.load_hf_weights(result["tensors"])
+        else:
+            result["prepared"].swap()
         return result["version"]
 
     def load_version(self, source: str, version: int | None, path: str = "") -> dict[str, Any]:
@@ -362,11 +403,26 @@ class WeightSyncExtension:
         import time
 
         t0 = time.perf_counter()
-        if source == "checkpoint":
-            self.load_weights_from_safetensors(path)
-        else:
-            version = self.load_received() if source == "staged" else self.receive_weights()
+        try:
+            if source == "checkpoint":
+                self.load_weights_from_safetensors(path)
+            else:
+                version = self.load_received() if source == "staged" else self.receive_weights()
+        finally:
+            self._step_clock().swapped()
         return {"version": version, "load_s": time.perf_counter() - t0}
+
+    def _step_clock(self):
+        if getattr(self, "_tf_clock", None) is None:
+            from pipeline.generator.step_clock import StepClock
+
+            self._tf_clock = StepClock(self)
+        return self._tf_clock
+
+    def step_gaps(self) -> list[float]:
+        """The engine's stall of each update since the last call: seconds between the end of the
+        last engine step before its swap and the start of the first after it (`StepClock`)."""
+        return self._step_clock().take()
 
     def leave_weight_group(self) -> None:
         channel = getattr(self, "_tf_channel", None)
