@@ -426,7 +426,7 @@ async def stall(args) -> dict:
                  "engine_calls_s": calls, "default": DEFAULT_KIND,
                  "generator_sync_buffers": {"allocated_bytes": max(b["allocated"] for b in buffers),
                                             "resident_bytes": max(b["resident"] for b in buffers),
-                                            "bound_bytes": 2 * BUCKET_BYTES}}
+                                            "bound_bytes": 3 * BUCKET_BYTES}}
     print(f"decode step {step_s * 1e3:.1f} ms ({rate['without']:.0f} tok/s at batch {args.batch}); "
           f"engine calls of an update, median: "
           + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in calls.items())

