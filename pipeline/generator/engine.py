@@ -20,11 +20,15 @@ Invariants:
   ``abort``  abort in-flight requests; each resumes as a new request whose prompt is prompt +
              partial completion with the remaining budget; the sample is the concatenation
              (tokens, logprobs, versions) of its segments, finish reason that of the last segment.
-  In ``keep`` and ``keep_kv`` the pause is answered once no engine step is in flight; then the
-  load, the relabel (and ``keep``'s cache reset) go to the engine core as one batch of calls,
-  handled in order with no engine step between them, and the resume follows once all succeeded:
-  the pause costs the engine step in progress, the load and two round trips. (Relabelling before
-  the pause's answer let a step dispatched earlier report its tokens under the new label.)
+  In ``keep`` and ``keep_kv`` the pause, the load, the relabel (and ``keep``'s cache reset) go to
+  the engine core as one batch of calls, handled in order between engine steps, and the resume
+  follows once all succeeded: the pause costs the engine step in progress, the load and one round
+  trip. The label is exact by construction: vLLM's engine core labels a step's tokens with its
+  version when it processes the step's output (`EngineCore._attach_weight_version`), a paused
+  scheduler schedules no token, and the load and relabel are handled after the pause. Where the
+  engine core overlaps steps (async scheduling or pipeline parallelism: a batch queue, so a step
+  dispatched before the pause may have its output processed after it), the batch waits for the
+  pause's answer (given once that queue is empty), one round trip more.
   Staged (``weight_sync``) the update is first received in the background while generation goes
   on; a failed receive raises `WeightReceiveError` and changes nothing. When every worker also
   built the update's kernel form there (``prepared``, `pipeline.generator.kernel_swap`), the load
@@ -375,23 +379,27 @@ class Generator:
                                 mode, max(r["load_s"] for r in loaded), prepared)
 
     async def _swap_at_once(self, load: tuple[str, int | None, str], version: int) -> list[dict]:
-        """keep / keep_kv with the version known: pause (answered once no step is in flight), then
-        load, (reset the prefix cache,) relabel, sent together and handled by the engine core in
-        this order with no step between them (a paused scheduler runs none); the caller resumes
-        once every answer is in. A failed load leaves the engine paused, labelled `version` but
-        running nothing (the next complete load relabels it)."""
+        """keep / keep_kv with the version known: pause, load, (reset the prefix cache,) relabel,
+        sent together and handled by the engine core in this order (module docstring: a paused
+        scheduler runs no step that samples); the caller resumes once every answer is in. A failed
+        load leaves the engine paused, labelled `version` but running nothing (the next complete
+        load relabels it)."""
         core, keep_kv = self.engine.engine_core, self.config.interrupt == "keep_kv"
         if not keep_kv:
             await self.engine.renderer.clear_mm_cache_async()  # pause_generation's client-side part
-        # The pause is answered once no step is in flight: only then may the relabel follow, else a
-        # step already dispatched with the old weights would report its tokens under the new label
-        # (seen with the sub-millisecond prepared swap: the first token labelled new was the old
-        # weights' choice). The rest is sent as one batch.
-        try:
-            await core.pause_scheduler_async(mode="keep", clear_cache=not keep_kv)
-        except Exception as e:
-            raise WeightUpdateError(f"pausing for version {version} failed: {e}") from e
-        calls = [self._rpc("load_version", version, *load)]
+        pause = core.pause_scheduler_async(mode="keep", clear_cache=not keep_kv)
+        if self.engine.vllm_config.max_concurrent_batches > 1:
+            # A step dispatched before the pause may still be in the batch queue: its output,
+            # processed after a relabel, would carry the new label. The pause is answered once
+            # the queue is empty.
+            try:
+                await pause
+            except Exception as e:
+                raise WeightUpdateError(f"pausing for version {version} failed: {e}") from e
+            calls = []
+        else:
+            calls = [pause]
+        calls.append(self._rpc("load_version", version, *load))
         if not keep_kv:
             calls.append(core.reset_prefix_cache_async(False, False))
         calls.append(core.set_weight_version_async(str(version)))
@@ -403,9 +411,10 @@ class Generator:
             raise failed[0] if isinstance(failed[0], WeightUpdateError) else WeightUpdateError(
                 f"the update to version {version} failed; the engine stays paused until a complete "
                 f"version is loaded: {failed[0]}") from failed[0]
-        self._check_loaded(results[0], version)
+        loaded = results[-2 if keep_kv else -3]
+        self._check_loaded(loaded, version)
         self.version = version
-        return results[0]
+        return loaded
 
     async def _swap_in_steps(self, load: tuple[str, int | None, str], version: int | None) -> list[dict]:
         """drain / abort (or no version known): pause, load, reset the prefix cache, relabel, one
