@@ -277,6 +277,8 @@ def test_keep_kv_update_labels_every_token_with_the_weights_that_sampled_it(engi
         assert s.completion_ids[k:k + 20].tolist() == new, (
             f"the tokens labelled new are not the new weights' continuation over the old KV: k={k}, "
             f"old greedy {old_greedy[k:k + 6]}, new weights {new[:6]}, sampled {s.completion_ids[k:k + 6].tolist()}")
+        print(f"\n[{kind}-{source}] boundary k={k}: the first new token "
+              f"{'equals' if new[0] == old_greedy[k] else 'differs from'} the old weights' choice")
         assert np.isfinite(s.logprobs).all()
     loop.run_until_complete(gen.update_weights(gen.version + 1, path=str(dirs[1])))
 
