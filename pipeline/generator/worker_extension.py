@@ -33,12 +33,13 @@ Invariants:
   buckets at most: true when they, and whatever is sent between them, fit in one bucket together.
 - A load that fails half-way (a sender dies, a timeout) leaves no tensor without data: vLLM's
   in-place reload moves every module to the meta device while it loads and skips its final pass
-  when the weights iterator raises, so `interrupted_reload.put_back_unfinished_modules` gives each unfinished module
-  its previous tensors back and clears the reload's state. The engine then holds the modules that
-  completed at the new version and all others at the old one (the driver keeps it paused until a
-  complete version is loaded); the next load, staged or streamed, starts from a clean model. The
-  first load after a failed one also checks that no parameter or buffer is on meta (`load_version`)
-  and fails otherwise, so the engine stays paused instead of stepping into a missing tensor.
+  when the weights iterator raises, so `put_back_unfinished_modules`
+  (`pipeline.generator.interrupted_reload`) gives each unfinished module its previous tensors back
+  and clears the reload's state. The engine then holds the modules that completed at the new
+  version and all others at the old one (the driver keeps it paused until a complete version is
+  loaded); the next load, staged or streamed, starts from a clean model. The first load after a
+  failed one also checks that no parameter or buffer is on meta (`load_version`) and fails
+  otherwise, so the engine stays paused instead of stepping into a missing tensor.
 - Staged receive (`start_receiving` / `received` / `load_received`): a background thread receives
   the whole update into memory while the engine generates and then builds its kernel form beside
   the live model (`pipeline.generator.kernel_swap`), so the pause only swaps references; where that
