@@ -18,9 +18,10 @@ Invariants (imports neither vLLM nor torch at module level):
   module completes) and resets the reload state of every module. Afterwards no tensor is on meta,
   the modules that completed hold the new weights, all others the old ones: a mix, which is why the
   driver keeps the engine paused until a complete version is loaded. Example, tiny dense model in
-  256 KiB buckets, the sender dying at bucket 12 of 27: ``lm_head``, ``embed_tokens`` and the first
-  layer's input norm and MLP projections complete (new version); its attention projections, norms
-  and rotary embedding, all of layer 1 and the final norm are put back (old version).
+  256 KiB buckets, the sender dying at bucket 12 of 27: ``lm_head``, ``embed_tokens``, layer 0's
+  input norm and down projection (and, when bucket 11 arrived, more of layer 0) complete (new
+  version); layer 0's q/k/v and output projections and rotary embedding, all of layer 1 and the
+  final norm are put back (old version), 15-17 modules in all.
 - `tensors_without_data` lists the parameters and buffers on meta: empty after every complete load.
 """
 from __future__ import annotations
