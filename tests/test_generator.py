@@ -400,10 +400,14 @@ DYING_SENDER = textwrap.dedent("""
     ch = TorchDistChannel("127.0.0.1", int(sys.argv[1]), 0, 2, timeout_s=30)
     named = sorted(load_file(sys.argv[2]).items())
     plan = BucketPlan.for_tensors(named, 1 << 18)
-    first = {s.name for s in plan.buckets[0]}
-    def die(ts):  # sends bucket 0, dies while packing bucket 1
+    # dies when asked for the first tensor starting in bucket 12 or later: gloo sends no byte of a
+    # broadcast before every receiver posted it, and a streamed receiver posts bucket k + 1 only
+    # when bucket k is asked for, so by then the receiver has loaded bucket 8 (embed_tokens at 2-3,
+    # the first layer's norm at 4): its in-place reload is under way, some modules complete
+    stop = next(s.name for b in plan.buckets[12:] for s in b if s.part_start == 0)
+    def die(ts):
         for n, t in ts:
-            if n not in first:
+            if n == stop:
                 os._exit(0)
             yield n, t
     ch.send_stream(99, plan, die(iter(named)))
@@ -411,7 +415,7 @@ DYING_SENDER = textwrap.dedent("""
 
 
 def _fail_an_update(loop, gen, other_weights, error):
-    """Join a sender that dies after the first bucket; the update must raise `error`."""
+    """Join a sender that dies mid-update (`DYING_SENDER`); the update must raise `error`."""
     port = _free_port()
     dying = subprocess.Popen([sys.executable, "-c", DYING_SENDER, str(port), str(other_weights)])
     try:
@@ -434,13 +438,17 @@ def test_a_sender_dying_mid_update_raises_and_a_rejoin_recovers(engine, loop):
     _fail_an_update(loop, gen, dirs[2] / "model.safetensors", WeightReceiveError)
     assert not loop.run_until_complete(gen.engine.is_paused())
     assert (_checksums(loop, gen), _outputs(loop, gen), gen.version) == before
-    # streamed: the receive fails inside the pause, weights may be half-written: the engine stays paused
+    # streamed: the receive fails inside the pause, half-way through vLLM's in-place reload: the
+    # modules that completed hold version 99, the others their old tensors, none is left on the
+    # meta device (where the reload keeps unfinished modules); the engine stays paused
     gen.weight_sync = "streamed"
     try:
         _fail_an_update(loop, gen, dirs[2] / "model.safetensors", WeightUpdateError)
     finally:
         gen.weight_sync = "staged"
     assert loop.run_until_complete(gen.engine.is_paused())
+    assert loop.run_until_complete(gen.engine.collective_rpc("tensors_without_data")) == [[]]
+    assert _checksums(loop, gen) != before[0], "the broken update did not reach the reload"
     # rejoin a healthy sender and load a complete version
     port = _free_port()
     proc = _start_sender(port, [(gen.version + 1, str(dirs[1] / "model.safetensors"), False)])

@@ -31,6 +31,15 @@ Invariants:
   until the module is complete, and the channel keeps bucket k intact only while bucket k+1 loads
   (pipeline/weights/group.py), so a module's tensors (q/k/v, gate/up) must lie in two consecutive
   buckets at most: true when they, and whatever is sent between them, fit in one bucket together.
+- A load that fails half-way (a sender dies, a timeout) leaves no tensor without data: vLLM's
+  in-place reload moves every module to the meta device while it loads and skips its final pass
+  when the weights iterator raises, so `put_back_unfinished_modules`
+  (`pipeline.generator.interrupted_reload`) gives each unfinished module its previous tensors back
+  and clears the reload's state. The engine then holds the modules that completed at the new
+  version and all others at the old one (the driver keeps it paused until a complete version is
+  loaded); the next load, staged or streamed, starts from a clean model. The first load after a
+  failed one also checks that no parameter or buffer is on meta (`load_version`) and fails
+  otherwise, so the engine stays paused instead of stepping into a missing tensor.
 - Staged receive (`start_receiving` / `received` / `load_received`): a background thread receives
   the whole update into memory while the engine generates and then builds its kernel form beside
   the live model (`pipeline.generator.kernel_swap`), so the pause only swaps references; where that
@@ -43,9 +52,11 @@ Invariants:
 """
 from __future__ import annotations
 
+import logging
 import re
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
+from pipeline.generator.interrupted_reload import put_back_unfinished_modules, tensors_without_data
 from pipeline.generator.owner_watch import watch_owner
 
 if TYPE_CHECKING:
@@ -173,6 +184,8 @@ def _hf_prefix(module_name: str) -> str:
 class WeightSyncExtension:
     """Methods vLLM mixes into its Worker (``self.model_runner``, ``self.rank`` come from the Worker)."""
 
+    _tf_load_failed = False  # the last `load_version` raised: the next one checks for meta tensors
+
     def _moe_layers(self) -> dict[str, tuple[Any, str | None | bool]]:
         if not hasattr(self, "_tf_moe"):
             # vLLM 0.32 builds MoE layers through a factory: recognise them by their expert tensors.
@@ -231,7 +244,13 @@ class WeightSyncExtension:
                 count += 1
                 yield item
 
-        self.model_runner.reload_weights(weights_iterator=non_expert(counted(), writers))
+        try:
+            self.model_runner.reload_weights(weights_iterator=non_expert(counted(), writers))
+        except BaseException:
+            put_back = put_back_unfinished_modules(self.model_runner.get_model())
+            logging.getLogger(__name__).warning("the load broke off: %d modules put back to their previous "
+                                                "tensors: %s", len(put_back), put_back)
+            raise
         for writer in writers.values():
             if all_experts or writer.touched:
                 writer.finish()
@@ -399,16 +418,25 @@ class WeightSyncExtension:
     def load_version(self, source: str, version: int | None, path: str = "") -> dict[str, Any]:
         """The driver's load inside a pause: ``source`` 'staged' (`load_received`), 'streamed'
         (`receive_weights`) or 'checkpoint' (`path`, holding `version`); returns the version
-        loaded and this worker's seconds loading it (``load_s``)."""
+        loaded and this worker's seconds loading it (``load_s``). Raises if the load failed, or if
+        the load following a failed one left a tensor on the meta device."""
         import time
 
         t0 = time.perf_counter()
+        complete = False
         try:
             if source == "checkpoint":
                 self.load_weights_from_safetensors(path)
             else:
                 version = self.load_received() if source == "staged" else self.receive_weights()
+            # after a failed load only: the scan costs about a millisecond on a 28-layer model
+            missing = tensors_without_data(self.model_runner.get_model()) if self._tf_load_failed else []
+            if missing:
+                raise RuntimeError(f"after loading version {version}, {len(missing)} tensors have no data "
+                                   f"(meta device), e.g. {missing[:4]}; the engine must not run a step")
+            complete = True
         finally:
+            self._tf_load_failed = not complete
             self._step_clock().swapped()
         return {"version": version, "load_s": time.perf_counter() - t0}
 
@@ -418,6 +446,10 @@ class WeightSyncExtension:
 
             self._tf_clock = StepClock(self)
         return self._tf_clock
+
+    def tensors_without_data(self) -> list[str]:
+        """Names of the model's parameters and buffers on the meta device (empty unless a load broke it)."""
+        return tensors_without_data(self.model_runner.get_model())
 
     def step_gaps(self) -> list[float]:
         """The engine's stall of each update since the last call: seconds between the end of the
