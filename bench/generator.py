@@ -31,7 +31,7 @@ def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
 async def _baseline(gen, prompts, group_size: int, round_id: int) -> int:
     """vLLM alone: the driver's requests, submitted straight to AsyncLLM."""
     from pipeline.generator.config import request_seed
-    from pipeline.generator.engine import sampling_params
+    from pipeline.generator.vllm_args import sampling_params
 
     async def one(i, prompt, s):
         params = sampling_params(gen.config, request_seed(gen.config.seed, i, s, round_id), gen.config.max_tokens)

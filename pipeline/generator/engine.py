@@ -55,8 +55,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from pipeline.generator.capture import kept_token_ids, logprobs_to_request
+from pipeline.generator.capture import kept_token_ids
 from pipeline.generator.config import GeneratorConfig, GroupRequest, request_seed
+from pipeline.generator.vllm_args import engine_args, resolve_weight_sync, sampled_logprobs, sampling_params
 from pipeline.record import RecordSchema, RolloutSample
 
 if TYPE_CHECKING:
@@ -64,8 +65,6 @@ if TYPE_CHECKING:
 
     from pipeline.generator.episodes import EpisodeRunner
 
-EXTENSION = "pipeline.generator.worker_extension.WeightSyncExtension"
-_CPU_BATCHED_TOKENS = 4096  # tokens per engine step on CPU (prefills are never chunked there)
 _STAGING_POLL_S = 0.005  # how often the driver asks whether a staged receive has finished
 _PAUSE_MODE = {"keep": "keep", "keep_kv": "keep", "drain": "wait", "abort": "abort"}
 
@@ -115,65 +114,6 @@ class UpdateReport:
     prepared: bool = False
     """Staged only: every worker built the update's kernel form while generating, so the pause only
     swapped references (`pipeline/generator/kernel_swap.py`); else it was loaded in place."""
-
-
-def resolve_weight_sync(config: GeneratorConfig) -> str:
-    """'staged' or 'streamed': the configured mode, or for 'auto' by the checkpoint's size."""
-    if config.weight_sync != "auto":
-        return config.weight_sync
-    from pathlib import Path
-
-    size = sum(f.stat().st_size for f in Path(config.model).glob("*.safetensors")) if config.model else 0
-    return "staged" if size <= config.staged_max_gb * 1e9 else "streamed"
-
-
-def engine_args(config: GeneratorConfig, seed: int | None = None):
-    """vLLM AsyncEngineArgs for `config` (also used by bench/generator.py for the bare baseline)."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.platforms import current_platform
-
-    extra: dict[str, Any] = {}
-    if current_platform.is_cpu():
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
-        if config.cpu_cores:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_cores
-        # vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a seeded request's
-        # prefill is split across steps: every prompt is prefilled whole instead.
-        extra = {"enable_chunked_prefill": False,
-                 "max_num_batched_tokens": max(config.max_model_len, _CPU_BATCHED_TOKENS)}
-    if logprobs_to_request(config.sampling_mask_width) > 20:  # vLLM's default max_logprobs
-        extra["max_logprobs"] = logprobs_to_request(config.sampling_mask_width)
-    return AsyncEngineArgs(
-        model=config.model, dtype=config.dtype, max_model_len=config.max_model_len,
-        enforce_eager=config.enforce_eager, seed=config.seed if seed is None else seed,
-        tensor_parallel_size=config.tensor_parallel_size, max_num_seqs=config.max_num_seqs,
-        gpu_memory_utilization=config.gpu_memory_utilization, logprobs_mode=config.logprobs_mode,
-        enable_prefix_caching=config.prefix_caching, worker_extension_cls=EXTENSION, disable_log_stats=True, **extra)
-
-
-def sampling_params(config: GeneratorConfig, seed: int | None, max_tokens: int, greedy: bool = False):
-    """SamplingParams of one request: logprob of the sampled token only, no detokenization."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    return SamplingParams(
-        n=1, temperature=0.0 if greedy else config.temperature, top_p=1.0 if greedy else config.top_p,
-        top_k=0 if greedy else config.top_k, max_tokens=max_tokens, seed=seed,
-        logprobs=0 if greedy else logprobs_to_request(config.sampling_mask_width), flat_logprobs=True, detokenize=False,
-        stop_token_ids=list(config.stop_token_ids), ignore_eos=config.ignore_eos,
-        output_kind=RequestOutputKind.FINAL_ONLY)
-
-
-def sampled_logprobs(output: Any) -> list[float]:
-    """Logprob of each sampled token of a CompletionOutput requested with ``logprobs=0``."""
-    lp = output.logprobs
-    if lp is None:
-        raise RuntimeError("the engine returned no logprobs for a request that asked for them")
-    if hasattr(lp, "start_indices"):  # FlatLogprobs: position i starts with the sampled token
-        if len(lp.logprobs) == len(output.token_ids):  # one entry per position: nothing else was asked
-            return lp.logprobs
-        return [lp.logprobs[s] for s in lp.start_indices]
-    return [pos[t].logprob for pos, t in zip(lp, output.token_ids)]
 
 
 class Generator:

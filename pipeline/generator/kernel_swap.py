@@ -118,7 +118,7 @@ class _ShadowTree:
 def prepare(model: Any, named: Iterable[tuple[str, "torch.Tensor"]], writers: dict[str, Any]) -> PreparedUpdate | None:
     """Build the kernel form of a full update, or None when this engine needs the in-place reload.
     `named`: its HF-named non-expert tensors; `writers`: the `ExpertWriter` of each CPU-kernel MoE
-    layer, which took the layer's experts while `named` was read (`worker_extension.non_expert`)."""
+    layer, which took the layer's experts while `named` was read (`expert_writer.non_expert`)."""
     import torch
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod

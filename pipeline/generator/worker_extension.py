@@ -53,133 +53,14 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import re
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
+from pipeline.generator.expert_writer import ExpertWriter, cpu_prepack_isa, hf_prefix, non_expert
 from pipeline.generator.interrupted_reload import put_back_unfinished_modules, tensors_without_data
 from pipeline.generator.owner_watch import watch_owner
 
 if TYPE_CHECKING:
     import torch
-
-# HF expert weight names below a FusedMoE module's prefix.
-_PER_EXPERT = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
-_FUSED = re.compile(r"^(gate_up_proj|down_proj)(\.weight)?$")
-_ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
-
-
-class ExpertWriter:
-    """Assembles one FusedMoE layer's experts from HF tensors and writes them in the engine layout."""
-
-    def __init__(self, name: str, layer: Any, prepack_isa: str | None):
-        import torch
-
-        self.name, self.layer, self.isa = name, layer, prepack_isa
-        cfg = layer.moe_config
-        par = cfg.moe_parallel_config
-        if par.use_ep and par.ep_size > 1:
-            raise NotImplementedError(f"{name}: direct expert loading with expert parallelism > 1 is not supported")
-        self.tp_rank = par.tp_rank
-        self.num_experts = cfg.num_local_experts
-        w13, w2 = layer.w13_weight, layer.w2_weight
-        self.padded = w13.shape[1] // 2
-        self.inter = cfg.intermediate_size_per_partition_unpadded or cfg.intermediate_size_per_partition
-        self.w13 = torch.zeros(tuple(w13.shape), dtype=w13.dtype, device=w13.device)
-        self.w2 = torch.zeros(tuple(w2.shape), dtype=w2.dtype, device=w2.device)
-        self.pending = {(e, r) for e in range(self.num_experts) for r in ("gate", "up", "down")}
-        self.touched = False  # any expert tensor arrived
-
-    def _rows(self, t: "torch.Tensor", dim: int) -> "torch.Tensor":
-        """This TP rank's slice of the intermediate dimension."""
-        return t.narrow(dim, self.tp_rank * self.inter, self.inter)
-
-    def add(self, suffix: str, tensor: "torch.Tensor") -> bool:
-        """Take one HF tensor named ``<layer prefix>.<suffix>``; False if it is not an expert weight."""
-        if m := _PER_EXPERT.match(suffix):
-            e, role = int(m.group(1)), _ROLE[m.group(2)]
-            self._put(e, role, tensor)
-            return True
-        if m := _FUSED.match(suffix):
-            for e in range(tensor.shape[0]):
-                if m.group(1) == "gate_up_proj":
-                    gate, up = tensor[e].chunk(2, dim=0)
-                    self._put(e, "gate", gate)
-                    self._put(e, "up", up)
-                else:
-                    self._put(e, "down", tensor[e])
-            return True
-        return False
-
-    def _put(self, e: int, role: str, t: "torch.Tensor") -> None:
-        if not 0 <= e < self.num_experts:
-            raise ValueError(f"{self.name}: expert {e} is outside the layer's {self.num_experts} experts")
-        if role == "down":
-            self.w2[e, :, :self.inter].copy_(self._rows(t, 1))
-        else:
-            start = 0 if role == "gate" else self.padded
-            self.w13[e, start:start + self.inter].copy_(self._rows(t, 0))
-        self.pending.discard((e, role))
-        self.touched = True
-
-    def build(self) -> tuple["torch.Tensor", "torch.Tensor"]:
-        """The assembled experts (w13, w2) in the kernel's layout (prepacked when it needs that)."""
-        if self.pending:
-            missing = sorted(self.pending)[:4]
-            raise ValueError(f"{self.name}: the update lacks {len(self.pending)} expert tensors, e.g. {missing}")
-        if self.isa is None:
-            return self.w13, self.w2
-        from vllm._custom_ops import cpu_prepack_moe_weight
-
-        return cpu_prepack_moe_weight(self.w13, self.isa), cpu_prepack_moe_weight(self.w2, self.isa)
-
-    def finish(self) -> None:
-        """Write the assembled experts into the layer's tensors."""
-        w13, w2 = self.build()
-        self.layer.w13_weight.data.copy_(w13)
-        self.layer.w2_weight.data.copy_(w2)
-
-
-def non_expert(named: Iterable[tuple[str, "torch.Tensor"]],
-               writers: dict[str, ExpertWriter]) -> Iterator[tuple[str, "torch.Tensor"]]:
-    """The tensors of `named` that are not experts of a layer in `writers` (those go to its writer)."""
-    for hf_name, tensor in named:
-        prefix, _, suffix = hf_name.partition(".experts.")
-        writer = writers.get(prefix + ".experts") if suffix else None
-        if writer is None or not writer.add(suffix, tensor):
-            yield hf_name, tensor
-
-
-def _cpu_prepack_isa(layer: Any) -> str | None | bool:
-    """ISA of the CPU experts kernel the layer runs (str), None if it runs it without prepacking
-    (zentorch), False if the layer runs another kernel."""
-    try:
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    except ImportError:  # a vLLM build without the CPU kernels
-        return False
-
-    seen, frontier = set(), [getattr(layer, "quant_method", None)]
-    for _ in range(4):  # the kernel object sits a few attributes below the quant method
-        nxt = []
-        for obj in frontier:
-            if obj is None or id(obj) in seen or isinstance(obj, (int, float, str, bytes, bool)):
-                continue
-            seen.add(id(obj))
-            if isinstance(obj, CPUUnquantizedExperts):
-                return None if getattr(obj, "_use_zentorch", False) else obj.isa
-            if hasattr(obj, "__dict__"):
-                nxt.extend(v for v in vars(obj).values() if not hasattr(v, "shape"))
-        frontier = nxt
-    return False
-
-
-def _hf_prefix(module_name: str) -> str:
-    """HF name prefix of a vLLM MoE layer's experts: up to the last ``experts`` component
-    (vLLM 0.32 nests Qwen3-MoE's as ``mlp.experts.routed_experts``; HF names say ``mlp.experts``)."""
-    parts = module_name.split(".")
-    if "experts" not in parts:
-        raise ValueError(f"cannot map the MoE layer {module_name!r} to Hugging Face expert names")
-    return ".".join(parts[:len(parts) - parts[::-1].index("experts")])
-
 
 class WeightSyncExtension:
     """Methods vLLM mixes into its Worker (``self.model_runner``, ``self.rank`` come from the Worker)."""
@@ -190,7 +71,7 @@ class WeightSyncExtension:
         if not hasattr(self, "_tf_moe"):
             # vLLM 0.32 builds MoE layers through a factory: recognise them by their expert tensors.
             model = self.model_runner.get_model()
-            self._tf_moe = {name: (mod, _cpu_prepack_isa(mod)) for name, mod in model.named_modules()
+            self._tf_moe = {name: (mod, cpu_prepack_isa(mod)) for name, mod in model.named_modules()
                             if all(hasattr(mod, a) for a in ("w13_weight", "w2_weight", "moe_config"))}
         return self._tf_moe
 
@@ -229,7 +110,7 @@ class WeightSyncExtension:
 
     def _expert_writers(self) -> dict[str, ExpertWriter]:
         """A fresh `ExpertWriter` per CPU-kernel MoE layer, by HF expert prefix."""
-        return {_hf_prefix(name): ExpertWriter(name, layer, isa)
+        return {hf_prefix(name): ExpertWriter(name, layer, isa)
                 for name, (layer, isa) in self._moe_layers().items() if isa is not False}
 
     def _load_full(self, named: Iterable[tuple[str, "torch.Tensor"]], all_experts: bool) -> int:

@@ -235,7 +235,7 @@ class GeneratorRole:
         set-up: 5-49 s measured on a loaded 2-core machine) and a broadcast waits for the engine step
         in progress, so without this the trainer's broadcasts right after the join waited for
         them. The weights are whatever the engine started with; the outputs are thrown away."""
-        from pipeline.generator.engine import sampling_params
+        from pipeline.generator.vllm_args import sampling_params
 
         t0 = time.monotonic()
         gcfg, engine = self.gen.config, self.gen.engine

@@ -59,7 +59,7 @@ class TeacherScorer:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
             extra = {"enable_chunked_prefill": False,
                      "max_num_batched_tokens": max(max_model_len, _CPU_BATCHED_TOKENS)}
-        from pipeline.generator.engine import EXTENSION
+        from pipeline.generator.vllm_args import EXTENSION
         from pipeline.generator.owner_watch import mark_owner
 
         self.max_model_len = max_model_len

