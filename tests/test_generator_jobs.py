@@ -207,13 +207,15 @@ def start_slurm_run(run: Path, steps: int, *overrides: str) -> subprocess.Popen:
 
 @pytest.mark.slurm
 @pytest.mark.engine
-@pytest.mark.slow  # 405 s here (730 s with cpu_plan=none): like the local one, plus scheduling
+@pytest.mark.slow  # 405 s here with 100 steps (730 s with cpu_plan=none): like the local one, plus scheduling
 def test_a_generator_job_joins_and_leaves_a_slurm_run(tmp_path):
     """The same on the Slurm test cluster: the run is one heterogeneous job, the generator job a
     second job (on a node with room beside the trainer), cancelled with scancel."""
     from test_slurm_train import status_of
 
-    run, steps = tmp_path / "sl", 100
+    # 200 steps: with the core plan a step takes 1.2-1.8 s and the joiner's first lease comes
+    # 130-320 s after its submission; of 100 steps one run ended before the joiner had 3 steps
+    run, steps = tmp_path / "sl", 200
     # The test cluster's nodes are one 2-core machine and its Slurm binds no task to cores
     # (TaskPlugin=task/none): with cpu_plan=none every vLLM engine binds its worker to core 0, the
     # joiner's beside the busy generator 0's, and the trainer's first broadcast into the group
