@@ -207,7 +207,7 @@ def start_slurm_run(run: Path, steps: int, *overrides: str) -> subprocess.Popen:
 
 @pytest.mark.slurm
 @pytest.mark.engine
-@pytest.mark.slow  # 405 s here with 100 steps (730 s with cpu_plan=none): like the local one, plus scheduling
+@pytest.mark.slow  # 373 s here (200 steps; 730 s with cpu_plan=none): like the local one, plus scheduling
 def test_a_generator_job_joins_and_leaves_a_slurm_run(tmp_path):
     """The same on the Slurm test cluster: the run is one heterogeneous job, the generator job a
     second job (on a node with room beside the trainer), cancelled with scancel."""
