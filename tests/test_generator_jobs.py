@@ -195,26 +195,33 @@ def test_a_generator_job_joins_gets_leases_and_leaves_mid_run(tmp_path):
     check_and_report(run, facts, STEPS, cfg.orchestrator.staleness_limit())
 
 
-def start_slurm_run(run: Path, steps: int) -> subprocess.Popen:
+def start_slurm_run(run: Path, steps: int, *overrides: str) -> subprocess.Popen:
     """`tokenflow train` of a tiny run as one heterogeneous Slurm job, in the background."""
     from test_slurm_train import TINY
 
     return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "train", f"run.name={run.name}",
                              f"hydra.run.dir={run}", f"run.steps={steps}", "run.checkpoint_every=100",
-                             "run.mismatch_every=0", *TINY, "generator.weight_timeout_s=60"],
+                             "run.mismatch_every=0", *TINY, "generator.weight_timeout_s=60", *overrides],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
 
 
 @pytest.mark.slurm
 @pytest.mark.engine
-@pytest.mark.slow  # 692 s here: like the local one, plus scheduling
+@pytest.mark.slow  # 373 s here (200 steps; 730 s with cpu_plan=none): like the local one, plus scheduling
 def test_a_generator_job_joins_and_leaves_a_slurm_run(tmp_path):
     """The same on the Slurm test cluster: the run is one heterogeneous job, the generator job a
     second job (on a node with room beside the trainer), cancelled with scancel."""
     from test_slurm_train import status_of
 
-    run, steps = tmp_path / "sl", 100
-    proc = start_slurm_run(run, steps)
+    # 200 steps: with the core plan a step takes 1.2-1.8 s and the joiner's first lease comes
+    # 130-320 s after its submission; of 100 steps one run ended before the joiner had 3 steps
+    run, steps = tmp_path / "sl", 200
+    # The test cluster's nodes are one 2-core machine and its Slurm binds no task to cores
+    # (TaskPlugin=task/none): with cpu_plan=none every vLLM engine binds its worker to core 0, the
+    # joiner's beside the busy generator 0's, and the trainer's first broadcast into the group
+    # with the joiner waited 4-60 s for it (docs/generator-jobs.md). The core plan places them
+    # as locally (the generator job inherits it from the run).
+    proc = start_slurm_run(run, steps, "cluster.cpu_plan=auto")
     jobs: list[dict] = []
 
     def stop_job(job: dict) -> None:

@@ -275,10 +275,12 @@ class GeneratorRole:
         if me is None:
             log.warning("weight group epoch %d does not include this generator", epoch)
             return
+        t0 = time.monotonic()
         await self.gen.start_joining_weight_group(w["host"], w["port"], me, w["world_size"], backend=w["backend"],
                                                   epoch=epoch, senders=w.get("senders", 1))
         self.joins.add(epoch)
-        log.info("joining weight group epoch %d as rank %d of %d", epoch, me, w["world_size"])
+        log.info("joining weight group epoch %d as rank %d of %d at %s:%d (the rpc starting it %.3fs)",
+                 epoch, me, w["world_size"], w["host"], w["port"], time.monotonic() - t0)
 
     async def _switch(self, epoch: int) -> None:
         """Use weight group `epoch` from now on (the trainer announced a version into it)."""

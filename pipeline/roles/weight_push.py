@@ -99,7 +99,11 @@ class WeightPusher:
                 if epoch and shards.source is not None:
                     if shards.source > 0:
                         self._join_as_sender(epoch, shards.source)
+                    first, t_send = self.sent_version is None, time.monotonic()
                     self.channel.send_stream(version, plan, tensors)
+                    if first and self.leader:
+                        log.info("first broadcast into weight group epoch %d: version %d sent in %.3fs",
+                                 epoch, version, time.monotonic() - t_send)
             except WeightSyncError as exc:
                 failed = True
                 log.error("weight sync of version %d failed (%s)", version, exc)
@@ -236,7 +240,8 @@ class WeightPusher:
             return TorchDistChannel(self.host, port, rank=0, world_size=world, timeout_s=timeout,
                                     backend=backend, epoch=epoch, senders=senders)
 
-        log.info("weight group epoch %d forming: %s (%d sender(s))", epoch, sorted(members), senders)
+        log.info("weight group epoch %d forming at %s:%d: %s (%d sender(s), world %d)", epoch, self.host, port,
+                 sorted(members), senders, world)
         return GroupBuild(epoch, members, open_channel)
 
     def _switch(self) -> None:
