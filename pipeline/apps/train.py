@@ -130,13 +130,14 @@ def train(cfg: TokenflowConfig) -> int:
     if cfg.run.tensorboard:
         from pipeline.observe.tensorboard import TensorBoardMirror
         mirror = TensorBoardMirror(run_dir)
-    state = None
+    state, submitted = None, time.monotonic()
     try:
         while not run.done():
             time.sleep(1.0 if cfg.cluster.launcher == "local" else 3.0)
             if cfg.cluster.launcher == "slurm" and run.state() != state:
                 state = run.state()
-                print(f"tokenflow: job {run.job_id} {state}", file=sys.stderr, flush=True)
+                print(f"tokenflow: job {run.job_id} {state} ({time.monotonic() - submitted:.0f} s after "
+                      f"submission)", file=sys.stderr, flush=True)
             if progress:
                 progress.update()
             if mirror:
