@@ -91,8 +91,8 @@ def check_run(run: Path, tmp_path: Path) -> None:
 @pytest.mark.slurm
 @pytest.mark.engine
 # above its commands' own timeouts (900 + 300 + 300 s), which report why. The run itself takes about
-# 150 s; one CI run started its tasks about 8 minutes after the command did (cause not recorded:
-# the report now shows slurmctld's submission and start times) and ended 5 s past a 600 s limit.
+# 150 s; in one CI run its roles started about 8 minutes after the command did (cause not recorded:
+# the report now shows slurmctld's submission and start times) and had just finished at a 600 s limit.
 @pytest.mark.timeout(1600)
 def test_slurm_tp2ep2_het_job_over_three_nodes_learns(tmp_path):
     run = tmp_path / "slurm-tp2ep2"
