@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,10 +20,10 @@ import numpy as np
 import pytest
 
 from pipeline.metrics import read_metrics
+from support.child_env import child_env
 from support.run_report import stuck_run_report
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 STEPS = 8
 COMMON = [f"run.steps={STEPS}", "run.eval_every=8", "run.checkpoint_every=4", "run.mismatch_every=2",
           "run.timeout_s=300", "run.progress=false", "run.tensorboard=false", "orchestrator.groups_per_step=4",
@@ -36,7 +35,7 @@ def tokenflow(*args: str, timeout: float = 600, run: Path | None = None) -> subp
     fail with what is still running of `run` (`stuck_run_report`)."""
     try:
         out = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,
-                             env=ENV, timeout=timeout, cwd=REPO)
+                             env=child_env(), timeout=timeout, cwd=REPO)
     except subprocess.TimeoutExpired as e:
         said = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x for x in (e.stdout, e.stderr) if x)
         pytest.fail(f"tokenflow {args[0]} not done after {timeout} s:\n" + stuck_run_report(run, said))

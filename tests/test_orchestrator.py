@@ -6,7 +6,6 @@ their own files); everything between them is the production code path.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -26,9 +25,9 @@ from pipeline.orchestrator.config import OrchestratorConfig
 from pipeline.roles.common import save_run_config
 from pipeline.tasks import TaskConfig
 from pipeline.transport import load_or_create_secret
+from support.child_env import child_env
 
 PY = sys.executable
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def write_spec(run_dir: Path, replay_source: Path | None = None, **orch) -> None:
@@ -50,7 +49,7 @@ LOADGEN = str(Path(__file__).parent / "support" / "loadgen.py")
 def start(args: list[str], log: Path) -> subprocess.Popen:
     """``args``: a module to run with ``-m`` and its arguments, or LOADGEN (a script) and its."""
     cmd = [PY, *args] if args[0] == LOADGEN else [PY, "-m", *args]
-    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=ENV)
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=child_env())
 
 
 def start_orchestrator(run_dir: Path, tag: str = "0") -> subprocess.Popen:
@@ -86,7 +85,7 @@ def run_trainer(run_dir: Path, steps: int, start_step: int = 0, timeout: float =
     out = subprocess.run([PY, LOADGEN, "trainer", str(run_dir), f"--steps={steps}",
                           f"--start-step={start_step}", f"--timeout={timeout}",
                           f"--step-time={step_time}", *extra],
-                         capture_output=True, text=True, env=ENV, timeout=timeout * 3)
+                         capture_output=True, text=True, env=child_env(), timeout=timeout * 3)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])["steps"]
 

@@ -4,7 +4,6 @@ real HDF5 log; the generator and trainer are `tests/support/loadgen.py` processe
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -26,9 +25,9 @@ from pipeline.scorers.config import ScorersConfig
 from pipeline.scorers.models import (ProcessRewardScorer, RewardModelScorer, build_tiny_reward_model,
                                      step_ends)
 from pipeline.tasks import TaskConfig
+from support.child_env import child_env
 
 PY = sys.executable
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 LOADGEN = str(Path(__file__).parent / "support" / "loadgen.py")
 
 
@@ -88,7 +87,7 @@ def test_reward_and_process_scores_equal_transformers(tiny_rm):
 
 
 def _start(args, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([PY, *args], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=ENV)
+    return subprocess.Popen([PY, *args], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=child_env(OMP_NUM_THREADS="1"))
 
 
 def _scorer(run_dir: Path, rank: int, tag: str) -> subprocess.Popen:

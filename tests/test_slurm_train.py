@@ -24,6 +24,7 @@ from pipeline.launch import ComponentSpec, JobPlan
 from pipeline.log_format import GroupOutcome
 from pipeline.log_reader import RolloutLog
 from pipeline.metrics import read_metrics
+from support.child_env import child_env
 
 pytestmark = [pytest.mark.slurm, pytest.mark.engine]
 REPO = Path(__file__).resolve().parents[1]
@@ -32,11 +33,10 @@ TINY = ["cluster=slurm", "run.eval_every=3", "run.timeout_s=300", "run.progress=
         "cluster.generators=1", "cluster.generator.nodes=1", "cluster.trainer.mem_gb=3", "cluster.generator.mem_gb=3.5",
         "cluster.trainer.cpus_per_task=2", "cluster.generator.cpus_per_task=2", "cluster.trainer.time_min=30",
         "cluster.generator.time_min=30"]
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def tokenflow(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, env=ENV,
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, env=child_env(),
                           timeout=timeout, cwd=REPO)
 
 
@@ -76,7 +76,7 @@ def test_tiny_run_survives_two_requeues_with_exactly_once_storage(tmp_path):
     steps = 16  # enough that the run is still going when the requeues come, however fast the machine
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "train", "run.name=rq", f"hydra.run.dir={run}",
                              f"run.steps={steps}", "run.checkpoint_every=2", *TINY], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=ENV, cwd=REPO)
+                            stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=REPO)
     try:
         job_id = wait_until(lambda: submitted_job(run), 60, "the job was submitted")
         # 1) hard requeue once step 2 is checkpointed: the tasks are killed, the trainer resumes from step-2
@@ -236,7 +236,7 @@ def test_kill_9_of_orchestrator_generator_and_engine_then_preemption(tmp_path):
                              f"run.steps={steps}", "run.checkpoint_every=50", "orchestrator.generator_dead_after_s=5",
                              "generator.weight_timeout_s=30", *TINY, "cluster.trainer.partition=preemptible",
                              "cluster.generator.partition=preemptible"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=REPO)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=REPO)
     chaos = Chaos(run, ["orchestrator", "engine", "generator"], first=1, spread=1,
                   running=lambda: proc.poll() is None)
     orch, engine, gen = chaos.kills
@@ -299,7 +299,7 @@ def test_kill_9_of_trainer_rank_0_ends_the_job_and_the_same_command_resumes(tmp_
     run = tmp_path / "tk"
     args = ["train", "run.name=tk", f"hydra.run.dir={run}", f"run.steps={steps}", "run.checkpoint_every=2", *TINY]
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=ENV, cwd=REPO)
+                            stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=REPO)
     try:
         wait_for(lambda: last_step(run) >= kill_after, 400, f"step {kill_after}", lambda: proc.poll() is None)
         os.kill(role_process(run, 0), signal.SIGKILL)

@@ -30,10 +30,10 @@ from pipeline.run_files import PLAN_FILE
 from pipeline.scorers.config import ScorersConfig
 from pipeline.scorers.pool import lagged_teacher_version
 from pipeline.tasks import TaskConfig
+from support.child_env import child_env
 
 pytestmark = pytest.mark.engine
 PY = sys.executable
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 LOADGEN = str(Path(__file__).parent / "support" / "loadgen.py")
 LAG, EVERY, STEPS = 1, 2, 8
 
@@ -110,12 +110,12 @@ def test_lagged_teacher_killed_and_restarted_keeps_every_group_and_the_version_w
     (run / PLAN_FILE).write_text(plan.to_json())
     schema = json.dumps(stored_record_schema(cfg).to_dict())
     start = lambda args, name: subprocess.Popen([PY, *args], stdout=open(run / name, "w"),  # noqa: E731
-                                                stderr=subprocess.STDOUT, env=ENV)
+                                                stderr=subprocess.STDOUT, env=child_env(OMP_NUM_THREADS="1"))
     procs = [start(["-m", "pipeline.apps.orchestrator", str(run)], "orch.log")]
     try:
         _wait(lambda: (run / "rendezvous" / "scorers.json").exists(), "the scorer pool", 60, procs)
         procs.append(subprocess.Popen([PY, "-m", "pipeline.apps.launch_task", str(run), "0"],
-                                      env={**ENV, "TOKENFLOW_GLOBAL_RANK": "0"}, stdout=subprocess.DEVNULL,
+                                      env=child_env(OMP_NUM_THREADS="1", TOKENFLOW_GLOBAL_RANK="0"), stdout=subprocess.DEVNULL,
                                       stderr=subprocess.STDOUT))
         procs.append(start([LOADGEN, "generator", str(run), "--id=0", "--duration=600", "--min-len=4",
                             "--max-len=24"], "gen.log"))
