@@ -1,7 +1,8 @@
 """Shared pytest set-up: resource markers skip with a printed reason when the resource is absent;
 every test fails if a process it started outlives it (`no_process_left_behind`), and a Slurm test
-fails if it leaves a job queued or a node out of service (`slurm_cluster_left_clean`), which is
-then cancelled or resumed so that the next tests' jobs do not wait behind it."""
+starts on an idle cluster and fails if it leaves a job queued or a node out of service
+(`slurm_cluster_left_clean`), which is then cancelled or resumed so that the next tests' jobs do
+not wait behind it."""
 from __future__ import annotations
 
 import os
@@ -9,6 +10,7 @@ import shutil
 import subprocess
 import time
 import uuid
+import warnings
 
 import pytest
 
@@ -117,14 +119,37 @@ def _jobs_since(t0: float) -> dict[str, str]:
     return jobs
 
 
+def _cluster_busy() -> list[str]:
+    """Why the Slurm test cluster could not start a job at once: jobs queued, nodes not idle (busy,
+    completing, not responding: a trailing ``*``, drained, down). Empty when it could."""
+    why = [f"job {line}" for line in _slurm("squeue", "-h", "-o", "%i %T %R").splitlines()]
+    for line in sorted(set(_slurm("sinfo", "-h", "-N", "-o", "%N|%T").splitlines())):  # a row per partition
+        node, state = (line.split("|") + [""])[:2]
+        if state != "idle":
+            why.append(f"node {node} {state}")
+    return why
+
+
 @pytest.fixture(autouse=True)
 def slurm_cluster_left_clean(request):
-    """After a `slurm` test: its jobs (submitted while it ran) leave the queue within 30 s, and no
-    node is drained or down. Otherwise the test fails naming them, the jobs are cancelled and the
-    nodes resumed (a job left queued would hold every later test's job pending)."""
+    """Around a `slurm` test. Before it: the cluster is idle (no job queued, every node idle and
+    responding), waited for up to 180 s, so that the test's own time limits count its run only
+    (a wait, if any, is a warning). After it: its jobs (submitted while it ran) leave the queue
+    within 30 s, and no node is drained or down. Otherwise the test fails naming them, the jobs are
+    cancelled and the nodes resumed (a job left queued would hold every later test's job pending)."""
     if "slurm" not in request.keywords:
         yield
         return
+    start, first = time.monotonic(), _cluster_busy()
+    busy = first
+    while busy and time.monotonic() - start < 180:
+        time.sleep(2)
+        busy = _cluster_busy()
+    if busy:
+        pytest.fail(f"the Slurm test cluster is not idle after 180 s: {'; '.join(busy)}", pytrace=False)
+    if first:  # in the run's warnings summary, which CI's output keeps
+        warnings.warn(f"waited {time.monotonic() - start:.0f} s for the Slurm test cluster to be idle: "
+                      f"{'; '.join(first)}")
     t0 = time.time()
     yield
     deadline = time.monotonic() + 30
