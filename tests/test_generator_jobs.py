@@ -29,7 +29,8 @@ from pipeline.metrics import read_metrics
 from pipeline.supervise import alive
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 250  # 0.3-1.2 s each here: the joiner's engine starts (1-3 min) while the run goes on
+STEPS = 1000  # 0.2-1.2 s each: the joiner's engine starts (1.5-3 min) while the run goes on; on a
+# quiet machine 250 steps ended before the join (0.27 s a step) and with 700 it joined at step 638
 GROUPS_PER_STEP = 4  # 8 made steps of about 1 s, not the few seconds hoped for, and the events' 1 s
 # blips stayed (docs/generator-jobs.md, run 5)
 
@@ -163,7 +164,7 @@ def check_and_report(run: Path, facts: dict, steps: int, max_staleness: int, kil
 
 
 @pytest.mark.engine
-@pytest.mark.slow  # 404 s here: the joiner's engine start (about 150 s on a busy 2-core machine) sets the run's length
+@pytest.mark.slow  # 404 s at 250 steps on a busy 2-core machine; 1000 steps: 4-20 min (0.2-1.2 s a step)
 def test_a_generator_job_joins_gets_leases_and_leaves_mid_run(tmp_path):
     from test_weight_recovery import compose
 
