@@ -256,7 +256,7 @@ def test_kill_9_of_orchestrator_generator_and_engine_then_preemption(tmp_path):
         assert role_process(run, 0) == trainer_pid, "the trainer restarted"
         node = status_of(run)["components"][0]["nodes"]
         urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-w", node, "--exclusive", "-t", "2",
-                                 "--wrap", "sleep 5"], capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+                                 "-o", "/dev/null", "--wrap", "sleep 5"], capture_output=True, text=True, timeout=30, check=True).stdout.strip()
         preempted_at = chaos_last_step(run)
         wait_for(lambda: "SIGTERM received" in (run / "logs/trainer.0.out").read_text(), 120,
                  f"the preemption's SIGTERM (urgent job {urgent} submitted after step {preempted_at} of {steps})",
