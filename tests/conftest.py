@@ -119,15 +119,17 @@ def _jobs_since(t0: float) -> dict[str, str]:
     return jobs
 
 
+def _nodes() -> dict[str, tuple[str, str]]:
+    """node -> (state, reason), from sinfo (which prints a row per partition)."""
+    rows = (line.split("|") + [""] * 3 for line in _slurm("sinfo", "-h", "-N", "-o", "%N|%T|%E").splitlines())
+    return {node: (state, reason) for node, state, reason, *_ in rows}
+
+
 def _cluster_busy() -> list[str]:
     """Why the Slurm test cluster could not start a job at once: jobs queued, nodes not idle (busy,
     completing, not responding: a trailing ``*``, drained, down). Empty when it could."""
     why = [f"job {line}" for line in _slurm("squeue", "-h", "-o", "%i %T %R").splitlines()]
-    for line in sorted(set(_slurm("sinfo", "-h", "-N", "-o", "%N|%T").splitlines())):  # a row per partition
-        node, state = (line.split("|") + [""])[:2]
-        if state != "idle":
-            why.append(f"node {node} {state}")
-    return why
+    return why + [f"node {node} {state}" for node, (state, _) in sorted(_nodes().items()) if state != "idle"]
 
 
 @pytest.fixture(autouse=True)
@@ -161,8 +163,7 @@ def slurm_cluster_left_clean(request):
         deadline = time.monotonic() + 60
         while _jobs_since(t0) and time.monotonic() < deadline:
             time.sleep(1)
-    for line in set(_slurm("sinfo", "-h", "-N", "-o", "%N|%T|%E").splitlines()):  # a row per partition
-        node, state, reason = (line.split("|") + [""] * 3)[:3]
+    for node, (state, reason) in _nodes().items():
         if any(bad in state for bad in ("drain", "down", "fail")):
             problems.append(f"node {node} {state}: {reason}")
             subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True,

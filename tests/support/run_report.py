@@ -23,31 +23,32 @@ from pathlib import Path
 
 def _processes_of(run: Path) -> list[str]:
     """One line per live process whose command line names `run`, and each of their descendants."""
-    from pipeline.supervise import descendants
+    from pipeline.supervise import _pids, _stat, descendants, start_time
+
+    def cmdline(pid: int) -> str:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
 
     tick = os.sysconf("SC_CLK_TCK")
     uptime = float(Path("/proc/uptime").read_text().split()[0])
     roots = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                if str(run) in Path(f"/proc/{name}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
-                    roots.append(int(name))
-            except OSError:
-                continue
+    for pid in _pids():
+        try:
+            if str(run) in cmdline(pid):
+                roots.append(pid)
+        except OSError:
+            continue
     me = {os.getpid(), os.getppid()}  # this report's own process names `run` too
     pids = [p for p in dict.fromkeys(p for r in roots for p in [r, *descendants(r)]) if p not in me]
     lines = []
     for pid in pids:
+        st, started = _stat(pid), start_time(pid)
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            fields = stat[stat.rindex(")") + 2:].split()
-            wchan = Path(f"/proc/{pid}/wchan").read_text() or "-"
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            wchan, cmd = Path(f"/proc/{pid}/wchan").read_text() or "-", cmdline(pid)
         except OSError:
             continue
-        age = uptime - int(fields[19]) / tick
-        lines.append(f"pid {pid} ppid {fields[1]} {fields[0]} {wchan} {age:.0f}s {cmd[:160]}")
+        if st is None or started is None:
+            continue
+        lines.append(f"pid {pid} ppid {st[0]} {st[1]} {wchan} {uptime - started / tick:.0f}s {cmd[:160]}")
     return lines
 
 
