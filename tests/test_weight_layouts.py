@@ -23,8 +23,8 @@ def test_tp2_ep2_streams_each_expert_from_its_owner_and_receivers_get_the_checkp
         assert recv["versions"] == [1, 2]
         assert recv["mismatched_count"] == 0 and not recv["missing"], recv
         assert recv["tensors"] == recv["unique"] == recv["checkpoint_tensors"]
-        # a streamed receiver holds three bucket buffers (bucket k+1 posted while k loads, k-1 intact)
-        assert 0 < recv["buffers_allocated"] <= 3 * r["trainer"][0]["max_bucket"]
+        # a streamed receiver holds two bucket buffers (bucket k+1 posted into bucket k-1's while k loads)
+        assert 0 < recv["buffers_allocated"] <= 2 * r["trainer"][0]["max_bucket"]
     by_rank = {t["rank"]: t for t in r["trainer"]}
     # megatron's order tp-ep-dp: TP/ETP groups {0,1} {2,3}; senders are ETP rank 0 of each EP rank
     assert [by_rank[k]["source"] for k in range(4)] == [0, None, 1, None]

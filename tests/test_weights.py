@@ -70,6 +70,41 @@ def test_large_tensor_is_split_over_buckets_and_bf16_fp32_mix():
     assert torch.equal(out["c"], named[2][1])
 
 
+
+def test_a_fused_module_that_fits_a_bucket_is_not_cut_by_a_bucket_boundary():
+    """The fused-module example of pipeline/weights/buckets.py, and a real layer's names: q/k/v and
+    gate/up (with biases) each start a new bucket rather than straddle one, unless they are larger
+    than a bucket (then they are cut as any tensors are)."""
+    from pipeline.weights.buckets import fused_module
+
+    assert fused_module("model.layers.0.self_attn.k_proj.bias") == "model.layers.0.self_attn.qkv"
+    assert fused_module("model.layers.0.mlp.experts.3.up_proj.weight") == "model.layers.0.mlp.experts.3.gate_up"
+    assert fused_module("model.layers.0.block_sparse_moe.experts.1.w3.weight") == \
+        "model.layers.0.block_sparse_moe.experts.1.w13"
+    assert fused_module("model.layers.0.self_attn.o_proj.weight") == "model.layers.0.self_attn.o_proj"
+    specs = [("x.norm.weight", "float32", [100])] + [(f"x.{p}_proj.weight", "bfloat16", [300]) for p in "qkv"]
+    plan = BucketPlan.from_specs(specs, 2048)
+    assert [[(s.name, s.offset) for s in b] for b in plan.buckets] == \
+        [[("x.norm.weight", 0)], [("x.q_proj.weight", 0), ("x.k_proj.weight", 640), ("x.v_proj.weight", 1280)]]
+    # without the fused names the same bytes fill buckets greedily: q and k join the norm
+    plain = BucketPlan.from_specs([("n", "float32", [100])] + [(p, "bfloat16", [300]) for p in "qkv"], 2048)
+    assert [[s.name for s in b] for b in plain.buckets] == [["n", "q", "k"], ["v"]]
+    layer = [("l.input_layernorm.weight", "bfloat16", [64]), ("l.self_attn.q_proj.weight", "bfloat16", [64, 64]),
+             ("l.self_attn.q_proj.bias", "bfloat16", [64]), ("l.self_attn.k_proj.weight", "bfloat16", [32, 64]),
+             ("l.self_attn.k_proj.bias", "bfloat16", [32]), ("l.self_attn.v_proj.weight", "bfloat16", [32, 64]),
+             ("l.self_attn.v_proj.bias", "bfloat16", [32]), ("l.self_attn.o_proj.weight", "bfloat16", [64, 64]),
+             ("l.mlp.gate_proj.weight", "bfloat16", [96, 64]), ("l.mlp.up_proj.weight", "bfloat16", [96, 64]),
+             ("l.mlp.down_proj.weight", "bfloat16", [64, 96])]
+    for bucket_bytes in range(16640, 40000, 997):  # q/k/v with biases: 16640 B
+        plan = BucketPlan.from_specs(layer, bucket_bytes)
+        where = {s.name: i for i, b in enumerate(plan.buckets) for s in b}
+        assert len({where[n] for n, *_ in layer[1:7]}) == 1, (bucket_bytes, plan.buckets)  # q/k/v with biases
+        if bucket_bytes >= 2 * 12288:  # gate and up fit one bucket
+            assert where["l.mlp.gate_proj.weight"] == where["l.mlp.up_proj.weight"], bucket_bytes
+    # q/k/v larger than a bucket: cut where they overflow, no tensor split
+    cut = BucketPlan.from_specs(layer[1:7], 12000)
+    assert len(cut.sizes) > 1 and not any(s.is_piece for b in cut.buckets for s in b)
+
 def test_a_large_tensor_is_sent_from_its_own_memory_and_only_small_ones_are_packed(monkeypatch):
     """borrow, with ALONE_BYTES = 1024 on the worked example: c's two pieces travel as segments of
     c's own memory; a and b are packed into bucket 0's buffer, d into bucket 2's (the padding
@@ -211,8 +246,8 @@ SPLIT_SENDER = textwrap.dedent("""
 
 
 def test_a_tensor_of_two_and_a_half_buckets_round_trips_within_two_buckets_of_buffers(monkeypatch):
-    """Streamed and staged receives of a tensor split over three buckets: exact bytes; the sender's
-    counted buffers stay within two buckets, the streamed receiver's within three; the reassembly costs the
+    """Streamed and staged receives of a tensor split over three buckets: exact bytes; the counted
+    buffers of either end stay within two buckets; the reassembly costs the
     tensor's own size, once: a second streamed update reassembles in the first one's memory, a
     staged one in memory of its own. Its pieces travel as segments of their own (ALONE_BYTES)."""
     from pipeline.weights import buckets
@@ -240,7 +275,7 @@ def test_a_tensor_of_two_and_a_half_buckets_round_trips_within_two_buckets_of_bu
             assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
             assert update.assembly.allocated == (0 if version == 2 else big.numel() * 4)
         assert embed_memory[1] == embed_memory[0] != embed_memory[2]
-        assert ch.buffers.allocated <= 3 * bucket  # the streamed receives; staged buckets are kept by design
+        assert ch.buffers.allocated <= 2 * bucket  # the streamed receives; staged buckets are kept by design
         ch.close()
         sent = int(proc.stdout.readline())
         assert 0 < sent <= 2 * bucket, f"the sender allocated {sent} B of buffers for {bucket} B buckets"
@@ -316,7 +351,7 @@ MULTI_SENDER = textwrap.dedent("""
 
 def test_two_senders_stream_their_own_buckets_to_every_receiver():
     """Sender 0 and sender 1 each send only their tensors; both receivers get all of them, in plan
-    order, in three streaming buffers."""
+    order, in two streaming buffers."""
     port = _free_port()
     senders = [subprocess.Popen([sys.executable, "-c", MULTI_SENDER, str(port), str(s)]) for s in (0, 1)]
     other = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
@@ -334,7 +369,7 @@ def test_two_senders_stream_their_own_buckets_to_every_receiver():
             assert update.version == version and set(update.plan.sources) == {0, 1}
             got = [(n, float(t[0]), t.numel(), bool((t == t[0]).all())) for n, t in update]
             assert got == [(f"t{i}", float(version * 100 + i), 256 * (1 + i % 3), True) for i in range(16)]
-        assert ch.buffers.allocated <= 3 * max(update.plan.sizes)
+        assert ch.buffers.allocated <= 2 * max(update.plan.sizes)
         ch.close()
         assert [p.wait(timeout=30) for p in (*senders, other)] == [0, 0, 0]
     finally:
@@ -351,35 +386,48 @@ STREAM_SENDER = textwrap.dedent("""
 """)
 
 
-def test_a_streamed_bucket_stays_intact_while_the_next_one_is_loaded():
-    """vLLM's layerwise reload holds views of a module's tensors until the module is complete, and
-    a module may straddle two buckets: the tensors of bucket k must survive until bucket k + 2 is
-    asked for, in three receive buffers, while bucket k + 1 arrives as bucket k is loaded (the
-    receiver waits for it to land in its buffer before asking for it). The receiver dawdles on
-    each bucket (as a slow load would), giving a receive posted too early time to land over
-    bucket k - 1."""
+def test_a_streamed_receive_copies_what_its_consumer_still_holds_before_reusing_a_buffer():
+    """Two receive buffers: bucket k+1 arrives while bucket k is loaded, into the buffer of bucket
+    k-1. A consumer that keeps views longer (vLLM's layerwise reload holds a module's tensors until
+    the module is complete) passes ``release``, called with each buffer before its reuse: what it
+    copies there stays intact, counted in ``carried``. The receiver dawdles on each bucket (as a
+    slow load would) and waits for bucket k+1 to land before asking for it, so a reuse without the
+    copy would have overwritten a held tensor."""
     import time
+
+    held: dict[str, torch.Tensor] = {}  # every tensor received, as views until released
+
+    def release(buffer: torch.Tensor) -> int:
+        start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
+        copied = 0
+        for name, t in held.items():
+            if start <= t.data_ptr() < end:
+                held[name] = t.clone()
+                copied += t.numel() * t.element_size()
+        return copied
 
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-c", STREAM_SENDER, str(port)])
     try:
         ch = TorchDistChannel("127.0.0.1", port, 1, 2, timeout_s=30)
-        update = ch.receive()
-        assert len(update.plan.sizes) == 8, "one 4 kB tensor per 4 kB bucket"
-        previous = None
+        update = ch.receive(release=release)
+        count = len(update.plan.sizes)
+        assert count == 8, "one 4 kB tensor per 4 kB bucket"
         for i, (name, t) in enumerate(update):
             time.sleep(0.05)
             assert name == f"w{i}" and bool((t == i).all())
-            if previous is not None:
-                assert bool((previous == i - 1).all()), f"bucket {i - 1} was overwritten while bucket {i} was loaded"
-            previous = t
-            if i + 1 < len(update.plan.sizes):  # bucket i + 1 lands while bucket i is held
+            held[name] = t
+            if i + 1 < count:  # bucket i + 1 lands while bucket i is held
                 following = ch.buffers.get(i + 1, update.plan.sizes[i + 1]).view(torch.float32)
                 deadline = time.monotonic() + 30
                 while not bool((following == i + 1).all()) and time.monotonic() < deadline:
                     time.sleep(0.01)
                 assert bool((following == i + 1).all()), f"bucket {i + 1} did not arrive while bucket {i} was loaded"
-        assert ch.buffers.allocated <= 3 * max(update.plan.sizes)
+        assert [int(held[f"w{i}"][0]) for i in range(count)] == list(range(count))
+        assert all(bool((held[f"w{i}"] == i).all()) for i in range(count)), "a held tensor was overwritten"
+        # buckets 2..7 each reused the buffer of the bucket before the one being loaded
+        assert update.carried == (count - 2) * 4096
+        assert ch.buffers.allocated <= 2 * max(update.plan.sizes)
         ch.close()
         assert proc.wait(timeout=30) == 0
     finally:

@@ -88,7 +88,7 @@ class GeneratorConfig:
     """How an update arrives: 'staged' (received into host memory in the background while
     generating, one extra copy of the weights; pause only to load; a broken transfer leaves the
     old weights serving), 'streamed' (generation paused while buckets are received and loaded one
-    by one, three buckets of extra memory; a broken transfer leaves the engine paused until a
+    by one, two buckets of extra memory; a broken transfer leaves the engine paused until a
     complete version arrives) or 'auto' (staged when the checkpoint is at most staged_max_gb)."""
     staged_max_gb: float = 8.0
     """Largest checkpoint (GB of safetensors) weight_sync='auto' stages; larger ones are streamed."""

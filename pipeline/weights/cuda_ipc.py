@@ -16,7 +16,8 @@ Two forms:
   handle under ``u{n}/b{k}``; the receiver acknowledges bucket k (``u{n}/ack{k}``) when it asks
   for bucket k + 2, and the sender packs bucket k + 2 into bucket k's buffer only after that
   acknowledgement. So at most two buckets of GPU memory are used, on the sender only, and a
-  received tensor stays valid until the next bucket but one is requested (as in a broadcast).
+  received tensor stays valid until the next bucket but one is requested; views the consumer
+  holds longer are copied by the receive's ``release`` before the acknowledgement.
 
 Invariants:
 - the sender keeps every exported bucket alive until the receiver is done with it (CUDA IPC memory
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 import msgpack
 
 from pipeline.weights.buckets import Assembly, BucketPlan, BufferRing, pack, unpack
-from pipeline.weights.group import ReceivedWeights, WeightChannel, WeightSyncError
+from pipeline.weights.group import ReceivedWeights, Release, WeightChannel, WeightSyncError
 
 if TYPE_CHECKING:
     import torch
@@ -156,7 +157,7 @@ class CudaIpcChannel(WeightChannel):
         if count:
             self._get(f"u{n}/ack{count - 1}", f"the acknowledgement of the last bucket of version {version}")
 
-    def receive(self, stage: bool = False) -> ReceivedWeights:
+    def receive(self, stage: bool = False, release: Release | None = None) -> ReceivedWeights:
         if self.rank != 1:
             raise WeightSyncError("rank 0 of a CUDA IPC channel sends; it cannot receive")
         n = self._updates
@@ -166,17 +167,26 @@ class CudaIpcChannel(WeightChannel):
             version, plan = int(meta["version"]), BucketPlan.from_wire(meta["plan"])
         except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
             raise WeightSyncError(f"malformed CUDA IPC plan: {e}") from e
-        return ReceivedWeights(version, plan, self._buckets(n, version, plan, stage))
+        update = ReceivedWeights(version, plan, iter(()))
+        update._buckets = self._buckets(n, update, stage, release)
+        return update
 
-    def _buckets(self, n: int, version: int, plan: BucketPlan, stage: bool) -> Iterator["torch.Tensor"]:
+    def _buckets(self, n: int, update: ReceivedWeights, stage: bool,
+                 release: Release | None) -> Iterator["torch.Tensor"]:
+        version, plan = update.version, update.plan
         count = len(plan.sizes)
+        mapped: list["torch.Tensor"] = []  # the sender's buckets k-2 and k-1, mapped here
         for k, size in enumerate(plan.sizes):
             if k >= 2:
+                if not stage and release is not None:  # the sender may reuse bucket k-2's memory now
+                    update.carried += release(mapped[0])
+                mapped = mapped[1:]
                 self._store.set(f"u{n}/ack{k - 2}", b"1")
             entry = msgpack.unpackb(self._get(f"u{n}/b{k}", f"bucket {k}/{count} of version {version}"), raw=False)
             if entry["numel"] != size:
                 raise WeightSyncError(f"bucket {k} of version {version} has {entry['numel']} bytes, plan {size}")
             bucket = _open(entry)
+            mapped.append(bucket)
             yield bucket.clone() if stage else bucket
             if stage:  # copied: the sender may reuse it at once
                 self._store.set(f"u{n}/ack{k}", b"1")

@@ -18,17 +18,19 @@ Protocol of one update (plan order; bucket i travels on the group of ``plan.sour
      flat uint8 bucket, one broadcast each: a tensor of at least `ALONE_BYTES` alone, the smaller
      ones between them together), received at their offsets in one bucket-sized buffer.
 Streaming: a sender packs bucket k+1 while bucket k is in flight (asynchronous broadcast, two
-buffers, `BufferRing`); a streamed receiver has three buffers and, when bucket k is asked for,
-starts receiving bucket k+1 into the buffer of bucket k-2 before it waits for bucket k. So bucket
-k+1 is on the wire while bucket k is handed out, and bucket k-1's tensors stay valid until bucket
-k+1 is asked for: a consumer may hold views of one bucket while it loads the next (vLLM's layerwise
-reload holds a module's tensors until the module is complete, and a module may straddle two
-buckets). Example, buckets 0..4: while bucket 2 is loaded, buffer 1 holds bucket 1 intact, buffer 2
-bucket 2, and bucket 3 arrives in buffer 0; asking for bucket 3 starts bucket 4 into buffer 1.
-Why three: with two, bucket k+1 could only be posted once bucket k-1 was released, i.e. once bucket
-k+1 was asked for, and gloo moves no byte of a broadcast before the receiver has posted it, so
-the link idled between buckets: 1.2 GB in 64 MiB buckets took 825 ms against 591 ms with three
-buffers and 507 ms as one tensor (measured side by side; docs/weight-sync.md, "Bandwidth").
+buffers, `BufferRing`); a streamed receiver has two buffers too and, when bucket k is asked for,
+starts receiving bucket k+1 into the buffer of bucket k-1 before it waits for bucket k. So bucket
+k+1 is on the wire while bucket k is handed out (gloo moves no byte of a broadcast before the
+receiver has posted it: posting only once bucket k+1 was asked for idled the link between
+buckets, 825 against 591 ms for 1.2 GB in 64 MiB buckets; docs/weight-sync.md, "Bandwidth").
+Bucket k-1's tensors are therefore valid until bucket k is asked for. A consumer that holds views
+longer (vLLM's layerwise reload keeps a module's tensors until the module is complete, and a module
+may straddle buckets) passes ``release``: it is called with the buffer about to be reused, copies
+the views it still holds, and returns the bytes copied (``ReceivedWeights.carried``). Example,
+buckets 0..4: while bucket 2 is loaded, buffer 0 holds bucket 2 and bucket 3 arrives in buffer 1;
+asking for bucket 3 first releases buffer 0, then starts bucket 4 into it. Plans keep a fused
+module's tensors in one bucket where they fit (`BucketPlan.from_specs`), so a layerwise reload
+usually has nothing to copy.
 A staged receive keeps every bucket (one copy of the weights), posting bucket k+1 the same way.
 No copy of a large tensor on the sender: a segment that is one tensor's bytes is broadcast from the
 tensor's own memory (``pack(borrow=True)``), only runs of small tensors are packed (copying a 1.3 B
@@ -47,7 +49,7 @@ from __future__ import annotations
 import abc
 import datetime
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import msgpack
 
@@ -55,6 +57,10 @@ from pipeline.weights.buckets import Assembly, BucketPlan, BufferRing, lone, pac
 
 if TYPE_CHECKING:
     import torch
+
+
+Release = Callable[["torch.Tensor"], int]
+"""Called with a streaming buffer about to be reused: copy the views of it still held; returns bytes copied."""
 
 
 class WeightSyncError(RuntimeError):
@@ -66,8 +72,8 @@ class ReceivedWeights:
     """One version's update as it arrives: iterate to receive buckets and get ``(name, tensor)``.
 
     The tensors are views into received buckets: in a streamed receive bucket k's stay valid until
-    bucket k + 2 is asked for, i.e. while bucket k + 1 is loaded (copy them before keeping them
-    longer); in a staged one, for good. A tensor split over buckets is handed out whole, from
+    bucket k + 1 is asked for (the receive's ``release`` copies what the consumer holds longer;
+    ``carried`` counts its bytes); in a staged one, for good. A tensor split over buckets is handed out whole, from
     ``assembly`` (memory of its own, counted there), after its last piece; in a streamed receive
     that memory is reused by the channel's next streamed receive (valid until then).
     """
@@ -77,6 +83,8 @@ class ReceivedWeights:
     _buckets: Iterator["torch.Tensor"]
     buckets_received: int = field(default=0)
     assembly: Assembly = field(default_factory=Assembly)
+    carried: int = field(default=0)
+    """Bytes the receive's ``release`` copied out of buffers about to be reused."""
 
     def __iter__(self) -> Iterator[tuple[str, "torch.Tensor"]]:
         for i, bucket in enumerate(self._buckets):  # runs the channel's iterator to its end
@@ -99,9 +107,10 @@ class WeightChannel(abc.ABC):
         the leader sends the plan first."""
 
     @abc.abstractmethod
-    def receive(self, stage: bool = False) -> ReceivedWeights:
+    def receive(self, stage: bool = False, release: "Release | None" = None) -> ReceivedWeights:
         """Receive the next update's metadata; its buckets arrive while the result is iterated
-        (``stage``: each into its own buffer, kept; else into this end's three streaming buffers)."""
+        (``stage``: each into its own buffer, kept; else into this end's two streaming buffers,
+        ``release`` called with each before it is reused: see the module docstring)."""
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -131,7 +140,7 @@ class TorchDistChannel(WeightChannel):
         self.rank, self.world_size, self.backend, self.senders = rank, world_size, backend, senders
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
-        self.buffers = BufferRing(self.device, slots=2 if rank < senders else 3)
+        self.buffers = BufferRing(self.device, slots=2)
         receivers = world_size - senders
         mine = [rank] if rank < senders else range(senders)
         self._pgs: dict[int, Any] = {}
@@ -227,7 +236,7 @@ class TorchDistChannel(WeightChannel):
             raise WeightSyncError(f"only {sent} of this sender's {len(mine)} buckets were given to send")
 
     # -- receiving -----------------------------------------------------------------------------
-    def receive(self, stage: bool = False) -> ReceivedWeights:
+    def receive(self, stage: bool = False, release: Release | None = None) -> ReceivedWeights:
         import torch
 
         if self.rank < self.senders:
@@ -247,20 +256,25 @@ class TorchDistChannel(WeightChannel):
         if any(not 0 <= s < self.senders for s in plan.sources):
             raise WeightSyncError(f"the plan of version {version} names senders {sorted(set(plan.sources))} "
                                   f"but the group has {self.senders}")
-        assembly = Assembly(keep=None if stage else self._assembled)
-        return ReceivedWeights(version, plan, self._receive_buckets(plan, version, stage, assembly),
-                               assembly=assembly)
+        update = ReceivedWeights(version, plan, iter(()), assembly=Assembly(keep=None if stage else self._assembled))
+        update._buckets = self._receive_buckets(update, stage, release)
+        return update
 
-    def _receive_buckets(self, plan: BucketPlan, version: int, stage: bool,
-                         assembly: Assembly) -> Iterator["torch.Tensor"]:
+    def _receive_buckets(self, update: ReceivedWeights, stage: bool,
+                         release: Release | None) -> Iterator["torch.Tensor"]:
         import torch
+
+        plan, version = update.plan, update.version
 
         def target(i: int) -> "torch.Tensor":
             piece = lone(plan.buckets[i], plan.sizes[i])
             if piece is not None and piece.is_piece:  # straight into the split tensor's memory
-                return assembly.target(piece, self.device)
+                return update.assembly.target(piece, self.device)
             if stage:
                 return torch.empty(plan.sizes[i], dtype=torch.uint8, device=self.device)
+            reused = self.buffers.held(i)
+            if reused is not None and release is not None:
+                update.carried += release(reused)
             return self.buffers.get(i, plan.sizes[i])
 
         def what(i: int) -> str:
@@ -278,7 +292,7 @@ class TorchDistChannel(WeightChannel):
             self.buffers.reserve(max((size for slots, size in zip(plan.buckets, plan.sizes)
                                       if not getattr(lone(slots, size), "is_piece", False)), default=0))
         pending = start(0)
-        for i in range(count):  # bucket i is asked for: streamed, bucket i - 2's buffer is free now
+        for i in range(count):  # bucket i is asked for: streamed, bucket i - 1's buffer is released now
             following = start(i + 1) if i + 1 < count else None
             works, buf = pending
             self._wait_all(works, what(i))
