@@ -10,8 +10,11 @@ Linux gives three tools, used together (`docs/architecture.md`, "Processes and f
   (other runs on the same machine are not touched).
 
 Invariants:
-- `end_tree(root)` returns only once no descendant of ``root`` is left (SIGTERM, then SIGKILL after
-  ``grace_s``); zombies it adopted are reaped;
+- `end_tree(root)` returns once no descendant of ``root`` is left (SIGTERM, then SIGKILL after
+  ``grace_s``); zombies it adopted are reaped. A process that outlives SIGKILL by ``KILL_WAIT_S``
+  (uninterruptible sleep: blocked in the kernel, e.g. on a network filesystem that went away) is
+  named on stderr (pid, state, kernel wait channel) and left behind, so a supervisor goes on
+  instead of waiting for the filesystem forever; it ends as soon as the kernel lets it;
 - `descendants` reads ``/proc`` once per call; a process that forks while it is read may be missed,
   so `end_tree` re-reads until the tree is empty.
 
@@ -173,16 +176,34 @@ def end_processes(pids: list[int], grace_s: float = 10.0) -> list[int]:
     return _end(left, grace_s)
 
 
-def _end(left_now, grace_s: float) -> list[int]:
+KILL_WAIT_S = 30.0
+"""How long `end_tree` waits for SIGKILLed processes to go before it leaves them behind, named."""
+
+
+def _end(left_now, grace_s: float, kill_wait_s: float | None = None) -> list[int]:
     signalled: list[int] = []
     deadline = time.monotonic() + grace_s
+    give_up = deadline + (KILL_WAIT_S if kill_wait_s is None else kill_wait_s)
     sig = signal.SIGTERM
     while True:
         _reap_adopted()
         left = left_now()
         if not left:
             return signalled
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > give_up:
+            stuck = []
+            for pid in left:
+                st = _stat(pid)
+                try:
+                    wchan = Path(f"/proc/{pid}/wchan").read_text() or "-"
+                except OSError:
+                    wchan = "?"
+                stuck.append(f"{pid} ({st[1] if st else 'gone'}, waiting in {wchan})")
+            print(f"tokenflow: {len(left)} process(es) outlived SIGKILL by {now - deadline:.0f} s and are left "
+                  f"behind (blocked in the kernel?): {', '.join(stuck)}", file=sys.stderr, flush=True)
+            return signalled
+        if now > deadline:
             sig = signal.SIGKILL
         _signal_all(left, sig)
         signalled.extend(p for p in left if p not in signalled)

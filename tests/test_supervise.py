@@ -141,3 +141,25 @@ def test_leftovers_finds_marked_processes_wherever_they_were_reparented():
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(pid)
+
+
+def test_ending_a_tree_gives_up_on_a_process_that_outlives_sigkill_and_names_it(capsys):
+    """A process blocked in the kernel (uninterruptible sleep on a dead network filesystem) outlives
+    SIGKILL; `end_tree` must not wait for it forever. Such a process cannot be made on demand here
+    (FUSE waits are killable), so the process list is a real child that a stale list keeps
+    naming after SIGKILL ended it: the same view `_end` would have of a stuck process."""
+    from pipeline.supervise import _end
+
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        t0 = time.monotonic()
+        signalled = _end(lambda: [child.pid], grace_s=0.2, kill_wait_s=0.5)
+        took = time.monotonic() - t0
+        assert signalled == [child.pid]
+        assert not alive(child.pid)  # the child itself was ended (and reaped as an adopted zombie)
+        assert 0.7 <= took < 5, took
+        err = capsys.readouterr().err
+        assert "outlived SIGKILL" in err and f"{child.pid} (gone" in err, err
+    finally:
+        child.kill()
+        child.wait()
