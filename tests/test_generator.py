@@ -149,10 +149,13 @@ def test_update_through_the_weight_group_equals_a_fresh_load(engine, loop):
         # buffer while bucket k loads; docs/weight-sync.md); larger tensors were split, reassembled apart
         for worker in loop.run_until_complete(gen.sync_buffer_bytes()):
             print(f"[{kind}] streamed receive: buffers {worker['allocated']} B, held views copied "
-                  f"{worker['carried']} B")
+                  f"{worker['carried']} B, experts held at most {worker['experts_held']} B")
             assert 0 < worker["resident"] <= worker["allocated"] <= 2 * small, worker
             if kind == "dense":  # k_proj (128 KiB) waited in a reused buffer for q_proj and v_proj
                 assert worker["carried"] >= 128 << 10, worker
+            else:  # each layer's experts were written once complete: one layer's (w13 + w2) held at most
+                layer = 4 * 3 * 256 * 256 * 4  # 4 experts x (gate, up, down) x 256 x 256 x fp32 (tiny MoE)
+                assert 0 < worker["experts_held"] <= layer, worker  # of 2 layers: all at once was 2 x
         swapped = loop.run_until_complete(gen.update_weights(4))
         assert swapped.prepared and gen.version == 4
         assert _checksums(loop, gen) == fresh_sums, "weights swapped in after staging differ from a fresh load"

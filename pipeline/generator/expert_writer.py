@@ -13,6 +13,13 @@ Invariants:
   ``w13[e, 0:48]`` and of up into ``w13[e, 64:112]``; rows 48..63 and 112..127 stay zero.
 - `ExpertWriter.build` raises, naming the layer, unless every expert's gate, up and down arrived;
   with the kernel's ISA it returns the prepacked form (``cpu_prepack_moe_weight``).
+- A writer holds memory (the layer's experts, ``held_bytes``) only from its first expert tensor
+  until `finish`; given ``on_complete`` it is called as soon as the last one arrived, so an in-place
+  load in plan order (layer by layer) holds one layer's experts at a time, not the model's.
+- `finish` writes into the tensors the engine will use: during vLLM's layerwise reload the
+  module holds meta placeholders and its live tensors wait aside in the reload's state, to be put
+  back unchanged when the reload ends (the layer loads nothing through the reload: its experts come
+  here), so they are written there.
 """
 from __future__ import annotations
 
@@ -31,10 +38,8 @@ _ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_p
 class ExpertWriter:
     """Assembles one FusedMoE layer's experts from HF tensors and writes them in the engine layout."""
 
-    def __init__(self, name: str, layer: Any, prepack_isa: str | None):
-        import torch
-
-        self.name, self.layer, self.isa = name, layer, prepack_isa
+    def __init__(self, name: str, layer: Any, prepack_isa: str | None, on_complete=None):
+        self.name, self.layer, self.isa, self.on_complete = name, layer, prepack_isa, on_complete
         cfg = layer.moe_config
         par = cfg.moe_parallel_config
         if par.use_ep and par.ep_size > 1:
@@ -44,8 +49,8 @@ class ExpertWriter:
         w13, w2 = layer.w13_weight, layer.w2_weight
         self.padded = w13.shape[1] // 2
         self.inter = cfg.intermediate_size_per_partition_unpadded or cfg.intermediate_size_per_partition
-        self.w13 = torch.zeros(tuple(w13.shape), dtype=w13.dtype, device=w13.device)
-        self.w2 = torch.zeros(tuple(w2.shape), dtype=w2.dtype, device=w2.device)
+        self._shapes = ((tuple(w13.shape), w13.dtype, w13.device), (tuple(w2.shape), w2.dtype, w2.device))
+        self.w13 = self.w2 = None  # allocated at the first expert tensor
         self.pending = {(e, r) for e in range(self.num_experts) for r in ("gate", "up", "down")}
         self.touched = False  # any expert tensor arrived
 
@@ -70,9 +75,18 @@ class ExpertWriter:
             return True
         return False
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the experts assembled here now (0 before the first expert and after `finish`)."""
+        return sum(t.numel() * t.element_size() for t in (self.w13, self.w2) if t is not None)
+
     def _put(self, e: int, role: str, t: "torch.Tensor") -> None:
+        import torch
+
         if not 0 <= e < self.num_experts:
             raise ValueError(f"{self.name}: expert {e} is outside the layer's {self.num_experts} experts")
+        if self.w13 is None:
+            self.w13, self.w2 = (torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in self._shapes)
         if role == "down":
             self.w2[e, :, :self.inter].copy_(self._rows(t, 1))
         else:
@@ -80,10 +94,12 @@ class ExpertWriter:
             self.w13[e, start:start + self.inter].copy_(self._rows(t, 0))
         self.pending.discard((e, role))
         self.touched = True
+        if not self.pending and self.on_complete is not None:
+            self.on_complete(self)
 
     def build(self) -> tuple["torch.Tensor", "torch.Tensor"]:
         """The assembled experts (w13, w2) in the kernel's layout (prepacked when it needs that)."""
-        if self.pending:
+        if self.pending or self.w13 is None:
             missing = sorted(self.pending)[:4]
             raise ValueError(f"{self.name}: the update lacks {len(self.pending)} expert tensors, e.g. {missing}")
         if self.isa is None:
@@ -93,10 +109,22 @@ class ExpertWriter:
         return cpu_prepack_moe_weight(self.w13, self.isa), cpu_prepack_moe_weight(self.w2, self.isa)
 
     def finish(self) -> None:
-        """Write the assembled experts into the layer's tensors."""
+        """Write the assembled experts into the layer's live tensors (module docstring) and free them."""
         w13, w2 = self.build()
-        self.layer.w13_weight.data.copy_(w13)
-        self.layer.w2_weight.data.copy_(w2)
+        self._live("w13_weight").data.copy_(w13)
+        self._live("w2_weight").data.copy_(w2)
+        self.w13 = self.w2 = None
+
+    def _live(self, name: str) -> "torch.Tensor":
+        tensor = getattr(self.layer, name)
+        if not tensor.is_meta:
+            return tensor
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        info = layerwise.LAYERWISE_INFO.get(self.layer)
+        if info is None or info.kernel_tensors is None or name not in info.kernel_tensors[0]:
+            raise RuntimeError(f"{self.name}.{name} is on the meta device outside a reload: nothing to write into")
+        return info.kernel_tensors[0][name]
 
 
 def non_expert(named: Iterable[tuple[str, "torch.Tensor"]],

