@@ -128,6 +128,7 @@ class Generator:
         self.schema = schema or RecordSchema()
         self.engine: AsyncLLM | None = None
         self._update_lock = asyncio.Lock()
+        self._poster = None  # posts staged receives past the engine's steps (receive_post.py), made at first use
         self._abort_epoch = 0  # bumped before every abort-mode pause
         self._ids = itertools.count()
         self.routing_shape: tuple[int, int] | None = None  # (MoE layers, top_k) with record_routing
@@ -166,6 +167,9 @@ class Generator:
         and worker running: they would outlive the caller)."""
         from pipeline.supervise import end_processes
 
+        if self._poster is not None:
+            self._poster.close()
+            self._poster = None
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
@@ -296,7 +300,7 @@ class Generator:
             staged = path is None and self.weight_sync == "staged"
             states: list[str] = []
             if staged:  # receive while generating; pause only to load
-                await self._rpc("start_receiving", version)
+                await self._post_receive(version)
                 while "pending" in (states := await self._rpc("received", version)):
                     await asyncio.sleep(_STAGING_POLL_S)
                 if any(not s.startswith("ok") for s in states):
@@ -380,6 +384,18 @@ class Generator:
             raise WeightUpdateError(f"workers loaded versions {sorted(got)}, expected {version}; "
                                     f"the engine stays paused")
         return got.pop()
+
+    async def _post_receive(self, version: int | None) -> None:
+        """Start the staged receive on every worker through their listeners, not between engine
+        steps (`pipeline.generator.receive_post`: the trainer's broadcast waits for the post)."""
+        from pipeline.generator.receive_post import ReceivePoster
+
+        if self._poster is None:
+            self._poster = ReceivePoster(await self._rpc("receive_post_address", version), self.config.weight_timeout_s)
+        try:
+            await self._poster.post(version)
+        except (RuntimeError, TimeoutError) as e:
+            raise WeightUpdateError(f"start_receiving of version {version} failed: {e}") from e
 
     async def _rpc(self, method: str, version: int | None, *args) -> list:
         try:

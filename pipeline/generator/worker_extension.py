@@ -43,7 +43,9 @@ Invariants:
   loaded); the next load, staged or streamed, starts from a clean model. The first load after a
   failed one also checks that no parameter or buffer is on meta (`load_version`) and fails
   otherwise, so the engine stays paused instead of stepping into a missing tensor.
-- Staged receive (`start_receiving` / `received` / `load_received`): a background thread receives
+- Staged receive (`start_receiving` / `received` / `load_received`; the driver calls the first
+  through the worker's receive-post listener, `receive_post_address`, so the trainer's broadcast
+  does not wait for the engine step in progress): a background thread receives
   the whole update into memory while the engine generates and then builds its kernel form beside
   the live model (`pipeline.generator.kernel_swap`), so the pause only swaps references; where that
   does not apply (GPU, adapters, unknown kernels) the pause loads it in place as above. A staged
@@ -272,6 +274,16 @@ class WeightSyncExtension:
         thread = threading.Thread(target=receive, name="tokenflow-weight-receive", daemon=True)
         thread.start()
         self._tf_staging = (thread, result)
+
+    def receive_post_address(self) -> str:
+        """Address of this worker's receive-post listener, started at the first call: the driver
+        starts staged receives through it without waiting for an engine step
+        (`pipeline.generator.receive_post`)."""
+        if getattr(self, "_tf_post", None) is None:
+            from pipeline.generator.receive_post import ReceivePostListener
+
+            self._tf_post = ReceivePostListener(self.start_receiving)
+        return self._tf_post.address
 
     def _prepare(self, tensors: list[tuple[str, "torch.Tensor"]]):
         """The update's kernel form (`kernel_swap.prepare`), or None where the pause must load it in place."""

@@ -189,8 +189,9 @@ class GeneratorRole:
         Each load is logged with where its time went, from the announcement's arrival: ``queued``
         (behind earlier controls), ``switch`` (into a new group: the rpc to every worker, which
         waits for the engine step in progress, and the group's forming if not yet done),
-        ``receive`` (the rpc posting the receive, which waits for the engine step in progress, and
-        the receive itself, buffers included: the trainer's broadcast waits for this part),
+        ``receive`` (posting the receive through each worker's side channel, at once, the receive
+        itself, buffers included, and the poll that sees it done, an rpc between engine steps; the
+        trainer's broadcast waits only for the posting and the bytes),
         ``paused`` (the generator's stall) and its ``load``."""
         while True:
             item, arrived = await queue.get()
@@ -232,9 +233,9 @@ class GeneratorRole:
         Until it has loaded weights a generator takes no work, so its engine is idle when the group
         it joins forms and when the trainer's first broadcast into it comes (the rpc posting the
         receive is handled at once); but its first generation steps are slow (allocations, kernel
-        set-up: 5-49 s measured on a loaded 2-core machine) and a broadcast waits for the engine step
-        in progress, so without this the trainer's broadcasts right after the join waited for
-        them. The weights are whatever the engine started with; the outputs are thrown away."""
+        set-up: 5-49 s measured on a loaded 2-core machine), and the switch into a new group (an
+        rpc) and the poll of each receive wait for the engine step in progress, so without this
+        the first updates after the join waited for them. The weights are whatever the engine started with; the outputs are thrown away."""
         from pipeline.generator.vllm_args import sampling_params
 
         t0 = time.monotonic()

@@ -1,0 +1,107 @@
+"""A side channel from the generator driver to its engine workers that starts a staged receive at once.
+
+A weight broadcast completes only when every receiver has posted its receive. The driver's calls
+into the engine's workers (``collective_rpc``) are handled by vLLM's engine core between engine
+steps, so a staged generator posted its receive only after the step in progress ended; the
+trainer's broadcast waited for that step. A step is milliseconds on a warm engine, but a
+generator that just joined a run and shares a core runs its first leased steps slowly: measured in
+the local generator-job test (docs/generator-jobs.md, runs 13 and 14), the push two or three
+versions after a join waited 0.31-0.33 s for the newcomer while the old generator had its bytes
+in 0.06 s. Through this channel the driver asks each worker's listener thread directly; the thread
+calls the worker's ``start_receiving`` (which only starts the background receive) and answers.
+
+Invariants (imports neither vLLM nor torch):
+- the worker's listener is a daemon thread of the worker process with one ZeroMQ REP socket on an
+  abstract Unix socket (no file to leave behind), started once (`ReceivePostListener.address`);
+- a request is a msgpack ``{"version": v}``; the answer is msgpack ``{"ok": true}`` or
+  ``{"ok": false, "error": text}`` (no pickle); a malformed request gets an error answer;
+- the driver waits at most ``timeout_s`` for each answer (`ReceivePoster.post`), raising
+  `TimeoutError` naming the worker; its socket is then replaced, so a late answer is never read as
+  the answer to a later request;
+- ordering: the driver posts only after its earlier calls into the workers (a group switch)
+  returned, and polls the receive (``received``) only after every worker answered, so the
+  worker's staging state is never touched by two calls at once.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from typing import Callable
+
+import msgpack
+
+
+class ReceivePostListener:
+    """The worker's end: answers each request by calling ``start`` (the worker's start_receiving)."""
+
+    def __init__(self, start: Callable[[], None]):
+        import zmq
+
+        self._start = start
+        self.address = f"ipc://@tokenflow-receive-post-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._socket = zmq.Context.instance().socket(zmq.REP)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(self.address)
+        threading.Thread(target=self._serve, name="tokenflow-receive-post", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            raw = self._socket.recv()
+            try:
+                try:
+                    request = msgpack.unpackb(raw)
+                except (ValueError, msgpack.UnpackException) as e:
+                    raise ValueError(f"a receive post is not msgpack ({type(e).__name__}, {len(raw)} bytes)") from e
+                if not isinstance(request, dict) or "version" not in request:
+                    raise ValueError(f"a receive post is a map with a version, got {request!r:.80}")
+                self._start()
+                answer = {"ok": True}
+            except Exception as e:  # answered, never raised: the driver decides
+                answer = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            self._socket.send(msgpack.packb(answer))
+
+
+class ReceivePoster:
+    """The driver's end: posts the receive on every worker of one engine and waits for their answers."""
+
+    def __init__(self, addresses: list[str], timeout_s: float):
+        import zmq.asyncio
+
+        self._ctx = zmq.asyncio.Context.instance()
+        self.addresses, self.timeout_s = addresses, timeout_s
+        self._sockets = [self._connect(a) for a in addresses]
+
+    def _connect(self, address: str):
+        import zmq
+
+        sock = self._ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        return sock
+
+    async def post(self, version: int | None) -> None:
+        """Start the receive of ``version`` on every worker; raises `RuntimeError` with a worker's
+        error, or `TimeoutError` when a worker does not answer within ``timeout_s``."""
+        import asyncio
+
+        async def one(i: int) -> None:
+            sock = self._sockets[i]
+            try:
+                await sock.send(msgpack.packb({"version": version}))
+                reply = msgpack.unpackb(await asyncio.wait_for(sock.recv(), self.timeout_s))
+            except asyncio.TimeoutError:
+                sock.close()
+                self._sockets[i] = self._connect(self.addresses[i])
+                raise TimeoutError(f"engine worker {i} did not answer the receive post of version {version} "
+                                   f"within {self.timeout_s:.0f} s") from None
+            if not reply.get("ok"):
+                raise RuntimeError(f"engine worker {i} could not start receiving version {version}: "
+                                   f"{reply.get('error')}")
+
+        await asyncio.gather(*(one(i) for i in range(len(self._sockets))))
+
+    def close(self) -> None:
+        for sock in self._sockets:
+            sock.close()
+        self._sockets = []
