@@ -74,6 +74,14 @@ def _stat(pid: int) -> tuple[int, str] | None:
     return None if fields is None else (int(fields[1]), fields[0])
 
 
+def wait_channel(pid: int) -> str:
+    """The kernel function ``pid`` sleeps in ('-' when running, '?' when unreadable or gone)."""
+    try:
+        return Path(f"/proc/{pid}/wchan").read_text() or "-"
+    except OSError:
+        return "?"
+
+
 def start_time(pid: int) -> int | None:
     """When ``pid`` started, in clock ticks since boot (with the pid, names one process), None if it is gone."""
     fields = _stat_fields(pid)
@@ -192,14 +200,7 @@ def _end(left_now, grace_s: float, kill_wait_s: float | None = None) -> list[int
             return signalled
         now = time.monotonic()
         if now > give_up:
-            stuck = []
-            for pid in left:
-                st = _stat(pid)
-                try:
-                    wchan = Path(f"/proc/{pid}/wchan").read_text() or "-"
-                except OSError:
-                    wchan = "?"
-                stuck.append(f"{pid} ({st[1] if st else 'gone'}, waiting in {wchan})")
+            stuck = [f"{pid} ({(_stat(pid) or (0, 'gone'))[1]}, waiting in {wait_channel(pid)})" for pid in left]
             print(f"tokenflow: {len(left)} process(es) outlived SIGKILL by {now - deadline:.0f} s and are left "
                   f"behind (blocked in the kernel?): {', '.join(stuck)}", file=sys.stderr, flush=True)
             return signalled

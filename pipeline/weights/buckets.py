@@ -156,12 +156,12 @@ class BucketPlan:
             raise BucketError(f"bucket_bytes must be positive, got {bucket_bytes}")
         specs = [(str(sp[0]), dtype_name(_torch_dtype(sp[1])), tuple(int(x) for x in sp[2]),
                   int(sp[3]) if len(sp) > 3 else 0) for sp in specs]
-        modules = [fused_module(name) for name, *_ in specs]
-        run = [0] * len(specs)  # bytes from tensor i to the end of its module's run (aligned)
+        modules = [(fused_module(name), src) for name, _, _, src in specs]
+        joins_next = [a == b for a, b in zip(modules, modules[1:])] + [False]  # same module, same sender
+        run = [0] * (len(specs) + 1)  # bytes from tensor i to the end of its module's run (aligned)
         for i in reversed(range(len(specs))):
             nbytes = TensorSlot(*specs[i][:3], 0).nbytes
-            same = i + 1 < len(specs) and modules[i + 1] == modules[i] and specs[i + 1][3] == specs[i][3]
-            run[i] = nbytes + (-(-nbytes // ALIGN) * ALIGN - nbytes + run[i + 1] if same else 0)
+            run[i] = -(-nbytes // ALIGN) * ALIGN + run[i + 1] if joins_next[i] else nbytes
         buckets: list[list[TensorSlot]] = []
         sizes: list[int] = []
         sources: list[int] = []
@@ -174,7 +174,7 @@ class BucketPlan:
             seen.add(name)
             slot = TensorSlot(name, dtype, shape, 0)
             start = -(-end // ALIGN) * ALIGN
-            starts_module = i == 0 or modules[i - 1] != modules[i] or specs[i - 1][3] != src
+            starts_module = i == 0 or not joins_next[i - 1]
             need = run[i] if starts_module and run[i] <= bucket_bytes else slot.nbytes
             if current and (start + need > bucket_bytes or src != source):
                 buckets.append(current)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 def _processes_of(run: Path) -> list[str]:
     """One line per live process whose command line names `run`, and each of their descendants."""
-    from pipeline.supervise import _pids, _stat, descendants, start_time
+    from pipeline.supervise import _pids, _stat, descendants, start_time, wait_channel
 
     def cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -43,9 +43,10 @@ def _processes_of(run: Path) -> list[str]:
     for pid in pids:
         st, started = _stat(pid), start_time(pid)
         try:
-            wchan, cmd = Path(f"/proc/{pid}/wchan").read_text() or "-", cmdline(pid)
+            cmd = cmdline(pid)
         except OSError:
             continue
+        wchan = wait_channel(pid)
         if st is None or started is None:
             continue
         lines.append(f"pid {pid} ppid {st[0]} {st[1]} {wchan} {uptime - started / tick:.0f}s {cmd[:160]}")
