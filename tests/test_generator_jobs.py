@@ -29,10 +29,11 @@ from pipeline.metrics import read_metrics
 from pipeline.supervise import alive
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 1000  # 0.2-1.2 s each: the joiner's engine starts (1.5-3 min) while the run goes on; on a
-# quiet machine 250 steps ended before the join (0.27 s a step) and with 700 it joined at step 638
+STEPS = 2000  # 0.2-1.2 s each: the joiner's engine starts while the run goes on, at nice 10 on the
+# trainer's core 151-205 s from submission to first lease (1.5-3 min as an equal); on a quiet machine
+# 250 steps ended before the join, with 700 it joined at step 638, and 1000 ended before a nice joiner
 GROUPS_PER_STEP = 4  # 8 made steps of about 1 s, not the few seconds hoped for, and the events' 1 s
-# blips stayed (docs/generator-jobs.md, run 5)
+# blips stayed (docs/generator-jobs-runs.md, run 5)
 
 
 def _membership(run: Path, event: str, gid: int | None = None) -> list[dict]:
@@ -41,7 +42,8 @@ def _membership(run: Path, event: str, gid: int | None = None) -> list[dict]:
 
 
 QUIET_PERCENTILE = 95
-"""The trainer's usual worst wait: this percentile of ``wait_s + sync_s`` over the event-free steps."""
+"""The trainer's usual worst wait over n steps: this percentile of the longest ``wait_s + sync_s`` in
+each run of n consecutive event-free steps (n: the steps the event is charged with)."""
 
 
 def event_steps(run: Path, t: float, after_switch: int = 3) -> tuple[list[dict], dict, dict]:
@@ -67,27 +69,45 @@ def waited_since(r: dict, t: float) -> float:
     return min(r["sync_s"], max(0.0, r["t"] - t)) + max(0.0, wait_to - max(t, wait_to - r["wait_s"]))
 
 
+def usual_worst_wait(steps: list[dict], costed: set[int], n: int) -> float:
+    """`QUIET_PERCENTILE` of the longest ``wait_s + sync_s`` in each run of ``n`` consecutive steps
+    none of which an event may have cost (``costed``), after the first 10 (the run's first group and
+    engine steps)."""
+    waits = [(r["step"] not in costed, r["wait_s"] + r["sync_s"]) for r in steps[10:]]
+    worst = [max(w for _, w in waits[i:i + n]) for i in range(len(waits) - n + 1)
+             if all(quiet for quiet, _ in waits[i:i + n])]
+    return float(np.percentile(worst, QUIET_PERCENTILE))
+
+
 def trainer_wait_after(run: Path, t: float, other_events: tuple[float, ...] = ()) -> dict:
     """The trainer's wait on an event at unix time ``t``: the longest ``wait_s + sync_s`` of its
-    `event_steps` after ``t`` (`waited_since`), against the same sum's `QUIET_PERCENTILE` over the steps no event (``t`` and
-    ``other_events``) may have cost, after the first 10 (the run's first group and engine steps),
-    and one step (median gap between step records). ``excess_s`` (the check: at most one step)
-    is the event's wait beyond that percentile: on a 2-core machine the same sum jumps by about a
-    step on steps without any event, so a median would let the noise decide; a trainer waiting for
-    a cold engine's first steps (5-49 s measured) still exceeds it by many steps."""
+    `event_steps` after ``t`` (`waited_since`), against the trainer's usual worst wait over as many
+    steps without any event (`usual_worst_wait`; ``t`` and ``other_events`` may have cost theirs),
+    and one step (median gap between step records). ``excess_s`` (the check: at most one step) is
+    the event's wait beyond that usual worst.
+
+    Like against like: the event's figure is the longest of n waits, so it is compared with the
+    longest of n event-free waits. On a 2-core machine the sum jumps by about a step on steps
+    without any event; against the median of single steps (the first check), then their 95th
+    percentile (runs 1-20), the noise still decided: up to 5 % of the runs of 4 event-free steps in
+    four 1000-step runs would have failed the latter, and the two joins it failed by 0.03 s came
+    within 0.06-0.09 s of the 95th percentile of 5-step maxima. What this check still fails
+    (docs/generator-jobs.md, runs 16-22): a joiner sharing the trainer's core as an equal (+0.30 s,
+    one step 0.21 s), a departure whose worker outlived its SIGTERM (+5.86 s), and a trainer waiting
+    for a cold engine (2-69 s)."""
     steps = list(read_metrics(run, "train_step"))
     covered, regroup, switch = event_steps(run, t)
     costed = {r["step"] for e in (t, *other_events) for r in event_steps(run, e)[0]}
-    quiet = [r["wait_s"] + r["sync_s"] for r in steps[10:] if r["step"] not in costed]
     worst = max(covered, key=lambda r: waited_since(r, t))
-    noise = float(np.percentile(quiet, QUIET_PERCENTILE))
+    usual = usual_worst_wait(steps, costed, len(covered))
     one_step = statistics.median(b["t"] - a["t"] for a, b in zip(steps, steps[1:]))
     waited = waited_since(worst, t)
+    quiet = [r["wait_s"] + r["sync_s"] for r in steps[10:] if r["step"] not in costed]
     return {"regroup_epoch": regroup["epoch"], "steps": [covered[0]["step"], covered[-1]["step"]],
             "switch_after_s": round(switch["t"] - regroup["t"], 2), "worst_step": worst["step"],
             "wait_s": round(waited, 2), "sync_s": round(worst["sync_s"], 2),
-            "usual_wait_s": round(statistics.median(quiet), 2), f"p{QUIET_PERCENTILE}_wait_s": round(noise, 2),
-            "excess_s": round(waited - noise, 2), "one_step_s": round(one_step, 2)}
+            "median_wait_s": round(statistics.median(quiet), 2), "usual_worst_s": round(usual, 2),
+            "excess_s": round(waited - usual, 2), "one_step_s": round(one_step, 2)}
 
 
 def join_then_leave(run: Path, running, add_args: list[str], stop_job, steps: int, jobs: list) -> dict:
@@ -164,7 +184,7 @@ def check_and_report(run: Path, facts: dict, steps: int, max_staleness: int, kil
 
 
 @pytest.mark.engine
-@pytest.mark.slow  # 404 s at 250 steps on a busy 2-core machine; 1000 steps: 4-20 min (0.2-1.2 s a step)
+@pytest.mark.slow  # 404 s at 250 steps on a busy 2-core machine; 1000 steps: 4-7 min on a quiet one; 2000: 614 s
 def test_a_generator_job_joins_gets_leases_and_leaves_mid_run(tmp_path):
     from test_weight_recovery import compose
 
@@ -214,9 +234,10 @@ def test_a_generator_job_joins_and_leaves_a_slurm_run(tmp_path):
     second job (on a node with room beside the trainer), cancelled with scancel."""
     from test_slurm_train import status_of
 
-    # 200 steps: with the core plan a step takes 1.2-1.8 s and the joiner's first lease comes
-    # 130-320 s after its submission; of 100 steps one run ended before the joiner had 3 steps
-    run, steps = tmp_path / "sl", 200
+    # 400 steps: with the core plan a step takes 0.4-1.8 s and the joiner's first lease came 69-320 s
+    # after its submission as an equal on the trainer's core (of 100 steps one run ended before
+    # the joiner had 3 steps); at nice 10 (cluster.joined_generator_nice) it starts slower
+    run, steps = tmp_path / "sl", 400
     # The test cluster's nodes are one 2-core machine and its Slurm binds no task to cores
     # (TaskPlugin=task/none): with cpu_plan=none every vLLM engine binds its worker to core 0, the
     # joiner's beside the busy generator 0's, and the trainer's first broadcast into the group

@@ -58,7 +58,7 @@ def cpu_cores_for(role: str, rank: int, cfg: TokenflowConfig) -> list[int] | Non
     beside it) on core 1. The same plan applies to synchronous and asynchronous runs. Generators
     that joined from their own job (ranks from ``cluster.generators`` on) share trainer rank 0's
     cores (beside the run's own generator, its engine's spinning OpenMP threads starve a second
-    engine's start for minutes on a 2-core machine).
+    engine's start for minutes on a 2-core machine), at a lower priority (`shares_trainer_cores`).
     """
     if cfg.cluster.cpu_plan != "auto" or not hasattr(os, "sched_getaffinity"):
         return None
@@ -73,6 +73,33 @@ def cpu_cores_for(role: str, rank: int, cfg: TokenflowConfig) -> list[int] | Non
         return [cores[index]]
     half = max(1, len(cores) * n_gen // (n_gen + n_tr))
     return cores[:half] if role == "generator" else cores[half:]
+
+
+def shares_trainer_cores(rank: int, cfg: TokenflowConfig) -> bool:
+    """True for a generator that joined from its own job and is placed on trainer rank 0's cores
+    (`cpu_cores_for`, so asked before `pin_process`): it then yields them (`lower_cpu_priority`,
+    ``cluster.joined_generator_nice``)."""
+    return rank >= cfg.cluster.generators and cpu_cores_for("generator", rank, cfg) is not None
+
+
+def lower_cpu_priority(nice: int) -> None:
+    """Make this process, its future children and the rest of its session ``nice`` nicer.
+
+    Both the process's nice value and its Linux autogroup's: where the kernel groups each session
+    for scheduling (``/proc/sys/kernel/sched_autogroup_enabled``, the default on desktop and
+    container kernels), a process's own nice value orders it only within its session, and a task
+    started in a session of its own (every local task; `pipeline.launch.local`) competes with
+    another session's as an equal whatever its nice value (measured on this machine: two spinning
+    processes on one core, the other session at nice 10: 50/50; with its autogroup at nice 10:
+    90/10; at 19: 98/2). Raising one's own niceness needs no privilege."""
+    if nice <= 0:
+        return
+    os.nice(nice)
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(nice))
+    except OSError:  # no autogroups (kernel option or switched off): the nice value is enough
+        pass
 
 
 def pin_process(cores: list[int] | None) -> None:

@@ -57,7 +57,8 @@ from pipeline.metrics import MetricsWriter
 from pipeline.orchestrator.links import Control, EvalItem, GeneratorLink, WorkItem
 from pipeline.orchestrator.messages import Regroup, Stop, Update
 from pipeline.record import RolloutSample, SampleBatch, unrecorded_fields
-from pipeline.roles.common import cpu_cores_for, load_run_config, model_dir, pin_process
+from pipeline.roles.common import (cpu_cores_for, load_run_config, lower_cpu_priority, model_dir, pin_process,
+                                   shares_trainer_cores)
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +94,11 @@ class GeneratorRole:
         from pipeline.generator.episodes import episode_runner
 
         cfg, timeout = self.cfg, self.cfg.run.timeout_s
-        cores = cpu_cores_for("generator", self.rank, cfg)
+        cores, shared = cpu_cores_for("generator", self.rank, cfg), shares_trainer_cores(self.rank, cfg)
         pin_process(cores)
+        if shared:  # the trainer's cores: use what it leaves idle
+            lower_cpu_priority(cfg.cluster.joined_generator_nice)
+            log.info("on trainer rank 0's cores %s at nice %d (cluster.joined_generator_nice)", cores, os.nice(0))
         if self._run_over() or self.task.stop_requested.is_set():  # stopped before it had anything to leave
             return {"tokens": 0, "version": None}
         model = str(model_dir(self.run_dir, timeout))

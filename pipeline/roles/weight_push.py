@@ -268,9 +268,12 @@ class WeightPusher:
         self.epoch = epoch
 
     def _wait_for_membership_change(self) -> None:
-        """Give the orchestrator time to notice the dead generator (it reaps silent ones)."""
+        """Give the orchestrator time to notice the dead generator (it reaps silent ones). A leaver's
+        `Leave` is there within tens of milliseconds of its signal, its worker's end (and so the
+        failed broadcast) a little later (`pipeline.generator.exit_deadline`): polled every 0.1 s,
+        not every second."""
         deadline = time.monotonic() + self.cfg.orchestrator.generator_dead_after_s + 10
         while time.monotonic() < deadline:
             if self.link.members(self.cfg.run.timeout_s) != self.group_members:
                 return
-            time.sleep(1.0)
+            time.sleep(0.1)
