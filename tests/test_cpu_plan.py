@@ -54,9 +54,9 @@ def autogroup():
         return None
 
 lower_cpu_priority(int(sys.argv[1]))
-grandchild = subprocess.run([sys.executable, "-c", "import os; print(os.nice(0)); "
-                             "print(open('/proc/self/autogroup').read().split()[-1] if os.path.exists('/proc/self/autogroup') else None)"],
-                            capture_output=True, text=True, check=True).stdout.split()
+REPORT = ("import os; print(os.nice(0)); print(open('/proc/self/autogroup').read().split()[-1] "
+          "if os.path.exists('/proc/self/autogroup') else None)")
+grandchild = subprocess.run([sys.executable, "-c", REPORT], capture_output=True, text=True, check=True).stdout.split()
 print(json.dumps({"nice": os.nice(0), "autogroup": autogroup(), "grandchild": grandchild}))
 """
 

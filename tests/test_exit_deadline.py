@@ -46,9 +46,11 @@ def _member(port: int, bounded: str, teardown: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
-def _stop_and_broadcast(bounded: str, teardown: str, patience_s: float = 30) -> tuple[int | None, str, BaseException | None]:
+def _stop_and_broadcast(bounded: str, teardown: str,
+                        patience_s: float = 30) -> tuple[int | None, str, BaseException | None]:
     """Form a group with a member that posted a staged receive, SIGTERM it, broadcast to it: its exit
-    status (None: alive after ``patience_s``), what it printed after the signal, and what the broadcast raised."""
+    status (None: alive after ``patience_s``), what it printed after the signal, and what the
+    broadcast raised."""
     port = free_port()
     member = _member(port, bounded, teardown)
     try:

@@ -21,8 +21,9 @@ trainer's broadcast fails, and the trainer retries the version in a group withou
 process ended 0.21 s after SIGTERM, and the sender's broadcast failed 0.09 s later ("Connection
 closed by peer"). The kernel closes a dying process's sockets only after it has freed its memory,
 which for an engine worker (gigabytes, on a shared core) takes a while: in local run 20
-(docs/generator-jobs.md) the trainer's broadcast failed 0.44 s after a 0.2 s timer fired. A worker's own teardown (vLLM, torch) takes longer than the deadline, so
-the timer is what ends it in practice, and vLLM's engine core logs the worker's death as unexpected
+(docs/generator-jobs.md) the trainer's broadcast failed 0.44 s after a 0.2 s timer fired. A
+worker's own teardown (vLLM, torch) takes longer than the deadline, so the timer is what ends it
+in practice, and vLLM's engine core logs the worker's death as unexpected
 (``exit code: -14``): that is this deadline, on a departure. (Shutting the worker's TCP connections
 down at the signal, to tell the peers before the memory is freed, made gloo abort the process.)
 
@@ -40,9 +41,9 @@ import signal
 import threading
 
 EXIT_DEADLINE_S = 0.05
-"""Seconds from SIGTERM to the end of the worker, however its shutdown goes. Each of them is a
-second the trainer may wait on a departure that raced its push (one train step is 0.2 s on the
-local test machine)."""
+"""Seconds from SIGTERM to the end of the worker, however its shutdown goes: what a departure that
+raced the trainer's push may cost it, besides the kernel's teardown and the rebuild (one train
+step is 0.2 s on the local test machine)."""
 
 
 def bound_exit_after_stop_signal(deadline_s: float = EXIT_DEADLINE_S) -> bool:
@@ -66,4 +67,3 @@ def bound_exit_after_stop_signal(deadline_s: float = EXIT_DEADLINE_S) -> bool:
     on_stop_signal.tokenflow_exit_deadline = True
     signal.signal(signal.SIGTERM, on_stop_signal)
     return True
-

@@ -52,7 +52,7 @@ Invariants:
   update that cannot be built (an MoE layer lacks experts) fails its receive: nothing changed.
 - `load_version` marks each swap on a `StepClock` (`pipeline.generator.step_clock`): `step_gaps`
   returns the engine's own stall per update, the gap between the steps around it.
-- A worker that joined a weight group ends within 0.2 s of a SIGTERM, however vLLM's
+- A worker that joined a weight group ends within 0.05 s of a SIGTERM, however vLLM's
   shutdown goes, so no broadcast waits on a departing worker (`pipeline.generator.exit_deadline`).
 - A worker's rank in the weight group is ``first_rank + its vLLM rank`` (TP workers each receive
   the full HF tensors and keep their shard).
