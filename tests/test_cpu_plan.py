@@ -33,14 +33,17 @@ def test_joined_generators_are_placed_on_trainer_rank_0s_cores(monkeypatch, core
     monkeypatch.setattr(common.os, "sched_getaffinity", lambda pid: cores)
     cfg = _cfg(generators)
     assert {key: cpu_cores_for(*key, cfg) for key in expected} == expected
-    assert [shares_trainer_cores(r, cfg) for r in range(generators + 2)] == [False] * generators + [True, True]
+    assert [shares_trainer_cores(r, cfg, cpu_cores_for("generator", r, cfg)) for r in range(generators + 2)] == \
+        [False] * generators + [True, True]
 
 
 def test_nothing_shares_the_trainer_cores_without_a_core_plan(monkeypatch):
     monkeypatch.setattr(common.os, "sched_getaffinity", lambda pid: {0, 1})
-    assert not shares_trainer_cores(1, _cfg(plan="none"))
+    cfg = _cfg(plan="none")
+    assert not shares_trainer_cores(1, cfg, cpu_cores_for("generator", 1, cfg))
     monkeypatch.setattr(common.os, "sched_getaffinity", lambda pid: {0})  # one core: nothing is pinned
-    assert not shares_trainer_cores(1, _cfg())
+    cfg = _cfg()
+    assert not shares_trainer_cores(1, cfg, cpu_cores_for("generator", 1, cfg))
 
 
 CHILD = r"""
@@ -61,14 +64,19 @@ print(json.dumps({"nice": os.nice(0), "autogroup": autogroup(), "grandchild": gr
 """
 
 
+def _lowered(nice: int) -> dict:
+    """What a child in a session of its own reports after `lower_cpu_priority(nice)`."""
+    out = subprocess.run([sys.executable, "-c", CHILD, str(nice)], capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def test_a_lowered_priority_covers_the_process_its_children_and_its_session_autogroup():
     """Run in a session of its own, as every local task is: the nice value alone would not order
     it against another session's processes where the kernel groups sessions (autogroups), so the
     autogroup's nice value is raised as well; an engine the process starts inherits both."""
-    out = subprocess.run([sys.executable, "-c", CHILD, "7"], capture_output=True, text=True, cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = _lowered(7)
     base = os.nice(0)
     assert got["nice"] == min(19, base + 7) and got["grandchild"][0] == str(got["nice"]), got
     if got["autogroup"] is None:
@@ -78,8 +86,6 @@ def test_a_lowered_priority_covers_the_process_its_children_and_its_session_auto
 
 
 def test_a_priority_of_zero_changes_nothing():
-    out = subprocess.run([sys.executable, "-c", CHILD, "0"], capture_output=True, text=True, cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True, timeout=60)
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = _lowered(0)
     assert got["nice"] == os.nice(0), got
     assert got["autogroup"] in (None, "0"), got

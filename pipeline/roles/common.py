@@ -75,11 +75,11 @@ def cpu_cores_for(role: str, rank: int, cfg: TokenflowConfig) -> list[int] | Non
     return cores[:half] if role == "generator" else cores[half:]
 
 
-def shares_trainer_cores(rank: int, cfg: TokenflowConfig) -> bool:
-    """True for a generator that joined from its own job and is placed on trainer rank 0's cores
-    (`cpu_cores_for`, so asked before `pin_process`): it then yields them (`lower_cpu_priority`,
+def shares_trainer_cores(rank: int, cfg: TokenflowConfig, cores: list[int] | None) -> bool:
+    """True for a generator that joined from its own job and is placed (``cores``, its
+    `cpu_cores_for`) on trainer rank 0's cores: it then yields them (`lower_cpu_priority`,
     ``cluster.joined_generator_nice``)."""
-    return rank >= cfg.cluster.generators and cpu_cores_for("generator", rank, cfg) is not None
+    return cores is not None and rank >= cfg.cluster.generators
 
 
 def lower_cpu_priority(nice: int) -> None:

@@ -94,9 +94,9 @@ class GeneratorRole:
         from pipeline.generator.episodes import episode_runner
 
         cfg, timeout = self.cfg, self.cfg.run.timeout_s
-        cores, shared = cpu_cores_for("generator", self.rank, cfg), shares_trainer_cores(self.rank, cfg)
+        cores = cpu_cores_for("generator", self.rank, cfg)
         pin_process(cores)
-        if shared:  # the trainer's cores: use what it leaves idle
+        if shares_trainer_cores(self.rank, cfg, cores):  # the trainer's cores: use what it leaves idle
             lower_cpu_priority(cfg.cluster.joined_generator_nice)
             log.info("on trainer rank 0's cores %s at nice %d (cluster.joined_generator_nice)", cores, os.nice(0))
         if self._run_over() or self.task.stop_requested.is_set():  # stopped before it had anything to leave
