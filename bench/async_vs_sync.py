@@ -158,7 +158,7 @@ def analyse(run_dir: Path) -> dict:
     """Steady-state window, trainer and generator busy times and length stats of one run."""
     import numpy as np
 
-    from pipeline.log_reader import RolloutLog
+    from pipeline.rollout_log.reader import RolloutLog
     from pipeline.metrics import read_metrics
     from pipeline.run_files import ROLLOUTS_DIR
 

@@ -62,7 +62,7 @@ async def main(args) -> dict:
     from pipeline.generator.engine import Generator
     from pipeline.generator.episodes import EpisodeRunner
     from pipeline.models.tiny import ensure_tiny_model
-    from pipeline.record import RecordSchema
+    from pipeline.protocol.record import RecordSchema
 
     class ToolEveryTurn(Environment):
         def step(self, message):

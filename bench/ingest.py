@@ -36,7 +36,7 @@ import numpy as np
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pipeline import wire  # noqa: E402
+from pipeline.protocol import wire  # noqa: E402
 from pipeline.metrics import read_metrics  # noqa: E402
 from pipeline.run_files import ORCHESTRATOR_RENDEZVOUS  # noqa: E402
 
@@ -66,8 +66,8 @@ def run_orchestrator(groups: int, producers: int, root: Path) -> dict:
     while not (run / ORCHESTRATOR_RENDEZVOUS).exists():
         time.sleep(0.05)
     # a trainer that reports version 0 opens admission; it takes no batches
-    from pipeline.orchestrator.links import TrainerLink
-    from pipeline.record import RecordSchema
+    from pipeline.protocol.links import TrainerLink
+    from pipeline.protocol.record import RecordSchema
     trainer = TrainerLink(run, RecordSchema())
     trainer.report_version(0)
     t0 = time.monotonic()
@@ -175,8 +175,8 @@ def run_raw_h5py(n_groups: int, root: Path) -> dict:
 def run_ack_latency(n_flushes: int, root: Path) -> dict:
     """Durable flush of one group (8 x 1K-token samples + its group row), as the orchestrator
     does before acknowledging; then one seal of everything flushed."""
-    from pipeline.record import RecordSchema, SampleBatch
-    from pipeline.rollout_log import RolloutLogWriter
+    from pipeline.protocol.record import RecordSchema, SampleBatch
+    from pipeline.rollout_log.writer import RolloutLogWriter
     msg = wire.decode(b"k" * 32, _group_message(b"k" * 32), 1 << 30)
     group = SampleBatch(dict(msg.arrays), RecordSchema(), validate=True)
     log_dir = Path(tempfile.mkdtemp(prefix="tf-acklat-", dir=root))
@@ -234,7 +234,7 @@ def main() -> None:
         return raw_receiver(a.raw_receiver[0], int(a.raw_receiver[1]))
     if a.raw_sender:
         return raw_sender(int(a.raw_sender[0]), int(a.raw_sender[1]))
-    from pipeline.log_format import filesystem_type
+    from pipeline.rollout_log.format import filesystem_type
     groups = 200 if a.quick else 2400
     local = Path(a.local or tempfile.gettempdir())
     results = {"local": {"fstype": filesystem_type(local), **measure(local, groups, a.producers, a.quick)}}

@@ -98,7 +98,7 @@ def main() -> None:
     if args.quick:
         args.prompts, args.group_size, args.max_tokens = 4, 2, 16
     from pipeline.apps.inspect_log import per_token_bytes
-    from pipeline.record import RecordSchema
+    from pipeline.protocol.record import RecordSchema
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' oracle helpers
     from support.oracle import sharpened_checkpoint

@@ -25,7 +25,7 @@ import numpy as np
 
 
 def _groups(n_groups: int, group_size: int, completion: int, vocab: int, step_token: int) -> list:
-    from pipeline.record import RecordSchema, SampleBatch
+    from pipeline.protocol.record import RecordSchema, SampleBatch
 
     rng = np.random.default_rng(0)
     out = []
@@ -53,8 +53,8 @@ def measure(role: str, scfg, groups: list, run: Path) -> dict:
     from pipeline.roles.common import save_run_config
     from pipeline.scorers.pool import RemoteScoring
     from pipeline.scorers.role import build_scorer
-    from pipeline.record import SampleBatch
-    from pipeline.transport import TransportConfig
+    from pipeline.protocol.record import SampleBatch
+    from pipeline.protocol.transport import TransportConfig
 
     run.mkdir(parents=True)
     cfg = TokenflowConfig(run=RunConfig(name="bench", dir=str(run)), scorers=scfg)

@@ -22,7 +22,7 @@ from pipeline.envs.base import EpisodeConfig
 from pipeline.generator.config import GeneratorConfig
 from pipeline.launch.plan import ComponentSpec
 from pipeline.orchestrator.config import OrchestratorConfig
-from pipeline.record import RecordSchema
+from pipeline.protocol.record import RecordSchema
 from pipeline.scorers.config import ScorersConfig
 from pipeline.tasks import TaskConfig
 from pipeline.trainer.config import TrainerConfig

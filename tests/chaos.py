@@ -18,8 +18,8 @@ from typing import Callable
 
 import numpy as np
 
-from pipeline.log_format import GroupOutcome
-from pipeline.log_reader import RolloutLog
+from pipeline.rollout_log.format import GroupOutcome
+from pipeline.rollout_log.reader import RolloutLog
 from pipeline.metrics import read_metrics
 from pipeline.supervise import descendants
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.log_format import filesystem_type
+from pipeline.rollout_log.format import filesystem_type
 
 NETFS_ROOT = Path(os.environ.get("TOKENFLOW_NETFS", "/var/tmp/tokenflow-netfs"))
 

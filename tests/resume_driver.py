@@ -88,8 +88,8 @@ def run_killed_and_resumed(run_dir: Path, steps: int, kill_after: int, timeout_s
 def waste(run_dir: Path) -> dict:
     import numpy as np
 
-    from pipeline.log_format import GroupOutcome
-    from pipeline.log_reader import RolloutLog
+    from pipeline.rollout_log.format import GroupOutcome
+    from pipeline.rollout_log.reader import RolloutLog
 
     with RolloutLog.open(run_dir) as log:
         g = log.groups()

@@ -82,7 +82,7 @@ def test_a_killed_environment_process_fails_its_step_and_is_restarted(pool):
 def test_bad_frames_and_unknown_environments_get_errors_naming_them(pool):
     import zmq
 
-    from pipeline.wire import decode
+    from pipeline.protocol.wire import decode
 
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.envs import CalculatorEnv, Environment, EnvironmentError_, Step, step_with_timeout
 from pipeline.envs.calculator import evaluate, tool_turn
-from pipeline.record import RecordError, RecordSchema, RolloutSample, SampleBatch
+from pipeline.protocol.record import RecordError, RecordSchema, RolloutSample, SampleBatch
 
 EPISODES = RecordSchema(model_mask=True)
 
@@ -158,7 +158,7 @@ def test_episode_config_is_validated_and_step_rewards_enable_token_rewards():
     drop the generators' token rewards); evaluation answers carry zero rewards."""
     from pipeline.config import TokenflowConfig, record_schema, stored_record_schema, validate
     from pipeline.envs import EpisodeConfig
-    from pipeline.record import unrecorded_fields
+    from pipeline.protocol.record import unrecorded_fields
 
     with pytest.raises(ValueError, match="episode.step_timeout_s"):
         EpisodeConfig(step_timeout_s=0).validate()
@@ -207,8 +207,8 @@ def test_episode_records_round_trip_through_the_log_exactly_once_and_inspect_sho
     exactly once with their masks, and `tokenflow inspect --json` counts their turns and tool calls
     from the stored masks (reference: the same counts from the samples written)."""
     from pipeline.apps.inspect_log import main as inspect_main
-    from pipeline.log_reader import RolloutLog
-    from pipeline.rollout_log import RolloutLogWriter
+    from pipeline.rollout_log.reader import RolloutLog
+    from pipeline.rollout_log.writer import RolloutLogWriter
 
     masks = [[1, 1, 0, 0, 1], [1, 1, 1], [1, 0, 1, 0, 0, 1, 1], [1, 0, 1]]
     samples = [_episode(m, versions=[4] * (len(m) - 1) + [5], group_id=10 + i // 2, sample_index=i % 2)

@@ -79,7 +79,7 @@ def _runner(env, tokenizer, **kw):
 
 
 def _sample(loop, gen, request, index=0):
-    from pipeline.record import RecordSchema
+    from pipeline.protocol.record import RecordSchema
 
     gen.schema = RecordSchema(model_mask=True)
     return loop.run_until_complete(gen.generate_sample(request, index))
@@ -177,7 +177,7 @@ def test_a_hung_environment_costs_only_its_episode(engine, loop):
         for retries, group in ((0, 7), (1, 8)):
             HangsOnce.created = itertools.count()
             gen.episodes = _runner("hangs_once", tokenizer, max_turns=2, step_timeout_s=1.0, env_retries=retries)
-            from pipeline.record import RecordSchema
+            from pipeline.protocol.record import RecordSchema
 
             gen.schema = RecordSchema(model_mask=True)
             samples = loop.run_until_complete(gen.generate_group(GroupRequest(group, 1, 0, prompt, 2)))
@@ -199,7 +199,7 @@ def test_episodes_over_an_environment_process_equal_episodes_in_process(engine, 
     from pipeline.envs.remote import EnvironmentPool
     from pipeline.generator.config import GroupRequest
     from pipeline.generator.episodes import EpisodeRunner
-    from pipeline.record import RecordSchema
+    from pipeline.protocol.record import RecordSchema
 
     gen, tokenizer, _ = engine
     gen.schema = RecordSchema(model_mask=True)

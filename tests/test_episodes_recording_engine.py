@@ -45,9 +45,9 @@ def test_an_episode_records_step_rewards_kept_sets_and_routing_at_the_right_toke
     from pipeline.generator.config import GeneratorConfig, GroupRequest
     from pipeline.generator.engine import Generator
     from pipeline.generator.episodes import EpisodeRunner
-    from pipeline.log_reader import RolloutLog
-    from pipeline.record import RecordSchema, SampleBatch, sequence_routing
-    from pipeline.rollout_log import RolloutLogWriter
+    from pipeline.rollout_log.reader import RolloutLog
+    from pipeline.protocol.record import RecordSchema, SampleBatch, sequence_routing
+    from pipeline.rollout_log.writer import RolloutLogWriter
     from support.oracle import sharpened_checkpoint
 
     model_dir = sharpened_checkpoint("moe", tmp_path / "model")

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from chaos import check_record, last_step, wait_for
-from pipeline.log_reader import RolloutLog
+from pipeline.rollout_log.reader import RolloutLog
 from pipeline.metrics import read_metrics
 from pipeline.supervise import alive
 
@@ -351,8 +351,8 @@ def test_a_leaving_generator_returns_its_leases_at_once_and_is_stopped_after_the
     from test_orchestrator import start_orchestrator, stop, write_spec
 
     from pipeline.config import record_schema
-    from pipeline.orchestrator import messages as m
-    from pipeline.orchestrator.links import GeneratorLink, TrainerLink, WorkItem
+    from pipeline.protocol import messages as m
+    from pipeline.protocol.links import GeneratorLink, TrainerLink, WorkItem
     from pipeline.roles.common import load_run_config
 
     run = tmp_path / "run"

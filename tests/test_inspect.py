@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from pipeline.apps.inspect_log import main
-from pipeline.log_format import GroupOutcome, list_segments
-from pipeline.record import FINISH_REASONS, RecordSchema, SampleBatch
-from pipeline.rollout_log import RolloutLogWriter
+from pipeline.rollout_log.format import GroupOutcome, list_segments
+from pipeline.protocol.record import FINISH_REASONS, RecordSchema, SampleBatch
+from pipeline.rollout_log.writer import RolloutLogWriter
 from rollout_data import make_batch
 
 SCHEMA = RecordSchema()

@@ -130,10 +130,10 @@ def test_pool_lists_a_following_teacher_as_a_weight_member_and_forwards_to_it(tm
     member ``teacher-<rank>`` (the same incarnation after being dropped for silence, a new one
     after a restart), hears regroups and announcements, also while dropped; a teacher that does
     not follow hears neither and is no member."""
-    from pipeline.record import RecordSchema
+    from pipeline.protocol.record import RecordSchema
     from pipeline.scorers.config import ScorersConfig
     from pipeline.scorers.pool import RemoteScoring
-    from pipeline.transport import MessageClient, TransportConfig, load_or_create_secret
+    from pipeline.protocol.transport import MessageClient, TransportConfig, load_or_create_secret
 
     pool = RemoteScoring(tmp_path, ScorersConfig(teacher="lagged"), RecordSchema(teacher_logprobs=True),
                          verifier=object(), transport=TransportConfig(host="127.0.0.1"))

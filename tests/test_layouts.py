@@ -43,8 +43,8 @@ def tiny_moe8_spec():
 
 def record_log(model_dir: Path, log_dir: Path) -> None:
     """A rollout log of STEPS step records, SAMPLES_PER_STEP samples each (groups of 4)."""
-    from pipeline.record import RecordSchema, RolloutSample, SampleBatch
-    from pipeline.rollout_log import RolloutLogWriter
+    from pipeline.protocol.record import RecordSchema, RolloutSample, SampleBatch
+    from pipeline.rollout_log.writer import RolloutLogWriter
     from support.oracle import hf_logprobs, make_samples
 
     samples = make_samples(5, STEPS * SAMPLES_PER_STEP, 256, min_len=2, max_len=10)
@@ -83,7 +83,7 @@ def scenario_parity(outdir: Path, args: dict) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from pipeline.log_reader import RolloutLog
+    from pipeline.rollout_log.reader import RolloutLog
     from pipeline.trainer.config import ParallelConfig, TrainerConfig
     from pipeline.trainer.engine import Trainer
     from pipeline.trainer.model import iter_hf_weights

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from log_places import netfs_mounts
-from pipeline.log_format import GroupOutcome, LogError
-from pipeline.log_reader import RolloutLog
+from pipeline.rollout_log.format import GroupOutcome, LogError
+from pipeline.rollout_log.reader import RolloutLog
 from pipeline.metrics import read_metrics
 
 pytestmark = pytest.mark.engine

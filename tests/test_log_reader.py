@@ -5,12 +5,12 @@ import h5py
 import numpy as np
 import pytest
 
-from pipeline.log_format import (
+from pipeline.rollout_log.format import (
     CorruptSegmentError, ForeignFileError, LogDamageWarning, LogError, LogNotFoundError,
     NewerSchemaError, NotHDF5Error, list_segments)
-from pipeline.log_reader import RolloutLog
-from pipeline.record import RecordSchema, SampleBatch
-from pipeline.rollout_log import RolloutLogWriter
+from pipeline.rollout_log.reader import RolloutLog
+from pipeline.protocol.record import RecordSchema, SampleBatch
+from pipeline.rollout_log.writer import RolloutLogWriter
 from rollout_data import assert_batches_equal, make_batch
 
 SCHEMA = RecordSchema(routed_experts=(2, 2))

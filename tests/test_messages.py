@@ -7,8 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from pipeline import wire
-from pipeline.orchestrator import messages as m
+from pipeline.protocol import wire
+from pipeline.protocol import messages as m
 
 KEY = bytes(range(32))
 

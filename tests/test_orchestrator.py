@@ -15,16 +15,16 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from pipeline import wire
-from pipeline.log_format import GroupOutcome
-from pipeline.log_reader import RolloutLog
+from pipeline.protocol import wire
+from pipeline.rollout_log.format import GroupOutcome
+from pipeline.rollout_log.reader import RolloutLog
 from pipeline.metrics import read_metrics
-from pipeline.orchestrator.links import read_rendezvous
+from pipeline.protocol.links import read_rendezvous
 from pipeline.config import ReplayConfig, RunConfig, TokenflowConfig
 from pipeline.orchestrator.config import OrchestratorConfig
 from pipeline.roles.common import save_run_config
 from pipeline.tasks import TaskConfig
-from pipeline.transport import load_or_create_secret
+from pipeline.protocol.transport import load_or_create_secret
 from support.child_env import child_env
 
 PY = sys.executable

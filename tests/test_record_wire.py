@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pipeline import wire
-from pipeline.record import (FINISH_REASONS, RecordError, RecordSchema, RolloutSample, SampleBatch)
+from pipeline.protocol import wire
+from pipeline.protocol.record import (FINISH_REASONS, RecordError, RecordSchema, RolloutSample, SampleBatch)
 
 KEY = b"k" * 32
 

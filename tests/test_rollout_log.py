@@ -16,12 +16,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from log_places import place  # noqa: F401  (fixture)
-from pipeline.log_format import (
+from pipeline.rollout_log.format import (
     GroupOutcome, LogError, NewerSchemaError, SchemaMismatchError, UnsupportedFilesystemError,
     check_log_filesystem, filesystem_type, list_segments)
-from pipeline.log_reader import RolloutLog
-from pipeline.record import RecordSchema, SampleBatch
-from pipeline.rollout_log import RolloutLogWriter
+from pipeline.rollout_log.reader import RolloutLog
+from pipeline.protocol.record import RecordSchema, SampleBatch
+from pipeline.rollout_log.writer import RolloutLogWriter
 from rollout_data import assert_batches_equal, make_batch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,9 +71,9 @@ WRITER_SCRIPT = textwrap.dedent("""
     import os, signal, sys
     sys.path[:0] = [{repo!r}, {tests!r}]
     import numpy as np
-    import pipeline.rollout_log as rl
-    from pipeline.log_format import LogFencedError
-    from pipeline.record import RecordSchema
+    import pipeline.rollout_log.writer as rl
+    from pipeline.rollout_log.format import LogFencedError
+    from pipeline.protocol.record import RecordSchema
     from rollout_data import make_batch
     log_dir, base, mode, crash = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     schema = RecordSchema(token_rewards=True)

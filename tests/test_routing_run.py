@@ -27,9 +27,9 @@ pytestmark = pytest.mark.engine
 
 
 def test_a_live_run_records_prompt_and_completion_routing_and_replays_it(tmp_path):
-    from pipeline.log_reader import RolloutLog
+    from pipeline.rollout_log.reader import RolloutLog
     from pipeline.metrics import read_metrics
-    from pipeline.record import sequence_routing
+    from pipeline.protocol.record import sequence_routing
     from pipeline.roles.common import model_dir
 
     run = tmp_path / "rr"

@@ -155,8 +155,8 @@ def test_inspect_shows_what_a_log_carries_and_its_bytes_per_token(tmp_path, caps
     import json
 
     from pipeline.apps.inspect_log import main
-    from pipeline.record import RecordSchema
-    from pipeline.rollout_log import RolloutLogWriter
+    from pipeline.protocol.record import RecordSchema
+    from pipeline.rollout_log.writer import RolloutLogWriter
     from rollout_data import make_batch
 
     for schema, want in ((RecordSchema(), None), (RecordSchema(sampling_mask_k=8), 32),
@@ -176,7 +176,7 @@ def test_inspect_shows_what_a_log_carries_and_its_bytes_per_token(tmp_path, caps
         assert ("routing (prompt and completion) 8 B per prompt token + 8 B per completion token"
                 if schema.routed_experts else "routing (prompt and completion) not recorded") in text
         if schema.routed_experts:  # the bytes the log holds per token, read from the file itself
-            from pipeline.log_reader import RolloutLog
+            from pipeline.rollout_log.reader import RolloutLog
             with RolloutLog.open(run) as log:
                 batch = log.read(np.arange(log.num_samples))
             for name, length in (("prompt_routed_experts", "prompt_len"), ("routed_experts", "completion_len")):

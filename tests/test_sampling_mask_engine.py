@@ -42,7 +42,7 @@ trainer.close()
 def _generate(model_dir: Path):
     from pipeline.generator.config import GeneratorConfig, GroupRequest
     from pipeline.generator.engine import Generator
-    from pipeline.record import RecordSchema
+    from pipeline.protocol.record import RecordSchema
 
     cfg = GeneratorConfig(model=str(model_dir), max_model_len=256, max_tokens=16, enforce_eager=True,
                           dtype="float32", kv_cache_gib=1, max_num_seqs=16, seed=77, top_k=TOP_K,

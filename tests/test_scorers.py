@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from pipeline.config import RunConfig, TokenflowConfig, stored_record_schema
-from pipeline.log_format import GroupOutcome
-from pipeline.log_reader import RolloutLog
+from pipeline.rollout_log.format import GroupOutcome
+from pipeline.rollout_log.reader import RolloutLog
 from pipeline.metrics import read_metrics
 from pipeline.orchestrator.config import OrchestratorConfig
-from pipeline.record import RecordSchema, SampleBatch
+from pipeline.protocol.record import RecordSchema, SampleBatch
 from pipeline.roles.common import save_run_config
 from pipeline.scorers.config import ScorersConfig
 from pipeline.scorers.models import (ProcessRewardScorer, RewardModelScorer, build_tiny_reward_model,
@@ -178,7 +178,7 @@ def test_stalled_late_and_killed_scorers_cost_no_group_and_score_once(tmp_path, 
 
 def test_inspect_shows_token_rewards_teacher_versions_and_kl(tmp_path, capsys):
     from pipeline.apps.inspect_log import main
-    from pipeline.rollout_log import RolloutLogWriter
+    from pipeline.rollout_log.writer import RolloutLogWriter
     from rollout_data import make_batch
 
     schema = RecordSchema(token_rewards=True, teacher_logprobs=True)

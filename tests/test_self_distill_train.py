@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from pipeline.log_format import GroupOutcome
-from pipeline.log_reader import RolloutLog
+from pipeline.rollout_log.format import GroupOutcome
+from pipeline.rollout_log.reader import RolloutLog
 from pipeline.metrics import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from pipeline.log_reader import RolloutLog
+from pipeline.rollout_log.reader import RolloutLog
 from pipeline.metrics import read_metrics
 from test_slurm_train import TINY, tokenflow
 

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from pipeline.launch import ComponentSpec, JobPlan
-from pipeline.log_format import GroupOutcome
-from pipeline.log_reader import RolloutLog
+from pipeline.rollout_log.format import GroupOutcome
+from pipeline.rollout_log.reader import RolloutLog
 from pipeline.metrics import read_metrics
 from support.child_env import child_env
 

@@ -20,11 +20,11 @@ import torch
 
 from pipeline.config import RunConfig, TokenflowConfig, stored_record_schema
 from pipeline.launch.plan import ComponentSpec, JobPlan
-from pipeline.log_format import GroupOutcome
-from pipeline.log_reader import RolloutLog
+from pipeline.rollout_log.format import GroupOutcome
+from pipeline.rollout_log.reader import RolloutLog
 from pipeline.metrics import read_metrics
 from pipeline.orchestrator.config import OrchestratorConfig
-from pipeline.record import SampleBatch
+from pipeline.protocol.record import SampleBatch
 from pipeline.roles.common import save_run_config
 from pipeline.run_files import PLAN_FILE
 from pipeline.scorers.config import ScorersConfig

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.log_reader import RolloutLog
+from pipeline.rollout_log.reader import RolloutLog
 from pipeline.models.family_checkpoints import build_family_checkpoint
 
 pytestmark = pytest.mark.engine

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.log_format import GroupOutcome
-from pipeline.log_reader import RolloutLog
+from pipeline.rollout_log.format import GroupOutcome
+from pipeline.rollout_log.reader import RolloutLog
 from pipeline.metrics import read_metrics
 
 pytestmark = pytest.mark.engine

@@ -10,10 +10,10 @@ import pytest
 
 from pipeline.orchestrator.buffer import BufferedGroup, RolloutBuffer
 from pipeline.orchestrator.clock import is_stale
-from pipeline.orchestrator.links import WorkItem
-from pipeline.record import RecordSchema
-from pipeline.rollout_log import RolloutLogWriter
-from pipeline.transport import (MessageClient, MessageServer, TransportConfig, TransportError,
+from pipeline.protocol.links import WorkItem
+from pipeline.protocol.record import RecordSchema
+from pipeline.rollout_log.writer import RolloutLogWriter
+from pipeline.protocol.transport import (MessageClient, MessageServer, TransportConfig, TransportError,
                                 interface_address, load_or_create_secret)
 
 from support.loadgen import synthetic_group

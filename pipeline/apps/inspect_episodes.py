@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.record import FINISH_REASONS, SampleBatch
+from pipeline.protocol.record import FINISH_REASONS, SampleBatch
 
 
 def turns(model_mask: np.ndarray) -> list[tuple[int, int, bool]]:

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.log_format import GroupOutcome, LogError
-from pipeline.log_reader import RolloutLog
-from pipeline.record import FINISH_REASONS
+from pipeline.rollout_log.format import GroupOutcome, LogError
+from pipeline.rollout_log.reader import RolloutLog
+from pipeline.protocol.record import FINISH_REASONS
 
 #: Logs with more samples than this show progress on stderr even when it is not a terminal.
 LARGE_LOG_SAMPLES = 1_000_000

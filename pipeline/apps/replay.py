@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     if not source.exists():
         print(f"tokenflow replay: {source} does not exist", file=sys.stderr)
         return 2
-    from pipeline.log_format import LogError
-    from pipeline.log_reader import RolloutLog
+    from pipeline.rollout_log.format import LogError
+    from pipeline.rollout_log.reader import RolloutLog
     try:
         with RolloutLog.open(source) as log:
             n_groups = int(log.resume_state().counts.get("stored", 0))

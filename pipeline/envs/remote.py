@@ -46,7 +46,7 @@ class RemoteEnvironment(Environment):
         self.sock.connect(address)
 
     def _call(self, kind: str, meta: dict):
-        from pipeline.wire import decode, encode
+        from pipeline.protocol.wire import decode, encode
 
         if self.sock.closed:
             raise RuntimeError("this episode's environment was abandoned after a timeout")
@@ -67,7 +67,7 @@ class RemoteEnvironment(Environment):
         return Step(str(meta["observation"]), float(meta["reward"]), bool(meta["done"]))
 
     def close(self) -> None:
-        from pipeline.wire import encode
+        from pipeline.protocol.wire import encode
 
         if not self.sock.closed:
             self.sock.send_multipart(encode(self.secret, "close", {}))

@@ -2,7 +2,7 @@
 
 Started by `pipeline.envs.remote.EnvironmentPool` (``python -m pipeline.envs.server ADDRESS``, the
 pool's wire secret in ``TOKENFLOW_ENV_SECRET``; ADDRESS exists once it serves); each client socket
-(one per episode, identified by its ZeroMQ identity) owns one environment here. Requests and answers are `pipeline.wire` messages
+(one per episode, identified by its ZeroMQ identity) owns one environment here. Requests and answers are `pipeline.protocol.wire` messages
 (an authenticated msgpack header, no arrays): kind ``reset`` (meta ``env``, ``text``), ``step``
 (meta ``text``) or ``close``; the answer is kind ``step`` (meta ``observation``, ``reward``,
 ``done``), ``ok`` or ``error`` (meta ``error``, naming what failed).
@@ -60,7 +60,7 @@ def serve(address: str, secret: bytes) -> None:
     """Serve until killed (see the module docstring)."""
     import zmq
 
-    from pipeline.wire import FrameError, decode, encode
+    from pipeline.protocol.wire import FrameError, decode, encode
 
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)

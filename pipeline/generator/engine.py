@@ -58,7 +58,7 @@ import numpy as np
 from pipeline.generator.capture import kept_token_ids
 from pipeline.generator.config import GeneratorConfig, GroupRequest, request_seed
 from pipeline.generator.vllm_args import engine_args, resolve_weight_sync, sampled_logprobs, sampling_params
-from pipeline.record import RecordSchema, RolloutSample
+from pipeline.protocol.record import RecordSchema, RolloutSample
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -246,7 +246,7 @@ class Generator:
             **self._record_routing(request, c))
 
     def _record_routing(self, request: GroupRequest, c: Completion) -> dict[str, np.ndarray]:
-        """The record's routing fields (`pipeline.record`): prompt rows, completion rows with the
+        """The record's routing fields (`pipeline.protocol.record`): prompt rows, completion rows with the
         never-fed last token's row -1. A position the engine never computed fails the sample."""
         if self.schema.routed_experts is None:
             return {}

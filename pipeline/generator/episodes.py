@@ -1,7 +1,7 @@
 """Multi-turn episodes in the generator: model turns and environment observations in ONE token sequence.
 
 An episode is one rollout sample whose completion is model turn 1, observation 1, model turn 2, ...
-(`pipeline.record`, ``model_mask``). Invariants:
+(`pipeline.protocol.record`, ``model_mask``). Invariants:
 
 - token in, token out: turn k is generated from exactly ``prompt_ids + completion so far`` (the ids
   the engine produced and the observations' ids, never a re-tokenised conversation), so the

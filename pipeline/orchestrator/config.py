@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.transport import TransportConfig
+from pipeline.protocol.transport import TransportConfig
 
 
 @dataclass

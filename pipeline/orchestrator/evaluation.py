@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.orchestrator.links import prompt_arrays
-from pipeline.orchestrator.messages import EvalResult, EvalWork, encode
+from pipeline.protocol.links import prompt_arrays
+from pipeline.protocol.messages import EvalResult, EvalWork, encode
 from pipeline.orchestrator.prompts import PromptItem, PromptSource
 from pipeline.orchestrator.scoring import Scorer
-from pipeline.record import RecordError, RecordSchema, SampleBatch
-from pipeline.transport import MessageServer
+from pipeline.protocol.record import RecordError, RecordSchema, SampleBatch
+from pipeline.protocol.transport import MessageServer
 
 log = logging.getLogger(__name__)
 

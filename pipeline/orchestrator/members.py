@@ -10,7 +10,7 @@ Invariants:
   members without it, kept among the *leaving*, who still hear weight-group changes and updates
   (a broadcast the trainer started before it knew must not wait for a missing member), never
   re-adopted by a credit update;
-- credits are absolute and idempotent (see `pipeline.orchestrator.links`): a generator is granted
+- credits are absolute and idempotent (see `pipeline.protocol.links`): a generator is granted
   ``free - (granted_this_epoch - received)`` groups, never more.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pipeline.orchestrator.messages import Credit
+from pipeline.protocol.messages import Credit
 
 
 @dataclass

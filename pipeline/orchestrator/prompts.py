@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from pipeline.record import RecordError, SampleBatch
+from pipeline.protocol.record import RecordError, SampleBatch
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.log_format import GroupOutcome
-from pipeline.log_reader import RolloutLog
-from pipeline.record import SampleBatch
+from pipeline.rollout_log.format import GroupOutcome
+from pipeline.rollout_log.reader import RolloutLog
+from pipeline.protocol.record import SampleBatch
 
 
 class LogFeeder:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.log_format import RELEASE_OUTCOMES, LogNotFoundError
-from pipeline.log_reader import RolloutLog
+from pipeline.rollout_log.format import RELEASE_OUTCOMES, LogNotFoundError
+from pipeline.rollout_log.reader import RolloutLog
 from pipeline.orchestrator.buffer import BufferedGroup
 
 

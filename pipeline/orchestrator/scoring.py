@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from pipeline.orchestrator.prompts import PromptItem
-from pipeline.record import SampleBatch
+from pipeline.protocol.record import SampleBatch
 
 
 class Scorer:

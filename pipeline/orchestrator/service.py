@@ -41,13 +41,13 @@ from typing import Callable
 import numpy as np
 
 from pipeline.metrics import MetricsWriter
-from pipeline.orchestrator import messages as m
+from pipeline.protocol import messages as m
 from pipeline.orchestrator.admission import Admission
 from pipeline.orchestrator.buffer import BufferedGroup, RolloutBuffer
 from pipeline.orchestrator.clock import PolicyClock
 from pipeline.orchestrator.config import OrchestratorConfig
 from pipeline.orchestrator.evaluation import Evaluator
-from pipeline.orchestrator.links import batch_from_arrays, bind_server, prompt_arrays, write_rendezvous
+from pipeline.protocol.links import batch_from_arrays, bind_server, prompt_arrays, write_rendezvous
 from pipeline.orchestrator.members import GeneratorPool
 from pipeline.orchestrator.prompts import PromptSource, check_result
 from pipeline.orchestrator.replay import LogFeeder
@@ -55,10 +55,10 @@ from pipeline.orchestrator.restore import restore_from_log
 from pipeline.orchestrator.scoring import GROUP_FILTERS, AsyncScoring, Scorer, with_rewards
 from pipeline.orchestrator.steps import StepDesk
 from pipeline.orchestrator.trainer_side import TrainerSide
-from pipeline.record import RecordError, RecordSchema, SampleBatch
-from pipeline.rollout_log import GroupOutcome, RolloutLogWriter
+from pipeline.protocol.record import RecordError, RecordSchema, SampleBatch
+from pipeline.rollout_log.writer import GroupOutcome, RolloutLogWriter
 from pipeline.run_files import ROLLOUTS_DIR
-from pipeline.wire import Message
+from pipeline.protocol.wire import Message
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ import numpy as np
 
 from pipeline.orchestrator.batching import split_by_tokens
 from pipeline.orchestrator.buffer import BufferedGroup, RolloutBuffer
-from pipeline.orchestrator.links import batch_arrays
-from pipeline.orchestrator.messages import Batch, GetBatch
-from pipeline.record import SampleBatch
-from pipeline.rollout_log import RolloutLogWriter
+from pipeline.protocol.links import batch_arrays
+from pipeline.protocol.messages import Batch, GetBatch
+from pipeline.protocol.record import SampleBatch
+from pipeline.rollout_log.writer import RolloutLogWriter
 
 
 class StepDesk:

@@ -24,9 +24,9 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from pipeline.orchestrator import messages as m
+from pipeline.protocol import messages as m
 from pipeline.orchestrator.buffer import BufferedGroup
-from pipeline.rollout_log import GroupOutcome
+from pipeline.rollout_log.writer import GroupOutcome
 
 if TYPE_CHECKING:
     from collections import Counter
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from pipeline.orchestrator.buffer import RolloutBuffer
     from pipeline.orchestrator.clock import PolicyClock
     from pipeline.orchestrator.evaluation import Evaluator
-    from pipeline.transport import MessageServer
+    from pipeline.protocol.transport import MessageServer
     from pipeline.orchestrator.members import GeneratorPool
     from pipeline.orchestrator.replay import LogFeeder
     from pipeline.orchestrator.steps import StepDesk

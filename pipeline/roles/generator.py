@@ -54,9 +54,9 @@ from pipeline.launch.generator_jobs import JOB_ENV, RUN_CHECK_S, run_alive
 from pipeline.launch.rendezvous import running_attempt
 from pipeline.launch.task import JOINS_RUN
 from pipeline.metrics import MetricsWriter
-from pipeline.orchestrator.links import Control, EvalItem, GeneratorLink, WorkItem
-from pipeline.orchestrator.messages import Regroup, Stop, Update
-from pipeline.record import RolloutSample, SampleBatch, unrecorded_fields
+from pipeline.protocol.links import Control, EvalItem, GeneratorLink, WorkItem
+from pipeline.protocol.messages import Regroup, Stop, Update
+from pipeline.protocol.record import RolloutSample, SampleBatch, unrecorded_fields
 from pipeline.roles.common import (cpu_cores_for, load_run_config, lower_cpu_priority, model_dir, pin_process,
                                    shares_trainer_cores)
 

@@ -39,8 +39,8 @@ import numpy as np
 from pipeline.config import TokenflowConfig, stored_record_schema
 from pipeline.metrics import MetricsWriter
 from pipeline.orchestrator.clock import staleness
-from pipeline.orchestrator.links import TrainerLink
-from pipeline.record import sequence_routing
+from pipeline.protocol.links import TrainerLink
+from pipeline.protocol.record import sequence_routing
 from pipeline.roles.common import (agree_over_ranks, cpu_cores_for, load_run_config, model_dir, pin_process,
                                    publish_model)
 from pipeline.roles.weight_push import WeightPusher
@@ -231,7 +231,7 @@ class TrainerRole:
 
         With several ranks a stop during the wait is not agreed collectively: the run then resumes
         from the last periodic checkpoint (the orchestrator returns later steps' groups)."""
-        from pipeline.transport import TransportError
+        from pipeline.protocol.transport import TransportError
 
         deadline = time.monotonic() + self.cfg.run.timeout_s
         while True:

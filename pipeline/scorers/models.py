@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.record import SampleBatch
+from pipeline.protocol.record import SampleBatch
 
 
 class SequenceScorer:

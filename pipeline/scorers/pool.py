@@ -50,9 +50,9 @@ import zmq
 
 from pipeline.orchestrator.prompts import PromptItem
 from pipeline.orchestrator.scoring import Scorer
-from pipeline.record import RecordSchema, SampleBatch
+from pipeline.protocol.record import RecordSchema, SampleBatch
 from pipeline.scorers.config import ScorersConfig
-from pipeline.transport import MessageServer, TransportConfig, TransportError, load_or_create_secret
+from pipeline.protocol.transport import MessageServer, TransportConfig, TransportError, load_or_create_secret
 
 log = logging.getLogger(__name__)
 

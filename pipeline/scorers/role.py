@@ -35,10 +35,10 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.record import RecordSchema, SampleBatch
+from pipeline.protocol.record import RecordSchema, SampleBatch
 from pipeline.scorers.config import ScorersConfig
 from pipeline.scorers.pool import SCORERS_RENDEZVOUS
-from pipeline.transport import MessageClient, TransportConfig, TransportError, load_or_create_secret
+from pipeline.protocol.transport import MessageClient, TransportConfig, TransportError, load_or_create_secret
 
 log = logging.getLogger(__name__)
 

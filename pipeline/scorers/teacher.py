@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.record import SampleBatch
+from pipeline.protocol.record import SampleBatch
 
 #: Tokens per engine step on CPU (every prompt prefilled whole).
 _CPU_BATCHED_TOKENS = 8192

@@ -40,9 +40,9 @@ REPLAY_OVERRIDES = [f"run.steps={STEPS}", f"orchestrator.groups_per_step={GROUPS
 def copy_log(source: Path) -> None:
     from omegaconf import OmegaConf
 
-    from pipeline.log_format import GroupOutcome
-    from pipeline.log_reader import RolloutLog
-    from pipeline.rollout_log import RolloutLogWriter
+    from pipeline.rollout_log.format import GroupOutcome
+    from pipeline.rollout_log.reader import RolloutLog
+    from pipeline.rollout_log.writer import RolloutLogWriter
     from pipeline.run_files import CONFIG_FILE, ROLLOUTS_DIR
 
     if RUN.exists():

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.orchestrator.links import EvalItem, GeneratorLink, TrainerLink, WorkItem
-from pipeline.record import FINISH_REASONS, RecordSchema, SampleBatch
-from pipeline.record_schema import SCALAR_COLUMNS
+from pipeline.protocol.links import EvalItem, GeneratorLink, TrainerLink, WorkItem
+from pipeline.protocol.record import FINISH_REASONS, RecordSchema, SampleBatch
+from pipeline.protocol.record_schema import SCALAR_COLUMNS
 
 
 def synthetic_group(item: WorkItem, generator_id: int, schema: RecordSchema, min_len: int,

@@ -5,7 +5,7 @@ Invariants:
 - global row r of the log is local row ``r - first_row`` of the segment whose range holds it; each
   segment's ``first_row`` attribute was fixed by its writer from what earlier segments held, so a
   skipped (damaged) segment leaves a gap of unreadable rows rather than shifting later rows;
-- what is read is the sealed segments plus the journal's valid entries (`log_scan`): everything a
+- what is read is the sealed segments plus the journal's valid entries (`scan`): everything a
   writer had acknowledged when the files were read, on any node. A damaged segment (not HDF5,
   truncated, unopenable) is skipped with a `LogDamageWarning` naming it and listed in
   ``problems``; a foreign HDF5 file, a newer layout version, or segments that disagree on run id or
@@ -29,12 +29,12 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from pipeline.log_format import (
+from pipeline.rollout_log.format import (
     GROUP_COLUMNS, STEP_COLUMNS, STEP_META_COLUMNS, CorruptSegmentError, GroupOutcome, LogError,
     LogDamageWarning, RELEASE_OUTCOMES, SchemaMismatchError, dataset_layout, resolve_log_path)
-from pipeline.log_scan import LogScan, open_segments, scan_log
-from pipeline.log_segment import Segment
-from pipeline.record import RecordSchema, SampleBatch
+from pipeline.rollout_log.scan import LogScan, open_segments, scan_log
+from pipeline.rollout_log.segment import Segment
+from pipeline.protocol.record import RecordSchema, SampleBatch
 
 _MERGE_GAP = 64  # rows read as one range when requested rows are at most this far apart
 

@@ -1,5 +1,5 @@
 """The rollout record: one sample of a prompt group, and its columnar batch form (which fields a run
-records, and their dtypes: `pipeline.record_schema`).
+records, and their dtypes: `pipeline.protocol.record_schema`).
 
 Invariants this module keeps (checked on construction, raising `RecordError` naming the field):
 
@@ -45,7 +45,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from pipeline.record_schema import PROMPT_COLUMN, RecordError, RecordSchema
+from pipeline.protocol.record_schema import PROMPT_COLUMN, RecordError, RecordSchema
 
 #: Behaviour logprobs must be <= this (0 up to float32 rounding of the engine's log-softmax).
 LOGPROB_MAX = 1e-3

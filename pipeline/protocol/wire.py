@@ -36,7 +36,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 PROTOCOL_VERSION = 2
-"""2: control messages are the typed records of `pipeline.orchestrator.messages`."""
+"""2: control messages are the typed records of `pipeline.protocol.messages`."""
 NONCE_BYTES = 12
 MAC_BYTES = NONCE_BYTES + 16
 MAX_HEADER_BYTES = 64 * 1024

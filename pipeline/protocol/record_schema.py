@@ -12,7 +12,7 @@ Invariants this module keeps:
 
 Example: ``RecordSchema(routed_experts=(2, 4), sampling_mask_k=8)`` adds ``routed_experts``
 (int16, trailing shape (2, 4): 2 MoE layers x top-4 per token), ``sampling_mask`` (int32, (8,))
-and ``prompt_routed_experts`` (int16, (2, 4) per prompt token). `pipeline.record` checks samples
+and ``prompt_routed_experts`` (int16, (2, 4) per prompt token). `pipeline.protocol.record` checks samples
 and batches against it.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The other roles' side of the orchestrator protocol: generator and trainer links.
 
-Messages are the typed records of `pipeline.orchestrator.messages` (one per kind; who sends
+Messages are the typed records of `pipeline.protocol.messages` (one per kind; who sends
 which is written there). A generator sends `Hello`, then `Want` credit updates, `Result` and
 `EvalResult`, and `Leave` when it departs; it receives `Work`, `Ack`, `EvalWork`, `Update`, `Regroup`, `Stop`. The trainer sends
 `TrainerVersion`, `Resume`, `GetBatch`, `EvalRequest`, `WeightsAnnounced`, `ListMembers`,
@@ -28,10 +28,10 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from pipeline.orchestrator import messages as m
-from pipeline.record import RecordError, RecordSchema, SampleBatch
+from pipeline.protocol import messages as m
+from pipeline.protocol.record import RecordError, RecordSchema, SampleBatch
 from pipeline.run_files import ORCHESTRATOR_RENDEZVOUS
-from pipeline.transport import (MessageClient, MessageServer, TransportConfig, TransportError,
+from pipeline.protocol.transport import (MessageClient, MessageServer, TransportConfig, TransportError,
                                 load_or_create_secret)
 
 log = logging.getLogger(__name__)

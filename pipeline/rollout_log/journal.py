@@ -6,7 +6,7 @@ same generation, on a local disk or on NFS, Lustre, GPFS or sshfs). An entry on 
 
     b"TFJ1" | n (uint32 LE) | n frame lengths (uint64 LE) | frame 0 | ... | frame n-1
 
-and its frames are one `pipeline.wire` message (msgpack header + raw array frames) whose GMAC,
+and its frames are one `pipeline.protocol.wire` message (msgpack header + raw array frames) whose GMAC,
 computed with the fixed public key `JOURNAL_KEY`, serves as a 128-bit checksum of the lengths,
 header and arrays (here it detects torn and damaged writes; it authenticates nothing).
 
@@ -38,7 +38,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from pipeline import wire
+from pipeline.protocol import wire
 
 JOURNAL_RE = re.compile(r"^journal-(\d{8,})\.tfj$")
 MAGIC = b"TFJ1"

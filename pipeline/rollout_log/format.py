@@ -1,8 +1,8 @@
-"""On-disk layout of the rollout log, shared by its writer (`rollout_log`) and readers (`log_reader`).
+"""On-disk layout of the rollout log, shared by its writer (`writer`) and readers (`reader`).
 
 A run's log is the directory ``RUN/rollouts/`` holding immutable HDF5 *segments*
 ``segment-NNNNN.h5`` and the current generation's append-only *journal* ``journal-GGGGGGGG.tfj``
-(format in `log_journal`). A writer acknowledges a flush once its journal entry is ``fdatasync``'d;
+(format in `journal`). A writer acknowledges a flush once its journal entry is ``fdatasync``'d;
 every ``seal_interval_s`` it seals what the journal holds into a new segment and starts the next
 generation. Read in order, the sealed segments and then the journal's valid entries are one log;
 a sample's *global row* counts across them. (Layout version 1, written before the journal existed,
@@ -25,7 +25,7 @@ Invariants a segment keeps:
   ``[1, 2, 5, 6, 0, 0, 0]``; if the segment's attribute first_row is 10 these are global rows 10, 11.
 
 Which segments belong to the log is said by the newest journal with a valid header (see
-`log_scan`); a segment no header lists (left by a writer that stopped before publishing it, or by a
+`scan`); a segment no header lists (left by a writer that stopped before publishing it, or by a
 fenced stale writer) is ignored and reported.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.record import PROMPT_COLUMN, RecordSchema
+from pipeline.protocol.record import PROMPT_COLUMN, RecordSchema
 from pipeline.run_files import ROLLOUTS_DIR
 
 #: Version of this file layout; readers refuse files of a newer version (and read version 1).
@@ -230,7 +230,7 @@ def write_sealed_segment(path: Path, schema: RecordSchema, attrs: dict,
     of the layout: aside as ``*.tmp``, fsync'd, renamed to ``path``, the directory fsync'd."""
     import h5py
 
-    from pipeline.log_journal import fsync_dir
+    from pipeline.rollout_log.journal import fsync_dir
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with h5py.File(tmp, "w", libver="latest") as f:
         for key, value in attrs.items():
@@ -251,7 +251,7 @@ def check_log_filesystem(log_dir: Path, mounts_text: str | None = None) -> str:
     """Refuse (`UnsupportedFilesystemError`, naming the reason) a directory where the log cannot
     be durable; returns its filesystem type. Probes what the log relies on: exclusive create,
     write + ``fdatasync``/``fsync``, rename, directory fsync, remove."""
-    from pipeline.log_journal import fsync_dir
+    from pipeline.rollout_log.journal import fsync_dir
     fstype = filesystem_type(log_dir, mounts_text)
     if fstype in REFUSED_FILESYSTEMS:
         raise UnsupportedFilesystemError(

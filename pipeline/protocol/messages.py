@@ -1,7 +1,7 @@
 """The control protocol: one typed record per message kind, shared by both ends.
 
 Every message between the orchestrator and the generators or trainer is one of the dataclasses
-below. `encode` turns a record into the wire's ``(kind, meta, arrays)`` (`pipeline.wire`: msgpack
+below. `encode` turns a record into the wire's ``(kind, meta, arrays)`` (`pipeline.protocol.wire`: msgpack
 header, raw array frames, GMAC over everything); `decode` turns a received `wire.Message` back into
 its record, checking every field's type and every required array frame, or raises `MessageError`
 naming the kind and the problem. Nothing past `decode` indexes a metadata dict.
@@ -35,7 +35,7 @@ from typing import Any, ClassVar, Union
 
 import numpy as np
 
-from pipeline.wire import Message
+from pipeline.protocol.wire import Message
 
 KINDS: dict[str, type] = {}
 """Message kind -> its record class."""
@@ -72,7 +72,7 @@ def _at_least(record: Any, low: int, *names: str) -> None:
 # -- generator -> orchestrator ------------------------------------------------------------------
 @dataclass(frozen=True)
 class Credit:
-    """Absolute, idempotent credit (see `pipeline.orchestrator.links`)."""
+    """Absolute, idempotent credit (see `pipeline.protocol.links`)."""
     free: int
     """Free slots (groups the generator can take now)."""
     received: int

@@ -2,7 +2,7 @@
 
 Invariants:
 
-- the newest journal whose header entry is valid decides (layout in `log_format`, `log_journal`):
+- the newest journal whose header entry is valid decides (layout in `format`, `journal`):
   its header lists the sealed segments of the log; its valid entries after the header are the rows
   not sealed yet, held in memory as one more `Segment`. Older journals are ignored (what they held
   was sealed into a listed segment before the newer header was written), so is a journal without a
@@ -29,12 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.log_format import (
+from pipeline.rollout_log.format import (
     SCHEMA_VERSION, SEGMENT_RE, TABLES, CorruptSegmentError, LogError, NewerSchemaError,
     NotHDF5Error, dataset_layout, segment_attrs, segment_name)
-from pipeline.log_journal import JOURNAL_RE, read_journal
-from pipeline.log_segment import ArrayFile, Segment
-from pipeline.record import RecordSchema
+from pipeline.rollout_log.journal import JOURNAL_RE, read_journal
+from pipeline.rollout_log.segment import ArrayFile, Segment
+from pipeline.protocol.record import RecordSchema
 
 _ATTEMPTS = 5
 

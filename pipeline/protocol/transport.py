@@ -31,7 +31,7 @@ from typing import Any, Mapping
 import numpy as np
 import zmq
 
-from pipeline import wire
+from pipeline.protocol import wire
 from pipeline.run_files import SECRET_FILE
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Writer of the durable rollout log (layout in `log_format`, journal in `log_journal`).
+"""Writer of the durable rollout log (layout in `format`, journal in `journal`).
 
 Invariants:
 
@@ -11,7 +11,7 @@ Invariants:
   sealed into an immutable HDF5 segment and the next journal generation is started (claimed with an
   exclusive create; its header lists the segments); a writer killed at any point leaves a log that
   the next start reads whole: sealed segments, then the journal's valid prefix;
-- a start never modifies an existing file: it reads the log (`log_scan`), refuses a foreign file, a
+- a start never modifies an existing file: it reads the log (`scan`), refuses a foreign file, a
   newer layout, another run id or record schema; checks that the filesystem can give durability
   (`check_log_filesystem`); claims the next generation; seals the predecessor's unsealed rows into
   that generation's segment; writes a header recording where the predecessor's journal validly
@@ -42,15 +42,15 @@ from typing import Sequence
 
 import numpy as np
 
-from pipeline.log_format import (
+from pipeline.rollout_log.format import (
     GROUP_COLUMNS, SCHEMA_VERSION, STEP_COLUMNS, STEP_META_COLUMNS, TABLES, GroupOutcome, LogError,
     LogDamageWarning, LogFencedError, SchemaMismatchError, check_log_filesystem, dataset_layout,
     segment_attrs, segment_name, write_sealed_segment)
-from pipeline.log_journal import JournalFile, encode_entry, fsync_dir, journal_name, list_journals
-from pipeline.log_reader import RolloutLog
-from pipeline.log_scan import scan_log
-from pipeline.log_segment import ArrayFile, Segment
-from pipeline.record import PROMPT_COLUMN, RecordSchema, SampleBatch
+from pipeline.rollout_log.journal import JournalFile, encode_entry, fsync_dir, journal_name, list_journals
+from pipeline.rollout_log.reader import RolloutLog
+from pipeline.rollout_log.scan import scan_log
+from pipeline.rollout_log.segment import ArrayFile, Segment
+from pipeline.protocol.record import PROMPT_COLUMN, RecordSchema, SampleBatch
 
 
 ArrayLike = int | float | Sequence | np.ndarray

@@ -2,7 +2,7 @@
 
 Invariants:
 
-- a `Segment` only ever shows what a valid commit row covers (see `log_format`): data a writer
+- a `Segment` only ever shows what a valid commit row covers (see `format`): data a writer
   wrote after its last complete flush is invisible, so readers of a live or a killed writer's
   segment see a consistent prefix;
 - opening never modifies the file: read-only, plainly (so damage fails fast), and in SWMR read
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.log_format import (
+from pipeline.rollout_log.format import (
     SCHEMA_VERSION, TABLES, CorruptSegmentError, ForeignFileError, NewerSchemaError, NotHDF5Error,
     dataset_layout)
-from pipeline.record import PROMPT_COLUMN, RecordError, RecordSchema, SampleBatch
+from pipeline.protocol.record import PROMPT_COLUMN, RecordError, RecordSchema, SampleBatch
 
 _COMMIT_LOOKBACK = 8  # how many trailing commit rows to try when the last one is torn
 # A live (or killed mid-flush) SWMR writer's file may end up to this many bytes before the end

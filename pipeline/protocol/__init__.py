@@ -1,0 +1,8 @@
+"""Every byte that crosses a process boundary: framing, transport, typed records and the links.
+
+- `wire`: msgpack header + raw array frames, authenticated per message (no pickle);
+- `transport`: ZeroMQ ROUTER/DEALER endpoints, the run secret, timeouts, drop accounting;
+- `record`, `record_schema`: the rollout record and its columnar batch form (wire and disk);
+- `messages`: the orchestrator's control records, one typed record per kind;
+- `links`: the generator's and the trainer's clients of the orchestrator.
+"""

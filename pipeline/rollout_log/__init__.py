@@ -1,0 +1,14 @@
+"""The durable rollout log: an fdatasync'd journal of wire frames sealed into immutable HDF5 segments.
+
+Public surface (everything else is the package's own):
+- `RolloutLogWriter` (open, append, flush, seal, close) in `writer`;
+- `RolloutLog` (read any node's copy: rows, steps, resume state) in `reader`;
+- `scan_log` (what a directory holds, damage included) in `scan`;
+- the layout, outcomes and errors in `format`; the journal's entries in `journal`.
+"""
+from pipeline.rollout_log.format import GroupOutcome, LogError
+from pipeline.rollout_log.reader import RolloutLog
+from pipeline.rollout_log.scan import scan_log
+from pipeline.rollout_log.writer import RolloutLogWriter
+
+__all__ = ["GroupOutcome", "LogError", "RolloutLog", "RolloutLogWriter", "scan_log"]
