@@ -3,7 +3,8 @@
 With ``episode.env_processes = N > 0`` the generator starts N `pipeline.envs.server` processes
 (`EnvironmentPool`) and each episode's environment is a `RemoteEnvironment` on one of them, chosen
 round-robin; the episode loop (`pipeline.generator.episodes`) drives it exactly like an environment
-in its own process, under the same step timeout. Invariants:
+in its own process, under the same step timeout (the records: `pipeline.protocol.environment`).
+Invariants:
 
 - an environment process that dies (killed, crashed) is restarted at once, up to
   ``episode.env_restarts`` times; the episodes it was serving fail their step (an ``env_error`` after
@@ -30,6 +31,11 @@ import tempfile
 
 from pipeline.envs.base import Environment, Step
 from pipeline.envs.server import MAX_BYTES, OWNER_ENV, SECRET_ENV
+from pipeline.protocol.environment import (ENV_ANSWERS, EnvClose, EnvError, EnvOk, EnvReset, EnvStep,
+                                           EnvStepped)
+from pipeline.protocol.codec import MessageError, encode
+from pipeline.protocol.wire import decode
+from pipeline.protocol.wire import encode as wire_frames
 
 log = logging.getLogger(__name__)
 
@@ -45,32 +51,35 @@ class RemoteEnvironment(Environment):
         self.sock.setsockopt(zmq.LINGER, 100)  # long enough for a last `close` to leave
         self.sock.connect(address)
 
-    def _call(self, kind: str, meta: dict):
-        from pipeline.protocol.wire import decode, encode
-
+    def _call(self, request: EnvReset | EnvStep, answer: type):
+        """Send ``request``; its answer, which must be an ``answer`` record."""
         if self.sock.closed:
             raise RuntimeError("this episode's environment was abandoned after a timeout")
-        self.sock.send_multipart(encode(self.secret, kind, meta))
+        self.sock.send_multipart(wire_frames(self.secret, *encode(request)))
         if not self.sock.poll(int((self.timeout_s + 1.0) * 1000)):
             self.sock.close()  # by the thread that used it; the late answer goes nowhere
-            raise TimeoutError(f"the environment process did not answer {kind} within {self.timeout_s + 1.0:g} s")
-        msg = decode(self.secret, self.sock.recv_multipart(), MAX_BYTES)
-        if msg.kind == "error":
-            raise RuntimeError(f"environment process: {msg.meta.get('error')}")
+            raise TimeoutError(f"the environment process did not answer {request.KIND} within "
+                               f"{self.timeout_s + 1.0:g} s")
+        try:
+            msg = ENV_ANSWERS.decode(decode(self.secret, self.sock.recv_multipart(), MAX_BYTES))
+        except MessageError as exc:
+            raise RuntimeError(f"environment process answered {request.KIND} badly: {exc}") from None
+        if isinstance(msg, EnvError):
+            raise RuntimeError(f"environment process: {msg.error}")
+        if not isinstance(msg, answer):
+            raise RuntimeError(f"environment process answered {request.KIND} with {msg.KIND}")
         return msg
 
     def reset(self, prompt_text: str) -> None:
-        self._call("reset", {"env": self.kind, "text": prompt_text})
+        self._call(EnvReset(self.kind, prompt_text), EnvOk)
 
     def step(self, message: str) -> Step:
-        meta = self._call("step", {"text": message}).meta
-        return Step(str(meta["observation"]), float(meta["reward"]), bool(meta["done"]))
+        stepped = self._call(EnvStep(message), EnvStepped)
+        return Step(stepped.observation, stepped.reward, stepped.done)
 
     def close(self) -> None:
-        from pipeline.protocol.wire import encode
-
         if not self.sock.closed:
-            self.sock.send_multipart(encode(self.secret, "close", {}))
+            self.sock.send_multipart(wire_frames(self.secret, *encode(EnvClose())))
             self.sock.close()
 
 

@@ -2,17 +2,18 @@
 
 Started by `pipeline.envs.remote.EnvironmentPool` (``python -m pipeline.envs.server ADDRESS``, the
 pool's wire secret in ``TOKENFLOW_ENV_SECRET``; ADDRESS exists once it serves); each client socket
-(one per episode, identified by its ZeroMQ identity) owns one environment here. Requests and answers are `pipeline.protocol.wire` messages
-(an authenticated msgpack header, no arrays): kind ``reset`` (meta ``env``, ``text``), ``step``
-(meta ``text``) or ``close``; the answer is kind ``step`` (meta ``observation``, ``reward``,
-``done``), ``ok`` or ``error`` (meta ``error``, naming what failed).
+(one per episode, identified by its ZeroMQ identity) owns one environment here. Requests and answers
+are the typed records of `pipeline.protocol.environment` (`pipeline.protocol.wire` messages: an
+authenticated msgpack header, no arrays): `EnvReset` (``env``, ``text``), `EnvStep` (``text``) or
+`EnvClose`; the answer is `EnvStepped` (``observation``, ``reward``, ``done``), `EnvOk` or `EnvError`
+(``error``, naming what failed).
 
 Invariants:
 - every request runs in its own daemon thread, so an environment that hangs holds up only its own
   episode: the others are answered meanwhile; the client gives up on it after its step timeout and
   closes the episode (a late answer to a closed episode is dropped);
-- a frame that fails authentication or parsing is answered with ``error`` naming the problem and
-  serving goes on; nothing is unpickled;
+- a frame that fails authentication or parsing, or that is not a well-formed request record, is
+  answered with ``error`` naming the problem and serving goes on; nothing is unpickled;
 - the process ends when its parent does (parent-death signal), so a killed generator leaves none.
 
 Worked example: a client sends ``reset {env: "calculator", text: "37*48="}`` -> ``ok``; then
@@ -26,6 +27,11 @@ import queue
 import sys
 import threading
 
+from pipeline.protocol.environment import ENV_REQUESTS, EnvClose, EnvError, EnvOk, EnvReset, EnvStep, EnvStepped
+from pipeline.protocol.codec import MessageError, encode
+from pipeline.protocol.wire import FrameError, decode
+from pipeline.protocol.wire import encode as wire_frames
+
 SECRET_ENV = "TOKENFLOW_ENV_SECRET"
 #: The pid of the process that started this one (its death ends this one, even before it got here).
 OWNER_ENV = "TOKENFLOW_ENV_OWNER"
@@ -33,34 +39,33 @@ OWNER_ENV = "TOKENFLOW_ENV_OWNER"
 MAX_BYTES = 1 << 22
 
 
-def _answer(envs: dict, identity: bytes, kind: str, meta: dict):
-    """(kind, meta) of the answer to one request (runs in the request's thread)."""
+def _answer(envs: dict, identity: bytes, request: EnvReset | EnvStep) -> EnvOk | EnvStepped | EnvError:
+    """The answer to one request (runs in the request's thread)."""
     from pipeline.envs import Step, make_environment
 
     try:
-        if kind == "reset":
-            env = make_environment(str(meta["env"]))
-            env.reset(str(meta.get("text", "")))
+        if isinstance(request, EnvReset):
+            env = make_environment(request.env)
+            env.reset(request.text)
             envs[identity] = env
-            return "ok", {}
-        if kind == "step":
-            env = envs.get(identity)
-            if env is None:
-                return "error", {"error": "step before reset (or after close) of this episode"}
-            step = env.step(str(meta.get("text", "")))
-            if not isinstance(step, Step):
-                return "error", {"error": f"{type(env).__name__}.step returned {type(step).__name__}, not Step"}
-            return "step", {"observation": step.observation, "reward": float(step.reward), "done": bool(step.done)}
-        return "error", {"error": f"unknown request kind {kind!r} (reset, step, close)"}
+            return EnvOk()
+        env = envs.get(identity)
+        if env is None:
+            return EnvError("step before reset (or after close) of this episode")
+        step = env.step(request.text)
+        if not isinstance(step, Step):
+            return EnvError(f"{type(env).__name__}.step returned {type(step).__name__}, not Step")
+        return EnvStepped(str(step.observation), float(step.reward), bool(step.done))
     except Exception as exc:  # the environment's failure is the episode's, reported to its client
-        return "error", {"error": f"{kind} failed: {exc!r}"}
+        return EnvError(f"{request.KIND} failed: {exc!r}")
 
 
 def serve(address: str, secret: bytes) -> None:
     """Serve until killed (see the module docstring)."""
     import zmq
 
-    from pipeline.protocol.wire import FrameError, decode, encode
+    def frames(identity: bytes, answer) -> list[bytes]:
+        return [identity, *wire_frames(secret, *encode(answer))]
 
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -69,34 +74,37 @@ def serve(address: str, secret: bytes) -> None:
     done: queue.Queue = queue.Queue()
     busy: set[bytes] = set()
 
-    def work(identity: bytes, kind: str, meta: dict) -> None:
-        done.put((identity, *_answer(envs, identity, kind, meta)))
+    def work(identity: bytes, request: EnvReset | EnvStep) -> None:
+        done.put((identity, _answer(envs, identity, request)))
 
     while True:
         while True:  # answers of finished requests; one of a closed episode is dropped
             try:
-                identity, kind, meta = done.get_nowait()
+                identity, answer = done.get_nowait()
             except queue.Empty:
                 break
             if identity in busy:
                 busy.discard(identity)
-                sock.send_multipart([identity, *encode(secret, kind, meta)])
+                sock.send_multipart(frames(identity, answer))
         if not sock.poll(20):
             continue
-        identity, *frames = sock.recv_multipart()
+        identity, *received = sock.recv_multipart()
         try:
-            msg = decode(secret, frames, MAX_BYTES)
+            request = ENV_REQUESTS.decode(decode(secret, received, MAX_BYTES))
         except FrameError as exc:
-            sock.send_multipart([identity, *encode(secret, "error", {"error": f"bad request frame: {exc}"})])
+            sock.send_multipart(frames(identity, EnvError(f"bad request frame: {exc}")))
             continue
-        if msg.kind == "close":
+        except MessageError as exc:
+            sock.send_multipart(frames(identity, EnvError(f"bad request: {exc}")))
+            continue
+        if isinstance(request, EnvClose):
             busy.discard(identity)  # a hung request of this episode is answered to nobody
             envs.pop(identity, None)
-            sock.send_multipart([identity, *encode(secret, "ok", {})])
+            sock.send_multipart(frames(identity, EnvOk()))
             continue
         busy.add(identity)
-        threading.Thread(target=work, args=(identity, msg.kind, dict(msg.meta)), daemon=True,
-                         name=f"env-{msg.kind}").start()
+        threading.Thread(target=work, args=(identity, request), daemon=True,
+                         name=f"env-{request.KIND}").start()
 
 
 def main() -> None:

@@ -58,7 +58,9 @@ import numpy as np
 from pipeline.generator.capture import kept_token_ids
 from pipeline.generator.config import GeneratorConfig, GroupRequest, request_seed
 from pipeline.generator.vllm_args import engine_args, resolve_weight_sync, sampled_logprobs, sampling_params
+from pipeline.protocol.codec import MessageError
 from pipeline.protocol.record import RecordSchema, RolloutSample
+from pipeline.protocol.worker_status import Received, received_state
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -298,19 +300,21 @@ class Generator:
         async with self._update_lock:
             t0 = time.monotonic()
             staged = path is None and self.weight_sync == "staged"
-            states: list[str] = []
+            states: list[Received] = []
             if staged:  # receive while generating; pause only to load
                 await self._post_receive(version)
-                while "pending" in (states := await self._rpc("received", version)):
+                states = await self._received(version)
+                while any(s.state == "pending" for s in states):
                     await asyncio.sleep(_STAGING_POLL_S)
-                if any(not s.startswith("ok") for s in states):
+                    states = await self._received(version)
+                if any(s.state != "ok" for s in states):
                     raise WeightReceiveError(f"receiving version {version} failed: {states}; the loaded "
                                              f"weights are unchanged and generation continues")
                 version = _staged_version(states, version)
             if self.config.interrupt == "abort":
                 self._abort_epoch += 1
             load = ("checkpoint" if path is not None else self.weight_sync, version, path or "")
-            prepared = staged and all(s == f"ok {version} prepared" for s in states)
+            prepared = staged and all(s.version == version and s.prepared for s in states)
             t_pause = time.monotonic()
             if self.config.interrupt in ("keep", "keep_kv") and version is not None:
                 loaded = await self._swap_at_once(load, int(version))
@@ -404,6 +408,15 @@ class Generator:
             raise WeightUpdateError(f"{method} of version {version} failed; the engine stays paused "
                                     f"until a complete version is loaded: {e}") from e
 
+    async def _received(self, version: int | None) -> list[Received]:
+        """Every worker's state of its background receive (`pipeline.protocol.worker_status`)."""
+        answers = await self._rpc("received", version)
+        try:
+            return [received_state(a) for a in answers]
+        except MessageError as e:
+            raise WeightReceiveError(f"a worker answered the receive poll of version {version} "
+                                     f"with no status: {e}") from e
+
     async def step_gaps(self) -> list[list[float]]:
         """Per worker, the engine's own stall of each update since the last call: seconds between the
         engine steps around its swap (`pipeline.generator.step_clock`; no step in progress counted)."""
@@ -417,10 +430,10 @@ class Generator:
         return await self.engine.collective_rpc("expert_layout")
 
 
-def _staged_version(states: list[str], version: int | None) -> int | None:
-    """The version every worker staged (states ``'ok <version>'``), or `version` when they disagree
-    (the load then names the disagreement)."""
-    staged = {int(s.split()[1]) for s in states}
+def _staged_version(states: list[Received], version: int | None) -> int | None:
+    """The version every worker staged (all states "ok"), or `version` when they disagree (the load
+    then names the disagreement)."""
+    staged = {s.version for s in states}
     return staged.pop() if len(staged) == 1 and version in (None, *staged) else version
 
 

@@ -300,19 +300,22 @@ class WeightSyncExtension:
         writers = self._expert_writers()
         return prepare(self.model_runner.get_model(), non_expert(tensors, writers), writers)
 
-    def received(self) -> str:
-        """State of the background receive: 'pending', 'ok <version> <prepared|in-place>', or
-        'failed: <error>' (the failed update is then dropped, leaving the loaded weights untouched)."""
+    def received(self) -> tuple[str, dict]:
+        """State of the background receive, a `pipeline.protocol.worker_status.Received` record's
+        plain form: pending, ok (version, prepared or in place) or failed (the failed update is then
+        dropped, leaving the loaded weights untouched)."""
+        from pipeline.protocol.worker_status import Received
+
         staging = getattr(self, "_tf_staging", None)
         if staging is None:
             raise RuntimeError("received called without start_receiving")
         thread, result = staging
         if thread.is_alive():
-            return "pending"
+            return Received("pending").plain()
         if "error" in result:
             self._tf_staging = None
-            return f"failed: {result['error']}"
-        return f"ok {result['version']} {'in-place' if result['prepared'] is None else 'prepared'}"
+            return Received("failed", error=str(result["error"])).plain()
+        return Received("ok", int(result["version"]), prepared=result["prepared"] is not None).plain()
 
     def load_received(self) -> int:
         """Swap in (or, not prepared, load) the update `start_receiving` received; returns its

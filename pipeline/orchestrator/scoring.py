@@ -1,4 +1,9 @@
-"""Rewards off the critical path: scorers, the asynchronous scoring pool, and group filters.
+"""Rewards off the critical path: scorers, the `Scoring` interface, the asynchronous scoring pool,
+and group filters.
+
+`Scoring` is what the orchestrator's loop scores through: `AsyncScoring` (scorers in this process)
+or `pipeline.scorers.pool.RemoteScoring` (scorer processes). The weight hooks and metrics have
+defaults that do nothing, so scoring that no weights concern needs none of them.
 
 Invariants:
 - scoring never runs on the orchestrator's event loop: `AsyncScoring.submit` returns at once and
@@ -8,6 +13,7 @@ Invariants:
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
@@ -40,7 +46,40 @@ def last_token_verifier(prompt: PromptItem, completion_ids: np.ndarray) -> float
     return float(completion_ids[0] == prompt.answer)
 
 
-class AsyncScoring:
+class Scoring(ABC):
+    """Groups in, (key, group, rewards, error) out, never blocking the orchestrator's loop."""
+
+    @abstractmethod
+    def submit(self, key: Any, group: SampleBatch, prompt: PromptItem) -> None:
+        """Score ``group`` (of ``prompt``); its answer comes out of `completed` under ``key``."""
+
+    @abstractmethod
+    def completed(self) -> Iterator[tuple[Any, SampleBatch, np.ndarray | None, BaseException | None]]:
+        """(key, group, rewards, error) of every finished group, each once; never blocks."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """The run is over."""
+
+    def bind_clock(self, clock) -> None:
+        """Follow the orchestrator's `PolicyClock` (a lagged teacher picks its snapshot by it)."""
+
+    def weight_members(self) -> dict[str, int]:
+        """Members of the trainer's weight group this scoring adds: name -> incarnation."""
+        return {}
+
+    def regroup(self, epoch: int) -> None:
+        """The trainer built the weight group of weight-group epoch ``epoch``."""
+
+    def weights_announced(self, version: int, epoch: int = 0) -> None:
+        """The trainer is about to broadcast weights ``version`` into weight-group epoch ``epoch``."""
+
+    def metrics(self) -> dict[str, float]:
+        """Counters for the orchestrator's metrics line."""
+        return {}
+
+
+class AsyncScoring(Scoring):
     """Scores groups in a thread pool beside the event loop, or inline when ``threads == 0``.
 
     Inline suits exact verifiers (microseconds per sample: a thread hand-off would cost more than

@@ -52,7 +52,7 @@ from pipeline.orchestrator.members import GeneratorPool
 from pipeline.orchestrator.prompts import PromptSource, check_result
 from pipeline.orchestrator.replay import LogFeeder
 from pipeline.orchestrator.restore import restore_from_log
-from pipeline.orchestrator.scoring import GROUP_FILTERS, AsyncScoring, Scorer, with_rewards
+from pipeline.orchestrator.scoring import GROUP_FILTERS, AsyncScoring, Scorer, Scoring, with_rewards
 from pipeline.orchestrator.steps import StepDesk
 from pipeline.orchestrator.trainer_side import TrainerSide
 from pipeline.protocol.record import RecordError, RecordSchema, SampleBatch
@@ -70,7 +70,7 @@ class Orchestrator(TrainerSide):
     def __init__(self, run_dir: Path, cfg: OrchestratorConfig, prompts: PromptSource,
                  scorer: Scorer, schema: RecordSchema, run_id: str = "run",
                  eval_prompts: PromptSource | None = None, replay_source: Path | None = None,
-                 scoring=None):
+                 scoring: Scoring | None = None):
         """``scoring``: where groups are scored (default: ``AsyncScoring(scorer)`` in this process;
         `pipeline.scorers.pool.RemoteScoring` for scorer roles, which fill the fields of ``schema``
         generators do not send)."""
@@ -94,8 +94,7 @@ class Orchestrator(TrainerSide):
             self.buffer.add(g)
         self.counts.update(state.outcome_counts)
         self.scoring = scoring or AsyncScoring(scorer, cfg.scorer_threads)
-        if hasattr(self.scoring, "bind_clock"):  # scorer roles: a lagged teacher follows the policy
-            self.scoring.bind_clock(self.clock)
+        self.scoring.bind_clock(self.clock)  # scorer roles: a lagged teacher follows the policy
         # What generators send: the stored record less the fields scorer roles fill.
         self.result_schema = replace(schema, token_rewards=False, teacher_logprobs=False) \
             if scoring is not None else schema
@@ -228,8 +227,7 @@ class Orchestrator(TrainerSide):
         """The trainer asks which generators are alive (to build the weight group)."""
         self._reap_dead()
         members = self.generators.members()
-        if hasattr(self.scoring, "weight_members"):  # a lagged teacher receives the weights too
-            members = {**members, **self.scoring.weight_members()}
+        members = {**members, **self.scoring.weight_members()}  # a lagged teacher receives the weights too
         self._send(peer, m.Members(members))
         for gen in self.generators.released():  # the trainer's next group is built without them
             self._send(gen, m.Stop())
@@ -240,8 +238,7 @@ class Orchestrator(TrainerSide):
         self._membership("regroup", None, epoch=msg.epoch)
         for gen in self.generators.listeners():
             self._send(gen, msg)
-        if hasattr(self.scoring, "regroup"):
-            self.scoring.regroup(msg.epoch)
+        self.scoring.regroup(msg.epoch)
 
     def _reap_dead(self) -> None:
         for peer in self.generators.reap():
@@ -378,8 +375,7 @@ class Orchestrator(TrainerSide):
             self._membership("switch", None, epoch=msg.epoch, version=msg.version)
         for gen in self.generators.listeners():
             self._send(gen, m.Update(msg.version, msg.epoch))
-        if hasattr(self.scoring, "weights_announced"):
-            self.scoring.weights_announced(msg.version, msg.epoch)
+        self.scoring.weights_announced(msg.version, msg.epoch)
 
     def _on_finish(self, peer: bytes, msg: m.Finish) -> None:
         for gen in self.generators.listeners():
@@ -400,7 +396,7 @@ class Orchestrator(TrainerSide):
             ingest_tokens_per_s=self._ingested_tokens / max(dt, 1e-9),
             **{f"count_{k}": v for k, v in self.counts.items()},
             **{f"frames_dropped_{k}": v for k, v in self.server.dropped.items()},
-            **(self.scoring.metrics() if hasattr(self.scoring, "metrics") else {}))
+            **self.scoring.metrics())
         self._ingested_tokens = 0
         self._last_metrics = now
 

@@ -4,7 +4,8 @@ Every message between the orchestrator and the generators or trainer is one of t
 below. `encode` turns a record into the wire's ``(kind, meta, arrays)`` (`pipeline.protocol.wire`: msgpack
 header, raw array frames, GMAC over everything); `decode` turns a received `wire.Message` back into
 its record, checking every field's type and every required array frame, or raises `MessageError`
-naming the kind and the problem. Nothing past `decode` indexes a metadata dict.
+naming the kind and the problem (the codec: `pipeline.protocol.codec`, this module's channel
+``ORCHESTRATOR``). Nothing past `decode` indexes a metadata dict.
 
 Invariants:
 - a kind names exactly one record class (`KINDS`); the record's fields are the header's ``meta``
@@ -17,8 +18,7 @@ Invariants:
 - `encode(decode(m))` reproduces ``m``'s kind, meta and arrays.
 
 Adding a message: declare a frozen dataclass with ``KIND`` (and ``ARRAYS`` when it carries frames)
-under `@message`; fields may be ``int``, ``float``, ``str``, ``bool``, ``X | None``, ``list[X]``,
-``dict[str, X]`` or another record. The receiving end dispatches on the record's class.
+under `@message`; field types as `pipeline.protocol.codec` lists. The receiving end dispatches on the record's class.
 
 Worked example: ``encode(Want(Credit(free=2, received=5, epoch="ab12", loaded=3)))`` is
 ``("want", {"credit": {"free": 2, "received": 5, "epoch": "ab12", "loaded": 3}}, None)``; a
@@ -27,46 +27,19 @@ got str")``.
 """
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Union
+from dataclasses import dataclass
+from typing import ClassVar, Union
 
 import numpy as np
 
-from pipeline.protocol.wire import Message
+from pipeline.protocol.codec import Channel, MessageError, arrays_field, at_least, encode  # noqa: F401 (the codec of this channel)
 
-KINDS: dict[str, type] = {}
+ORCHESTRATOR = Channel("orchestrator")
+"""The orchestrator's control plane (generators and trainer on one side, the orchestrator on the other)."""
+KINDS = ORCHESTRATOR.kinds
 """Message kind -> its record class."""
-
-
-class MessageError(ValueError):
-    """A received message is not a well-formed record of a known kind."""
-
-    def __init__(self, kind: str, detail: str):
-        super().__init__(f"{kind}: {detail}")
-        self.kind, self.detail = kind, detail
-
-
-def message(cls: type) -> type:
-    """Register a record class under its ``KIND``."""
-    if cls.KIND in KINDS:
-        raise ValueError(f"message kind {cls.KIND!r} defined twice")
-    KINDS[cls.KIND] = cls
-    return cls
-
-
-def _arrays() -> dict[str, np.ndarray]:
-    return field(default_factory=dict, repr=False)
-
-
-def _at_least(record: Any, low: int, *names: str) -> None:
-    """Value checks of a record (run when it is built, on either end): `ValueError` naming the field."""
-    for name in names:
-        value = getattr(record, name)
-        if value is not None and value < low:
-            raise ValueError(f"{name} must be >= {low}, got {value}")
+message = ORCHESTRATOR.message
+decode = ORCHESTRATOR.decode
 
 
 # -- generator -> orchestrator ------------------------------------------------------------------
@@ -83,7 +56,7 @@ class Credit:
     """Weights version the generator holds (None: it does not say)."""
 
     def __post_init__(self) -> None:
-        _at_least(self, 0, "free", "received", "loaded")
+        at_least(self, 0, "free", "received", "loaded")
 
 
 @message
@@ -105,7 +78,7 @@ class Leave:
     returned: int
 
     def __post_init__(self) -> None:
-        _at_least(self, 0, "returned")
+        at_least(self, 0, "returned")
 
 
 @message
@@ -124,10 +97,10 @@ class Result:
     attempt: int
     credit: Credit | None = None
     """The freed slot travels with the result (None on a re-send)."""
-    arrays: dict[str, np.ndarray] = _arrays()
+    arrays: dict[str, np.ndarray] = arrays_field()
 
     def __post_init__(self) -> None:
-        _at_least(self, 0, "group_id", "attempt")
+        at_least(self, 0, "group_id", "attempt")
 
 
 @message
@@ -137,10 +110,10 @@ class EvalResult:
     KIND: ClassVar[str] = "eval_result"
     ARRAYS: ClassVar[tuple[str, ...]] = ("eval_index",)
     step: int
-    arrays: dict[str, np.ndarray] = _arrays()
+    arrays: dict[str, np.ndarray] = arrays_field()
 
     def __post_init__(self) -> None:
-        _at_least(self, 0, "step")
+        at_least(self, 0, "step")
 
 
 # -- orchestrator -> generator ------------------------------------------------------------------
@@ -154,10 +127,10 @@ class Work:
     epoch: str
     version: int
     items: list[list[int]]
-    arrays: dict[str, np.ndarray] = _arrays()
+    arrays: dict[str, np.ndarray] = arrays_field()
 
     def __post_init__(self) -> None:
-        _at_least(self, 0, "version")
+        at_least(self, 0, "version")
         if any(len(item) != 4 or min(item) < 0 for item in self.items):
             raise ValueError("items must be [group_id, attempt, prompt_id, n] of non-negative ints")
 
@@ -181,7 +154,7 @@ class EvalWork:
     ARRAYS: ClassVar[tuple[str, ...]] = ("prompt_ids", "prompt_len")
     step: int
     indices: list[int]
-    arrays: dict[str, np.ndarray] = _arrays()
+    arrays: dict[str, np.ndarray] = arrays_field()
 
 
 @message
@@ -194,7 +167,7 @@ class Update:
     """The weight group the broadcast goes into (0: not told)."""
 
     def __post_init__(self) -> None:
-        _at_least(self, 0, "version")
+        at_least(self, 0, "version")
 
 
 @message
@@ -218,8 +191,8 @@ class GetBatch:
     """Only this data-parallel rank's share (None: the whole batch)."""
 
     def __post_init__(self) -> None:
-        _at_least(self, 0, "step", "version", "dp_rank")
-        _at_least(self, 1, "dp_size")
+        at_least(self, 0, "step", "version", "dp_rank")
+        at_least(self, 1, "dp_size")
         if self.dp_rank is not None and self.dp_rank >= self.dp_size:
             raise ValueError(f"dp_rank {self.dp_rank} is not below dp_size {self.dp_size}")
 
@@ -234,7 +207,7 @@ class Batch:
     step: int
     dp_rank: int | None
     """The share asked for (a late reply to an earlier request is told apart by it)."""
-    arrays: dict[str, np.ndarray] = _arrays()
+    arrays: dict[str, np.ndarray] = arrays_field()
 
 
 @message
@@ -245,7 +218,7 @@ class TrainerVersion:
     version: int
 
     def __post_init__(self) -> None:
-        _at_least(self, 0, "version")
+        at_least(self, 0, "version")
 
 
 @message
@@ -256,7 +229,7 @@ class Resume:
     step: int
 
     def __post_init__(self) -> None:
-        _at_least(self, 0, "step")
+        at_least(self, 0, "step")
 
 
 @message
@@ -267,7 +240,7 @@ class EvalRequest:
     version: int
 
     def __post_init__(self) -> None:
-        _at_least(self, 0, "step", "version")
+        at_least(self, 0, "step", "version")
 
 
 @message
@@ -280,7 +253,7 @@ class WeightsAnnounced:
     """The weight group it broadcasts into (0: not told)."""
 
     def __post_init__(self) -> None:
-        _at_least(self, 0, "version")
+        at_least(self, 0, "version")
 
 
 @message
@@ -306,7 +279,7 @@ class Regroup:
     epoch: int
 
     def __post_init__(self) -> None:
-        _at_least(self, 0, "epoch")
+        at_least(self, 0, "epoch")
 
 
 @message
@@ -323,98 +296,3 @@ class Error:
     KIND: ClassVar[str] = "error"
     kind: str
     detail: str
-
-
-# -- codec --------------------------------------------------------------------------------------
-def encode(msg: Any) -> tuple[str, dict, dict[str, np.ndarray] | None]:
-    """``(kind, meta, arrays)`` for `MessageServer.send` / `MessageClient.send`."""
-    meta = {f.name: _plain(getattr(msg, f.name)) for f in dataclasses.fields(msg) if f.name != "arrays"}
-    arrays = getattr(msg, "arrays", None)
-    return msg.KIND, meta, (dict(arrays) if arrays else None)
-
-
-def decode(raw: Message) -> Any:
-    """The record of a received message, or `MessageError`."""
-    cls = KINDS.get(raw.kind)
-    if cls is None:
-        raise MessageError(raw.kind, "unknown message kind")
-    try:
-        values = _record(cls, raw.meta, "")
-        if any(f.name == "arrays" for f in dataclasses.fields(cls)):
-            missing = [a for a in getattr(cls, "ARRAYS", ()) if a not in raw.arrays]
-            if missing:
-                raise _Bad(f"missing array frame(s) {', '.join(missing)}")
-            values["arrays"] = raw.arrays
-        elif raw.arrays:
-            raise _Bad("carries array frames it does not define")
-        return cls(**values)
-    except (_Bad, ValueError) as exc:  # ValueError: a record's own value checks
-        raise MessageError(raw.kind, str(exc)) from None
-
-
-class _Bad(Exception):
-    pass
-
-
-def _plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    return value
-
-
-def _record(cls: type, meta: Any, where: str) -> dict:
-    if not isinstance(meta, dict):
-        raise _Bad(f"{where or 'meta'}: expected a map, got {type(meta).__name__}")
-    hints = _hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "arrays"}
-    extra = set(meta) - set(fields)
-    if extra:
-        raise _Bad(f"unknown field(s) {', '.join(sorted(map(str, extra)))}")
-    out = {}
-    for name, f in fields.items():
-        if name not in meta:
-            if f.default is dataclasses.MISSING:
-                raise _Bad(f"missing field {where}{name}")
-            continue
-        out[name] = _check(hints[name], meta[name], f"{where}{name}")
-    return out
-
-
-def _check(tp: Any, value: Any, where: str) -> Any:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (Union, types.UnionType):
-        for arm in args:
-            try:
-                return _check(arm, value, where)
-            except _Bad:
-                continue
-        raise _Bad(f"{where}: expected {_name(tp)}, got {type(value).__name__}")
-    if tp is type(None):
-        if value is None:
-            return None
-    elif dataclasses.is_dataclass(tp):
-        return tp(**_record(tp, value, where + "."))
-    elif origin is list and isinstance(value, list):
-        return [_check(args[0], v, f"{where}[{i}]") for i, v in enumerate(value)]
-    elif origin is dict and isinstance(value, dict):
-        return {_check(args[0], k, where): _check(args[1], v, f"{where}[{k!r}]") for k, v in value.items()}
-    elif tp is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    elif tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    elif tp in (str, bool) and type(value) is tp:
-        return value
-    raise _Bad(f"{where}: expected {_name(tp)}, got {type(value).__name__}")
-
-
-def _name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-_HINTS: dict[type, dict[str, Any]] = {}
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    if cls not in _HINTS:
-        _HINTS[cls] = typing.get_type_hints(cls)
-    return _HINTS[cls]

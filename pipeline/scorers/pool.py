@@ -3,13 +3,14 @@
 `RemoteScoring` stands where `AsyncScoring` stands (same ``submit`` / ``completed`` / ``close``)
 and is pumped by the orchestrator's loop through ``completed()``: it never blocks (socket reads
 with a zero timeout). It owns its own ROUTER socket; scorer processes (`pipeline.scorers.role`)
-find its address in ``RUN/rendezvous/scorers.json`` and connect as DEALERs. Messages are `wire`
-messages (msgpack header + raw array frames, signed with the run secret; no pickle):
+find its address in ``RUN/rendezvous/scorers.json`` and connect as DEALERs. Messages are the
+typed records of `pipeline.protocol.scorer_pool` (`wire` messages: msgpack header + raw array
+frames, signed with the run secret; no pickle):
 
-  scorer -> pool   ``scorer_hello`` {service, rank, slots}; ``scorer_alive`` {} every second;
-                   ``scored`` {request, jobs, error} + one array per filled field
-  pool -> scorer   ``score`` {request, jobs, schema} + the groups' columns (one SampleBatch)
-  pool -> teacher  ``weights_regroup`` {epoch}, ``weights_update`` {version, epoch}: the orchestrator's
+  scorer -> pool   `ScorerHello` {service, rank, slots, follows_weights}; `ScorerAlive` every
+                   second; `Scored` {request, jobs, error} + one array per filled field
+  pool -> scorer   `Score` {request, jobs, schema} + the groups' columns (one SampleBatch)
+  pool -> teacher  `WeightsRegroup` {epoch}, `WeightsUpdate` {version, epoch}: the orchestrator's
                    weight-group changes and update announcements, to a lagged teacher (one that
                    said ``follows_weights``; `pipeline.scorers.lagged`)
 
@@ -22,6 +23,7 @@ Invariants:
   to the front of its service's queue and is re-sent to a live scorer: a dying scorer costs no
   group. After ``max_attempts`` sends the group completes with an error (``score_error``);
 - a scorer's own error answer (bad input) fails the group at once (retrying would fail again);
+- a message that is not a well-formed record is counted (``bad_message``), logged and dropped;
 - at most ``inflight_batches`` requests per scorer, each of at most ``batch_groups`` groups;
 - a live teacher that follows the weights is a member of the trainer's weight group, named
   ``teacher-<rank>`` with an incarnation that changes only when it restarts (`weight_members`), so
@@ -49,10 +51,13 @@ import numpy as np
 import zmq
 
 from pipeline.orchestrator.prompts import PromptItem
-from pipeline.orchestrator.scoring import Scorer
+from pipeline.orchestrator.scoring import Scorer, Scoring
+from pipeline.protocol.codec import MessageError, encode
 from pipeline.protocol.record import RecordSchema, SampleBatch
-from pipeline.scorers.config import ScorersConfig
+from pipeline.protocol.scorer_pool import (SCORER_POOL, Score, Scored, ScorerHello, ScorerStop, ScorerWho,
+                                           WeightsRegroup, WeightsUpdate)
 from pipeline.protocol.transport import MessageServer, TransportConfig, TransportError, load_or_create_secret
+from pipeline.scorers.config import ScorersConfig
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +108,7 @@ class _Request:
     sent: float
 
 
-class RemoteScoring:
+class RemoteScoring(Scoring):
     """Sends groups to scorer processes and collects their answers (see the module docstring)."""
 
     def __init__(self, run_dir: Path, cfg: ScorersConfig, schema: RecordSchema,
@@ -129,7 +134,7 @@ class RemoteScoring:
         self.incarnations: dict[bytes, int] = {}  # scorer identity -> its incarnation number
         self.samples: Counter[str] = Counter()
 
-    # -- the AsyncScoring interface ------------------------------------------------------------
+    # -- the Scoring interface ------------------------------------------------------------------
     def submit(self, key: Any, group: SampleBatch, prompt: PromptItem) -> None:
         job = _Job(key, group, set(self.services))
         if self.verifier is not None:  # rewards from the task's verifier, the rest from scorers
@@ -161,16 +166,16 @@ class RemoteScoring:
 
     def regroup(self, epoch: int) -> None:
         """The trainer built weight group ``epoch``: tell the teachers that receive weights."""
-        self._to_followers("weights_regroup", {"epoch": int(epoch)})
+        self._to_followers(WeightsRegroup(int(epoch)))
 
     def weights_announced(self, version: int, epoch: int = 0) -> None:
         """The trainer is about to broadcast ``version`` into weight group ``epoch``: the followers
         receive it too."""
-        self._to_followers("weights_update", {"version": int(version), "epoch": int(epoch)})
+        self._to_followers(WeightsUpdate(int(version), int(epoch)))
 
-    def _to_followers(self, kind: str, meta: dict) -> None:
+    def _to_followers(self, msg: WeightsRegroup | WeightsUpdate) -> None:
         for peer in list(self.followers.values()):
-            if not self.server.send(peer, kind, meta):
+            if not self.server.send(peer, *encode(msg)):
                 self.counts["send_failed"] += 1
                 if peer in self.peers:
                     self._drop_peer(peer)
@@ -185,7 +190,7 @@ class RemoteScoring:
     def close(self) -> None:
         """The run is over: every scorer is told to leave."""
         for peer in self.peers:
-            self.server.send(peer, "scorer_stop")
+            self.server.send(peer, *encode(ScorerStop()))
         time.sleep(0.1)  # let ZeroMQ hand the stops over before the socket closes (linger 0)
         self.server.close()
 
@@ -205,10 +210,18 @@ class RemoteScoring:
             self._requeue(rid)
         self._dispatch(now)
 
-    def _handle(self, peer: bytes, msg) -> None:
+    def _handle(self, peer: bytes, raw) -> None:
         now = time.monotonic()
-        if msg.kind == "scorer_hello":
-            service, rank = str(msg.meta.get("service")), int(msg.meta.get("rank", 0))
+        try:
+            msg = SCORER_POOL.decode(raw)
+        except MessageError as exc:
+            log.warning("scorer %r sent a bad message: %s", peer, exc)
+            self.counts["bad_message"] += 1
+            if peer in self.peers:  # still alive
+                self.peers[peer].last_seen = now
+            return
+        if isinstance(msg, ScorerHello):
+            service, rank = msg.service, msg.rank
             if service not in self.queues:
                 log.warning("scorer %r offers %r, which this run does not use", peer, service)
                 return
@@ -217,20 +230,20 @@ class RemoteScoring:
                 self.counts["restarted"] += 1
                 self._drop_peer(old)
             if peer not in self.peers:
-                follows = bool(msg.meta.get("follows_weights"))
-                self.peers[peer] = _Peer(service, rank, max(1, int(msg.meta.get("slots", 1))), now, follows)
+                follows = msg.follows_weights
+                self.peers[peer] = _Peer(service, rank, msg.slots, now, follows)
                 self.incarnations.setdefault(peer, next(self._ids))
                 if follows:
                     self.followers[rank] = peer
         elif peer not in self.peers:
-            self.server.send(peer, "scorer_who")  # we restarted (or it was dropped): say hello again
+            self.server.send(peer, *encode(ScorerWho()))  # we restarted (or it was dropped): say hello again
             return
-        elif msg.kind == "scored":
+        elif isinstance(msg, Scored):
             self._on_scored(peer, msg)
         self.peers[peer].last_seen = now
 
-    def _on_scored(self, peer: bytes, msg) -> None:
-        rid, jids, error = int(msg.meta["request"]), list(msg.meta["jobs"]), msg.meta.get("error")
+    def _on_scored(self, peer: bytes, msg: Scored) -> None:
+        rid, jids, error = msg.request, msg.jobs, msg.error
         req = self.requests.pop(rid, None)
         service = req.service if req else self.peers[peer].service
         self.peers[peer].requests.discard(rid)
@@ -252,7 +265,7 @@ class RemoteScoring:
             job = self.jobs[j]
             job.results.update(parts[j])
             if service == "teacher":
-                job.results["teacher_version"] = int(msg.meta.get("teacher_version", -1))
+                job.results["teacher_version"] = -1 if msg.teacher_version is None else msg.teacher_version
             job.needs.discard(service)
             self.samples[service] += len(job.group)
             self._unqueue(service, j)
@@ -292,11 +305,12 @@ class RemoteScoring:
                 jids = [queue.popleft() for _ in range(min(self.cfg.batch_groups, len(queue)))]
                 batch = SampleBatch.concat([self.jobs[j].group for j in jids])
                 rid = next(self._ids)
-                meta = {"request": rid, "jobs": jids, "schema": self.wire_schema}
+                teacher_version = None
                 if info.service == "teacher" and self.cfg.teacher == "lagged":
-                    meta["teacher_version"] = lagged_teacher_version(
+                    teacher_version = lagged_teacher_version(
                         self.policy_version(), self.cfg.teacher_lag, self.refresh_every)
-                if not self.server.send(peer, "score", meta, batch.columns):
+                request = Score(rid, jids, self.wire_schema, teacher_version, batch.columns)
+                if not self.server.send(peer, *encode(request)):
                     # gone (ZeroMQ no longer routes to it) or its queue is full: not an attempt
                     self.counts["send_failed"] += 1
                     queue.extendleft(reversed(jids))

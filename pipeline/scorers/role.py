@@ -7,18 +7,20 @@ supervisor) or by hand: ``python -m pipeline.scorers.role RUN_DIR --service rewa
 Invariants:
 - it connects to the address in ``RUN/rendezvous/scorers.json`` (the pool rebinds the same port
   after an orchestrator restart; the process re-reads the file when the pool stays silent), says
-  hello with its service, rank and slots, and sends a heartbeat every second;
-- it answers each ``score`` request with one ``scored`` message: the filled fields as raw arrays
+  hello with its service, rank and slots, and sends a heartbeat every second (the records:
+  `pipeline.protocol.scorer_pool`);
+- it answers each `Score` request with one `Scored` message: the filled fields as raw arrays
   concatenated over the request's groups (``reward`` [samples], ``token_rewards`` /
   ``teacher_logprobs`` [completion tokens]) plus ``group_rows`` / ``group_tokens``, in request
-  order; an exception while scoring is answered as ``error`` (text), never raised;
+  order; an exception while scoring is answered as ``error`` (text), never raised; a message that
+  is not a well-formed record is logged and dropped (the pool re-sends an unanswered request);
 - requests are scored one at a time on a thread of their own, so the loop that owns the socket
   keeps its heartbeat (a long request is not taken for a dead scorer) and forwards weight messages
   while a request is scored;
 - a lagged teacher also receives every weight update (`pipeline.scorers.lagged`): it says so in
-  its hello (``follows_weights``), and the pool's ``weights_regroup`` {epoch} / ``weights_update``
+  its hello (``follows_weights``), and the pool's `WeightsRegroup` {epoch} / `WeightsUpdate`
   {version, epoch} go to its `WeightFollower`, whose own thread joins and receives;
-- it exits on ``scorer_stop`` (the orchestrator closed), on the task's stop request, or after
+- it exits on `ScorerStop` (the orchestrator closed), on the task's stop request, or after
   ``orphan_after_s`` without hearing from the pool (its orchestrator is gone for good).
 """
 from __future__ import annotations
@@ -35,10 +37,13 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.protocol.codec import MessageError, encode
 from pipeline.protocol.record import RecordSchema, SampleBatch
+from pipeline.protocol.scorer_pool import (SCORER_POOL, Score, Scored, ScorerAlive, ScorerHello, ScorerStop,
+                                           ScorerWho, WeightsRegroup, WeightsUpdate)
+from pipeline.protocol.transport import MessageClient, TransportConfig, TransportError, load_or_create_secret
 from pipeline.scorers.config import ScorersConfig
 from pipeline.scorers.pool import SCORERS_RENDEZVOUS
-from pipeline.protocol.transport import MessageClient, TransportConfig, TransportError, load_or_create_secret
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +106,8 @@ def serve(run_dir: Path, cfg: ScorersConfig, service: str, rank: int,
     identity = f"{service}-{rank}-{os.getpid()}"
     client = MessageClient(key, address, TransportConfig(), identity)
     metrics = MetricsWriter(run_dir, f"{ROLE_OF[service]}.{rank}")
-    hello = {"service": service, "rank": rank, "slots": cfg.inflight_batches,
-             "follows_weights": follower is not None}
-    client.send("scorer_hello", hello)
+    hello = encode(ScorerHello(service, rank, max(1, cfg.inflight_batches), follower is not None))
+    client.send(*hello)
     samples = requests = 0
     busy_s = 0.0
     started = last_alive = last_heard = last_metrics = time.monotonic()
@@ -114,23 +118,28 @@ def serve(run_dir: Path, cfg: ScorersConfig, service: str, rank: int,
         while not stop.is_set():
             msg = client.recv(0.05 if answers else 0.5)
             while answers and answers[0].done():
-                meta, arrays, seconds = answers.popleft().result()
+                answer, seconds = answers.popleft().result()
                 busy_s += seconds
-                client.send("scored", meta, arrays)
-                samples += int(arrays["group_rows"].sum()) if "group_rows" in arrays else 0
+                client.send(*encode(answer))
+                samples += int(answer.arrays["group_rows"].sum()) if "group_rows" in answer.arrays else 0
                 requests += 1
             now = time.monotonic()
             if msg is not None:
                 last_heard = now
-                if msg.kind == "scorer_stop":
+                try:
+                    msg = SCORER_POOL.decode(msg)
+                except MessageError as exc:
+                    log.warning("the scorer pool sent a bad message: %s", exc)
+                    msg = None
+                if isinstance(msg, ScorerStop):
                     break
-                if msg.kind == "scorer_who":
-                    client.send("scorer_hello", hello)
-                elif msg.kind == "weights_regroup" and follower is not None:
-                    follower.regroup(int(msg.meta["epoch"]))
-                elif msg.kind == "weights_update" and follower is not None:
-                    follower.update(int(msg.meta["version"]), int(msg.meta.get("epoch", 0)))
-                elif msg.kind == "score":  # scored beside this loop, which keeps heartbeating
+                if isinstance(msg, ScorerWho):
+                    client.send(*hello)
+                elif isinstance(msg, WeightsRegroup) and follower is not None:
+                    follower.regroup(msg.epoch)
+                elif isinstance(msg, WeightsUpdate) and follower is not None:
+                    follower.update(msg.version, msg.epoch)
+                elif isinstance(msg, Score):  # scored beside this loop, which keeps heartbeating
                     answers.append(scoring.submit(_timed_answer, scorer, msg))
             elif now - last_heard > orphan_after_s:
                 log.warning("no word from the scorer pool for %.0fs: leaving", orphan_after_s)
@@ -140,10 +149,10 @@ def serve(run_dir: Path, cfg: ScorersConfig, service: str, rank: int,
                 if fresh != client.address:  # the orchestrator restarted on another port
                     client.close()
                     client = MessageClient(key, fresh, TransportConfig(), identity)
-                    client.send("scorer_hello", hello)
+                    client.send(*hello)
                     last_heard = now
             if now - last_alive >= 1.0:
-                client.send("scorer_alive", {}, timeout_s=5.0)
+                client.send(*encode(ScorerAlive()), timeout_s=5.0)
                 last_alive = now
             if now - last_metrics >= 5.0:
                 metrics.log("scorer", service=service, rank=rank, samples=samples, requests=requests,
@@ -175,31 +184,32 @@ def _teacher_state(scorer) -> dict:
 ROLE_OF = {v: k for k, v in ROLE_SERVICES.items()}
 
 
-def _timed_answer(scorer, msg) -> tuple[dict, dict[str, np.ndarray], float]:
+def _timed_answer(scorer, msg: Score) -> tuple[Scored, float]:
     t0 = time.perf_counter()
-    meta, arrays = _answer(scorer, msg)
-    return meta, arrays, time.perf_counter() - t0
+    answer = _answer(scorer, msg)
+    return answer, time.perf_counter() - t0
 
 
-def _answer(scorer, msg) -> tuple[dict, dict[str, np.ndarray]]:
-    meta = {"request": msg.meta.get("request"), "jobs": msg.meta.get("jobs")}
+def _answer(scorer, msg: Score) -> Scored:
+    teacher_version = None
     try:
-        if "teacher_version" in msg.meta:  # a lagged teacher: load the snapshot asked for
-            meta["teacher_version"] = scorer.use_version(int(msg.meta["teacher_version"]))
-        batch = SampleBatch(msg.arrays, RecordSchema.from_dict(msg.meta["schema"]), validate=True)
+        if msg.teacher_version is not None:  # a lagged teacher: load the snapshot asked for
+            teacher_version = int(scorer.use_version(msg.teacher_version))
+        batch = SampleBatch(msg.arrays, RecordSchema.from_dict(msg.schema), validate=True)
         gid = batch.columns["group_id"]
         firsts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
         rows = np.diff(np.r_[firsts, len(batch)]).astype(np.int64)
         clen = batch.columns["completion_len"]
         toks = np.array([clen[a:a + n].sum() for a, n in zip(firsts, rows)], np.int64)
-        if len(rows) != len(meta["jobs"] or []):
-            raise ValueError(f"{len(rows)} groups in the batch for {len(meta['jobs'] or [])} jobs")
+        if len(rows) != len(msg.jobs):
+            raise ValueError(f"{len(rows)} groups in the batch for {len(msg.jobs)} jobs")
         fields = scorer(batch)
-        return meta, {**{k: np.asarray(v, np.float32) for k, v in fields.items()},
-                      "group_rows": rows, "group_tokens": toks}
+        return Scored(msg.request, msg.jobs, teacher_version=teacher_version,
+                      arrays={**{k: np.asarray(v, np.float32) for k, v in fields.items()},
+                              "group_rows": rows, "group_tokens": toks})
     except Exception as exc:  # answered, never raised: the pool fails these groups
-        log.exception("scoring request %s failed", meta["request"])
-        return {**meta, "error": f"{type(exc).__name__}: {exc}"[:2000]}, {}
+        log.exception("scoring request %s failed", msg.request)
+        return Scored(msg.request, msg.jobs, error=f"{type(exc).__name__}: {exc}"[:2000], teacher_version=teacher_version)
 
 
 def main(task) -> dict:

@@ -1,0 +1,170 @@
+"""Typed records over the wire: one record class per message kind of a channel, decoded by type.
+
+A `Channel` is one conversation between processes (the orchestrator's control plane, the scorer
+pool, an environment process, ...). Each declares its records with ``@CHANNEL.message``: a frozen
+dataclass with ``KIND`` (and ``ARRAYS`` when it carries raw frames). `encode` turns a record into
+the wire's ``(kind, meta, arrays)`` (`pipeline.protocol.wire`: msgpack header, raw array frames,
+GMAC over everything); ``CHANNEL.decode`` turns a received `wire.Message` back into its record,
+checking every field's type and every required array frame, or raises `MessageError` naming the
+kind and the problem. Nothing past ``decode`` indexes a metadata dict.
+
+Invariants:
+- within a channel a kind names exactly one record class (``CHANNEL.kinds``); the same kind may
+  mean different records on different channels; the record's fields are the header's ``meta``
+  (nested records travel as maps), except the field ``arrays``, which travels as raw frames and
+  must hold at least the record's ``ARRAYS``;
+- ``decode`` never raises anything but `MessageError`: an unknown kind, a missing, unknown or
+  ill-typed field, a value out of range (a record's ``__post_init__`` checks, which also stop a
+  sender from building it), a missing frame all become one clear error;
+- ``encode(decode(m))`` reproduces ``m``'s kind, meta and arrays.
+
+Fields may be ``int``, ``float``, ``str``, ``bool``, ``X | None``, ``list[X]``, ``dict[str, X]``,
+``Any`` (a plain msgpack value, checked by the receiver) or another record.
+
+Worked example: on a channel with ``@C.message class Ping: KIND = "ping"; n: int``,
+``encode(Ping(3))`` is ``("ping", {"n": 3}, None)`` and a ``ping`` whose ``n`` is ``"3"`` decodes to
+``MessageError("ping: n: expected int, got str")``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import field
+from typing import Any, Union
+
+import numpy as np
+
+from pipeline.protocol.wire import Message
+
+
+class MessageError(ValueError):
+    """A received message is not a well-formed record of a known kind."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(f"{kind}: {detail}")
+        self.kind, self.detail = kind, detail
+
+
+class Channel:
+    """The record classes of one conversation, by kind (see the module docstring)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.kinds: dict[str, type] = {}
+        """Message kind -> its record class."""
+
+    def message(self, cls: type) -> type:
+        """Register a record class under its ``KIND``."""
+        if cls.KIND in self.kinds:
+            raise ValueError(f"{self.name}: message kind {cls.KIND!r} defined twice")
+        self.kinds[cls.KIND] = cls
+        return cls
+
+    def decode(self, raw: Message) -> Any:
+        """The record of a received message, or `MessageError`."""
+        cls = self.kinds.get(raw.kind)
+        if cls is None:
+            raise MessageError(raw.kind, f"unknown message kind on the {self.name} channel")
+        try:
+            values = _record(cls, raw.meta, "")
+            if any(f.name == "arrays" for f in dataclasses.fields(cls)):
+                missing = [a for a in getattr(cls, "ARRAYS", ()) if a not in raw.arrays]
+                if missing:
+                    raise _Bad(f"missing array frame(s) {', '.join(missing)}")
+                values["arrays"] = raw.arrays
+            elif raw.arrays:
+                raise _Bad("carries array frames it does not define")
+            return cls(**values)
+        except (_Bad, ValueError) as exc:  # ValueError: a record's own value checks
+            raise MessageError(raw.kind, str(exc)) from None
+
+
+def arrays_field() -> dict[str, np.ndarray]:
+    """The ``arrays`` field of a record that carries raw frames."""
+    return field(default_factory=dict, repr=False)
+
+
+def at_least(record: Any, low: int, *names: str) -> None:
+    """Value checks of a record (run when it is built, on either end): `ValueError` naming the field."""
+    for name in names:
+        value = getattr(record, name)
+        if value is not None and value < low:
+            raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def encode(msg: Any) -> tuple[str, dict, dict[str, np.ndarray] | None]:
+    """``(kind, meta, arrays)`` for `MessageServer.send` / `MessageClient.send`."""
+    meta = {f.name: _plain(getattr(msg, f.name)) for f in dataclasses.fields(msg) if f.name != "arrays"}
+    arrays = getattr(msg, "arrays", None)
+    return msg.KIND, meta, (dict(arrays) if arrays else None)
+
+
+class _Bad(Exception):
+    pass
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return value
+
+
+def _record(cls: type, meta: Any, where: str) -> dict:
+    if not isinstance(meta, dict):
+        raise _Bad(f"{where or 'meta'}: expected a map, got {type(meta).__name__}")
+    hints = _hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "arrays"}
+    extra = set(meta) - set(fields)
+    if extra:
+        raise _Bad(f"unknown field(s) {', '.join(sorted(map(str, extra)))}")
+    out = {}
+    for name, f in fields.items():
+        if name not in meta:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise _Bad(f"missing field {where}{name}")
+            continue
+        out[name] = _check(hints[name], meta[name], f"{where}{name}")
+    return out
+
+
+def _check(tp: Any, value: Any, where: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        for arm in args:
+            try:
+                return _check(arm, value, where)
+            except _Bad:
+                continue
+        raise _Bad(f"{where}: expected {_name(tp)}, got {type(value).__name__}")
+    if tp is type(None):
+        if value is None:
+            return None
+    elif dataclasses.is_dataclass(tp):
+        return tp(**_record(tp, value, where + "."))
+    elif origin is list and isinstance(value, list):
+        return [_check(args[0], v, f"{where}[{i}]") for i, v in enumerate(value)]
+    elif origin is dict and isinstance(value, dict):
+        return {_check(args[0], k, where): _check(args[1], v, f"{where}[{k!r}]") for k, v in value.items()}
+    elif tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    elif tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    elif tp in (str, bool) and type(value) is tp:
+        return value
+    raise _Bad(f"{where}: expected {_name(tp)}, got {type(value).__name__}")
+
+
+def _name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
