@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     parser.add_argument("--out", type=Path, default=None, help="default: RUN/export/step-K")
     args = parser.parse_args(argv)
-    from pipeline.roles.common import model_dir
+    from pipeline.run_dir import model_dir
     from pipeline.trainer.export import export_checkpoint
     from pipeline.roles.trainer import latest_checkpoint
     from pipeline.run_files import CHECKPOINTS_DIR as CHECKPOINTS, EXPORT_DIR, checkpoint_name

@@ -53,7 +53,7 @@ def _config(run_dir: Path, overrides: list[str]):
     """The run's own config with the generator job's overrides (only cluster.* may change)."""
     from omegaconf import OmegaConf
 
-    from pipeline.roles.common import load_run_config
+    from pipeline.run_dir import load_run_config
     cfg = OmegaConf.structured(load_run_config(run_dir))
     dotlist = []
     for item in overrides:

@@ -77,7 +77,7 @@ def run_tokenizer(path: Path):
         if (run_dir / MODEL_FILE).exists():
             from transformers import AutoTokenizer
 
-            from pipeline.roles.common import model_dir
+            from pipeline.run_dir import model_dir
             try:
                 return AutoTokenizer.from_pretrained(str(model_dir(run_dir)))
             except OSError:

@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s orchestrator %(levelname)s %(message)s")
-    from pipeline.roles.common import load_run_config
+    from pipeline.run_dir import load_run_config
     from pipeline.roles.orchestrator import build_orchestrator
 
     run_dir = Path(argv[0])

@@ -18,7 +18,7 @@ def source_defaults(log_path: Path) -> list[str]:
     """Overrides taken from the recorded run's directory, when the log sits in one."""
     from omegaconf import OmegaConf
 
-    from pipeline.roles.common import model_dir
+    from pipeline.run_dir import model_dir
     from pipeline.run_files import CONFIG_FILE, MODEL_FILE
 
     run_dir = log_path if (log_path / CONFIG_FILE).exists() else log_path.parent

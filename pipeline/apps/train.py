@@ -61,7 +61,7 @@ def job_plan(cfg: TokenflowConfig, run_dir: Path):
 def prepare_run_dir(cfg: TokenflowConfig) -> Path:
     from omegaconf import OmegaConf
 
-    from pipeline.roles.common import save_run_config
+    from pipeline.run_dir import save_run_config
     from pipeline.run_files import CONFIG_FILE
 
     run_dir = Path(cfg.run.dir).resolve()

@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from pipeline.generator.capture import kept_token_ids
+from pipeline.generator.completion import Completion, EpisodeRunning, rollout_sample
 from pipeline.generator.config import GeneratorConfig, GroupRequest, request_seed
 from pipeline.generator.vllm_args import engine_args, resolve_weight_sync, sampled_logprobs, sampling_params
 from pipeline.protocol.codec import MessageError
@@ -65,7 +66,6 @@ from pipeline.protocol.worker_status import Received, received_state
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from pipeline.generator.episodes import EpisodeRunner
 
 _STAGING_POLL_S = 0.005  # how often the driver asks whether a staged receive has finished
 _PAUSE_MODE = {"keep": "keep", "keep_kv": "keep", "drain": "wait", "abort": "abort"}
@@ -77,26 +77,6 @@ class WeightUpdateError(RuntimeError):
 
 class WeightReceiveError(RuntimeError):
     """A staged update could not be received; the engine keeps generating on its current weights."""
-
-
-@dataclass
-class Completion:
-    """One finished request (or the concatenation of an abort-resumed sample's segments)."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    finish_reason: str
-    sampling_mask: list[np.ndarray] | None = None
-    """Per segment ``[tokens, width]`` kept ids (``generator.sampling_mask_width`` > 0, sampled requests)."""
-    routed_experts: np.ndarray | None = None
-    """``[prompt + completion - 1, moe_layers, top_k]`` int16 experts of every position the model ran
-    (``generator.record_routing``; the last segment's, which recomputed every earlier position)."""
-    model_mask: list[int] | None = None
-    """Episodes only: 1 per token the policy sampled, 0 per environment token (pipeline.generator.episodes)."""
-    token_rewards: list[float] | None = None
-    """Episodes only: per token, the reward of the environment step its model turn ended with, at the
-    turn's last token; 0 elsewhere (pipeline.generator.episodes)."""
 
 
 @dataclass
@@ -122,7 +102,7 @@ class Generator:
     """Drives one vLLM AsyncLLM engine; all methods run on one asyncio loop."""
 
     def __init__(self, config: GeneratorConfig, generator_id: int = 0, initial_version: int = 0,
-                 schema: RecordSchema | None = None, episodes: "EpisodeRunner | None" = None):
+                 schema: RecordSchema | None = None, episodes: EpisodeRunning | None = None):
         self.config = config
         self.episodes = episodes  # multi-turn episodes instead of single completions (tasks with an environment)
         self.generator_id = generator_id
@@ -235,17 +215,8 @@ class Generator:
         if not c.token_ids:
             raise RuntimeError(f"group {request.group_id} sample {sample_index} ended with no tokens "
                                f"({c.finish_reason})")
-        return RolloutSample(
-            group_id=request.group_id, sample_index=sample_index, prompt_id=request.prompt_id,
-            attempt=request.attempt, prompt_ids=np.asarray(request.prompt_ids, dtype=np.int32),
-            completion_ids=np.asarray(c.token_ids, dtype=np.int32),
-            logprobs=np.asarray(c.logprobs, dtype=np.float32), versions=np.asarray(c.versions, dtype=np.int32),
-            finish_reason=c.finish_reason, generator_id=self.generator_id, t_start=t_start,
-            t_end=time.time(), schema=self.schema,
-            sampling_mask=np.concatenate(c.sampling_mask) if self.schema.sampling_mask_k else None,
-            model_mask=np.asarray(c.model_mask, np.uint8) if self.schema.model_mask else None,
-            token_rewards=np.asarray(c.token_rewards, np.float32) if self.schema.token_rewards else None,
-            **self._record_routing(request, c))
+        return rollout_sample(c, request, sample_index, self.generator_id, self.schema, t_start, time.time(),
+                              self._record_routing(request, c))
 
     def _record_routing(self, request: GroupRequest, c: Completion) -> dict[str, np.ndarray]:
         """The record's routing fields (`pipeline.protocol.record`): prompt rows, completion rows with the

@@ -48,10 +48,11 @@ import numpy as np
 
 from pipeline.envs import (EnvironmentError_, EpisodeConfig, call_with_timeout, environment_class, make_environment,
                            step_with_timeout)
+from pipeline.generator.completion import Completion
 
 if TYPE_CHECKING:
     from pipeline.envs.remote import EnvironmentPool
-    from pipeline.generator.engine import Completion, Generator
+    from pipeline.generator.engine import Generator
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +90,6 @@ class EpisodeRunner:
         return done
 
     async def _attempt(self, gen, prompt_ids, seed_of_segment, budget, greedy, first_turn):
-        from pipeline.generator.engine import Completion
-
         cfg = self.config
         done = Completion([], [], [], "length", model_mask=[], token_rewards=[])
         env = self.pool.environment(self.env) if self.pool is not None else make_environment(self.env)

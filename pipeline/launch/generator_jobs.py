@@ -174,7 +174,7 @@ def jobs_status(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _slurm_state(job_id: str) -> str:
-    from pipeline.apps.ops import slurm_states
+    from pipeline.launch.slurm import slurm_states
 
     states = slurm_states(job_id)
     return states[0]["state"] if 0 in states else "UNKNOWN"

@@ -185,3 +185,23 @@ class SlurmLauncher(Launcher):
         except FailedJobError as exc:
             raise LaunchError(f"sbatch refused the job: {str(exc).strip()}") from exc
         return SlurmRun(plan, run_dir, launch_index, job)
+
+
+def slurm_states(job_id: str) -> dict[int, dict[str, str]]:
+    """het offset -> {state, nodes, reason} of job `job_id` (a plain job is offset 0)."""
+    out: dict[int, dict[str, str]] = {}
+    sacct = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "JobID,State,NodeList"],
+                           capture_output=True, text=True, timeout=30)
+    for line in sacct.stdout.splitlines():
+        jid, state, nodes = (line.split("|") + ["", "", ""])[:3]
+        main, _, offset = jid.partition("+")
+        if main == job_id and (offset.isdigit() or not offset):
+            out[int(offset or 0)] = {"state": state.split()[0] if state else "UNKNOWN", "nodes": nodes, "reason": ""}
+    squeue = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%i|%T|%r|%N"], capture_output=True, text=True,
+                            timeout=30)
+    for line in squeue.stdout.splitlines():
+        jid, state, reason, nodes = (line.split("|") + ["", "", "", ""])[:4]
+        main, _, offset = jid.partition("+")
+        entry = out.setdefault(int(offset or 0), {"state": state, "nodes": nodes, "reason": ""})
+        entry.update(state=state, reason="" if reason in ("None", "") else reason, nodes=nodes or entry["nodes"])
+    return out

@@ -50,15 +50,16 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.config import record_schema
+from pipeline.generator.completion import eval_sample
 from pipeline.launch.generator_jobs import JOB_ENV, RUN_CHECK_S, run_alive
 from pipeline.launch.rendezvous import running_attempt
 from pipeline.launch.task import JOINS_RUN
 from pipeline.metrics import MetricsWriter
 from pipeline.protocol.links import Control, EvalItem, GeneratorLink, WorkItem
 from pipeline.protocol.messages import Regroup, Stop, Update
-from pipeline.protocol.record import RolloutSample, SampleBatch, unrecorded_fields
-from pipeline.roles.common import (cpu_cores_for, load_run_config, lower_cpu_priority, model_dir, pin_process,
-                                   shares_trainer_cores)
+from pipeline.protocol.record import SampleBatch
+from pipeline.roles.common import cpu_cores_for, lower_cpu_priority, pin_process, shares_trainer_cores
+from pipeline.run_dir import load_run_config, model_dir
 
 log = logging.getLogger(__name__)
 
@@ -334,14 +335,7 @@ class GeneratorRole:
             self._busy(-1)
         if not c.token_ids:  # nothing generated: record the prompt's answer as one pad token
             c.token_ids, c.versions = [0], [self.gen.version]
-        n = len(c.token_ids)
-        sample = RolloutSample(
-            group_id=0, sample_index=0, prompt_id=item.index, attempt=0, prompt_ids=item.prompt_ids,
-            completion_ids=np.asarray(c.token_ids, np.int32), logprobs=np.zeros(n, np.float32),
-            versions=np.asarray(c.versions, np.int32), finish_reason=c.finish_reason,
-            generator_id=self.rank, schema=self.schema,
-            model_mask=np.asarray(c.model_mask or [1] * n, np.uint8) if self.schema.model_mask else None,
-            **unrecorded_fields(self.schema, len(item.prompt_ids), n))
+        sample = eval_sample(c, item.index, item.prompt_ids, self.rank, self.schema)
         self.link.send_eval_result(item.step, np.array([item.index]),
                                    SampleBatch.from_samples([sample], self.schema))
 

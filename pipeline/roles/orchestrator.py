@@ -14,7 +14,7 @@ from pipeline.config import TokenflowConfig, stored_record_schema
 from pipeline.orchestrator.prompts import PromptSource, SyntheticPromptSource
 from pipeline.orchestrator.scoring import Scorer, VerifierScorer, last_token_verifier
 from pipeline.orchestrator.service import Orchestrator
-from pipeline.roles.common import model_dir
+from pipeline.run_dir import model_dir
 
 def task_sources(cfg: TokenflowConfig, run_dir: Path) -> tuple[PromptSource, PromptSource, Scorer]:
     """(training prompts, held-out prompts, scorer) of the run's task."""

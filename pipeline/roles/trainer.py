@@ -41,8 +41,8 @@ from pipeline.metrics import MetricsWriter
 from pipeline.orchestrator.clock import staleness
 from pipeline.protocol.links import TrainerLink
 from pipeline.protocol.record import sequence_routing
-from pipeline.roles.common import (agree_over_ranks, cpu_cores_for, load_run_config, model_dir, pin_process,
-                                   publish_model)
+from pipeline.roles.common import agree_over_ranks, cpu_cores_for, pin_process
+from pipeline.run_dir import load_run_config, model_dir, publish_model
 from pipeline.roles.weight_push import WeightPusher
 from pipeline.supervise import KeptProcess, die_with_parent
 from pipeline.run_files import CHECKPOINTS_DIR, EXPORT_DIR, LOGS_DIR, checkpoint_name

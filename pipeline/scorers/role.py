@@ -97,7 +97,7 @@ def serve(run_dir: Path, cfg: ScorersConfig, service: str, rank: int,
     run_dir = Path(run_dir)
     teacher_model = cfg.teacher_model
     if service == "teacher" and not teacher_model:  # lagged: starts from the policy's own weights
-        from pipeline.roles.common import model_dir
+        from pipeline.run_dir import model_dir
         teacher_model = str(model_dir(run_dir, timeout_s=orphan_after_s))
     scorer = build_scorer(cfg, service, run_dir, teacher_model)
     scorer.follower = follower
@@ -214,7 +214,7 @@ def _answer(scorer, msg: Score) -> Scored:
 
 def main(task) -> dict:
     """Plan entry: ``pipeline.scorers.role:main`` for the ``scorer`` and ``teacher`` components."""
-    from pipeline.roles.common import load_run_config
+    from pipeline.run_dir import load_run_config
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {task.role} %(levelname)s %(message)s")
     cfg = load_run_config(task.run_dir)
@@ -224,7 +224,7 @@ def main(task) -> dict:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    from pipeline.roles.common import load_run_config
+    from pipeline.run_dir import load_run_config
     from pipeline.supervise import die_with_parent
 
     ap = argparse.ArgumentParser(prog="python -m pipeline.scorers.role")

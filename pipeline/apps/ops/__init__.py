@@ -54,26 +54,6 @@ def _components(run_dir: Path) -> List[Dict[str, Any]]:
             for role, spec in plan["components"].items()]
 
 
-def slurm_states(job_id: str) -> Dict[int, Dict[str, str]]:
-    """het offset -> {state, nodes, reason} of job `job_id` (a plain job is offset 0)."""
-    out: Dict[int, Dict[str, str]] = {}
-    sacct = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "JobID,State,NodeList"],
-                           capture_output=True, text=True, timeout=30)
-    for line in sacct.stdout.splitlines():
-        jid, state, nodes = (line.split("|") + ["", "", ""])[:3]
-        main, _, offset = jid.partition("+")
-        if main == job_id and (offset.isdigit() or not offset):
-            out[int(offset or 0)] = {"state": state.split()[0] if state else "UNKNOWN", "nodes": nodes, "reason": ""}
-    squeue = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%i|%T|%r|%N"], capture_output=True, text=True,
-                            timeout=30)
-    for line in squeue.stdout.splitlines():
-        jid, state, reason, nodes = (line.split("|") + ["", "", "", ""])[:4]
-        main, _, offset = jid.partition("+")
-        entry = out.setdefault(int(offset or 0), {"state": state, "nodes": nodes, "reason": ""})
-        entry.update(state=state, reason="" if reason in ("None", "") else reason, nodes=nodes or entry["nodes"])
-    return out
-
-
 def _alive(pid: int, run_dir: Path) -> bool:
     """Whether local task `pid` of `run_dir` still runs (its command line names the run directory,
     so a recycled pid is not mistaken for the task)."""
@@ -127,6 +107,8 @@ def run_status(run_dir: Path) -> Dict[str, Any]:
     components = _components(run_dir)
     launcher = launch["launcher"]
     if launcher in ("slurm", "sbatch"):  # sbatch: slurm/train.sbatch, submitted by hand
+        from pipeline.launch.slurm import slurm_states
+
         states = slurm_states(str(launch["job_id"]))
         for k, comp in enumerate(components):
             comp.update(states.get(k, {"state": "UNKNOWN", "nodes": "", "reason": ""}))
@@ -240,13 +222,31 @@ def cancel_run(run_dir: Path, grace_s: float = 60.0) -> str:
     return done + (f"; still present after it: {unkillable}" if unkillable else "")
 
 
+def sweep_status(sweep_dir: Path) -> Dict[str, Any]:
+    """Every point of a sweep with its run's status (`run_status`) and differing keys."""
+    from pipeline.apps.ops.sweep import differing_keys, run_config, sweep_points
+
+    points = sweep_points(sweep_dir)
+    configs = [run_config(p) for p in points]
+    keys = differing_keys(configs)
+    rows = []
+    for point, cfg in zip(points, configs):
+        try:
+            status: Optional[Dict[str, Any]] = run_status(point)
+        except FileNotFoundError:
+            status = None  # never launched
+        rows.append({"point": point.name, "run_dir": str(point.resolve()),
+                     "overrides": {k: cfg.get(k) for k in keys}, "status": status})
+    return {"sweep_dir": str(Path(sweep_dir).resolve()), "keys": keys, "points": rows}
+
+
 def status_main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenflow status", description="components, Slurm states, step, "
                                      "policy versions, buffer depth, last eval and last error of a run")
     parser.add_argument("run_dir", type=Path, help="a run directory, or a sweep directory (every point listed)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
-    from pipeline.apps.ops.sweep import format_sweep_status, is_sweep_dir, sweep_status
+    from pipeline.apps.ops.sweep import format_sweep_status, is_sweep_dir
     if is_sweep_dir(args.run_dir):
         sweep = sweep_status(args.run_dir)
         print(json.dumps(sweep) if args.json else format_sweep_status(sweep))

@@ -31,9 +31,9 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from pipeline.apps.ops import sweep_status
 from pipeline.apps.ops.summary import LAST_STEPS, metric_summary, run_state
-from pipeline.apps.ops.sweep import align, differing_keys, find_runs, format_sweep_status, run_config, sweep_points, \
-    sweep_status
+from pipeline.apps.ops.sweep import align, differing_keys, find_runs, format_sweep_status, run_config, sweep_points
 
 #: Config groups whose differences make runs incomparable (another task or another starting policy).
 INCOMPARABLE = ("task.", "model.")

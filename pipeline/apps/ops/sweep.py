@@ -134,24 +134,6 @@ def differing_keys(configs: List[Dict[str, Any]]) -> List[str]:
     return [k for k in keys if len({json.dumps(c[k], sort_keys=True) for c in configs if k in c}) > 1]
 
 
-def sweep_status(sweep_dir: Path) -> Dict[str, Any]:
-    """Every point of a sweep with its run's status (`pipeline.apps.ops.run_status`) and differing keys."""
-    from pipeline.apps.ops import run_status
-
-    points = sweep_points(sweep_dir)
-    configs = [run_config(p) for p in points]
-    keys = differing_keys(configs)
-    rows = []
-    for point, cfg in zip(points, configs):
-        try:
-            status: Optional[Dict[str, Any]] = run_status(point)
-        except FileNotFoundError:
-            status = None  # never launched
-        rows.append({"point": point.name, "run_dir": str(point.resolve()),
-                     "overrides": {k: cfg.get(k) for k in keys}, "status": status})
-    return {"sweep_dir": str(Path(sweep_dir).resolve()), "keys": keys, "points": rows}
-
-
 def format_sweep_status(s: Dict[str, Any]) -> str:
     header = ["point", *s["keys"], "job", "components", "step", "eval", "error"]
     rows = []
