@@ -154,7 +154,8 @@ def load_checkpoint(trainer, directory: Path) -> None:
     from safetensors.torch import load_file
 
     from .hf_shards import set_reader
-    from .model import iter_megatron_shards, unwrap
+    from .conversion import unwrap
+    from .model import iter_megatron_shards
 
     meta_path = directory / "trainer.json"
     if not meta_path.exists():

@@ -23,17 +23,10 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from .conversion import hf_dtype
+
 TOKENIZER_FILES = ("special_tokens_map.json", "generation_config.json", "chat_template.jinja",
                    "vocab.json", "merges.txt")
-
-
-def hf_dtype(hf_config):
-    import torch
-
-    name = getattr(hf_config, "dtype", None)
-    if isinstance(name, torch.dtype):
-        return name
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(str(name), torch.float32)
 
 
 def copy_tokenizer(source_dir: Path, out: Path) -> None:

@@ -51,7 +51,7 @@ def owned_hf_tensors(model, hf_config, value_of: Callable) -> Iterator[tuple[str
     order, so it may itself be a collective (the distributed optimizer's moments are)."""
     import torch
 
-    from .model import conversion_rules, gather_full, unwrap
+    from .conversion import conversion_rules, gather_full, unwrap
 
     params = dict(unwrap(model).named_parameters())
     for rule in conversion_rules(hf_config, model):

@@ -24,9 +24,10 @@ Invariants:
   (``local_experts.J``), so they live on the EP rank that owns the expert, are marked
   ``allreduce=False`` (megatron reduces them over the expert-data-parallel group) and receive
   gradients only from the tokens routed to that expert. Expert adapters need expert-TP 1.
-- Conversion rules (``lora_rules``) are derived from the base weight's rule: HF names are the
-  weight's with ``.weight`` -> ``.lora_A.weight`` / ``.lora_B.weight``, and checkpoints, weight sync
-  and exports reuse the base machinery with them (``pipeline.trainer.model.model_rules``).
+- Conversion rules (``adapter_rules``, `pipeline.trainer.conversion`) are derived from the base
+  weight's rule: HF names are the weight's with ``.weight`` -> ``.lora_A.weight`` /
+  ``.lora_B.weight``, and checkpoints, weight sync and exports reuse the base machinery with them
+  (``pipeline.trainer.conversion.model_rules``).
 - Initialisation is layout-independent: each full HF-shaped adapter tensor is drawn from its own
   generator, seeded by ``seed`` and its HF name (``A`` uniform in ``+-1/sqrt(in)``, PEFT's default;
   ``B = 0``, so the adapted model starts equal to the base), and cut for each rank by the same
@@ -42,6 +43,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .config import LoraConfig, ParallelConfig
+from .conversion import (LORA_ATTRIBUTE, adapter_rules, base_rules, conversion_rules, ep_rank_size, full_hf_shapes,
+                         lora_state, tp_group, unwrap)
 from .families import is_moe
 
 if TYPE_CHECKING:
@@ -54,7 +57,7 @@ ADAPTER_PARAMS = ("lora_A", "lora_B")
 
 @dataclass(frozen=True)
 class LoraState:
-    """What ``attach_lora`` did to a model (kept on the unwrapped model as ``_tf_lora``)."""
+    """What ``attach_lora`` did to a model (kept on the unwrapped model as ``LORA_ATTRIBUTE``)."""
 
     cfg: LoraConfig
     modules: tuple[str, ...]  # adapted megatron module names (identical on every EP rank)
@@ -144,7 +147,7 @@ def attach_lora(model, cfg: LoraConfig, parallel: ParallelConfig, hf_config, see
         mod._tf_lora_kind = kind
         mod.register_forward_hook(_adapter_hook)
     state = LoraState(cfg, tuple(targets))
-    model._tf_lora = state
+    setattr(model, LORA_ATTRIBUTE, state)
     for mod in (candidates[n] for n in targets):
         mod._tf_lora_scaling, mod._tf_lora_dropout = state.scaling, cfg.dropout
     init_adapters(model, hf_config, seed)
@@ -180,55 +183,6 @@ def _adapter_hook(module, args, output):
     return out + module._tf_lora_scaling * delta, bias
 
 
-def lora_state(model) -> LoraState | None:
-    """The model's ``LoraState`` (None: full-weight model); accepts DDP-wrapped models."""
-    from .model import unwrap
-
-    return getattr(unwrap(model), "_tf_lora", None)
-
-
-def lora_rules(base_rules, state: LoraState) -> list:
-    """Conversion rules of the adapters of ``state.modules`` (module docstring), in base order."""
-    from .model import _Rule
-
-    adapted = set(state.modules)
-    out = []
-    for rule in base_rules:
-        module, _, leaf = rule.megatron.rpartition(".")
-        if leaf != "weight" or module not in adapted:
-            continue
-        a_names = tuple(h.removesuffix(".weight") + ".lora_A.weight" for h in rule.hf)
-        b_names = tuple(h.removesuffix(".weight") + ".lora_B.weight" for h in rule.hf)
-        if rule.kind in ("qkv", "glu"):  # column-parallel, fused: shared A, B like the weight
-            out += [_Rule(module + ".lora_A", a_names, "shared", None, rule.expert),
-                    _Rule(module + ".lora_B", b_names, rule.kind, 0, rule.expert)]
-        elif rule.split_dim == 1:  # row-parallel: A split like the weight, B whole
-            out += [_Rule(module + ".lora_A", a_names, "copy", 1, rule.expert),
-                    _Rule(module + ".lora_B", b_names, "copy", None, rule.expert)]
-        else:
-            raise ValueError(f"{module}: no adapter layout for a {rule.kind!r} rule split on {rule.split_dim}")
-    return out
-
-
-def full_hf_shapes(rule, local_shape, tp_size: int, hf_config) -> tuple[tuple[int, ...], ...]:
-    """Full HF shapes of ``rule``'s tensors from this rank's parameter shape (no communication)."""
-    import torch
-
-    from .model import _split_qkv
-
-    dim = 0 if rule.kind in ("qkv", "glu") else rule.split_dim
-    full = list(local_shape)
-    if dim is not None:
-        full[dim] *= tp_size
-    if rule.kind == "qkv":
-        return tuple(tuple(t.shape) for t in _split_qkv(hf_config, torch.empty(full, device="meta")))
-    if rule.kind == "glu":
-        return ((full[0] // 2, *full[1:]),) * 2
-    if rule.kind == "shared":
-        return (tuple(full),) * len(rule.hf)
-    return (tuple(full),)
-
-
 def _adapter_generator(seed: int, hf_name: str) -> "torch.Generator":
     """The random stream of one adapter tensor: a function of ``seed`` and its HF name only."""
     import torch
@@ -242,12 +196,12 @@ def init_adapters(model, hf_config, seed: int, b_std: float = 0.0) -> None:
     non-trivial adapter). Each rank draws only the full tensors of its own rules."""
     import torch
 
-    from .model import _groups, conversion_rules, iter_megatron_shards
+    from .model import iter_megatron_shards
 
     params = dict(model.named_parameters())
     full = {}
     for rule in conversion_rules(hf_config, model):  # this rank's adapters (its EP rank's experts)
-        shapes = full_hf_shapes(rule, tuple(params[rule.megatron].shape), _groups(rule)[2], hf_config)
+        shapes = full_hf_shapes(rule, tuple(params[rule.megatron].shape), tp_group(rule)[2], hf_config)
         if rule.megatron.endswith("lora_A"):  # one draw, stored under every name of a fused A
             bound = 1.0 / shapes[0][1] ** 0.5
             gen = _adapter_generator(seed, rule.hf[0])
@@ -264,19 +218,17 @@ def init_adapters(model, hf_config, seed: int, b_std: float = 0.0) -> None:
 
 def trainable_parameters(model, hf_config) -> int:
     """Number of distinct trainable elements of the whole model (all ranks; no communication)."""
-    from .model import _ep_rank_size, _groups, _rules, unwrap
-
     model = unwrap(model)
     params = dict(model.named_parameters())
     state = lora_state(model)
-    _, ep_size = _ep_rank_size(hf_config)
+    _, ep_size = ep_rank_size(hf_config)
     total = 0
     for r in range(ep_size):
-        rules = lora_rules(_rules(hf_config, r, ep_size), state) if state else _rules(hf_config, r, ep_size)
+        rules = adapter_rules(base_rules(hf_config, r, ep_size), state) if state else base_rules(hf_config, r, ep_size)
         for rule in rules:
             if r and rule.expert is None:
                 continue  # dense rules: counted once
-            shapes = full_hf_shapes(rule, tuple(params[rule.megatron].shape), _groups(rule)[2], hf_config)
+            shapes = full_hf_shapes(rule, tuple(params[rule.megatron].shape), tp_group(rule)[2], hf_config)
             count = [1] * len(shapes)
             for i, s in enumerate(shapes):
                 for d in s:

@@ -26,11 +26,11 @@ Invariants:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 from .config import MoEConfig, ParallelConfig
+from .conversion import all_gather, ep_rank_size, gather_full, lora_state, model_rules, shard_of, unwrap
 from .families import check_supported, has_qk_norm, has_qkv_bias, is_moe, rope_inv_freq, rope_parameters
 
 
@@ -162,151 +162,13 @@ def build_gpt_model(hf_config, parallel: ParallelConfig, moe_cfg: MoEConfig | No
     return model
 
 
-# ------------------------------------------------------------------------------------------
-# weight conversion
-# ------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Rule:
-    megatron: str  # megatron parameter name (without a DDP "module." prefix)
-    hf: tuple[str, ...]  # HF names feeding it (q,k,v for qkv; gate,up for glu)
-    kind: str  # "copy", "qkv", "glu" or "shared" (one replicated tensor stored under every HF name: LoRA's fused A)
-    split_dim: int | None  # TP split dimension for "copy" (None: replicated)
-    expert: int | None = None  # global expert id for expert weights
-
-
-def _rules(hf_config, ep_rank: int, ep_size: int) -> list[_Rule]:
-    rules = [_Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "copy", 0)]
-    for i in range(hf_config.num_hidden_layers):
-        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        rules += [
-            _Rule(m + "self_attention.linear_qkv.weight",
-                  tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv", 0),
-            _Rule(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), "copy", 1),
-            _Rule(m + "input_layernorm.weight", (h + "input_layernorm.weight",), "copy", None),
-            _Rule(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "copy", None),
-        ]
-        if has_qk_norm(hf_config):
-            rules += [
-                _Rule(m + "self_attention.q_layernorm.weight", (h + "self_attn.q_norm.weight",), "copy", None),
-                _Rule(m + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",), "copy", None),
-            ]
-        if has_qkv_bias(hf_config):
-            rules.append(_Rule(m + "self_attention.linear_qkv.bias",
-                               tuple(h + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv", 0))
-        if is_moe(hf_config):
-            rules.append(_Rule(m + "mlp.router.weight", (h + "mlp.gate.weight",), "copy", None))
-            n_local = hf_config.num_experts // ep_size
-            for j in range(n_local):
-                e = ep_rank * n_local + j
-                x, he = m + f"mlp.experts.local_experts.{j}.", h + f"mlp.experts.{e}."
-                rules += [
-                    _Rule(x + "linear_fc1.weight", (he + "gate_proj.weight", he + "up_proj.weight"),
-                          "glu", 0, e),
-                    _Rule(x + "linear_fc2.weight", (he + "down_proj.weight",), "copy", 1, e),
-                ]
-        else:
-            rules += [
-                _Rule(m + "mlp.linear_fc1.weight",
-                      (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "glu", 0),
-                _Rule(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "copy", 1),
-            ]
-    rules.append(_Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None))
-    if not hf_config.tie_word_embeddings:
-        rules.append(_Rule("output_layer.weight", ("lm_head.weight",), "copy", 0))
-    return rules
-
-
-def _qkv_layout(hf_config):
-    groups = hf_config.num_key_value_heads
-    return groups, hf_config.num_attention_heads // groups
-
-
-def _merge_qkv(hf_config, q, k, v):
-    groups, per_group = _qkv_layout(hf_config)
-    tail = q.shape[1:]
-    q = q.reshape(groups, per_group, -1, *tail)
-    k = k.reshape(groups, 1, -1, *tail)
-    v = v.reshape(groups, 1, -1, *tail)
-    import torch
-
-    return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
-
-
-def _split_qkv(hf_config, qkv):
-    groups, per_group = _qkv_layout(hf_config)
-    tail = qkv.shape[1:]
-    grouped = qkv.reshape(groups, per_group + 2, -1, *tail)
-    q = grouped[:, :per_group].reshape(-1, *tail)
-    k = grouped[:, per_group].reshape(-1, *tail)
-    v = grouped[:, per_group + 1].reshape(-1, *tail)
-    return q, k, v
-
-
-def _shard(full, dim, rank, size):
-    return full if dim is None or size == 1 else full.chunk(size, dim=dim)[rank]
-
-
-def _groups(rule: _Rule):
-    """(tp-like group, rank, size) that shards this parameter."""
-    from megatron.core import parallel_state as ps
-
-    if rule.expert is not None:
-        return (ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_rank(),
-                ps.get_expert_tensor_parallel_world_size())
-    return (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank(),
-            ps.get_tensor_model_parallel_world_size())
-
-
-def _ep_rank_size(hf_config):
-    from megatron.core import parallel_state as ps
-
-    if not is_moe(hf_config):
-        return 0, 1
-    return ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
-
-
-def unwrap(model):
-    """The GPTModel inside megatron DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
-def shard_of(rule: _Rule, tensors, hf_config):
-    """This rank's megatron shard of ``rule``'s parameter from the full HF ``tensors`` (in
-    ``rule.hf`` order); no communication. The inverse of ``gather_full``."""
-    import torch
-
-    _, rank, size = _groups(rule)
-    if rule.kind == "shared":
-        if any(not torch.equal(tensors[0], t) for t in tensors[1:]):
-            raise ValueError(f"{rule.megatron}: {', '.join(rule.hf)} must be equal (one fused adapter)")
-        return tensors[0]
-    if rule.kind == "qkv":
-        return _shard(_merge_qkv(hf_config, *tensors), 0, rank, size)
-    if rule.kind == "glu":
-        return torch.cat([_shard(t, 0, rank, size) for t in tensors], dim=0)
-    return _shard(tensors[0], rule.split_dim, rank, size)
-
-
-def model_rules(model, hf_config, ep_rank: int, ep_size: int) -> list[_Rule]:
-    """The conversion rules of what ``model`` trains for EP rank ``ep_rank``: every weight, or
-    only the adapters of a LoRA model (``pipeline.trainer.lora``)."""
-    from .lora import lora_rules, lora_state
-
-    state = lora_state(model)
-    base = _rules(hf_config, ep_rank, ep_size)
-    return lora_rules(base, state) if state is not None else base
-
-
 def iter_megatron_shards(model, hf_config, read) -> Iterator[tuple[str, "torch.Tensor"]]:
     """``(megatron name, this rank's shard)`` for every trained parameter of ``model`` (all of
     them, or a LoRA model's adapters), cut from full HF tensors that ``read(hf_name)`` returns;
     checks shapes and that every such parameter is covered."""
-    from .lora import lora_state
 
     params = dict(unwrap(model).named_parameters())
-    ep_rank, ep_size = _ep_rank_size(hf_config)
+    ep_rank, ep_size = ep_rank_size(hf_config)
     expected = {n for n in params if lora_state(model) is None or n.rpartition(".")[2] in ("lora_A", "lora_B")}
     for rule in model_rules(model, hf_config, ep_rank, ep_size):
         shard = shard_of(rule, [read(n) for n in rule.hf], hf_config)
@@ -348,41 +210,6 @@ def load_hf_weights(model, hf_config, model_dir: str | Path) -> None:
             params[name].copy_(shard.to(params[name].dtype))
 
 
-def _all_gather(tensor, group, size):
-    import torch
-
-    if size == 1:
-        return [tensor]
-    out = [torch.empty_like(tensor) for _ in range(size)]
-    torch.distributed.all_gather(out, tensor.contiguous(), group=group)
-    return out
-
-
-def gather_full(rule: _Rule, value, hf_config) -> list:
-    """The full HF tensors of ``rule`` (in ``rule.hf`` order) from this rank's shard ``value``:
-    a collective over the rule's tensor-parallel group (expert-TP for experts), fresh tensors."""
-    import torch
-
-    group, _, size = _groups(rule)
-    if rule.kind == "shared":
-        return [value.clone() for _ in rule.hf]
-    shards = _all_gather(value, group, size)
-    if rule.kind == "qkv":
-        return [*_split_qkv(hf_config, torch.cat(shards, 0))]
-    if rule.kind == "glu":
-        halves = [s.chunk(2, dim=0) for s in shards]
-        return [torch.cat([h[0] for h in halves], 0), torch.cat([h[1] for h in halves], 0)]
-    return [shards[0].clone() if rule.split_dim is None else torch.cat(shards, rule.split_dim)]
-
-
-def conversion_rules(hf_config, model=None) -> list[_Rule]:
-    """This rank's conversion rules (its EP rank's experts); of ``model``'s trained parameters
-    when given (a LoRA model: its adapters)."""
-    if model is None:
-        return _rules(hf_config, *_ep_rank_size(hf_config))
-    return model_rules(model, hf_config, *_ep_rank_size(hf_config))
-
-
 def iter_hf_weights(model, hf_config, grads: bool = False) -> Iterator[tuple[str, "torch.Tensor"]]:
     """Yield ``(hf_name, full tensor)`` on world rank 0; a collective every rank must exhaust.
 
@@ -393,7 +220,7 @@ def iter_hf_weights(model, hf_config, grads: bool = False) -> Iterator[tuple[str
 
     model = unwrap(model)
     params = dict(model.named_parameters())
-    ep_rank, ep_size = _ep_rank_size(hf_config)
+    ep_rank, ep_size = ep_rank_size(hf_config)
     is_root = torch.distributed.get_rank() == 0
     from megatron.core import parallel_state as ps
 
@@ -408,7 +235,7 @@ def iter_hf_weights(model, hf_config, grads: bool = False) -> Iterator[tuple[str
         value = value.detach().to(torch.float32, copy=True)  # never a view of live memory
         full = gather_full(rule, value, hf_config)
         if rule.expert is not None and ep_size > 1:
-            per_rank = [_all_gather(t, ep_group, ep_size) for t in full]
+            per_rank = [all_gather(t, ep_group, ep_size) for t in full]
             n_local = hf_config.num_experts // ep_size
             local = rule.expert - ep_rank * n_local
             for r in range(ep_size):

@@ -77,7 +77,7 @@ def write_peft_dir(out: Path, adapters: dict, hf_config, rank: int, alpha: float
     """Write ``adapters`` (HF adapter names -> tensors) as a PEFT adapter directory ``out``."""
     from safetensors.torch import save_file
 
-    from .export import hf_dtype
+    from .conversion import hf_dtype
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

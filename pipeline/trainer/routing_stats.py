@@ -24,7 +24,7 @@ class RoutingStats:
         import torch
         from megatron.core.transformer.moe.router import TopKRouter
 
-        from .model import unwrap
+        from .conversion import unwrap
 
         self.routers = [m for m in unwrap(model).modules() if isinstance(m, TopKRouter)]
         if not self.routers:

@@ -98,7 +98,7 @@ def dtype_name(dtype) -> str:
     return name
 
 
-def _itemsize(name: str) -> int:
+def itemsize(name: str) -> int:
     return {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4,
             "int16": 2, "int8": 1, "uint8": 1, "bool": 1}[name]
 
@@ -118,7 +118,7 @@ class TensorSlot:
 
     @property
     def tensor_bytes(self) -> int:
-        n = _itemsize(self.dtype)
+        n = itemsize(self.dtype)
         for s in self.shape:
             n *= s
         return n

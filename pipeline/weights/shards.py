@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 class _Unit:
     """One megatron parameter's worth of HF tensors in the global order."""
 
-    rule: object  # pipeline.trainer.model._Rule of the EP rank that owns it
+    rule: object  # pipeline.trainer.conversion.Rule of the EP rank that owns it
     source: int
     shapes: tuple[tuple[int, ...], ...]
 
@@ -55,15 +55,13 @@ class ShardedWeights:
         import torch
         from megatron.core import parallel_state as ps
 
-        from pipeline.trainer.export import hf_dtype
-        from pipeline.trainer.lora import lora_state
-        from pipeline.trainer.model import _ep_rank_size, _groups, model_rules, unwrap
+        from pipeline.trainer.conversion import ep_rank_size, hf_dtype, lora_state, model_rules, tp_group, unwrap
         from pipeline.weights.buckets import dtype_name
 
         self.hf_config = hf_config
         self.params = dict(unwrap(model).named_parameters())
         self.dtype = hf_dtype(hf_config)
-        ep_rank, ep_size = _ep_rank_size(hf_config)
+        ep_rank, ep_size = ep_rank_size(hf_config)
         self.ep_rank = ep_rank
         expert_sender = ps.get_expert_tensor_parallel_rank() == 0 and ps.get_expert_data_parallel_rank() == 0
         world_rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -80,14 +78,14 @@ class ShardedWeights:
         i, base = 0, per_rank[0]
         while i < len(base):
             if base[i].expert is None:
-                self.units.append(self._unit(base[i], 0, _groups(base[i])[2]))
+                self.units.append(self._unit(base[i], 0, tp_group(base[i])[2]))
                 i += 1
                 continue
             j = i
             while j < len(base) and base[j].expert is not None:
                 j += 1
             for r in range(ep_size):
-                self.units += [self._unit(rule, r, _groups(rule)[2]) for rule in per_rank[r][i:j]]
+                self.units += [self._unit(rule, r, tp_group(rule)[2]) for rule in per_rank[r][i:j]]
             i = j
         name = dtype_name(self.dtype)
         self.specs = [(hf, name, shape, u.source) for u in self.units for hf, shape in zip(u.rule.hf, u.shapes)]
@@ -99,18 +97,18 @@ class ShardedWeights:
     @property
     def total_bytes(self) -> int:
         """Bytes of one sync (every sender's tensors, before bucket alignment)."""
-        from pipeline.weights.buckets import _itemsize
+        from pipeline.weights.buckets import itemsize
 
         total = 0
         for _, dtype, shape, _ in self.specs:
-            n = _itemsize(dtype)
+            n = itemsize(dtype)
             for d in shape:
                 n *= d
             total += n
         return total
 
     def _unit(self, rule, source: int, tp_size: int) -> _Unit:
-        from pipeline.trainer.lora import full_hf_shapes
+        from pipeline.trainer.conversion import full_hf_shapes
 
         shapes = full_hf_shapes(rule, tuple(self.params[rule.megatron].shape), tp_size, self.hf_config)
         return _Unit(rule, source, shapes)
@@ -120,7 +118,7 @@ class ShardedWeights:
         parameters in the global order; yields the full HF tensors this rank sends."""
         import torch
 
-        from pipeline.trainer.model import _all_gather, _groups, _split_qkv
+        from pipeline.trainer.conversion import gather_shards, hf_from_shards
 
         if self.scaling is not None and self.source == 0:
             yield SCALING_NAME, torch.tensor([self.scaling], dtype=torch.float32)
@@ -131,19 +129,9 @@ class ShardedWeights:
                 continue  # another EP rank's experts: not this rank's collective
             if not (self.gather_experts if expert else self.gather_dense):
                 continue
-            group, _, size = _groups(rule)
             value = self.params[rule.megatron].detach().to(self.dtype, copy=True)  # never a live view
-            shards = [value] if rule.kind == "shared" else _all_gather(value, group, size)
+            shards = gather_shards(rule, value)
             if self.source != u.source:
                 continue
-            if rule.kind == "shared":
-                full = (shards[0],) * len(rule.hf)
-            elif rule.kind == "qkv":
-                full = _split_qkv(self.hf_config, torch.cat(shards, 0))
-            elif rule.kind == "glu":
-                halves = [s.chunk(2, dim=0) for s in shards]
-                full = (torch.cat([h[0] for h in halves], 0), torch.cat([h[1] for h in halves], 0))
-            else:
-                full = (shards[0] if rule.split_dim is None else torch.cat(shards, rule.split_dim),)
-            yield from zip(rule.hf, full)
+            yield from zip(rule.hf, hf_from_shards(rule, shards, self.hf_config))
 
