@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -98,6 +97,7 @@ def main() -> None:
     if args.quick:
         args.prompts, args.group_size, args.max_tokens = 4, 2, 16
     from pipeline.apps.inspect_log import per_token_bytes
+    from pipeline.launch.rendezvous import free_port
     from pipeline.protocol.record import RecordSchema
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' oracle helpers
@@ -112,9 +112,7 @@ def main() -> None:
             data.update({f"p{i}": np.array(p), f"c{i}": np.array(c.token_ids), f"lp{i}": np.array(c.logprobs),
                          f"r{i}": c.routed_experts})
         np.savez(tmp / "samples.npz", **data)
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port("127.0.0.1")
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
                    OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
         subprocess.run([sys.executable, "-c", TRAINER, str(model_dir), str(tmp / "samples.npz"),

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -54,17 +53,12 @@ def ensure_megatron(wheel_dir: str | None) -> str:
     return version("megatron-core")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def check_model(kind: str, workdir: Path, quick: bool) -> dict:
     """Oracle + step + export + throughput for one model kind; returns its numbers."""
     import numpy as np
     import torch
 
+    from pipeline.launch.rendezvous import free_port
     from pipeline.trainer.config import TrainerConfig
     from pipeline.trainer.engine import Trainer
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test oracle
@@ -77,7 +71,7 @@ def check_model(kind: str, workdir: Path, quick: bool) -> dict:
     ckpt = sharpened_checkpoint(kind, workdir / f"{kind}-sharp")
     cfg = TrainerConfig(model_dir=str(ckpt), lr=1e-4, grad_clip=1.0, micro_batch_tokens=8192,
                         timeout_s=300)
-    trainer = Trainer(cfg, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}")
+    trainer = Trainer(cfg, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}")
     try:
         samples = make_samples(1, 16, trainer.hf_config.vocab_size)
         before = trainer.logprobs(samples)

@@ -26,7 +26,7 @@ from pipeline.apps.ops import status_main
 from pipeline.apps.ops.compare import compare_runs, format_table, main as compare_main
 from pipeline.apps.ops.summary import metric_summary, run_hparams, wall_seconds
 from pipeline.apps.ops.sweep import find_runs
-from pipeline.roles.common import save_run_config
+from pipeline.run_dir import save_run_config
 from pipeline.apps.train import job_plan
 
 ERROR = "RuntimeError: no batch for step 1 from the orchestrator within 300 s"

@@ -109,7 +109,7 @@ def test_export_of_a_trained_moe_serves_in_a_fresh_vllm_engine(tmp_path):
     from pipeline.apps.export import main as export_main
     from pipeline.config import TokenflowConfig, validate
     from pipeline.models.tiny import resolve_model
-    from pipeline.roles.common import publish_model
+    from pipeline.run_dir import publish_model
     from pipeline.trainer.layout import TrainSample
 
     source = sharpened_checkpoint("moe8", tmp_path / "source")

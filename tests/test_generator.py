@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,15 +17,12 @@ import textwrap
 import numpy as np
 import pytest
 
+from pipeline.launch.rendezvous import free_port
+
 pytestmark = pytest.mark.engine
 
 PROMPTS = [[0, 17, 30, 41, 9], [0, 55, 12], [0, 201, 7, 7, 7, 93], [0, 3, 4, 5]]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _make_version(base, out, seed: int):
@@ -119,7 +115,7 @@ def test_update_through_the_weight_group_equals_a_fresh_load(engine, loop):
     if kind == "moe":
         layouts = loop.run_until_complete(gen.expert_layout())
         assert layouts[0] and all(v.startswith("cpu-prepacked") for v in layouts[0].values()), layouts
-    port = _free_port()
+    port = free_port("127.0.0.1")
     # version 2 = other weights; version 3 = version 1's weights again (MoE: as fused expert tensors),
     # streamed in buckets of 192 KiB: the sender's names are sorted, so q/k/v lie apart (k, o, q, v)
     # and straddle buckets, and the reload holds views of a buffer the receive is about to reuse;
@@ -251,7 +247,7 @@ def test_keep_kv_update_labels_every_token_with_the_weights_that_sampled_it(engi
     reference: list = []
     proc = None
     if source == "staged":
-        port = _free_port()
+        port = free_port("127.0.0.1")
         proc = _start_sender(port, [(v_old + 1, str(dirs[2] / "model.safetensors"), False)])
         loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 2))
     try:
@@ -411,7 +407,7 @@ DYING_SENDER = textwrap.dedent("""
 
 def _fail_an_update(loop, gen, other_weights, error):
     """Join a sender that dies mid-update (`DYING_SENDER`); the update must raise `error`."""
-    port = _free_port()
+    port = free_port("127.0.0.1")
     dying = subprocess.Popen([sys.executable, "-c", DYING_SENDER, str(port), str(other_weights)])
     try:
         loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 2))
@@ -445,7 +441,7 @@ def test_a_sender_dying_mid_update_raises_and_a_rejoin_recovers(engine, loop):
     assert loop.run_until_complete(gen.engine.collective_rpc("tensors_without_data")) == [[]]
     assert _checksums(loop, gen) != before[0], "the broken update did not reach the reload"
     # rejoin a healthy sender and load a complete version
-    port = _free_port()
+    port = free_port("127.0.0.1")
     proc = _start_sender(port, [(gen.version + 1, str(dirs[1] / "model.safetensors"), False)])
     try:
         loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 2))
@@ -504,7 +500,7 @@ def test_a_generator_killed_mid_broadcast_leaves_none_serving_mixed_weights(engi
     old_sums, old_out = _checksums(loop, gen), _outputs(loop, gen)
     saved = gen.weight_sync, gen.config.weight_timeout_s
     gen.weight_sync, gen.config.weight_timeout_s = sync, 20.0
-    port = _free_port()
+    port = free_port("127.0.0.1")
     procs = [subprocess.Popen([sys.executable, "-c", PEER_SENDER, str(port), new, str(v + 3), "3"]),
              # after 20 of the 95 buckets: inside the decoder layers, past the split lm_head and embedding
              subprocess.Popen([sys.executable, "-c", DOOMED_GENERATOR, str(port), "20"])]
@@ -526,7 +522,7 @@ def test_a_generator_killed_mid_broadcast_leaves_none_serving_mixed_weights(engi
             assert _checksums(loop, gen) == old_sums and _outputs(loop, gen) == old_out
         else:
             assert paused, "a half-loaded engine must not generate"
-            healthy = subprocess.Popen([sys.executable, "-c", PEER_SENDER, str(port := _free_port()), new,
+            healthy = subprocess.Popen([sys.executable, "-c", PEER_SENDER, str(port := free_port("127.0.0.1")), new,
                                         str(v + 4), "2"])
             procs.append(healthy)
             loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 2))

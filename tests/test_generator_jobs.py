@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from chaos import check_record, last_step, wait_for
+from pipeline.launch.rendezvous import free_port
 from pipeline.rollout_log.reader import RolloutLog
 from pipeline.metrics import read_metrics
 from pipeline.supervise import alive
@@ -353,7 +354,7 @@ def test_a_leaving_generator_returns_its_leases_at_once_and_is_stopped_after_the
     from pipeline.config import record_schema
     from pipeline.protocol import messages as m
     from pipeline.protocol.links import GeneratorLink, TrainerLink, WorkItem
-    from pipeline.roles.common import load_run_config
+    from pipeline.run_dir import load_run_config
 
     run = tmp_path / "run"
     write_spec(run)
@@ -461,19 +462,12 @@ def test_a_weight_group_forms_in_the_background_while_the_old_one_carries_a_vers
     2 after the switch, each received whole (compared with the tensors the sender built). A build
     whose peer never comes fails within its timeout naming its epoch, and an abandoned one can no
     longer be handed out."""
-    import socket
-
     import torch
 
     from pipeline.weights.group import TorchDistChannel, WeightSyncError
     from pipeline.weights.group_build import GroupBuild
 
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    old_port, new_port = free_port(), free_port()
+    old_port, new_port = free_port("127.0.0.1"), free_port("127.0.0.1")
     sender = subprocess.Popen([sys.executable, "-c", GROUP_SWITCH_SENDER, str(old_port), str(new_port)],
                               cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
@@ -492,10 +486,10 @@ def test_a_weight_group_forms_in_the_background_while_the_old_one_carries_a_vers
         assert sender.wait(timeout=60) == 0
     finally:
         sender.kill()
-    lonely = GroupBuild(3, None, lambda: TorchDistChannel("127.0.0.1", free_port(), 1, 2, timeout_s=2, epoch=3))
+    lonely = GroupBuild(3, None, lambda: TorchDistChannel("127.0.0.1", free_port("127.0.0.1"), 1, 2, timeout_s=2, epoch=3))
     with pytest.raises(WeightSyncError, match="epoch 3 failed to form"):
         lonely.wait(30)
-    given_up = GroupBuild(4, None, lambda: TorchDistChannel("127.0.0.1", free_port(), 1, 2, timeout_s=2, epoch=4))
+    given_up = GroupBuild(4, None, lambda: TorchDistChannel("127.0.0.1", free_port("127.0.0.1"), 1, 2, timeout_s=2, epoch=4))
     given_up.abandon()
     with pytest.raises(WeightSyncError, match="abandoned"):
         given_up.wait(30)

@@ -16,12 +16,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from pipeline.launch.rendezvous import free_port
 
 pytestmark = pytest.mark.engine
 
@@ -43,11 +44,6 @@ SENDER = textwrap.dedent("""
     ch.close()
 """)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _base_tensors(base):
@@ -126,7 +122,7 @@ def test_adapter_sync_equals_a_fresh_engine_on_merged_weights(kind, loop, tmp_pa
     finally:
         gen.shutdown()
     gen = _start(loop, base)
-    port = _free_port()
+    port = free_port("127.0.0.1")
     updates = [(2, files["x"]), (3, files["y"]), (4, files["x"]), (5, files["x0"])]
     proc = subprocess.Popen([sys.executable, "-c", SENDER, str(port), json.dumps(updates)])
     try:

@@ -73,7 +73,7 @@ def check_run(run: Path, tmp_path: Path) -> None:
     assert model.config.num_experts == 8
     # the export is the policy: its greedy held-out accuracy under transformers is the run's last
     # evaluation (vLLM, greedy) within 3 points (greedy ties may break differently)
-    from pipeline.roles.common import load_run_config
+    from pipeline.run_dir import load_run_config
     from pipeline.tasks import make_task
     from pipeline.tasks.hf_eval import evaluate
 

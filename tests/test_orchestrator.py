@@ -22,7 +22,7 @@ from pipeline.metrics import read_metrics
 from pipeline.protocol.links import read_rendezvous
 from pipeline.config import ReplayConfig, RunConfig, TokenflowConfig
 from pipeline.orchestrator.config import OrchestratorConfig
-from pipeline.roles.common import save_run_config
+from pipeline.run_dir import save_run_config
 from pipeline.tasks import TaskConfig
 from pipeline.protocol.transport import load_or_create_secret
 from support.child_env import child_env

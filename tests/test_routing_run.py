@@ -30,7 +30,7 @@ def test_a_live_run_records_prompt_and_completion_routing_and_replays_it(tmp_pat
     from pipeline.rollout_log.reader import RolloutLog
     from pipeline.metrics import read_metrics
     from pipeline.protocol.record import sequence_routing
-    from pipeline.roles.common import model_dir
+    from pipeline.run_dir import model_dir
 
     run = tmp_path / "rr"
     cmd = [sys.executable, "-m", "pipeline.cli", "train", "run.name=rr", f"hydra.run.dir={run}", "algo=sync",

@@ -4,12 +4,12 @@ vLLM's own top-k/top-p filter and FlatLogprobs, and the refusal of biased trunca
 from __future__ import annotations
 
 import math
-import socket
 
 import numpy as np
 import pytest
 import torch
 
+from pipeline.launch.rendezvous import free_port
 from pipeline.trainer.sampling_mask import kept_log_mass
 
 torch.set_num_threads(1)
@@ -85,9 +85,7 @@ def test_vocab_split_over_two_ranks_matches_loop_reference(tmp_path):
     the gradient: the kept mass's own, the full-vocabulary logprob is a constant input here)."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port("127.0.0.1")
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_vocab_split_rank, args=(r, port, str(tmp_path))) for r in range(2)]
     for p in procs:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from pipeline.launch.rendezvous import free_port
 
 pytestmark = pytest.mark.engine
 
@@ -76,9 +77,7 @@ def test_trainer_logprobs_under_the_recorded_mask_equal_the_engines(tmp_path):
         data.update({f"p{i}": s.prompt_ids, f"c{i}": s.completion_ids, f"lp{i}": s.logprobs,
                      f"m{i}": s.sampling_mask})
     np.savez(tmp_path / "samples.npz", **data)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port("127.0.0.1")
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
                OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, "-c", TRAINER, str(model_dir), str(tmp_path / "samples.npz"),

@@ -20,7 +20,7 @@ from pipeline.rollout_log.reader import RolloutLog
 from pipeline.metrics import read_metrics
 from pipeline.orchestrator.config import OrchestratorConfig
 from pipeline.protocol.record import RecordSchema, SampleBatch
-from pipeline.roles.common import save_run_config
+from pipeline.run_dir import save_run_config
 from pipeline.scorers.config import ScorersConfig
 from pipeline.scorers.models import (ProcessRewardScorer, RewardModelScorer, build_tiny_reward_model,
                                      step_ends)

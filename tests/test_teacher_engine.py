@@ -25,7 +25,7 @@ from pipeline.rollout_log.reader import RolloutLog
 from pipeline.metrics import read_metrics
 from pipeline.orchestrator.config import OrchestratorConfig
 from pipeline.protocol.record import SampleBatch
-from pipeline.roles.common import save_run_config
+from pipeline.run_dir import save_run_config
 from pipeline.run_files import PLAN_FILE
 from pipeline.scorers.config import ScorersConfig
 from pipeline.scorers.pool import lagged_teacher_version

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pipeline.launch.rendezvous import free_port
 from support.oracle import hf_logprobs, make_samples, sharpened_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,9 +36,7 @@ def perturb_behaviour(samples, logprobs, seed):
 
 def launch(scenario: str, world: int, outdir: Path, args: dict, script: Path = Path(__file__)) -> None:
     """Run ``scenario`` of ``script`` on ``world`` ranks (gloo), failing with the ranks' stderr."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port("127.0.0.1")
     outdir.mkdir(parents=True, exist_ok=True)
     procs = []
     for rank in range(world):

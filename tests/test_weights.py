@@ -1,7 +1,6 @@
 """Packed weight buckets and the gloo weight channel between real processes."""
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
@@ -10,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from pipeline.launch.rendezvous import free_port
 from pipeline.weights.buckets import ALIGN, Assembly, BucketError, BucketPlan, pack, unpack
 from pipeline.weights.group import TorchDistChannel, WeightSyncError
 
@@ -151,11 +151,6 @@ def test_pack_rejects_tensors_that_differ_from_the_plan():
         BucketPlan.from_wire([[8, 0, [["a", "float32", [4], 0]]]])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 SENDER = textwrap.dedent("""
     import os, sys, torch
@@ -187,7 +182,7 @@ def _start_sender(port: int, die_after: int) -> subprocess.Popen:
 
 
 def test_gloo_channel_carries_versions_between_processes():
-    port = _free_port()
+    port = free_port("127.0.0.1")
     proc = _start_sender(port, -1)
     try:
         ch = TorchDistChannel("127.0.0.1", port, 1, 2, timeout_s=60)
@@ -210,7 +205,7 @@ def test_gloo_channel_carries_versions_between_processes():
 
 
 def test_sender_dying_mid_broadcast_raises_within_timeout():
-    port = _free_port()
+    port = free_port("127.0.0.1")
     proc = _start_sender(port, 1)  # sends metadata and the buckets of "big", dies packing bucket 5
     try:
         ch = TorchDistChannel("127.0.0.1", port, 1, 2, timeout_s=30)
@@ -253,7 +248,7 @@ def test_a_tensor_of_two_and_a_half_buckets_round_trips_within_two_buckets_of_bu
     from pipeline.weights import buckets
 
     monkeypatch.setattr(buckets, "ALONE_BYTES", 4096)
-    bucket, port = 1 << 16, _free_port()
+    bucket, port = 1 << 16, free_port("127.0.0.1")
     proc = subprocess.Popen([sys.executable, "-c", SPLIT_SENDER, str(port), str(bucket)],
                             stdout=subprocess.PIPE, text=True)
     try:
@@ -287,7 +282,7 @@ def test_a_tensor_of_two_and_a_half_buckets_round_trips_within_two_buckets_of_bu
 
 def test_joining_a_group_nobody_hosts_fails_clearly():
     with pytest.raises(WeightSyncError, match="could not join the weight group"):
-        TorchDistChannel("127.0.0.1", _free_port(), 1, 2, timeout_s=2)
+        TorchDistChannel("127.0.0.1", free_port("127.0.0.1"), 1, 2, timeout_s=2)
 
 
 @pytest.mark.gpu
@@ -305,7 +300,7 @@ def test_buckets_pack_and_unpack_on_cuda():
 
 @pytest.mark.gpu
 def test_nccl_channel_of_one_rank_sends_its_buckets():
-    ch = TorchDistChannel("127.0.0.1", _free_port(), 0, 1, timeout_s=60, backend="nccl")
+    ch = TorchDistChannel("127.0.0.1", free_port("127.0.0.1"), 0, 1, timeout_s=60, backend="nccl")
     plan = ch.send_tensors(1, [(f"w{i}", torch.randn(1024, device="cuda")) for i in range(4)], bucket_bytes=1 << 12)
     assert len(plan.sizes) == 4
     ch.close()
@@ -352,7 +347,7 @@ MULTI_SENDER = textwrap.dedent("""
 def test_two_senders_stream_their_own_buckets_to_every_receiver():
     """Sender 0 and sender 1 each send only their tensors; both receivers get all of them, in plan
     order, in two streaming buffers."""
-    port = _free_port()
+    port = free_port("127.0.0.1")
     senders = [subprocess.Popen([sys.executable, "-c", MULTI_SENDER, str(port), str(s)]) for s in (0, 1)]
     other = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import sys
@@ -406,7 +401,7 @@ def test_a_streamed_receive_copies_what_its_consumer_still_holds_before_reusing_
                 copied += t.numel() * t.element_size()
         return copied
 
-    port = _free_port()
+    port = free_port("127.0.0.1")
     proc = subprocess.Popen([sys.executable, "-c", STREAM_SENDER, str(port)])
     try:
         ch = TorchDistChannel("127.0.0.1", port, 1, 2, timeout_s=30)
@@ -455,7 +450,7 @@ def test_cuda_ipc_channel_streams_buckets_to_a_process_on_the_same_gpu(stage):
     the sender's two GPU buffers (streamed) or copied out (staged); every tensor arrives intact."""
     from pipeline.weights.cuda_ipc import CudaIpcChannel
 
-    port = _free_port()
+    port = free_port("127.0.0.1")
     proc = subprocess.Popen([sys.executable, "-c", IPC_SENDER, str(port)])
     try:
         ch = CudaIpcChannel("127.0.0.1", port, 1, timeout_s=60)
