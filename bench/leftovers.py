@@ -13,8 +13,12 @@ import contextlib
 import os
 import sys
 import uuid
+from pathlib import Path
 
-from pipeline.supervise import MARKER_ENV, leftovers
+from pipeline.supervise import MARKER_ENV
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' shared helpers
+from support.leftovers import leftovers  # noqa: E402
 
 
 @contextlib.contextmanager

@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--completion", type=int, default=128)
     a = p.parse_args(argv)
     from pipeline.scorers.config import ScorersConfig
-    from pipeline.scorers.models import build_tiny_reward_model
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' shared helpers
+    from support.reward_model import build_tiny_reward_model
 
     n_groups = 16 if a.quick else 64
     work = Path(tempfile.mkdtemp(prefix="bench-scorers-"))

@@ -6,8 +6,9 @@ after repetition, between
   - packed:  ``send_tensors(version, named, bucket_bytes)``: plan, then stream the buckets (bucket
              k+1 is packed while bucket k is on the wire, two buffers on the sender; the receiver
              receives bucket k+1 while it unpacks views of bucket k, two buffers), and
-  - single:  ``send_packed(version, plan of one uint8 tensor, [that tensor])``: the same bytes,
-             already flat, as one broadcast through the same channel and protocol;
+  - single:  ``send_stream(version, plan of one uint8 tensor, [that tensor])``: the same bytes,
+             already flat, as one broadcast (the tensor's own bytes, uncopied) through the same
+             channel and protocol;
 and, for reference, ``unbatched`` (bucket_bytes = 1: one broadcast per tensor, still copied).
 Before each timed transfer both sides exchange a 1-byte update, so they start together; the
 receiver times ``receive()`` up to its last tensor. Every mode receives into memory already
@@ -47,7 +48,7 @@ steps (target <= 1 for the default), its share of generator time, and the throug
 windows without updates (this also counts recomputation after the resume, which the stall does
 not); and the generator's streaming-buffer bytes after the streamed updates.
 
-(c) Layouts. `pipeline.weights.layout_check` syncs the tiny MoE model from megatron-core trainer
+(c) Layouts. `tests/support/layout_check.py` syncs the tiny MoE model from megatron-core trainer
 ranks at TP1 and at TP2 x EP2 (two senders, one per expert-parallel rank) to one receiver, which
 checks every tensor against the checkpoint; reported: median sync time of each and their ratio.
 
@@ -77,6 +78,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' shared helpers (support.layout_check)
 
 BUCKET_BYTES = 64 * 2**20
 TIMEOUT_S = 120.0
@@ -198,7 +200,7 @@ def bandwidth_sender(host: str, port: int, big_layers: int, big_vocab: int, reps
                     elif mode == "unbatched":
                         channel.send_stream(0, _one_per_bucket(named), named)
                     else:
-                        channel.send_packed(0, _flat_plan(flat.numel()), [flat])
+                        channel.send_stream(0, _flat_plan(flat.numel()), [("flat", flat)])
         _sync(channel, 0)
         channel.buffers = BufferRing(channel.device, channel.buffers.slots)  # the last (big) set, from zero
         channel.send_tensors(1, named, BUCKET_BYTES)
@@ -478,7 +480,7 @@ async def take_step_gaps(gen, updated: list[str], gaps: dict[str, list[float]]) 
 def layouts(reps: int) -> dict:
     """Sync time of the tiny MoE model from TP1 and from TP2 x EP2 trainer ranks (one receiver)."""
     from pipeline.models.tiny import resolve_model
-    from pipeline.weights.layout_check import run
+    from support.layout_check import run
 
     model = str(resolve_model("tiny-moe"))
     out: dict = {"model": "tiny-moe"}
@@ -502,7 +504,7 @@ def lora_sync(reps: int, rank: int = 8) -> dict:
     """Full-weight sync against adapter-only sync (LoRA rank ``rank``, every target) of the tiny
     MoE model from one trainer rank; the receiver of the adapter sync merges them into the base."""
     from pipeline.models.tiny import resolve_model
-    from pipeline.weights.layout_check import run
+    from support.layout_check import run
 
     model = str(resolve_model("tiny-moe"))
     out: dict = {"model": "tiny-moe", "lora_rank": rank}

@@ -6,8 +6,8 @@ Linux gives three tools, used together (`docs/architecture.md`, "Processes and f
   died) stays in the tree of the task that started it, where `end_tree` finds and ends it;
 - a *parent-death signal* (``PR_SET_PDEATHSIG``) makes a child hear of its parent's death at once;
 - a *marker* environment variable, inherited by every descendant, names the processes of a test or
-  benchmark wherever they were reparented to (`marked_processes`), without matching process names
-  (other runs on the same machine are not touched).
+  benchmark wherever they were reparented to (``tests/support/leftovers.py``), without matching
+  process names (other runs on the same machine are not touched).
 
 Invariants:
 - `end_tree(root)` returns once no descendant of ``root`` is left (SIGTERM, then SIGKILL after
@@ -209,57 +209,6 @@ def _end(left_now, grace_s: float, kill_wait_s: float | None = None) -> list[int
         _signal_all(left, sig)
         signalled.extend(p for p in left if p not in signalled)
         time.sleep(0.1)
-
-
-def marked_processes(marker: str, exclude: set[int] = frozenset()) -> dict[int, str]:
-    """pid -> command line of every live process whose environment holds ``MARKER_ENV=marker``."""
-    needle = f"{MARKER_ENV}={marker}".encode()
-    found = {}
-    for pid in _pids():
-        if pid in exclude:
-            continue
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes()
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        if needle not in env.split(b"\0"):
-            continue
-        st = _stat(pid)
-        if st is None or st[1] == "Z":
-            continue
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        found[pid] = cmd.strip()
-    return found
-
-
-def leftovers(marker: str, wait_s: float = 15.0, kill: bool = True) -> dict[int, str]:
-    """Processes still carrying ``marker`` after up to ``wait_s`` (they may be stopping); ended if ``kill``.
-
-    The caller's own process and its ancestors are excluded (they carry the marker by design).
-    """
-    exclude = {os.getpid()}
-    pid = os.getpid()
-    while pid > 1:
-        st = _stat(pid)
-        if st is None:
-            break
-        pid = st[0]
-        exclude.add(pid)
-    # The caller's own multiprocessing resource tracker (started by a spawn context) is a singleton
-    # of the caller's interpreter that exits when the caller does (its pipe closes), kill -9 included.
-    exclude |= {p for p, cmd in marked_processes(marker, exclude).items()
-                if "multiprocessing.resource_tracker" in cmd and (_stat(p) or (0,))[0] == os.getpid()}
-    deadline = time.monotonic() + wait_s
-    found = marked_processes(marker, exclude)
-    while found and time.monotonic() < deadline:
-        time.sleep(0.5)
-        found = marked_processes(marker, exclude)
-    if found and kill:
-        _signal_all(list(found), signal.SIGKILL)
-    return found
 
 
 class KeptProcess:

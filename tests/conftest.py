@@ -73,7 +73,8 @@ def no_process_left_behind(monkeypatch):
     """Fail the test if any process it started (marked through the environment every child
     inherits, Slurm jobs included) is still alive 20 s after it; such processes are killed.
     Processes of other tests and other users of the machine carry other markers, or none."""
-    from pipeline.supervise import MARKER_ENV, leftovers
+    from pipeline.supervise import MARKER_ENV
+    from support.leftovers import leftovers
 
     marker = uuid.uuid4().hex
     monkeypatch.setenv(MARKER_ENV, marker)

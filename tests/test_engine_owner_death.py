@@ -134,7 +134,8 @@ def test_the_watch_never_ends_a_parent_outside_the_owner_tree(tmp_path):
 @pytest.mark.engine
 def test_engine_processes_end_when_their_owner_and_its_supervisor_are_sigkilled(tmp_path):
     from pipeline.models.tiny import ensure_tiny_model
-    from pipeline.supervise import MARKER_ENV, leftovers
+    from pipeline.supervise import MARKER_ENV
+    from support.leftovers import leftovers
 
     model = ensure_tiny_model("dense")
     pids_file = tmp_path / "pids.json"

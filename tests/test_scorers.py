@@ -22,10 +22,10 @@ from pipeline.orchestrator.config import OrchestratorConfig
 from pipeline.protocol.record import RecordSchema, SampleBatch
 from pipeline.run_dir import save_run_config
 from pipeline.scorers.config import ScorersConfig
-from pipeline.scorers.models import (ProcessRewardScorer, RewardModelScorer, build_tiny_reward_model,
-                                     step_ends)
+from pipeline.scorers.models import ProcessRewardScorer, RewardModelScorer, step_ends
 from pipeline.tasks import TaskConfig
 from support.child_env import child_env
+from support.reward_model import build_tiny_reward_model
 
 PY = sys.executable
 LOADGEN = str(Path(__file__).parent / "support" / "loadgen.py")

@@ -13,7 +13,8 @@ import time
 import pytest
 
 from pipeline.launch import ComponentSpec, JobPlan, LocalLauncher, TaskFailed
-from pipeline.supervise import KeptProcess, MARKER_ENV, alive, leftovers
+from pipeline.supervise import KeptProcess, MARKER_ENV, alive
+from support.leftovers import leftovers
 
 PROBE = "pipeline.launch.probe:probe"
 

@@ -1,6 +1,6 @@
 """Weight sync from multi-rank trainer layouts (megatron-core on gloo) to receivers, end to end.
 
-`pipeline.weights.layout_check` starts the trainer ranks and receivers as real processes and runs
+`support.layout_check` starts the trainer ranks and receivers as real processes and runs
 the roles' push path (`ShardedWeights` + streamed `send_stream`); each receiver compares every
 tensor bit for bit with the checkpoint the trainer loaded (the independent reference).
 """
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.engine
 
 def test_tp2_ep2_streams_each_expert_from_its_owner_and_receivers_get_the_checkpoint(tmp_path):
     from pipeline.models.tiny import ensure_tiny_model
-    from pipeline.weights.layout_check import run
+    from support.layout_check import run
 
     model = ensure_tiny_model("moe")  # 4 experts per layer: EP rank r owns experts 2r, 2r+1
     r = run(str(model), tp=2, ep=2, receivers=2, bucket_mb=0.25, reps=2, outdir=tmp_path)

@@ -18,7 +18,8 @@ import pytest
 
 from chaos import Chaos, check_record, engine_process, loaded_after_restart, orchestrator_process, role_process, wait_for
 from pipeline.metrics import read_metrics
-from pipeline.supervise import MARKER_ENV, leftovers
+from pipeline.supervise import MARKER_ENV
+from support.leftovers import leftovers
 
 pytestmark = pytest.mark.engine
 STEPS = 12

@@ -197,20 +197,6 @@ class TorchDistChannel(WeightChannel):
         mine = plan.of_source(self.rank) if self.rank < self.senders else []
         self._send(version, plan, pack(plan, named, self.device, self.buffers, mine, borrow=True))
 
-    def send_packed(self, version: int, plan: BucketPlan, buckets: Iterable["torch.Tensor"]) -> None:
-        """Send this sender's buckets, already packed (flat uint8, in plan order); with at most
-        two in flight, so a producer may reuse the buffer of bucket k for bucket k + 2."""
-        import torch
-
-        def checked() -> Iterator[list["torch.Tensor"]]:
-            for index, bucket in zip(plan.of_source(self.rank), buckets):
-                if bucket.numel() != plan.sizes[index] or bucket.dtype != torch.uint8:
-                    raise WeightSyncError(f"bucket {index}/{len(plan.sizes)} of version {version} is "
-                                          f"{bucket.dtype}[{bucket.numel()}], plan says uint8[{plan.sizes[index]}]")
-                yield [bucket[start:end] for start, end, _ in segments(plan.buckets[index], plan.sizes[index])]
-
-        self._send(version, plan, checked())
-
     def _send(self, version: int, plan: BucketPlan, buckets: Iterable[list["torch.Tensor"]]) -> None:
         """The protocol's sending side: metadata (leader), then each bucket's segments."""
         import torch

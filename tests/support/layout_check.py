@@ -7,9 +7,10 @@ generator worker joins), then syncs the weights ``reps`` times with the roles' o
 bit for bit, with the checkpoint the trainer loaded (an independent reference) and records what
 it got; each trainer rank records which tensors it sent and its streaming-buffer bytes. Returns
 the merged JSON-able results. Every process is a child of the caller, dies with it
-(PR_SET_PDEATHSIG) and is killed on any failure or after ``timeout_s``.
+(PR_SET_PDEATHSIG) and is killed on any failure or after ``timeout_s``. Used by the tests and
+``bench/weight_sync.py``:
 
-    python -m pipeline.weights.layout_check tiny-moe --tp 2 --ep 2    # prints one JSON object
+    python tests/support/layout_check.py tiny-moe --tp 2 --ep 2    # prints one JSON object
 """
 from __future__ import annotations
 
@@ -18,22 +19,20 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # run as a script: the package beside the tests
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pipeline.launch.rendezvous import free_port  # noqa: E402
+from pipeline.supervise import die_with_parent  # noqa: E402
 
 
-def _die_with_parent() -> None:
-    import ctypes
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+def _killed_with_parent() -> None:
+    die_with_parent(signal.SIGKILL)
 
 
 def run(model_dir: str, tp: int = 1, ep: int = 1, receivers: int = 1, bucket_mb: float = 1.0,
@@ -47,20 +46,21 @@ def run(model_dir: str, tp: int = 1, ep: int = 1, receivers: int = 1, bucket_mb:
     world = tp * ep
     out = Path(outdir or tempfile.mkdtemp(prefix="tf-layout-check-"))
     out.mkdir(parents=True, exist_ok=True)
-    dist_port, weight_port = _free_port(), _free_port()
+    dist_port, weight_port = free_port("127.0.0.1"), free_port("127.0.0.1")
     common = {"model_dir": str(model_dir), "tp": tp, "ep": ep, "world": world, "receivers": receivers,
               "bucket_bytes": int(bucket_mb * 2**20), "reps": reps, "dist_port": dist_port,
               "weight_port": weight_port, "timeout_s": timeout_s, "out": str(out), "lora_rank": lora_rank}
     procs = []
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
     try:
         for role, count in (("trainer", world), ("receiver", receivers)):
             for i in range(count):
                 log = open(out / f"{role}{i}.log", "w")
                 procs.append((subprocess.Popen(
-                    [sys.executable, "-m", "pipeline.weights.layout_check", "--_role", role, "--_index", str(i),
+                    [sys.executable, __file__, "--_role", role, "--_index", str(i),
                      "--_args", json.dumps(common)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                    preexec_fn=_die_with_parent), log, f"{role}{i}"))
+                    preexec_fn=_killed_with_parent), log, f"{role}{i}"))
         deadline = time.monotonic() + timeout_s
         for proc, _, name in procs:
             try:
