@@ -157,13 +157,13 @@ def test_pool_lists_a_following_teacher_as_a_weight_member_and_forwards_to_it(tm
         assert list(members) == ["teacher-0"]
         pool.regroup(4)
         pool.weights_announced(7)
-        assert next_kind(first) == ("weights_regroup", {"epoch": 4})
-        assert next_kind(first) == ("weights_update", {"version": 7, "epoch": 0})
+        assert next_kind(first) == ("weights_regroup", {"weight_epoch": 4})
+        assert next_kind(first) == ("weights_update", {"version": 7, "weight_epoch": 0})
         assert next_kind(other, 0.3) is None
         pool.peers.pop(b"teacher-0-1")  # dropped for silence (a long scoring request) ...
         assert pool.weight_members() == {}
         pool.weights_announced(8, 4)  # ... it may still be in the trainer's group: it hears the broadcast
-        assert next_kind(first) == ("weights_update", {"version": 8, "epoch": 4})
+        assert next_kind(first) == ("weights_update", {"version": 8, "weight_epoch": 4})
         first.send("scorer_hello", {"service": "teacher", "rank": 0, "slots": 1, "follows_weights": True})
         _wait(lambda: not list(pool.completed()) and pool.weight_members() == members, "the same incarnation back")
         hello("teacher-0-3", 0, True)  # rank 0 restarted: the old process is dropped

@@ -44,32 +44,32 @@ def test_every_kind_has_an_example_and_round_trips_through_the_authenticated_wir
 
 
 def test_the_worked_example_of_the_module_docstring():
-    assert m.encode(m.Want(m.Credit(free=2, received=5, epoch="ab12", loaded=3))) == (
-        "want", {"credit": {"free": 2, "received": 5, "epoch": "ab12", "loaded": 3}}, None)
+    assert m.encode(m.Want(m.Credit(free=2, received=5, incarnation="ab12", loaded=3))) == (
+        "want", {"credit": {"free": 2, "received": 5, "incarnation": "ab12", "loaded": 3}}, None)
 
 
 @pytest.mark.parametrize("kind, meta, arrays, problem", [
     ("nope", {}, None, "unknown message kind"),
-    ("want", {"credit": {"free": "2", "received": 5, "epoch": None, "loaded": None}}, None,
+    ("want", {"credit": {"free": "2", "received": 5, "incarnation": None, "loaded": None}}, None,
      "credit.free: expected int, got str"),
     ("want", {}, None, "missing field credit"),
-    ("want", {"credit": {"free": 1, "received": 0, "epoch": None}}, None, "missing field credit.loaded"),
+    ("want", {"credit": {"free": 1, "received": 0, "incarnation": None}}, None, "missing field credit.loaded"),
     ("hello", {"generator_id": True}, None, "generator_id: expected int, got bool"),
     ("hello", {"generator_id": 1, "x": 2}, None, "unknown field(s) x"),
     ("result", {"group_id": 1, "attempt": "x"}, None, "attempt: expected int, got str"),
-    ("work", {"epoch": "e", "version": 1, "items": [[1, 0, 2, 4]]}, {"prompt_ids": np.zeros(2, np.int32)},
+    ("work", {"incarnation": "e", "version": 1, "items": [[1, 0, 2, 4]]}, {"prompt_ids": np.zeros(2, np.int32)},
      "missing array frame(s) prompt_len"),
-    ("work", {"epoch": "e", "version": 1, "items": [[1, "a"]]}, PROMPTS, "items[0][1]: expected int"),
+    ("work", {"incarnation": "e", "version": 1, "items": [[1, "a"]]}, PROMPTS, "items[0][1]: expected int"),
     ("members", {"members": {"gen-0": None}}, None, "members['gen-0']: expected int"),
     ("get_batch", {"step": 1, "version": 1, "dp_size": 1, "dp_rank": 1.5}, None, "dp_rank: expected"),
     ("stop", {}, {"x": np.zeros(1)}, "carries array frames"),
     ("ack", [], None, "expected a map"),
     ("get_batch", {"step": 1, "version": 1, "dp_size": 0}, None, "dp_size must be >= 1, got 0"),
     ("get_batch", {"step": 1, "version": 1, "dp_size": 2, "dp_rank": 2}, None, "dp_rank 2 is not below"),
-    ("work", {"epoch": "e", "version": 1, "items": [[1, 0, 2]]}, PROMPTS, "items must be"),
+    ("work", {"incarnation": "e", "version": 1, "items": [[1, 0, 2]]}, PROMPTS, "items must be"),
     ("ack", {"groups": [[1, 0]]}, None, "groups must be"),
     ("resume", {"step": -1}, None, "step must be >= 0, got -1"),
-    ("result", {"group_id": 1, "attempt": 0, "credit": {"free": -1, "received": 0, "epoch": None,
+    ("result", {"group_id": 1, "attempt": 0, "credit": {"free": -1, "received": 0, "incarnation": None,
                                                         "loaded": None}}, None, "free must be >= 0"),
 ])
 def test_malformed_messages_raise_one_clear_error(kind, meta, arrays, problem):

@@ -10,7 +10,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pipeline.orchestrator.admission import Admission
-from pipeline.orchestrator.clock import UNKNOWN_EPOCH, PolicyClock, is_stale, staleness
+from pipeline.orchestrator.clock import UNKNOWN_ROLLBACK_EPOCH, PolicyClock, is_stale, staleness
 
 GENERATORS = [b"gen-0", b"gen-1", b"gen-2"]
 GROUPS_PER_STEP, MAX_ASYNC = 2, 1
@@ -153,12 +153,12 @@ class ClockAndAdmission(RuleBasedStateMachine):
         gid = data.draw(st.sampled_from(sorted(self.unresolved)))
         attempt, seen = self.unresolved[gid]
         versions = np.array(data.draw(st.lists(st.integers(0, self.step + 2), min_size=1, max_size=4)))
-        epoch = self.adm.lease_epoch(gid, attempt)
+        epoch = self.adm.lease_rollback_epoch(gid, attempt)
         assert epoch == seen  # every lease here was issued by this incarnation
         expected = any(int(versions.max()) > k for k in self.rollbacks[seen:])
         assert self.clock.rolled_back(epoch, versions) == expected
         # work of an earlier incarnation is judged against every rollback seen
-        assert self.clock.rolled_back(UNKNOWN_EPOCH, versions) == any(
+        assert self.clock.rolled_back(UNKNOWN_ROLLBACK_EPOCH, versions) == any(
             int(versions.max()) > k for k in self.rollbacks)
 
     # -- invariants -----------------------------------------------------------------------------
@@ -181,7 +181,7 @@ class ClockAndAdmission(RuleBasedStateMachine):
     @invariant()
     def trainer_step_and_staleness(self):
         assert self.clock.trainer_step == self.step
-        assert self.clock.epoch == len(self.rollbacks)
+        assert self.clock.rollback_epoch == len(self.rollbacks)
         for mv in (self.step - 2, self.step - 1, self.step):
             assert self.clock.is_stale(mv) == (self.step - mv > MAX_ASYNC) == is_stale(self.step, mv, MAX_ASYNC)
             assert staleness(self.step, mv) == self.step - mv
@@ -202,7 +202,7 @@ def test_worked_example_of_the_clock_docstring():
     c.trainer_reported(6)
     assert c.trainer_step == 6 and c.is_stale(4) and not c.is_stale(5)
     c.trainer_resumed(4)
-    assert (c.trainer_step, c.reported, c.epoch) == (4, 4, 1)
+    assert (c.trainer_step, c.reported, c.rollback_epoch) == (4, 4, 1)
     assert c.admission_version is None  # g still holds the discarded version 6
     c.generator_loaded(b"g", 4)
     assert c.admission_version == 4

@@ -9,8 +9,8 @@ Invariants (`docs/architecture.md`, "Staleness, admission and the policy clock")
   handed out while the clock's admission version is None;
 - after a rollback lowers the bound, ``kept + in_flight`` may exceed it: the excess drains as
   groups resolve and is never topped up (a re-issue leases a group already in flight, no new one);
-- every lease records the clock epoch it was issued in (`lease_epoch`), so a result is checked
-  against the rollbacks that happened since;
+- every lease records the rollback epoch it was issued in (`lease_rollback_epoch`), so a result is
+  checked against the rollbacks that happened since;
 - a lease not returned within ``lease_timeout_s`` is re-issued with ``attempt + 1``; its group stays
   in flight, so expiry never opens extra admission;
 - each group is resolved exactly once: the first valid result of any attempt of a leased, unresolved
@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
 
-from pipeline.orchestrator.clock import UNKNOWN_EPOCH, PolicyClock
+from pipeline.orchestrator.clock import UNKNOWN_ROLLBACK_EPOCH, PolicyClock
 
 
 @dataclass
@@ -36,8 +36,8 @@ class Lease:
     attempt: int
     holder: bytes
     deadline: float
-    epoch: int
-    """The policy clock's epoch when it was issued."""
+    rollback_epoch: int
+    """The policy clock's rollback epoch when it was issued."""
 
 
 class ResolvedSet:
@@ -75,7 +75,7 @@ class Admission:
         self.lease_timeout_s = lease_timeout_s
         self.clock = clock
         self.issued: dict[int, tuple[int, int]] = {}
-        """group -> (attempt, clock epoch) of its latest lease in this incarnation."""
+        """group -> (attempt, rollback epoch) of its latest lease in this incarnation."""
         self.kept = 0
         self.next_group_id = 0
         self.leases: dict[int, Lease] = {}
@@ -128,16 +128,16 @@ class Admission:
             self.next_group_id += 1
         else:
             return None
-        lease = Lease(gid, attempt, holder, now + self.lease_timeout_s, self.clock.epoch)
+        lease = Lease(gid, attempt, holder, now + self.lease_timeout_s, self.clock.rollback_epoch)
         self.leases[gid] = lease
-        self.issued[gid] = (attempt, lease.epoch)
+        self.issued[gid] = (attempt, lease.rollback_epoch)
         return lease
 
-    def lease_epoch(self, gid: int, attempt: int) -> int:
-        """The clock epoch the result ``(gid, attempt)`` was leased in (`UNKNOWN_EPOCH` for an
-        attempt leased by an earlier incarnation or superseded by a re-issue)."""
+    def lease_rollback_epoch(self, gid: int, attempt: int) -> int:
+        """The rollback epoch the result ``(gid, attempt)`` was leased in (`UNKNOWN_ROLLBACK_EPOCH`
+        for an attempt leased by an earlier incarnation or superseded by a re-issue)."""
         issued = self.issued.get(gid)
-        return issued[1] if issued is not None and issued[0] == attempt else UNKNOWN_EPOCH
+        return issued[1] if issued is not None and issued[0] == attempt else UNKNOWN_ROLLBACK_EPOCH
 
     def expire(self, now: float) -> list[Lease]:
         """Move leases past their deadline to the re-issue queue."""

@@ -20,7 +20,7 @@ Invariants:
   below it);
 - ``trainer_step`` only grows, except at a rollback, which sets it to k;
 - after a rollback to k, version numbers above k name weights that no longer exist and will be
-  reused for different weights. ``epoch`` counts rollbacks (in this orchestrator incarnation); a
+  reused for different weights. ``rollback_epoch`` counts rollbacks (in this orchestrator incarnation); a
   group is *rolled back* when it was generated under an earlier epoch and holds a token of a
   version above the lowest rollback point since then (`rolled_back`). Such groups are dropped
   under their own outcome (``DROPPED_ROLLBACK``), not kept as off-policy data: the record carries
@@ -32,10 +32,11 @@ Invariants:
 Worked example (max_staleness 1): the trainer reports 0, generators load 0: admission_version 0.
 Steps 0..5 run; generator loads 6, trainer reports 6, trainer_step 6. A group with min_version 4
 is stale (6 - 4 = 2 > 1), one with min 5 is not. The trainer is killed and resumes from the
-checkpoint after 4 steps: trainer_resumed(4) -> trainer_step 4, reported min(6, 4) = 4, epoch 1,
-rollback point 4; the generator still reports 6 (old weights), so admission_version is None until
-it reports 4. A group leased in epoch 0 holding tokens of version 5 is rolled back (5 > 4); one
-whose tokens are all <= 4 is kept. When the new version 5 arrives, groups leased in epoch 1 with
+checkpoint after 4 steps: trainer_resumed(4) -> trainer_step 4, reported min(6, 4) = 4, rollback
+epoch 1, rollback point 4; the generator still reports 6 (old weights), so admission_version is None
+until it reports 4. A group leased in rollback epoch 0 holding tokens of version 5 is rolled back
+(5 > 4); one whose tokens are all <= 4 is kept. When the new version 5 arrives, groups leased in
+rollback epoch 1 with
 version-5 tokens are of the new weights and kept.
 """
 from __future__ import annotations
@@ -44,8 +45,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-UNKNOWN_EPOCH = -1
-"""The clock epoch of work leased before this orchestrator incarnation (before every rollback
+UNKNOWN_ROLLBACK_EPOCH = -1
+"""The rollback epoch of work leased before this orchestrator incarnation (before every rollback
 this incarnation has seen)."""
 
 
@@ -63,8 +64,8 @@ def is_stale(trainer_step: int, min_version, max_staleness: int):
 class GeneratorVersion:
     loaded: int | None = None
     """Version it reports holding (None: it does not say)."""
-    confirmed_epoch: int = 0
-    """Latest clock epoch whose weights it is known to hold (a report <= the rollback point)."""
+    confirmed_rollback_epoch: int = 0
+    """Latest rollback epoch whose weights it is known to hold (a report <= the rollback point)."""
 
 
 @dataclass
@@ -76,7 +77,7 @@ class PolicyClock:
     """Version the trainer last announced for broadcast (None: none, or rolled back)."""
     trainer_step: int = 0
     """Optimizer steps the trainer has done (the step it asks a batch for)."""
-    epoch: int = 0
+    rollback_epoch: int = 0
     """Rollbacks seen by this incarnation."""
     rollback_points: list[int] = field(default_factory=list)
     """The checkpoint step k of each rollback, in order (epoch e started with rollback_points[e-1])."""
@@ -87,13 +88,14 @@ class PolicyClock:
         self.announced = version
 
     def generator_joined(self, peer: bytes) -> None:
-        self.generators[peer] = GeneratorVersion(None, self.epoch)
+        self.generators[peer] = GeneratorVersion(None, self.rollback_epoch)
 
     def generator_loaded(self, peer: bytes, version: int | None) -> None:
-        g = self.generators.setdefault(peer, GeneratorVersion(None, self.epoch))
+        g = self.generators.setdefault(peer, GeneratorVersion(None, self.rollback_epoch))
         g.loaded = version
-        if version is not None and g.confirmed_epoch < self.epoch and version <= self.rollback_points[-1]:
-            g.confirmed_epoch = self.epoch
+        if (version is not None and g.confirmed_rollback_epoch < self.rollback_epoch
+                and version <= self.rollback_points[-1]):
+            g.confirmed_rollback_epoch = self.rollback_epoch
 
     def generator_lost(self, peer: bytes) -> None:
         self.generators.pop(peer, None)
@@ -108,11 +110,11 @@ class PolicyClock:
     def trainer_resumed(self, k: int) -> None:
         """Rollback to the checkpoint after ``k`` steps (a resume at the current step included:
         in-flight work may hold versions the lost trainer produced after its checkpoint)."""
-        self.epoch += 1
+        self.rollback_epoch += 1
         self.rollback_points.append(k)
         for g in self.generators.values():  # those holding versions above k hold discarded weights
-            if g.confirmed_epoch == self.epoch - 1 and (g.loaded is None or g.loaded <= k):
-                g.confirmed_epoch = self.epoch
+            if g.confirmed_rollback_epoch == self.rollback_epoch - 1 and (g.loaded is None or g.loaded <= k):
+                g.confirmed_rollback_epoch = self.rollback_epoch
         self.trainer_step = k
         if self.reported is not None:  # else admission opens once the trainer pushed weights
             self.reported = min(self.reported, k)
@@ -127,7 +129,7 @@ class PolicyClock:
             return None
         versions = []
         for g in self.generators.values():
-            if g.confirmed_epoch < self.epoch:
+            if g.confirmed_rollback_epoch < self.rollback_epoch:
                 return None  # still holds weights of before the rollback
             if g.loaded is not None:
                 versions.append(g.loaded)

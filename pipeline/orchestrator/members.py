@@ -11,7 +11,7 @@ Invariants:
   (a broadcast the trainer started before it knew must not wait for a missing member), never
   re-adopted by a credit update;
 - credits are absolute and idempotent (see `pipeline.protocol.links`): a generator is granted
-  ``free - (granted_this_epoch - received)`` groups, never more.
+  ``free - (granted_this_incarnation - received)`` groups, never more.
 """
 from __future__ import annotations
 
@@ -64,14 +64,14 @@ class GeneratorPool:
         if g is not None:
             g.last_seen = time.monotonic()
 
-    def set_credit(self, peer: bytes, credit: Credit, epoch: str) -> None:
+    def set_credit(self, peer: bytes, credit: Credit, incarnation: str) -> None:
         """Apply a credit update (the version it reports loaded is a fact of the policy clock)."""
         if peer in self.leaving:
             return  # it said it leaves: a late credit update must not make it a member again
         g = self.gens.get(peer)
         if g is None:  # a generator from before an orchestrator restart: adopt it
             g = self.gens[peer] = GeneratorState(self._next())
-        received = credit.received if credit.epoch == epoch else 0
+        received = credit.received if credit.incarnation == incarnation else 0
         g.credit = max(0, credit.free - (g.granted - received))
 
     def _next(self) -> int:

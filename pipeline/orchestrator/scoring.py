@@ -68,11 +68,11 @@ class Scoring(ABC):
         """Members of the trainer's weight group this scoring adds: name -> incarnation."""
         return {}
 
-    def regroup(self, epoch: int) -> None:
-        """The trainer built the weight group of weight-group epoch ``epoch``."""
+    def regroup(self, weight_epoch: int) -> None:
+        """The trainer built the weight group of weight-group epoch ``weight_epoch``."""
 
-    def weights_announced(self, version: int, epoch: int = 0) -> None:
-        """The trainer is about to broadcast weights ``version`` into weight-group epoch ``epoch``."""
+    def weights_announced(self, version: int, weight_epoch: int = 0) -> None:
+        """The trainer is about to broadcast weights ``version`` into weight-group epoch ``weight_epoch``."""
 
     def metrics(self) -> dict[str, float]:
         """Counters for the orchestrator's metrics line."""

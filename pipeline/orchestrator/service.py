@@ -101,22 +101,22 @@ class Orchestrator(TrainerSide):
         self.evaluator = Evaluator(eval_prompts, scorer, self.result_schema) if eval_prompts else None
         self.feeder = LogFeeder(replay_source, set(state.resolved)) if replay_source else None
         self.server = bind_server(self.run_dir, cfg.transport)
-        self.epoch = uuid.uuid4().hex[:12]
-        write_rendezvous(self.run_dir, {"address": self.server.address, "epoch": self.epoch})
+        self.incarnation = uuid.uuid4().hex[:12]
+        write_rendezvous(self.run_dir, {"address": self.server.address, "incarnation": self.incarnation})
         self.metrics = MetricsWriter(self.run_dir, "orchestrator")
         self.generators = GeneratorPool(cfg.generator_dead_after_s)
         self.to_ack: list[tuple[bytes, int, int, str]] = []
         self.group_rows: list[tuple] = []  # resolutions waiting for the next flush
-        self.group_epoch: int | None = None
-        self.announced_epoch = 0  # the weight group the last announced version went into
+        self.weight_epoch: int | None = None  # the trainer's newest weight group
+        self.announced_weight_epoch = 0  # the weight group the last announced version went into
         self.desk = StepDesk(cfg.groups_per_step, self.writer, self.buffer, state.step_rows)
         self._stale_checked_for = -1
         self.stopping = False
         self._last_flush = self._last_metrics = self._last_expiry = time.monotonic()
         self._ingested_tokens = self._ingested_total = 0
         self._write_metrics(time.monotonic())
-        log.info("orchestrator epoch %s at %s (restored %d resolved groups, %d buffered, %d steps)",
-                 self.epoch, self.server.address, len(state.resolved), len(state.buffered),
+        log.info("orchestrator incarnation %s at %s (restored %d resolved groups, %d buffered, %d steps)",
+                 self.incarnation, self.server.address, len(state.resolved), len(state.buffered),
                  len(state.step_rows))
 
     # -- loop -----------------------------------------------------------------------------
@@ -195,10 +195,10 @@ class Orchestrator(TrainerSide):
             self.counts["leases_released"] += self.admission.release_holder(peer)
         self._membership("restart" if restarted else "join", msg.generator_id, job=msg.job)
         self.clock.generator_joined(peer)
-        if self.group_epoch is not None:  # it must join the weight group before taking weights
-            self._send(peer, m.Regroup(self.group_epoch))
+        if self.weight_epoch is not None:  # it must join the weight group before taking weights
+            self._send(peer, m.Regroup(self.weight_epoch))
         if self.clock.announced is not None:
-            self._send(peer, m.Update(self.clock.announced, self.announced_epoch))
+            self._send(peer, m.Update(self.clock.announced, self.announced_weight_epoch))
 
     def _on_leave(self, peer: bytes, msg: m.Leave) -> None:
         """A planned departure: its leases are re-issued now, it is no member from now on; it hears
@@ -220,7 +220,7 @@ class Orchestrator(TrainerSide):
         self._credit(peer, msg.credit)
 
     def _credit(self, peer: bytes, credit: m.Credit) -> None:
-        self.generators.set_credit(peer, credit, self.epoch)
+        self.generators.set_credit(peer, credit, self.incarnation)
         self.clock.generator_loaded(peer, credit.loaded)
 
     def _on_members(self, peer: bytes, msg: m.ListMembers) -> None:
@@ -234,11 +234,11 @@ class Orchestrator(TrainerSide):
 
     def _on_regroup(self, peer: bytes, msg: m.Regroup) -> None:
         """The trainer rebuilt the weight group: every generator must join it."""
-        self.group_epoch = msg.epoch
-        self._membership("regroup", None, epoch=msg.epoch)
+        self.weight_epoch = msg.weight_epoch
+        self._membership("regroup", None, epoch=msg.weight_epoch)
         for gen in self.generators.listeners():
             self._send(gen, msg)
-        self.scoring.regroup(msg.epoch)
+        self.scoring.regroup(msg.weight_epoch)
 
     def _reap_dead(self) -> None:
         for peer in self.generators.reap():
@@ -270,7 +270,7 @@ class Orchestrator(TrainerSide):
                 gen.granted += 1
                 progress = True
         for peer, (items, prompts) in grants.items():
-            self._send(peer, m.Work(self.epoch, self.clock.admission_version, items,
+            self._send(peer, m.Work(self.incarnation, self.clock.admission_version, items,
                                     prompt_arrays(prompts)))
 
     def _feed_from_log(self) -> None:
@@ -318,7 +318,7 @@ class Orchestrator(TrainerSide):
                 log.warning("scoring group %d failed: %s", gid, err)
                 self._resolve(gid, attempt, GroupOutcome.DROPPED_INVALID, None, peer, "score_error")
                 continue
-            if self.clock.rolled_back(self.admission.lease_epoch(gid, attempt), group.columns["versions"]):
+            if self.clock.rolled_back(self.admission.lease_rollback_epoch(gid, attempt), group.columns["versions"]):
                 self.admission.reject_processing(gid, attempt)  # regenerated by a new attempt
                 self.counts["rollback_regenerated"] += 1
                 self.to_ack.append((peer, gid, attempt, "rolled_back"))
@@ -370,12 +370,12 @@ class Orchestrator(TrainerSide):
 
     def _on_weights(self, peer: bytes, msg: m.WeightsAnnounced) -> None:
         self.clock.weights_announced(msg.version)
-        if msg.epoch != self.announced_epoch:  # the trainer switched to a newly formed weight group
-            self.announced_epoch = msg.epoch
-            self._membership("switch", None, epoch=msg.epoch, version=msg.version)
+        if msg.weight_epoch != self.announced_weight_epoch:  # the trainer switched to a newly formed weight group
+            self.announced_weight_epoch = msg.weight_epoch
+            self._membership("switch", None, epoch=msg.weight_epoch, version=msg.version)
         for gen in self.generators.listeners():
-            self._send(gen, m.Update(msg.version, msg.epoch))
-        self.scoring.weights_announced(msg.version, msg.epoch)
+            self._send(gen, m.Update(msg.version, msg.weight_epoch))
+        self.scoring.weights_announced(msg.version, msg.weight_epoch)
 
     def _on_finish(self, peer: bytes, msg: m.Finish) -> None:
         for gen in self.generators.listeners():
@@ -389,7 +389,7 @@ class Orchestrator(TrainerSide):
         self.metrics.log(
             "orchestrator", generators=len(self.generators), admitted=a.next_group_id, kept=a.kept, in_flight=a.in_flight,
             bound=a.bound, version=c.reported, admission_version=c.admission_version,
-            trainer_version=c.trainer_step, clock_epoch=c.epoch,
+            trainer_version=c.trainer_step, rollback_epoch=c.rollback_epoch,
             buffer_groups=len(self.buffer), buffer_spilled=self.buffer.spilled,
             buffer_memory_tokens=self.buffer.memory_tokens, leases=len(a.leases),
             reissued=a.reissued_total, cpu_s=_cpu_seconds(), ingested_tokens=self._ingested_total,

@@ -8,9 +8,9 @@ which is written there). A generator sends `Hello`, then `Want` credit updates, 
 message of its own the orchestrator could not take; it is logged and counted (``errors``).
 
 Credits are absolute and idempotent: a generator says how many slots are free and how many work
-items it has received from the orchestrator's current epoch; the orchestrator grants
-``free - (granted_this_epoch - received)``, so a repeated or late ``want`` never over-grants and an
-orchestrator restart (new epoch) starts the count afresh.
+items it has received from the orchestrator's current incarnation; the orchestrator grants
+``free - (granted_this_incarnation - received)``, so a repeated or late ``want`` never over-grants
+and an orchestrator restart (new incarnation) starts the count afresh.
 
 Durability: a generator keeps each result until it is acknowledged and re-sends it after
 ``resend_after_s``; the orchestrator acknowledges only after the flush covering the group, and
@@ -65,7 +65,7 @@ class EvalItem:
 
 
 Control = m.Regroup | m.Update | m.Stop
-"""An instruction to the generator: join weight group ``epoch``, load weights ``version``, stop."""
+"""An instruction to the generator: join weight group ``weight_epoch``, load weights ``version``, stop."""
 
 
 @dataclass
@@ -108,7 +108,7 @@ class _Link:
         self.cfg = cfg
         self.key = load_or_create_secret(self.run_dir)
         info = read_rendezvous(self.run_dir, timeout_s)
-        self.address, self.orchestrator_epoch = info["address"], info.get("epoch")
+        self.address, self.orchestrator_incarnation = info["address"], info.get("incarnation")
         self.client = MessageClient(self.key, self.address, cfg, identity)
         self.errors = 0
         """Messages rejected by either end (an `Error` answer, or a malformed message received)."""
@@ -142,8 +142,8 @@ class _Link:
             info = read_rendezvous(self.run_dir, 0.0)
         except TransportError:
             return False
-        addr, restarted = info["address"], info.get("epoch") != self.orchestrator_epoch
-        self.orchestrator_epoch = info.get("epoch")
+        addr, restarted = info["address"], info.get("incarnation") != self.orchestrator_incarnation
+        self.orchestrator_incarnation = info.get("incarnation")
         if addr != self.address:
             self.client.close()
             self.address = addr
@@ -168,7 +168,8 @@ class GeneratorLink(_Link):
         """Weights version this generator holds, told to the orchestrator with every credit update
         (admission counts a version only once every generator has loaded it); None: not told."""
         self.resend_after_s = resend_after_s
-        self.epoch: str | None = None
+        self.work_incarnation: str | None = None
+        """The orchestrator incarnation ``received`` counts in (that of the last `Work`)."""
         self.received = 0
         self.active: set[int] = set()
         self.unacked: dict[tuple[int, int], tuple[float, dict]] = {}
@@ -178,7 +179,7 @@ class GeneratorLink(_Link):
 
     def credit(self, open_: bool = True) -> m.Credit:
         free = self.slots - len(self.active) if open_ else 0
-        return m.Credit(free, self.received, self.epoch, self.loaded_version)
+        return m.Credit(free, self.received, self.work_incarnation, self.loaded_version)
 
     def follow_orchestrator(self) -> None:
         """Reconnect to a restarted orchestrator and introduce ourselves again (it then sends the
@@ -216,8 +217,8 @@ class GeneratorLink(_Link):
                              for idx, p in zip(msg.indices, _split_prompts(msg.arrays)))
                 return items
             if isinstance(msg, m.Work):
-                if msg.epoch != self.epoch:
-                    self.epoch, self.received = msg.epoch, 0
+                if msg.incarnation != self.work_incarnation:
+                    self.work_incarnation, self.received = msg.incarnation, 0
                 for (gid, attempt, pid, n), prompt in zip(msg.items, _split_prompts(msg.arrays)):
                     self.received += 1
                     self.active.add(gid)
@@ -272,10 +273,10 @@ class TrainerLink(_Link):
     def request_eval(self, step: int, version: int) -> None:
         self.send(m.EvalRequest(step, version))
 
-    def announce_weights(self, version: int, epoch: int = 0) -> None:
+    def announce_weights(self, version: int, weight_epoch: int = 0) -> None:
         """Ask every generator to join the broadcast of ``version`` that follows, into weight group
-        ``epoch``."""
-        self.send(m.WeightsAnnounced(version, epoch))
+        ``weight_epoch``."""
+        self.send(m.WeightsAnnounced(version, weight_epoch))
 
     def finish(self) -> None:
         self.send(m.Finish())
@@ -293,8 +294,8 @@ class TrainerLink(_Link):
             self.refresh_address()
         raise TransportError(f"the orchestrator did not list the generators within {timeout_s:.0f}s")
 
-    def regroup(self, epoch: int) -> None:
-        self.send(m.Regroup(epoch))
+    def regroup(self, weight_epoch: int) -> None:
+        self.send(m.Regroup(weight_epoch))
 
     def get_batch(self, step: int, version: int, dp_size: int, timeout_s: float,
                   dp_rank: int | None = None,

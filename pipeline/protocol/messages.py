@@ -20,8 +20,8 @@ Invariants:
 Adding a message: declare a frozen dataclass with ``KIND`` (and ``ARRAYS`` when it carries frames)
 under `@message`; field types as `pipeline.protocol.codec` lists. The receiving end dispatches on the record's class.
 
-Worked example: ``encode(Want(Credit(free=2, received=5, epoch="ab12", loaded=3)))`` is
-``("want", {"credit": {"free": 2, "received": 5, "epoch": "ab12", "loaded": 3}}, None)``; a
+Worked example: ``encode(Want(Credit(free=2, received=5, incarnation="ab12", loaded=3)))`` is
+``("want", {"credit": {"free": 2, "received": 5, "incarnation": "ab12", "loaded": 3}}, None)``; a
 ``want`` whose ``free`` is ``"2"`` decodes to ``MessageError("want: credit.free: expected int,
 got str")``.
 """
@@ -49,9 +49,9 @@ class Credit:
     free: int
     """Free slots (groups the generator can take now)."""
     received: int
-    """Work items received from the orchestrator epoch ``epoch``."""
-    epoch: str | None
-    """The orchestrator epoch ``received`` counts in (None: none yet)."""
+    """Work items received from the orchestrator incarnation ``incarnation``."""
+    incarnation: str | None
+    """The orchestrator incarnation ``received`` counts in (None: none yet)."""
     loaded: int | None
     """Weights version the generator holds (None: it does not say)."""
 
@@ -124,7 +124,8 @@ class Work:
     ``prompt_ids`` (flat) and ``prompt_len``."""
     KIND: ClassVar[str] = "work"
     ARRAYS: ClassVar[tuple[str, ...]] = ("prompt_ids", "prompt_len")
-    epoch: str
+    incarnation: str
+    """The orchestrator's incarnation (a new one at each start)."""
     version: int
     items: list[list[int]]
     arrays: dict[str, np.ndarray] = arrays_field()
@@ -163,7 +164,7 @@ class Update:
     """Join the broadcast of weights ``version`` and load them."""
     KIND: ClassVar[str] = "update"
     version: int
-    epoch: int = 0
+    weight_epoch: int = 0
     """The weight group the broadcast goes into (0: not told)."""
 
     def __post_init__(self) -> None:
@@ -249,7 +250,7 @@ class WeightsAnnounced:
     """The trainer is about to broadcast weights ``version``."""
     KIND: ClassVar[str] = "weights"
     version: int
-    epoch: int = 0
+    weight_epoch: int = 0
     """The weight group it broadcasts into (0: not told)."""
 
     def __post_init__(self) -> None:
@@ -274,12 +275,13 @@ class Members:
 @message
 @dataclass(frozen=True)
 class Regroup:
-    """A new weight group at ``epoch`` (trainer -> orchestrator -> every generator)."""
+    """A new weight group at weight-group epoch ``weight_epoch`` (trainer -> orchestrator -> every
+    generator)."""
     KIND: ClassVar[str] = "regroup"
-    epoch: int
+    weight_epoch: int
 
     def __post_init__(self) -> None:
-        at_least(self, 0, "epoch")
+        at_least(self, 0, "weight_epoch")
 
 
 @message

@@ -99,21 +99,21 @@ class ScorerStop:
 @SCORER_POOL.message
 @dataclass(frozen=True)
 class WeightsRegroup:
-    """The trainer built weight group ``epoch`` (its weight-group epoch)."""
+    """The trainer built the weight group of weight-group epoch ``weight_epoch``."""
     KIND: ClassVar[str] = "weights_regroup"
-    epoch: int
+    weight_epoch: int
 
     def __post_init__(self) -> None:
-        at_least(self, 0, "epoch")
+        at_least(self, 0, "weight_epoch")
 
 
 @SCORER_POOL.message
 @dataclass(frozen=True)
 class WeightsUpdate:
-    """The trainer is about to broadcast ``version`` into weight group ``epoch``."""
+    """The trainer is about to broadcast ``version`` into the weight group of ``weight_epoch``."""
     KIND: ClassVar[str] = "weights_update"
     version: int
-    epoch: int = 0
+    weight_epoch: int = 0
 
     def __post_init__(self) -> None:
-        at_least(self, 0, "version", "epoch")
+        at_least(self, 0, "version", "weight_epoch")

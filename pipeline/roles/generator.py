@@ -129,7 +129,7 @@ class GeneratorRole:
             for item in self.link.poll(0.002, send_credit=self.loaded):
                 if isinstance(item, Control):
                     if isinstance(item, Regroup):
-                        self.newest_epoch = max(self.newest_epoch, item.epoch)
+                        self.newest_epoch = max(self.newest_epoch, item.weight_epoch)
                     controls.put_nowait((item, time.monotonic()))
                 elif isinstance(item, WorkItem) and left_at is None:  # after Leave: its lease is returned
                     tasks.add(asyncio.create_task(self._group(item)))
@@ -205,11 +205,11 @@ class GeneratorRole:
                 return
             try:
                 if isinstance(item, Regroup):
-                    await self._join(item.epoch)
+                    await self._join(item.weight_epoch)
                 t_switch = time.monotonic()
-                if isinstance(item, Update) and item.epoch != self.epoch and item.epoch in self.joins:
-                    await self._switch(item.epoch)
-                if isinstance(item, Update) and item.epoch == self.epoch and self.epoch is not None and (
+                if isinstance(item, Update) and item.weight_epoch != self.epoch and item.weight_epoch in self.joins:
+                    await self._switch(item.weight_epoch)
+                if isinstance(item, Update) and item.weight_epoch == self.epoch and self.epoch is not None and (
                         item.version != self.gen.version or not self.loaded or self.group_fresh):
                     # the trainer broadcasts after every group it builds, also a version this
                     # generator holds (it rebuilds when the orchestrator's members change, e.g. after

@@ -10,7 +10,7 @@ frames, signed with the run secret; no pickle):
   scorer -> pool   `ScorerHello` {service, rank, slots, follows_weights}; `ScorerAlive` every
                    second; `Scored` {request, jobs, error} + one array per filled field
   pool -> scorer   `Score` {request, jobs, schema} + the groups' columns (one SampleBatch)
-  pool -> teacher  `WeightsRegroup` {epoch}, `WeightsUpdate` {version, epoch}: the orchestrator's
+  pool -> teacher  `WeightsRegroup` {weight_epoch}, `WeightsUpdate` {version, weight_epoch}: the orchestrator's
                    weight-group changes and update announcements, to a lagged teacher (one that
                    said ``follows_weights``; `pipeline.scorers.lagged`)
 
@@ -164,14 +164,14 @@ class RemoteScoring(Scoring):
         """Live teachers that receive the weights: ``teacher-<rank>`` -> incarnation."""
         return {f"teacher-{p.rank}": self.incarnations[peer] for peer, p in self.peers.items() if p.follows_weights}
 
-    def regroup(self, epoch: int) -> None:
-        """The trainer built weight group ``epoch``: tell the teachers that receive weights."""
-        self._to_followers(WeightsRegroup(int(epoch)))
+    def regroup(self, weight_epoch: int) -> None:
+        """The trainer built weight group ``weight_epoch``: tell the teachers that receive weights."""
+        self._to_followers(WeightsRegroup(int(weight_epoch)))
 
-    def weights_announced(self, version: int, epoch: int = 0) -> None:
-        """The trainer is about to broadcast ``version`` into weight group ``epoch``: the followers
+    def weights_announced(self, version: int, weight_epoch: int = 0) -> None:
+        """The trainer is about to broadcast ``version`` into weight group ``weight_epoch``: the followers
         receive it too."""
-        self._to_followers(WeightsUpdate(int(version), int(epoch)))
+        self._to_followers(WeightsUpdate(int(version), int(weight_epoch)))
 
     def _to_followers(self, msg: WeightsRegroup | WeightsUpdate) -> None:
         for peer in list(self.followers.values()):

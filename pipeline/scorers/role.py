@@ -18,8 +18,8 @@ Invariants:
   keeps its heartbeat (a long request is not taken for a dead scorer) and forwards weight messages
   while a request is scored;
 - a lagged teacher also receives every weight update (`pipeline.scorers.lagged`): it says so in
-  its hello (``follows_weights``), and the pool's `WeightsRegroup` {epoch} / `WeightsUpdate`
-  {version, epoch} go to its `WeightFollower`, whose own thread joins and receives;
+  its hello (``follows_weights``), and the pool's `WeightsRegroup` {weight_epoch} / `WeightsUpdate`
+  {version, weight_epoch} go to its `WeightFollower`, whose own thread joins and receives;
 - it exits on `ScorerStop` (the orchestrator closed), on the task's stop request, or after
   ``orphan_after_s`` without hearing from the pool (its orchestrator is gone for good).
 """
@@ -136,9 +136,9 @@ def serve(run_dir: Path, cfg: ScorersConfig, service: str, rank: int,
                 if isinstance(msg, ScorerWho):
                     client.send(*hello)
                 elif isinstance(msg, WeightsRegroup) and follower is not None:
-                    follower.regroup(msg.epoch)
+                    follower.regroup(msg.weight_epoch)
                 elif isinstance(msg, WeightsUpdate) and follower is not None:
-                    follower.update(msg.version, msg.epoch)
+                    follower.update(msg.version, msg.weight_epoch)
                 elif isinstance(msg, Score):  # scored beside this loop, which keeps heartbeating
                     answers.append(scoring.submit(_timed_answer, scorer, msg))
             elif now - last_heard > orphan_after_s:
@@ -209,7 +209,8 @@ def _answer(scorer, msg: Score) -> Scored:
                               "group_rows": rows, "group_tokens": toks})
     except Exception as exc:  # answered, never raised: the pool fails these groups
         log.exception("scoring request %s failed", msg.request)
-        return Scored(msg.request, msg.jobs, error=f"{type(exc).__name__}: {exc}"[:2000], teacher_version=teacher_version)
+        return Scored(msg.request, msg.jobs, error=f"{type(exc).__name__}: {exc}"[:2000],
+                      teacher_version=teacher_version)
 
 
 def main(task) -> dict:
