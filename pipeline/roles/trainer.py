@@ -40,7 +40,6 @@ from pipeline.config import TokenflowConfig, stored_record_schema
 from pipeline.metrics import MetricsWriter
 from pipeline.orchestrator.clock import staleness
 from pipeline.protocol.links import TrainerLink
-from pipeline.protocol.record import sequence_routing
 from pipeline.roles.common import agree_over_ranks, cpu_cores_for, pin_process
 from pipeline.run_dir import load_run_config, model_dir, publish_model
 from pipeline.roles.weight_push import WeightPusher
@@ -166,7 +165,7 @@ class TrainerRole:
         return "127.0.0.1" if self.cfg.cluster.launcher == "local" else self.task.node
 
     def run(self) -> dict:
-        from pipeline.trainer.layout import TrainSample
+        from pipeline.trainer.layout import train_samples
 
         cfg = self.cfg
         steps, every = cfg.run.steps, cfg.run.eval_every
@@ -186,21 +185,7 @@ class TrainerRole:
                     self._checkpoint(step)
                 return {"steps": step, "version": self.version, "stopped": True}
             t1 = time.monotonic()
-            samples = [TrainSample(prompt_ids=batch.prompt(i), completion_ids=batch.tokens("completion_ids", i),
-                                   behaviour_logprobs=batch.tokens("logprobs", i),
-                                   reward=float(batch.columns["reward"][i]),
-                                   group_id=int(batch.columns["group_id"][i]),
-                                   sampling_mask=batch.tokens("sampling_mask", i)
-                                   if "sampling_mask" in batch.columns else None,
-                                   model_mask=batch.tokens("model_mask", i)
-                                   if "model_mask" in batch.columns else None,
-                                   teacher_logprobs=batch.tokens("teacher_logprobs", i)
-                                   if "teacher_logprobs" in batch.columns else None,
-                                   token_rewards=batch.tokens("token_rewards", i)
-                                   if "token_rewards" in batch.columns else None,
-                                   routed_experts=sequence_routing(batch.prompt(i, "prompt_routed_experts"),
-                                                                   batch.tokens("routed_experts", i))
-                                   if "routed_experts" in batch.columns else None) for i in range(len(batch))]
+            samples = train_samples(batch)
             me = cfg.run.mismatch_every
             mismatch = self._mismatch(batch, samples) if me and step % me == 0 else None
             m = self.trainer.train_step(samples)

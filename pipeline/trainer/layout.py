@@ -18,6 +18,11 @@ Invariants:
 - Micro-batches never exceed ``micro_batch_tokens`` padded tokens unless one sample alone does
   (then that sample is a micro-batch of its own).
 
+`train_samples` is the one place a step's `SampleBatch` (the record as it travels and is stored,
+`pipeline.protocol.record`) becomes `TrainSample`s: the record's ``logprobs`` are the behaviour
+logprobs, its routing the rows the trainer feeds (`sequence_routing`), its optional per-token
+columns are taken when the batch carries them.
+
 ``PaddedLayout`` right-pads rows to a common length (megatron-core's local attention on CPU
 cannot pack sequences); a packed (THD) layout for GPU attention kernels would implement the same
 interface with ``packed_seq_params``.
@@ -29,6 +34,11 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
+
+from pipeline.protocol.record import SampleBatch, sequence_routing
+
+#: Optional per-token columns of a record that a `TrainSample` takes under the same name.
+OPTIONAL_TOKEN_FIELDS = ("sampling_mask", "model_mask", "teacher_logprobs", "token_rewards")
 
 
 @dataclass
@@ -68,6 +78,19 @@ class TrainSample:
         if self.model_mask is None:
             return np.ones(len(self.completion_ids), dtype=bool)
         return np.asarray(self.model_mask) != 0
+
+
+def train_samples(batch: SampleBatch) -> list[TrainSample]:
+    """The trainer's samples of a step's batch, in order (see the module docstring)."""
+    optional = [f for f in OPTIONAL_TOKEN_FIELDS if f in batch.columns]
+    routed = "routed_experts" in batch.columns
+    return [TrainSample(prompt_ids=batch.prompt(i), completion_ids=batch.tokens("completion_ids", i),
+                        behaviour_logprobs=batch.tokens("logprobs", i),
+                        reward=float(batch.columns["reward"][i]), group_id=int(batch.columns["group_id"][i]),
+                        routed_experts=sequence_routing(batch.prompt(i, "prompt_routed_experts"),
+                                                        batch.tokens("routed_experts", i)) if routed else None,
+                        **{f: batch.tokens(f, i) for f in optional})
+            for i in range(len(batch))]
 
 
 @dataclass
