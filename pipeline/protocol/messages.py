@@ -32,7 +32,8 @@ from typing import ClassVar, Union
 
 import numpy as np
 
-from pipeline.protocol.codec import Channel, MessageError, arrays_field, at_least, encode  # noqa: F401 (the codec of this channel)
+# MessageError and encode are this channel's codec for its users (`m.encode`, `m.MessageError`).
+from pipeline.protocol.codec import Channel, MessageError, arrays_field, at_least, encode  # noqa: F401
 
 ORCHESTRATOR = Channel("orchestrator")
 """The orchestrator's control plane (generators and trainer on one side, the orchestrator on the other)."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 import glob
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 from pipeline.run_files import CONFIG_FILE
 
