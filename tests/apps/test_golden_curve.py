@@ -1,7 +1,7 @@
 """Numerical drift fails a test: `tokenflow replay` of the committed golden rollout log (trainer
 only: no sampling, so nothing depends on the CPU's instruction set) must reproduce the stored
 per-step loss and grad norm within 1e-4. The golden files and how to regenerate them:
-`tests/golden/make_golden.py`.
+`tests/support/golden/make_golden.py`.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "golden"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "support" / "golden"))
 import make_golden  # noqa: E402
 
 pytestmark = pytest.mark.engine
@@ -21,7 +21,7 @@ TOLERANCE = 1e-4
 
 def test_replay_of_the_golden_log_reproduces_the_stored_curve(tmp_path):
     if not make_golden.CURVE.exists():
-        pytest.skip(f"{make_golden.CURVE} is not generated yet: run tests/golden/make_golden.py")
+        pytest.skip(f"{make_golden.CURVE} is not generated yet: run tests/support/golden/make_golden.py")
     golden = json.loads(make_golden.CURVE.read_text())
     assert golden["overrides"] == make_golden.REPLAY_OVERRIDES, "curve.json is stale: regenerate it"
     got = make_golden.replay(tmp_path / "replay")

@@ -11,7 +11,7 @@ from pipeline.apps.inspect_log import main
 from pipeline.rollout_log.format import GroupOutcome, list_segments
 from pipeline.protocol.record import FINISH_REASONS, RecordSchema, SampleBatch
 from pipeline.rollout_log.writer import RolloutLogWriter
-from rollout_data import make_batch
+from support.rollout_data import make_batch
 
 SCHEMA = RecordSchema()
 

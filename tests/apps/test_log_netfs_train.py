@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from log_places import netfs_mounts
+from support.log_places import netfs_mounts
 from pipeline.rollout_log.format import GroupOutcome, LogError
 from pipeline.rollout_log.reader import RolloutLog
 from pipeline.metrics import read_metrics

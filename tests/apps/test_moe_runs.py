@@ -23,7 +23,7 @@ from pipeline.metrics import read_metrics
 from support.child_env import child_env
 from support.run_report import stuck_run_report
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEPS = 8
 COMMON = [f"run.steps={STEPS}", "run.eval_every=8", "run.checkpoint_every=4", "run.mismatch_every=2",
           "run.timeout_s=300", "run.progress=false", "run.tensorboard=false", "orchestrator.groups_per_step=4",

@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from resume_driver import run_killed_and_resumed, waste
+from support.resume_driver import run_killed_and_resumed, waste
 
 pytestmark = pytest.mark.engine
 
@@ -43,7 +43,7 @@ def resume_point(run_dir, killed_lines: int) -> tuple[int, int]:
     return after[0], before[-1]
 
 
-@pytest.mark.slow  # 158 s in CI: two runs with engine starts; tests/test_train_e2e.py resumes a killed run in the default suite
+@pytest.mark.slow  # 158 s in CI: two runs with engine starts; tests/apps/test_train_e2e.py resumes a killed run in the default suite
 def test_a_trainer_killed_after_a_checkpoint_resumes_without_extra_waste(tmp_path):
     seed = int(os.environ.get("TOKENFLOW_TEST_SEED", random.randrange(1 << 16)))
     kill_after = random.Random(seed).randrange(CHECKPOINT_EVERY + 1, STEPS - 5)

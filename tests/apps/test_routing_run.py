@@ -5,7 +5,7 @@
   completion token, never fed to the model, has none);
 - the recorded routing of the samples of version 0 equals what transformers' model routes the same
   tokens to on the run's initial weights (an independent oracle; near-ties left out, as in
-  tests/test_routing_capture_engine.py);
+  tests/generator/test_routing_capture_engine.py);
 - the trainer's own router agrees with the recorded routing on the positions it replays, prompt
   tokens included (``routing_differ_frac`` of the metrics stream; a synchronous run in float32
   trains on the weights that sampled, so only near-ties may differ).
@@ -20,8 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_routing_capture_engine import compare  # noqa: E402
+from support.routing import compare
 
 pytestmark = pytest.mark.engine
 

@@ -27,7 +27,7 @@ from pipeline.metrics import read_metrics
 from support.child_env import child_env
 
 pytestmark = [pytest.mark.slurm, pytest.mark.engine]
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = ["cluster=slurm", "run.eval_every=3", "run.timeout_s=300", "run.progress=false", "run.tensorboard=false",
         "orchestrator.groups_per_step=4", "orchestrator.group_size=8", "model.warmstart_steps=120",
         "cluster.generators=1", "cluster.generator.nodes=1", "cluster.trainer.mem_gb=3", "cluster.generator.mem_gb=3.5",
@@ -126,7 +126,7 @@ def test_tiny_run_survives_two_requeues_with_exactly_once_storage(tmp_path):
             assert (version - min_versions[rows] <= 1).all(), (step, version)
         assert len(np.unique(min_versions)) >= 2
     # one orchestrator (one log writer) start per attempt: none was restarted inside an attempt
-    from chaos import orchestrator_starts
+    from support.chaos import orchestrator_starts
     assert len(orchestrator_starts(run)) == 3, orchestrator_log[-3000:]
     assert (run / "COMPLETE").exists() and (run / "training.png").exists()
     final = status_of(run)
@@ -227,8 +227,8 @@ def test_kill_9_of_orchestrator_generator_and_engine_then_preemption(tmp_path):
     once a step was trained after the second generator kill (the third of the seeded kills lands after
     step 3), with about 43 of the 48 steps left: at ~0.5 s a step that is ~20 s of training, against ~1 s for the scheduler to preempt (sched_min_interval
     0.1 s); a run that finishes first fails with that said."""
-    from chaos import Chaos, check_record, engine_process, loaded_after_restart, orchestrator_process, role_process, wait_for
-    from chaos import last_step as chaos_last_step
+    from support.chaos import Chaos, check_record, engine_process, loaded_after_restart, orchestrator_process, role_process, wait_for
+    from support.chaos import last_step as chaos_last_step
 
     run = tmp_path / "chaos"
     steps = 48
@@ -290,7 +290,7 @@ def test_kill_9_of_trainer_rank_0_ends_the_job_and_the_same_command_resumes(tmp_
     import random
     import signal
 
-    from chaos import check_record, last_step, role_process, wait_for
+    from support.chaos import check_record, last_step, role_process, wait_for
 
     seed = int(os.environ.get("TOKENFLOW_CHAOS_SEED", random.randrange(1 << 20)))
     steps = 8

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from chaos import Chaos, check_record, orchestrator_process
+from support.chaos import Chaos, check_record, orchestrator_process
 from pipeline.metrics import read_metrics
 from test_weight_recovery import compose
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from chaos import Chaos, check_record, engine_process, loaded_after_restart, orchestrator_process, role_process, wait_for
+from support.chaos import Chaos, check_record, engine_process, loaded_after_restart, orchestrator_process, role_process, wait_for
 from pipeline.metrics import read_metrics
 from pipeline.supervise import MARKER_ENV
 from support.leftovers import leftovers
@@ -42,7 +42,7 @@ def compose(run_dir: Path, *overrides: str):
 
 
 @pytest.mark.slow  # 258 s in CI: four kills, three engine starts; kill -9 stays in the default suite through
-# tests/test_log_netfs_train.py (orchestrator), tests/test_engine_owner_death.py and tests/test_generator.py (mid-broadcast)
+# tests/apps/test_log_netfs_train.py (orchestrator), tests/generator/test_engine_owner_death.py and tests/generator/test_generator.py (mid-broadcast)
 def test_kill_9_of_each_process_mid_run_and_the_run_completes(tmp_path):
     import os
 

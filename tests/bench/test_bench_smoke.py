@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "weight_sync.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "weight_sync.py"
 
 
 def test_weight_sync_bandwidth_quick_reports_every_mode():

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from chaos import wait_for
+from support.chaos import wait_for
 from pipeline.envs import CalculatorEnv, EnvironmentError_, Step, step_with_timeout
 from pipeline.envs.remote import EnvironmentPool
 from pipeline.supervise import alive

@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from chaos import wait_for
+from support.chaos import wait_for
 from pipeline.supervise import alive
 
 

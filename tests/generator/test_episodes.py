@@ -1,5 +1,5 @@
 """Multi-turn episodes without an engine: the record's model mask, environments under timeouts, the
-tool task, masked losses, and the inspect view (engine tests: tests/test_episodes_engine.py)."""
+tool task, masked losses, and the inspect view (engine tests: tests/generator/test_episodes_engine.py)."""
 from __future__ import annotations
 
 import asyncio

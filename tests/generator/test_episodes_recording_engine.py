@@ -16,8 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_routing_capture_engine import compare  # noqa: E402
+from support.routing import compare
 
 pytestmark = pytest.mark.engine
 WIDTH, TOP_K, TURNS = 8, 4, 3

@@ -15,7 +15,7 @@ import torch
 from pipeline.launch.rendezvous import free_port
 from pipeline.weights.group import TorchDistChannel, WeightSyncError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 MEMBER = r"""
 import atexit, signal, sys, threading, time

@@ -16,9 +16,9 @@ from pipeline.launch.rendezvous import free_port
 
 pytestmark = pytest.mark.engine
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WIDTH, TOP_K, TOP_P = 8, 6, 0.8
-LOGPROB_TOL = 1e-3  # as tests/test_generator.py's vLLM-vs-transformers check (float32 both sides)
+LOGPROB_TOL = 1e-3  # as tests/generator/test_generator.py's vLLM-vs-transformers check (float32 both sides)
 
 TRAINER = """
 import json, sys, numpy as np, torch

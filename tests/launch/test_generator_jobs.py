@@ -23,13 +23,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from chaos import check_record, last_step, wait_for
+from support.chaos import check_record, last_step, wait_for
 from pipeline.launch.rendezvous import free_port
 from pipeline.rollout_log.reader import RolloutLog
 from pipeline.metrics import read_metrics
 from pipeline.supervise import alive
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEPS = 2000  # 0.2-1.2 s each: the joiner's engine starts while the run goes on, at nice 10 on the
 # trainer's core 151-205 s from submission to first lease (1.5-3 min as an equal); on a quiet machine
 # 250 steps ended before the join, with 700 it joined at step 638, and 1000 ended before a nice joiner

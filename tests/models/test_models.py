@@ -18,7 +18,7 @@ from pipeline.models.cache import build_once
 from pipeline.models.tiny import TinyModelSpec, ensure_tiny_model, resolve_model
 from pipeline.models.tokenizer import CHAT_TEMPLATE, IM_END, IM_START, PAD, train_tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

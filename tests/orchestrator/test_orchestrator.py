@@ -43,7 +43,7 @@ def write_spec(run_dir: Path, replay_source: Path | None = None, **orch) -> None
     save_run_config(run_dir, cfg)
 
 
-LOADGEN = str(Path(__file__).parent / "support" / "loadgen.py")
+LOADGEN = str(Path(__file__).parents[1] / "support" / "loadgen.py")
 
 
 def start(args: list[str], log: Path) -> subprocess.Popen:

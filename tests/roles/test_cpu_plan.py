@@ -14,7 +14,7 @@ from pipeline.config import TokenflowConfig
 from pipeline.roles import common
 from pipeline.roles.common import cpu_cores_for, shares_trainer_cores
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _cfg(generators: int = 1, trainer_ranks: int = 1, plan: str = "auto") -> TokenflowConfig:

@@ -11,7 +11,7 @@ from pipeline.rollout_log.format import (
 from pipeline.rollout_log.reader import RolloutLog
 from pipeline.protocol.record import RecordSchema, SampleBatch
 from pipeline.rollout_log.writer import RolloutLogWriter
-from rollout_data import assert_batches_equal, make_batch
+from support.rollout_data import assert_batches_equal, make_batch
 
 SCHEMA = RecordSchema(routed_experts=(2, 2))
 

@@ -15,16 +15,16 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from log_places import place  # noqa: F401  (fixture)
+from support.log_places import place  # noqa: F401  (fixture)
 from pipeline.rollout_log.format import (
     GroupOutcome, LogError, NewerSchemaError, SchemaMismatchError, UnsupportedFilesystemError,
     check_log_filesystem, filesystem_type, list_segments)
 from pipeline.rollout_log.reader import RolloutLog
 from pipeline.protocol.record import RecordSchema, SampleBatch
 from pipeline.rollout_log.writer import RolloutLogWriter
-from rollout_data import assert_batches_equal, make_batch
+from support.rollout_data import assert_batches_equal, make_batch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCHEMA = RecordSchema(token_rewards=True)
 
 schemas = st.builds(
@@ -74,7 +74,7 @@ WRITER_SCRIPT = textwrap.dedent("""
     import pipeline.rollout_log.writer as rl
     from pipeline.rollout_log.format import LogFencedError
     from pipeline.protocol.record import RecordSchema
-    from rollout_data import make_batch
+    from support.rollout_data import make_batch
     log_dir, base, mode, crash = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     schema = RecordSchema(token_rewards=True)
     die = lambda: os.kill(os.getpid(), signal.SIGKILL)

@@ -28,7 +28,7 @@ from support.child_env import child_env
 from support.reward_model import build_tiny_reward_model
 
 PY = sys.executable
-LOADGEN = str(Path(__file__).parent / "support" / "loadgen.py")
+LOADGEN = str(Path(__file__).parents[1] / "support" / "loadgen.py")
 
 
 def hf_score(model, ids) -> float:
@@ -151,7 +151,7 @@ def test_stalled_late_and_killed_scorers_cost_no_group_and_score_once(tmp_path, 
         a.kill()
         a.wait()
         procs.remove(a)
-        # (its task supervisor would restart it: tests/test_teacher_engine.py covers that path)
+        # (its task supervisor would restart it: tests/scorers/test_teacher_engine.py covers that path)
         assert trainer.wait(timeout=240) == 0, (run / "trainer.log").read_text()[-2000:]
         resent = _metric(run, "scorer_resent_groups")
     finally:
@@ -179,7 +179,7 @@ def test_stalled_late_and_killed_scorers_cost_no_group_and_score_once(tmp_path, 
 def test_inspect_shows_token_rewards_teacher_versions_and_kl(tmp_path, capsys):
     from pipeline.apps.inspect_log import main
     from pipeline.rollout_log.writer import RolloutLogWriter
-    from rollout_data import make_batch
+    from support.rollout_data import make_batch
 
     schema = RecordSchema(token_rewards=True, teacher_logprobs=True)
     parts = [make_batch(schema, s, 8, first_group=2 * s, version=s) for s in (1, 2)]

@@ -34,7 +34,7 @@ from support.child_env import child_env
 
 pytestmark = pytest.mark.engine
 PY = sys.executable
-LOADGEN = str(Path(__file__).parent / "support" / "loadgen.py")
+LOADGEN = str(Path(__file__).parents[1] / "support" / "loadgen.py")
 LAG, EVERY, STEPS = 1, 2, 8
 
 

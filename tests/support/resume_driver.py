@@ -1,6 +1,6 @@
 """Kill the trainer of a local `tokenflow train` run with SIGKILL after a checkpoint, resume it
 with the same command, and count what the run wasted (used by `test_resume_waste.py`, and runnable
-on its own to measure a checkout: ``PYTHONPATH=CHECKOUT python tests/resume_driver.py RUN_ROOT``).
+on its own to measure a checkout: ``PYTHONPATH=CHECKOUT python tests/support/resume_driver.py RUN_ROOT``).
 
 Counted from the run's rollout log and metrics (independent of the orchestrator's own counters):
 groups wasted as stale (``EVICTED_STALE`` rows: stored, then evicted; ``DROPPED_STALE`` rows:
@@ -47,7 +47,7 @@ def _last_step(run_dir: Path) -> int:
 def _trainer_pid(run_dir: Path) -> int:
     """The role process of trainer rank 0 (global rank 0; not its task supervisor, whose death would
     be a clean stop of the role). The orchestrator dies with it."""
-    from chaos import role_process
+    from support.chaos import role_process
 
     pid = role_process(run_dir, 0)
     if pid is None:
@@ -124,4 +124,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the tests' root (support.chaos)
     main()

@@ -31,7 +31,7 @@ from support.oracle import hf_logprobs, make_samples, sharpened_checkpoint
 
 pytestmark = pytest.mark.engine
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
 MAX_TOKENS = 16
 VLLM_LOGPROB_TOL = 1e-4  # vLLM (its own CPU kernels) vs transformers, float32, per generated token
@@ -116,7 +116,8 @@ def test_export_of_a_trained_moe_serves_in_a_fresh_vllm_engine(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     publish_model(run, source)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}",
+               PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, __file__, str(run), str(source)], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

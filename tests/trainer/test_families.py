@@ -24,10 +24,10 @@ from pipeline.models.family_checkpoints import FAMILY_SPECS, build_family_checkp
 from pipeline.trainer.families import check_supported, rope_inv_freq
 from support.oracle import hf_logprobs, make_samples
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HF_LOGPROB_TOL = 1e-4  # megatron vs transformers, float32
 VLLM_LOGPROB_TOL = 1e-3  # vLLM (its own kernels) vs transformers, float32
-# Engines cost ~40 s each on CI: qwen3 (dense) is covered by tests/test_generator.py's tiny model; tied
+# Engines cost ~40 s each on CI: qwen3 (dense) is covered by tests/generator/test_generator.py's tiny model; tied
 # embeddings by qwen2. Add "qwen3-tied" here to check it too (it passes).
 VLLM_FAMILIES = ("qwen2-tied", "qwen3_moe", "llama3")
 
@@ -142,7 +142,8 @@ def _megatron_scenario(outdir: Path, model_dirs: dict[str, str]) -> None:
 def test_megatron_logprobs_equal_transformers_for_every_family(checkpoint, tmp_path):
     from safetensors import safe_open
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}",
+               PYTHONWARNINGS="ignore")
     checkpoints = {name: checkpoint(name) for name in FAMILY_SPECS}
     dirs = {name: str(d) for name, d in checkpoints.items()}
     proc = subprocess.run([sys.executable, __file__, str(tmp_path), json.dumps(dirs)], env=env, cwd=REPO,
@@ -217,7 +218,7 @@ async def _check_family(name, v1, v2) -> dict:
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("name", [  # the tiny MoE's update == fresh load runs in tests/test_generator.py
+@pytest.mark.parametrize("name", [  # the tiny MoE's update == fresh load runs in tests/generator/test_generator.py
     f if f != "qwen3_moe" else pytest.param(f, marks=pytest.mark.slow) for f in VLLM_FAMILIES])
 def test_vllm_logprobs_equal_transformers_and_updates_equal_fresh_loads(name, checkpoint, tmp_path):
     loop = asyncio.new_event_loop()

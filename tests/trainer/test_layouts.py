@@ -4,7 +4,7 @@ that change layout, on a tiny 8-expert MoE over gloo.
 The batches are replayed from a recorded rollout log (written once by the fixture with the real
 HDF5 writer; behaviour logprobs from transformers, perturbed so PPO clipping is active), so every
 layout trains on the same tokens. Each layout runs ``STEPS`` steps in fresh rank processes
-(``tests/test_trainer.py``'s launcher) and records per-step loss, grad norm and the updated
+(``tests/trainer/test_trainer.py``'s launcher) and records per-step loss, grad norm and the updated
 weights (Hugging Face names); the one-rank run is the reference. At step ``SAVE_AT`` each run
 saves a checkpoint; after training it reloads other layouts' checkpoints, saves them again in its
 own layout (must be bit-identical: weights and Adam moments) and retrains step ``SAVE_AT`` from

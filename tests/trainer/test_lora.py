@@ -1,6 +1,6 @@
 """LoRA (pipeline/trainer/lora.py): megatron-core with adapters against PEFT on transformers.
 
-Each scenario runs in fresh rank processes (``tests/test_trainer.py``'s launcher). The trainer
+Each scenario runs in fresh rank processes (``tests/trainer/test_trainer.py``'s launcher). The trainer
 draws non-trivial adapters (``init_adapters(b_std>0)``), computes logprobs, exports a PEFT
 adapter directory, takes one step and exports again; the test loads each export with ``peft``
 onto the base transformers model (an independent implementation: PEFT's own LoRA layers, and

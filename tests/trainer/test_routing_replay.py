@@ -18,7 +18,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from test_trainer import launch  # noqa: E402
 
-HF_LOGPROB_TOL = 1e-4  # as tests/test_trainer.py (float32 both sides)
+HF_LOGPROB_TOL = 1e-4  # as tests/trainer/test_trainer.py (float32 both sides)
 SEED, N = 21, 6
 
 
@@ -65,7 +65,7 @@ def forced_hf_logprobs(model_dir, samples):
 def own_routing_differences(model_dir, samples):
     """(pairs, near-ties, pairs whose expert set differs): transformers' own routing of every
     position the trainer feeds against the samples' given routing."""
-    from test_routing_capture_engine import hf_routing
+    from support.routing import hf_routing
 
     sequences = [np.concatenate([s.prompt_ids, s.completion_ids[:-1]]).tolist() for s in samples]
     pairs = ties = differ = 0
@@ -161,5 +161,5 @@ def test_layer_targets_follow_the_routers_token_order():
     assert layer_targets(routed, 1, 3, sequence_parallel=True)[0].tolist() == [[2, 3], [0, 1]]
 
 
-if __name__ == "__main__":  # a rank of `launch` (tests/test_trainer.py): SCENARIO OUTDIR ARGS
+if __name__ == "__main__":  # a rank of `launch` (tests/trainer/test_trainer.py): SCENARIO OUTDIR ARGS
     scenario(Path(sys.argv[2]), json.loads(sys.argv[3]))

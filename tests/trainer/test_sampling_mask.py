@@ -155,7 +155,7 @@ def test_inspect_shows_what_a_log_carries_and_its_bytes_per_token(tmp_path, caps
     from pipeline.apps.inspect_log import main
     from pipeline.protocol.record import RecordSchema
     from pipeline.rollout_log.writer import RolloutLogWriter
-    from rollout_data import make_batch
+    from support.rollout_data import make_batch
 
     for schema, want in ((RecordSchema(), None), (RecordSchema(sampling_mask_k=8), 32),
                          (RecordSchema(routed_experts=(2, 2), sampling_mask_k=8), 32)):

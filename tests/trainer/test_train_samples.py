@@ -5,7 +5,7 @@ import numpy as np
 
 from pipeline.protocol.record import RecordSchema
 from pipeline.trainer.layout import train_samples
-from rollout_data import make_batch
+from support.rollout_data import make_batch
 
 
 def _slices(lengths: np.ndarray) -> list[slice]:

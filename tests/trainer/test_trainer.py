@@ -1,6 +1,6 @@
 """Trainer oracle tests: megatron-core on CPU/gloo against Hugging Face transformers and itself.
 
-Multi-rank scenarios run this file as a script (``python tests/test_trainer.py SCENARIO ...``) in
+Multi-rank scenarios run this file as a script (``python tests/trainer/test_trainer.py SCENARIO ...``) in
 fresh processes (megatron's parallel state is process-global); each rank writes its results as
 safetensors/JSON into a directory the test reads back. Tolerances are asserted and printed.
 """
@@ -19,7 +19,7 @@ import pytest
 from pipeline.launch.rendezvous import free_port
 from support.oracle import hf_logprobs, make_samples, sharpened_checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LAUNCH_TIMEOUT_S = 240
 
 # Tolerances (float32 everywhere): achieved values are printed by the tests.
@@ -41,7 +41,7 @@ def launch(scenario: str, world: int, outdir: Path, args: dict, script: Path = P
     procs = []
     for rank in range(world):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(world), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
+                   WORLD_SIZE=str(world), OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}",
                    PYTHONWARNINGS="ignore")
         log = open(outdir / f"rank{rank}.log", "w")
         procs.append((subprocess.Popen([sys.executable, str(script), scenario, str(outdir), json.dumps(args)],

@@ -1,6 +1,6 @@
 """`AdapterMerger` (pipeline/weights/adapters.py) on a small safetensors base: the docstring's
 worked example, merges against the base (never on top of a previous merge), reset of weights a
-later update leaves out, and the refusals. No engine: the vLLM side is tests/test_lora_engine.py."""
+later update leaves out, and the refusals. No engine: the vLLM side is tests/weights/test_lora_engine.py."""
 from __future__ import annotations
 
 import pytest

@@ -1,14 +1,14 @@
 """Regenerate the golden curve: a small rollout log and the per-step loss and grad norm that
-`tokenflow replay` of it must reproduce (checked by `tests/test_golden_curve.py`).
+`tokenflow replay` of it must reproduce (checked by `tests/apps/test_golden_curve.py`).
 
-    PYTHONPATH=. tf-heavy .venv/bin/python tests/golden/make_golden.py --source runs/demo
+    PYTHONPATH=. tf-heavy .venv/bin/python tests/support/golden/make_golden.py --source runs/demo
 
 1. copies the first ``STEPS x GROUPS_PER_STEP`` stored groups (in stored order) of the source run's
    rollout log, and the part of its ``config.yaml`` replay reads (task, group size, temperature),
-   into ``tests/golden/run/``, gzipped with ``h5repack`` (HDF5's tools, Debian ``hdf5-tools``) to
+   into ``tests/support/golden/run/``, gzipped with ``h5repack`` (HDF5's tools, Debian ``hdf5-tools``) to
    about 80 KB;
 2. replays them (`REPLAY_OVERRIDES`: trainer only, the freshly built tiny model, no warm start) and
-   writes each step's ``loss`` and ``grad_norm`` to ``tests/golden/curve.json``.
+   writes each step's ``loss`` and ``grad_norm`` to ``tests/support/golden/curve.json``.
 
 Regenerate only when a change of the numerics is intended (new loss, new model builder, new
 megatron-core); say so in the commit. Without ``--source`` the log is kept and only the curve is
