@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import psutil
 
@@ -21,15 +22,18 @@ from pipeline.supervise import MARKER_ENV
 
 def marked_processes(marker: str, exclude: set[int] = frozenset()) -> dict[int, str]:
     """pid -> command line of every live process whose environment holds ``MARKER_ENV=marker``."""
+    needle = f"{MARKER_ENV}={marker}".encode()
     found = {}
-    for proc in psutil.process_iter():
-        if proc.pid in exclude:
+    for pid in psutil.pids():
+        if pid in exclude:
             continue
-        try:
-            if proc.environ().get(MARKER_ENV) != marker or proc.status() == psutil.STATUS_ZOMBIE:
+        try:  # the environment read directly: the one check every process of the machine gets
+            if needle not in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
                 continue
-            found[proc.pid] = " ".join(proc.cmdline()).strip()
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            proc = psutil.Process(pid)
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                found[pid] = " ".join(proc.cmdline()).strip()
+        except (OSError, psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
 
