@@ -30,6 +30,8 @@ LORA_ATTRIBUTE = "_tf_lora"
 
 @dataclass(frozen=True)
 class Rule:
+    """How one megatron parameter is made of HF tensors (see the module docstring)."""
+
     megatron: str  # megatron parameter name (without a DDP "module." prefix)
     hf: tuple[str, ...]  # HF names feeding it (q,k,v for qkv; gate,up for glu)
     kind: str  # "copy", "qkv", "glu" or "shared" (one replicated tensor stored under every HF name: LoRA's fused A)
@@ -38,12 +40,13 @@ class Rule:
 
 
 def base_rules(hf_config, ep_rank: int, ep_size: int) -> list[Rule]:
+    """Every weight's rule for EP rank ``ep_rank`` of ``ep_size`` (its own experts), in model order."""
     rules = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "copy", 0)]
     for i in range(hf_config.num_hidden_layers):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
         rules += [
             Rule(m + "self_attention.linear_qkv.weight",
-                  tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv", 0),
+                 tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv", 0),
             Rule(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), "copy", 1),
             Rule(m + "input_layernorm.weight", (h + "input_layernorm.weight",), "copy", None),
             Rule(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "copy", None),
@@ -55,7 +58,7 @@ def base_rules(hf_config, ep_rank: int, ep_size: int) -> list[Rule]:
             ]
         if has_qkv_bias(hf_config):
             rules.append(Rule(m + "self_attention.linear_qkv.bias",
-                               tuple(h + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv", 0))
+                              tuple(h + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv", 0))
         if is_moe(hf_config):
             rules.append(Rule(m + "mlp.router.weight", (h + "mlp.gate.weight",), "copy", None))
             n_local = hf_config.num_experts // ep_size
@@ -64,13 +67,13 @@ def base_rules(hf_config, ep_rank: int, ep_size: int) -> list[Rule]:
                 x, he = m + f"mlp.experts.local_experts.{j}.", h + f"mlp.experts.{e}."
                 rules += [
                     Rule(x + "linear_fc1.weight", (he + "gate_proj.weight", he + "up_proj.weight"),
-                          "glu", 0, e),
+                         "glu", 0, e),
                     Rule(x + "linear_fc2.weight", (he + "down_proj.weight",), "copy", 1, e),
                 ]
         else:
             rules += [
                 Rule(m + "mlp.linear_fc1.weight",
-                      (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "glu", 0),
+                     (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "glu", 0),
                 Rule(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "copy", 1),
             ]
     rules.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None))
