@@ -5,7 +5,7 @@ into the engine's workers (``collective_rpc``) are handled by vLLM's engine core
 steps, so a staged generator posted its receive only after the step in progress ended; the
 trainer's broadcast waited for that step. A step is milliseconds on a warm engine, but a
 generator that just joined a run and shares a core runs its first leased steps slowly: measured in
-the local generator-job test (docs/generator-jobs-runs.md, runs 13 and 14), the push two or three
+the local generator-job test (bench/results/2026-12-02-generator-jobs-runs.md, runs 13 and 14), the push two or three
 versions after a join waited 0.31-0.33 s for the newcomer while the old generator had its bytes
 in 0.06 s. Through this channel the driver asks each worker's listener thread directly; the thread
 calls the worker's ``start_receiving`` (which only starts the background receive) and answers.

@@ -34,7 +34,7 @@ STEPS = 2000  # 0.2-1.2 s each: the joiner's engine starts while the run goes on
 # trainer's core 151-205 s from submission to first lease (1.5-3 min as an equal); on a quiet machine
 # 250 steps ended before the join, with 700 it joined at step 638, and 1000 ended before a nice joiner
 GROUPS_PER_STEP = 4  # 8 made steps of about 1 s, not the few seconds hoped for, and the events' 1 s
-# blips stayed (docs/generator-jobs-runs.md, run 5)
+# blips stayed (bench/results/2026-12-02-generator-jobs-runs.md, run 5)
 
 
 def _membership(run: Path, event: str, gid: int | None = None) -> list[dict]:
