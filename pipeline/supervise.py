@@ -112,6 +112,24 @@ def signal_group(pgid: int, sig: int) -> None:
         pass
 
 
+def end_groups(pgids: list[int], grace_s: float, kill_wait_s: float = 10.0) -> tuple[list[int], list[int]]:
+    """SIGTERM to each process group of ``pgids``, then wait until none of their processes is left;
+    what is left after ``grace_s`` gets SIGKILL. Returns (the processes that got SIGKILL, those
+    still present ``kill_wait_s`` after it: blocked in the kernel, normally none). A group leader
+    that exited already is no reason to skip its group: the processes it started may still be in it."""
+    def left_after(sig: int, wait_s: float) -> list[int]:
+        for pgid in pgids:
+            signal_group(pgid, sig)
+        deadline = time.monotonic() + wait_s
+        while any(process_group(g) for g in pgids) and time.monotonic() < deadline:
+            _reap_adopted()
+            time.sleep(0.1)
+        return [pid for g in pgids for pid in process_group(g)]
+
+    killed = left_after(signal.SIGTERM, grace_s)
+    return killed, left_after(signal.SIGKILL, kill_wait_s) if killed else []
+
+
 def _pids() -> list[int]:
     return [int(name) for name in os.listdir("/proc") if name.isdigit()]
 

@@ -12,7 +12,9 @@ Invariants:
 - a step's samples are the orchestrator's recorded batch for that step; the generators hold the
   weights of version v only after the broadcast of v completed; versions equal optimizer steps;
 - a checkpoint directory is complete or absent (written under a temporary name, then renamed);
-- every wait (batch, rendezvous, broadcast) has a timeout (``run.timeout_s``);
+- every wait (batch, rendezvous, broadcast) has a timeout (``run.timeout_s``), and the leader's
+  waits on generators (for a batch, for a weight group) end, failing the run, once every
+  generator task was abandoned and no generator is a member (checked every 5 s);
 - the orchestrator is a child of rank 0 that dies with it (parent-death signal); when it dies it is
   restarted from the log within a second (`KeptProcess`; the trainer and the generators reconnect to
   the same address), at most ``orchestrator.max_restarts`` times, counted as
@@ -250,6 +252,8 @@ class TrainerRole:
                 if self.task.stop_requested.is_set():
                     log.warning("stop requested while waiting for the batch of step %d", step)
                     return None
+                if self.leader and self.live:  # nobody to wait for: the run fails naming it
+                    self.weights.check_generators_left()
                 if left <= 0:
                     raise TransportError(f"no batch for step {step} within {self.cfg.run.timeout_s:.0f}s") from None
 

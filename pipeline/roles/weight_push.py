@@ -159,7 +159,7 @@ class WeightPusher:
             members = self.link.members(cfg.run.timeout_s)
             if sum(ident.startswith("gen-") for ident in members) >= want:  # a lagged teacher is a member too
                 break
-            self._check_generators_left()
+            self.check_generators_left()
             if self.stop_requested.is_set():  # every generator left because the run is stopping
                 from pipeline.weights.group import WeightSyncError
                 raise WeightSyncError("stop requested while no generator is a member")
@@ -173,14 +173,21 @@ class WeightPusher:
         self.pending = self._start_group(members, senders)
         self._switch()
 
-    def _check_generators_left(self) -> None:
-        """Raise once every generator task gave up (abandoned after its restarts): nobody to train on."""
+    def check_generators_left(self) -> None:
+        """Raise once every generator task of the run gave up (abandoned after its restarts) and no
+        generator (one of a generator job included) is a member any more: nobody to train on.
+        Called wherever the leader waits on generators: for a weight group, and for a batch
+        (`pipeline.roles.trainer`)."""
         from pipeline.launch.task import abandoned_tasks
 
         n = self.cfg.cluster.generators
-        if abandoned_tasks(self.run_dir, "generator", n) == n:
-            raise RuntimeError(f"all {n} generator(s) died and used up their restarts "
-                               f"(cluster.generator.max_restarts); see logs/generator.*.out")
+        if abandoned_tasks(self.run_dir, "generator", n) < n:
+            return
+        if any(ident.startswith("gen-") for ident in self.link.members(self.cfg.run.timeout_s)):
+            return  # a generator job's generator still serves the run
+        raise RuntimeError(f"all {n} generator(s) died and used up their restarts "
+                           f"(cluster.generator.max_restarts): no generator is left to train on; "
+                           f"see logs/generator.*.out")
 
     def _group_for(self, version: int, senders: int) -> int:
         """The epoch to broadcast `version` into, or SKIP (leader; see the module docstring)."""
