@@ -183,10 +183,28 @@ def _signal_all(pids: list[int], sig: int) -> None:
             pass
 
 
-def end_tree(root: int | None = None, grace_s: float = 10.0) -> list[int]:
-    """End every descendant of ``root`` (default: this process); returns the pids it signalled."""
+def end_tree(root: int | None = None, grace_s: float = 10.0, spare: tuple[int, ...] = ()) -> list[int]:
+    """End every descendant of ``root`` (default: this process) but ``spare``; returns the pids it
+    signalled."""
     root = os.getpid() if root is None else root
-    return _end(lambda: descendants(root), grace_s)
+    return _end(lambda: [p for p in descendants(root) if p not in spare], grace_s)
+
+
+def is_resource_tracker(pid: int) -> bool:
+    """Whether ``pid`` is a multiprocessing resource tracker. It ignores SIGTERM and SIGINT and ends
+    by itself, unlinking the shared memory its owner's processes left, once its owner and every
+    process that inherited its pipe (an engine's processes) are gone: never SIGKILL it, and do not
+    wait for it while its owner lives (`own_resource_trackers`)."""
+    try:
+        return b"multiprocessing.resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return False
+
+
+def own_resource_trackers() -> tuple[int, ...]:
+    """This process's own resource trackers (its children): they end when it does."""
+    me = os.getpid()
+    return tuple(p for p in descendants(me) if (_stat(p) or (0,))[0] == me and is_resource_tracker(p))
 
 
 def end_processes(pids: list[int], grace_s: float = 10.0) -> list[int]:
@@ -268,8 +286,7 @@ def leftovers(marker: str, wait_s: float = 15.0, kill: bool = True) -> dict[int,
         exclude.add(pid)
     # The caller's own multiprocessing resource tracker (started by a spawn context) is a singleton
     # of the caller's interpreter that exits when the caller does (its pipe closes), kill -9 included.
-    exclude |= {p for p, cmd in marked_processes(marker, exclude).items()
-                if "multiprocessing.resource_tracker" in cmd and (_stat(p) or (0,))[0] == os.getpid()}
+    exclude |= set(own_resource_trackers())
     deadline = time.monotonic() + wait_s
     found = marked_processes(marker, exclude)
     while found and time.monotonic() < deadline:

@@ -78,3 +78,74 @@ def test_a_run_whose_generators_are_all_abandoned_fails_naming_the_cause(tmp_pat
     assert proc.returncode == 1, out[-3000:]
     assert "no generator is left to train on" in out, out[-5000:]
     assert took < 3600 / 4, took  # far from the timeout: it ended on the abandonment
+
+
+def _steps_between(run: Path, t0: float, t1: float) -> list[float]:
+    from pipeline.metrics import read_metrics
+    return [r["t"] for r in read_metrics(run, "train_step") if t0 < r["t"] <= t1]
+
+
+@pytest.mark.slow  # 5-15 min on a busy 2-core machine: two engines, one restarted and warmed up, many steps
+@pytest.mark.timeout(1800)
+def test_two_generators_a_kill_loses_no_step_a_departure_is_quick_and_sigterm_leaves_nothing(tmp_path):
+    """One run, three events. (1) kill -9 of generator 0's role: generator 1 trains on while it
+    restarts (the restarted role hands its predecessor's leases back at once): the longest pause
+    in training during the restart is less than half of it. (2) SIGTERM to generator 1's process
+    group (a departure, as `kill -TERM -PID` of a generator job): its task ends in less than a
+    quarter of generator 0's engine cold start, with no traceback or error after the signal in its
+    log. (3) SIGTERM to `tokenflow train`: 10 s later no process of the run is left, the restarted
+    engine included; every step trained is in the record once."""
+    import json
+
+    from chaos import loaded_after_restart, role_process
+    from pipeline.metrics import read_metrics
+    from pipeline.supervise import alive, process_group
+
+    run = tmp_path / "two"
+    proc = start_train(run, "run.steps=5000", "run.checkpoint_every=10000", "run.timeout_s=300",
+                       "cluster.generators=2")
+    running = lambda: proc.poll() is None  # noqa: E731
+    report = {}
+    try:
+        wait_for(lambda: last_step(run) >= 3 and all("loaded version" in (run / f"logs/generator.{g}.out").read_text()
+                                                     for g in (0, 1)), 900, "both generators serving", running)
+        # (1) kill -9 of generator 0's role process (global rank 1)
+        victim = role_process(run, 1)
+        t_kill = time.time()
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: loaded_after_restart(run, "generator", 0, 1), 900, "the restarted generator 0", running)
+        t_back = time.time()
+        steps = _steps_between(run, t_kill, t_back)
+        pause = max(b - a for a, b in zip([t_kill, *steps], [*steps, t_back]))
+        report["restart"] = {"window_s": round(t_back - t_kill, 2), "steps_meanwhile": len(steps),
+                             "longest_pause_s": round(pause, 2)}
+        assert pause < (t_back - t_kill) / 2, report
+
+        # (2) a departure: SIGTERM to generator 1's task process group
+        task = json.loads((run / "launch/launches.jsonl").read_text().splitlines()[-1])["pids"][2]
+        step_at_leave = last_step(run)
+        t_sig = time.monotonic()
+        os.killpg(task, signal.SIGTERM)
+        wait_for(lambda: not alive(task) and not process_group(task), 120, "the departing task to end", running)
+        report["departure_s"] = round(time.monotonic() - t_sig, 2)
+        log = (run / "logs/generator.1.out").read_text(errors="replace")
+        after = log[log.index("SIGTERM received"):]
+        assert "Traceback" not in after and " ERROR " not in after, after[-5000:]
+        restarted = (run / "logs/generator.0.out").read_text(errors="replace")
+        cold = [r for r in read_metrics(run, "membership") if r["event"] == "join" and r["generator_id"] == 0]
+        report["restarted_join_after_kill_s"] = round(cold[-1]["t"] - t_kill, 2) if cold else None
+        assert report["departure_s"] < (t_back - t_kill) / 4, report
+        wait_for(lambda: last_step(run) >= step_at_leave + 3, 300, "training after the departure", running)
+
+        # (3) SIGTERM to `tokenflow train`
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    print("lifecycle " + json.dumps(report), flush=True)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    left = leftovers(os.environ[MARKER_ENV], wait_s=10.0)
+    assert not left, f"processes of the run alive 10 s after `tokenflow train` returned: {left}\n{restarted[-2000:]}"
+    trained = sorted(r["step"] for r in read_metrics(run, "train_step"))
+    assert trained == list(range(len(trained))), "a step was lost or trained twice"

@@ -46,7 +46,8 @@ LEFT_GROUP_WAIT_S = 1.0
 before it gives the version up. The group of the remaining members formed 0.1-0.9 s after the
 regroup in the local tests; a version given up leaves them on the one before, and at the staleness
 bound the trainer's next batch waits for them, while a trainer waiting for a batch checks the
-members (and pushes) only every 5 s: 5.9 s measured on one departure (docs/generator-jobs.md)."""
+members (and pushes) only every `pipeline.roles.trainer.BATCH_POLL_S` (then 5 s: 5.9 s measured on one departure,
+docs/generator-jobs.md)."""
 
 
 class WeightPusher:
@@ -276,9 +277,10 @@ class WeightPusher:
 
     def _wait_for_membership_change(self) -> None:
         """Give the orchestrator time to notice the dead generator (it reaps silent ones). A leaver's
-        `Leave` is there within tens of milliseconds of its signal, its worker's end (and so the
-        failed broadcast) a little later (`pipeline.generator.exit_deadline`): polled every 0.1 s,
-        not every second."""
+        `Leave` is there within tens of milliseconds of its signal (for a dead generator, its
+        supervisor's `Leave` on its behalf as it restarts it, `pipeline.roles.generator`), its
+        engine's end (and so the failed broadcast) right after: polled every 0.1 s, not every
+        second."""
         deadline = time.monotonic() + self.cfg.orchestrator.generator_dead_after_s + 10
         while time.monotonic() < deadline:
             if self.link.members(self.cfg.run.timeout_s) != self.group_members:
