@@ -4,8 +4,10 @@ For each generator count, one local run of the tiny model (real engines, trainer
 once it trains, a ``kill -9`` of: the orchestrator, generator 0's vLLM EngineCore, generator 0's
 (restarted) role process, then trainer rank 0, which stops the run; the same run is then launched
 again, as the same `tokenflow train` command would. Each kill's figure is the seconds from the kill
-to the first step trained after it (for the trainer: by the relaunched run), as in
-`tests/test_weight_recovery.py`, whose process finders (`tests/chaos.py`) it uses. With two
+to training again: the longest stretch without a trained step from the kill to the next kill (for
+the trainer: until the relaunched run trained; a batch the trainer held already may make a step
+right after the kill, so the first step after it says little). It uses the process finders of
+`tests/test_weight_recovery.py` (`tests/chaos.py`). With two
 generators a generator's or engine's death should cost about a step (the other trains on); with
 one, the restarted engine's cold start (``cold_start_s``: from the role's restart to its first
 weights loaded).
@@ -65,6 +67,14 @@ def _cold_start_s(run: Path, restart: int) -> float | None:
     return None
 
 
+def _longest_pause(step_times: list[float], t_kill: float, until: float) -> float | None:
+    """Seconds of the longest stretch without a trained step from the kill at ``t_kill`` to ``until``
+    (the next kill, or the last step): the time to training again, also where a batch the trainer
+    already held made a first step right after the kill."""
+    times = [t for t in step_times if t_kill < t <= until]
+    return round(max(b - a for a, b in zip([t_kill, *times], times)), 1) if times else None
+
+
 def measure(generators: int, steps: int, root: Path, roles: tuple[str, ...]) -> dict:
     from chaos import (Chaos, engine_process, last_step, loaded_after_restart, orchestrator_process, role_process,
                        wait_for)
@@ -103,11 +113,13 @@ def measure(generators: int, steps: int, root: Path, roles: tuple[str, ...]) -> 
                      "training after the relaunch", chaos.running)
     finally:
         launched.cancel(grace_s=30)
-    out = {k.target: chaos.recovery(k)["to_training_s"] for k in chaos.kills}
+    steps = [r["t"] for r in read_metrics(run, "train_step")]
+    ends = [k.t for k in chaos.kills[1:]] + [steps[-1]]
+    out = {k.target: _longest_pause(steps, k.t, end) for k, end in zip(chaos.kills, ends)}
     out["cold_start_s"] = [_cold_start_s(run, 1), _cold_start_s(run, 2)]
     for k in chaos.kills:
-        print(f"{generators} generator(s): kill -9 {k.target} after step {k.step}: training again "
-              f"{out[k.target]} s later", flush=True)
+        print(f"{generators} generator(s): kill -9 {k.target} after step {k.step}: {out[k.target]} s "
+              f"without training", flush=True)
     return out
 
 
