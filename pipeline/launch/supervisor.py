@@ -7,10 +7,11 @@ set, so the child runs the role entry; see `pipeline.launch.task`). Then:
 - the child exits 0 -> the task is done (its result file is the child's);
 - the child dies otherwise (an exception, ``kill -9``, an engine crash that took it down) -> if the
   component allows restarts (`ComponentSpec.max_restarts`) and none of the stop signals came, the
-  role is started again at once (after ``on_restart``, if given, has told the run the dead one
-  is gone: a generator's leases are re-issued at once) and every process the dead one left in the task's tree (vLLM
-  engines, an orchestrator) gets SIGKILL right after (nothing owns them; the new role's start
-  does not wait for them); otherwise they are ended (`end_tree`) before the task goes on; past the
+  role is started again at once: every process the dead one left in the task's tree (vLLM
+  engines, an orchestrator) gets SIGKILL (nothing owns them; their sockets close, so a broadcast
+  to them fails at once), ``on_restart``, if given, tells the run the dead one is gone (a
+  generator's leases are re-issued at once), the new role starts, and only then are the killed
+  ones waited for; otherwise they are ended (`end_tree`) before the task goes on; past the
   bound an `optional` component's task *abandons* (result
   ``{"ok": false, "abandoned": true}``, exit 0: the run goes on without it), any other task fails
   (exit 1: the launcher, or ``srun --kill-on-bad-exit``, ends the run);
@@ -99,19 +100,26 @@ class TaskSupervisor:
             signal.signal(sig, self._on_signal)
         orphans: list[int] = []
         while True:
+            for pid in orphans:  # what the dead role left has no owner: SIGKILL now, its sockets close
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self._report_left(orphans)
             if self.restarts and self.on_restart is not None:
                 self._notify_restart()
             env = {**self.env, ROLE_PROCESS_ENV: str(self.restarts)}
             self.child = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL,
                                           preexec_fn=die_with_parent)
             own(self.child.pid)
-            if orphans:  # the dead role's processes end while the new one starts
-                self._report_left(end_processes(orphans, grace_s=0))
+            if orphans:  # waited for (the kernel frees their memory) while the new role starts
+                end_processes(orphans, grace_s=0)
+                orphans = []
             code = self._wait_child()
             if self.requeue_thread is not None:  # its `scontrol requeue` is ours, not a leftover of the role
                 self.requeue_thread.join(timeout=self.stop_grace_s + 90)
             restart = code != 0 and self.stop_signal is None and self.restarts < self.max_restarts
-            if restart:  # what the dead role left has no owner: SIGKILLed once its successor started
+            if restart:  # what the dead role left: SIGKILLed before its successor starts, waited for after
                 orphans = [p for p in descendants(os.getpid()) if not is_resource_tracker(p)]
             else:
                 self._report_left(end_tree(grace_s=self.kill_grace_s))
