@@ -85,8 +85,8 @@ def _steps_between(run: Path, t0: float, t1: float) -> list[float]:
     return [r["t"] for r in read_metrics(run, "train_step") if t0 < r["t"] <= t1]
 
 
-@pytest.mark.slow  # 5-15 min on a busy 2-core machine: two engines, one restarted and warmed up, many steps
-@pytest.mark.timeout(1800)
+@pytest.mark.slow  # 5-30 min on a busy 2-core machine: two engines, one restarted and warmed up, many steps
+@pytest.mark.timeout(3600)
 def test_two_generators_a_kill_loses_no_step_a_departure_is_quick_and_sigterm_leaves_nothing(tmp_path):
     """One run, three events. (1) kill -9 of generator 0's role: generator 1 trains on while it
     restarts (the restarted role hands its predecessor's leases back at once): the longest pause
@@ -113,7 +113,8 @@ def test_two_generators_a_kill_loses_no_step_a_departure_is_quick_and_sigterm_le
         victim = role_process(run, 1)
         t_kill = time.time()
         os.kill(victim, signal.SIGKILL)
-        wait_for(lambda: loaded_after_restart(run, "generator", 0, 1), 900, "the restarted generator 0", running)
+        # its cold start took 15 min on a 2-core machine at load 8-13 (it shares the trainer's core)
+        wait_for(lambda: loaded_after_restart(run, "generator", 0, 1), 2400, "the restarted generator 0", running)
         t_back = time.time()
         steps = _steps_between(run, t_kill, t_back)
         pause = max(b - a for a, b in zip([t_kill, *steps], [*steps, t_back]))
