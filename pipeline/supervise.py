@@ -112,6 +112,24 @@ def signal_group(pgid: int, sig: int) -> None:
         pass
 
 
+def end_groups(pgids: list[int], grace_s: float, kill_wait_s: float = 10.0) -> tuple[list[int], list[int]]:
+    """SIGTERM to each process group of ``pgids``, then wait until none of their processes is left;
+    what is left after ``grace_s`` gets SIGKILL. Returns (the processes that got SIGKILL, those
+    still present ``kill_wait_s`` after it: blocked in the kernel, normally none). A group leader
+    that exited already is no reason to skip its group: the processes it started may still be in it."""
+    def left_after(sig: int, wait_s: float) -> list[int]:
+        for pgid in pgids:
+            signal_group(pgid, sig)
+        deadline = time.monotonic() + wait_s
+        while any(process_group(g) for g in pgids) and time.monotonic() < deadline:
+            _reap_adopted()
+            time.sleep(0.1)
+        return [pid for g in pgids for pid in process_group(g)]
+
+    killed = left_after(signal.SIGTERM, grace_s)
+    return killed, left_after(signal.SIGKILL, kill_wait_s) if killed else []
+
+
 def _pids() -> list[int]:
     return [int(name) for name in os.listdir("/proc") if name.isdigit()]
 
@@ -165,10 +183,28 @@ def _signal_all(pids: list[int], sig: int) -> None:
             pass
 
 
-def end_tree(root: int | None = None, grace_s: float = 10.0) -> list[int]:
-    """End every descendant of ``root`` (default: this process); returns the pids it signalled."""
+def end_tree(root: int | None = None, grace_s: float = 10.0, spare: tuple[int, ...] = ()) -> list[int]:
+    """End every descendant of ``root`` (default: this process) but ``spare``; returns the pids it
+    signalled."""
     root = os.getpid() if root is None else root
-    return _end(lambda: descendants(root), grace_s)
+    return _end(lambda: [p for p in descendants(root) if p not in spare], grace_s)
+
+
+def is_resource_tracker(pid: int) -> bool:
+    """Whether ``pid`` is a multiprocessing resource tracker. It ignores SIGTERM and SIGINT and ends
+    by itself, unlinking the shared memory its owner's processes left, once its owner and every
+    process that inherited its pipe (an engine's processes) are gone: never SIGKILL it, and do not
+    wait for it while its owner lives (`own_resource_trackers`)."""
+    try:
+        return b"multiprocessing.resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return False
+
+
+def own_resource_trackers() -> tuple[int, ...]:
+    """This process's own resource trackers (its children): they end when it does."""
+    me = os.getpid()
+    return tuple(p for p in descendants(me) if (_stat(p) or (0,))[0] == me and is_resource_tracker(p))
 
 
 def end_processes(pids: list[int], grace_s: float = 10.0) -> list[int]:

@@ -164,3 +164,30 @@ def test_ending_a_tree_gives_up_on_a_process_that_outlives_sigkill_and_names_it(
     finally:
         child.kill()
         child.wait()
+
+
+RESTARTED = """
+import os, sys
+from pathlib import Path
+from pipeline.launch.supervisor import TaskSupervisor
+
+log = Path(sys.argv[1])
+role = [sys.executable, "-c", "import sys; from pathlib import Path; log = Path(sys.argv[1]); "
+        "first = 'start' not in log.read_text(); log.write_text(log.read_text() + 'start\\\\n'); "
+        "sys.exit(1 if first else 0)", str(log)]
+code = TaskSupervisor(role, os.environ, Path(sys.argv[2]), max_restarts=1, optional=False, stop_grace_s=5,
+                      requeue=None, wait_for_requeue=False,
+                      on_restart=lambda: log.write_text(log.read_text() + "notice\\n")).run(())
+sys.exit(code)
+"""
+
+
+def test_a_restart_is_announced_before_the_role_starts_again(tmp_path):
+    """`TaskSupervisor.on_restart` (a generator's `Leave` on behalf of its dead role) runs once per
+    restart, after the death and before the new role process starts; never on the first start."""
+    log = tmp_path / "log"
+    log.write_text("")
+    out = subprocess.run([sys.executable, "-c", RESTARTED, str(log), str(tmp_path / "result.json")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert log.read_text().split() == ["start", "notice", "start"]

@@ -14,6 +14,13 @@ Invariants:
   run directory started with (`pipeline.config.check_resume_compatible`);
 - the launcher process never trains: it starts the roles (local processes or one Slurm
   heterogeneous job), shows progress, mirrors metrics to TensorBoard and draws the final plot;
+- SIGTERM, SIGINT and SIGHUP (``timeout``, a process manager, a closed login session, Ctrl-C) stop
+  the whole run as ``tokenflow cancel`` does (`pipeline.apps.ops.cancel_run`: the trainer
+  checkpoints at its step boundary, every task's process group and every joined generator job
+  is ended, SIGKILL after ``CANCEL_GRACE_S``); the command returns once nothing of the run is left,
+  with 128 + the signal's number. A signal that comes while the roles are being launched is taken
+  once the launch returned (nothing started is left running); further signals while the run
+  stops change nothing;
 - a failed role stops the run (the launcher stops the others) and its log tail is shown; a plan the
   cluster cannot run (partition, CPUs, memory, GPUs, nodes) or that sbatch refuses is reported
   before anything starts (exit status 2).
@@ -21,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -29,7 +37,30 @@ from pipeline.config import TokenflowConfig, check_resume_compatible, register, 
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 COMPLETE = "COMPLETE"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""Signals to `tokenflow train` that stop the run it follows (module docstring)."""
 log = logging.getLogger("tokenflow.train")
+
+
+class StopSignals:
+    """Records the first stop signal that arrived (the handlers only record it: a stop in the middle
+    of a launch or of a cancel must not leave either half done); restores the old handlers on exit."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous = {}
+
+    def __enter__(self) -> "StopSignals":
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    def _note(self, sig: int, frame) -> None:
+        self.received = self.received or sig
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def job_plan(cfg: TokenflowConfig, run_dir: Path):
@@ -106,52 +137,35 @@ def train(cfg: TokenflowConfig) -> int:
         return 2
     from pipeline.launch import LaunchError, LocalLauncher, SlurmLauncher
     from pipeline.observe.plots import plot_run
-    from pipeline.observe.progress import ProgressDisplay
 
     plan = job_plan(cfg, run_dir)
     launcher = LocalLauncher() if cfg.cluster.launcher == "local" else SlurmLauncher()
     print(f"tokenflow: run directory {run_dir} ({cfg.cluster.launcher}: {cfg.cluster.trainer_ranks} "
           f"trainer rank(s), {cfg.cluster.generators} generator(s)); logs in {run_dir / 'logs'}",
           flush=True)
-    try:
-        run = launcher.launch(plan, run_dir)
-    except LaunchError as exc:
-        print(f"tokenflow: cannot launch the run: {exc}", file=sys.stderr)
-        return 2
-    if getattr(run, "job_id", None):
-        print(f"tokenflow: submitted Slurm heterogeneous job {run.job_id} "
-              f"({' + '.join(plan.components)})", flush=True)
-    if cfg.run.detach:
-        print(f"tokenflow: detached; follow with `tokenflow status {run_dir}`, stop with `tokenflow cancel "
-              f"{run_dir}`, logs in {run_dir / 'logs'}", flush=True)
-        return 0
-    progress = ProgressDisplay(run_dir, cfg.run.steps) if cfg.run.progress else None
-    mirror = None
-    if cfg.run.tensorboard:
-        from pipeline.observe.tensorboard import TensorBoardMirror
-        mirror = TensorBoardMirror(run_dir)
-    state, submitted = None, time.monotonic()
-    try:
-        while not run.done():
-            time.sleep(1.0 if cfg.cluster.launcher == "local" else 3.0)
-            if cfg.cluster.launcher == "slurm" and run.state() != state:
-                state = run.state()
-                print(f"tokenflow: job {run.job_id} {state} ({time.monotonic() - submitted:.0f} s after "
-                      f"submission)", file=sys.stderr, flush=True)
-            if progress:
-                progress.update()
-            if mirror:
-                mirror.update()
-    except KeyboardInterrupt:
-        print("\ntokenflow: interrupted; stopping the run (the same command resumes it)", file=sys.stderr)
-        run.cancel()
-        return 130
-    finally:
-        if progress:
-            progress.close()
-        if mirror:
-            from pipeline.apps.ops.summary import run_hparams
-            mirror.close(hparams=run_hparams(run_dir))
+    with StopSignals() as stop:
+        try:
+            run = launcher.launch(plan, run_dir)
+        except LaunchError as exc:
+            print(f"tokenflow: cannot launch the run: {exc}", file=sys.stderr)
+            return 2
+        if getattr(run, "job_id", None):
+            print(f"tokenflow: submitted Slurm heterogeneous job {run.job_id} "
+                  f"({' + '.join(plan.components)})", flush=True)
+        if cfg.run.detach and not stop.received:
+            print(f"tokenflow: detached; follow with `tokenflow status {run_dir}`, stop with `tokenflow cancel "
+                  f"{run_dir}`, logs in {run_dir / 'logs'}", flush=True)
+            return 0
+        follow(cfg, run, run_dir, stop)
+        if stop.received:
+            from pipeline.apps.ops import cancel_run
+            name = signal.Signals(stop.received).name
+            print(f"\ntokenflow: {name} received; stopping the run (the same command resumes it)",
+                  file=sys.stderr, flush=True)
+            print(f"tokenflow: {cancel_run(run_dir)}", file=sys.stderr, flush=True)
+            if cfg.cluster.launcher == "local":  # reap the tasks (cancel_run ended them)
+                run.cancel()
+            return 128 + stop.received
     state = run.state()
     trainer_result = (run.read_results().get("trainer") or [None])[0]
     if state != "COMPLETED" or not trainer_result or not trainer_result["ok"] or trainer_result.get("stopped"):
@@ -165,6 +179,38 @@ def train(cfg: TokenflowConfig) -> int:
     (run_dir / COMPLETE).write_text(f"{cfg.run.steps} steps, finished {time.strftime('%Y-%m-%d %H:%M:%S')}")
     print(f"tokenflow: done; learning curve in {png}")
     return 0
+
+
+def follow(cfg: TokenflowConfig, run, run_dir: Path, stop: StopSignals) -> None:
+    """Show progress and mirror metrics until the run is done or a stop signal arrived."""
+    from pipeline.observe.progress import ProgressDisplay
+
+    progress = ProgressDisplay(run_dir, cfg.run.steps) if cfg.run.progress else None
+    mirror = None
+    if cfg.run.tensorboard:
+        from pipeline.observe.tensorboard import TensorBoardMirror
+        mirror = TensorBoardMirror(run_dir)
+    state, submitted = None, time.monotonic()
+    try:
+        while not stop.received and not run.done():
+            for _ in range(5 if cfg.cluster.launcher == "local" else 15):
+                if stop.received:
+                    break
+                time.sleep(0.2)
+            if cfg.cluster.launcher == "slurm" and run.state() != state:
+                state = run.state()
+                print(f"tokenflow: job {run.job_id} {state} ({time.monotonic() - submitted:.0f} s after "
+                      f"submission)", file=sys.stderr, flush=True)
+            if progress:
+                progress.update()
+            if mirror:
+                mirror.update()
+    finally:
+        if progress:
+            progress.close()
+        if mirror:
+            from pipeline.apps.ops.summary import run_hparams
+            mirror.close(hparams=run_hparams(run_dir))
 
 
 def main(argv: list[str] | None = None) -> int:

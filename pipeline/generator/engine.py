@@ -43,6 +43,15 @@ Invariants:
   multi-turn episode (`pipeline.generator.episodes`): each turn is a `complete` call on the same
   token sequence, so everything above holds per model turn.
 - Engine processes are spawned: code that builds a `Generator` must run under ``__main__`` guards.
+- A signal to the whole process group (``kill -TERM -PID``, ``scancel``, ``tokenflow cancel``)
+  never ends a worker on its own: workers ignore the stop signals
+  (`pipeline.generator.owner_watch.ignore_stop_signals`); the owner decides (a departure's
+  `Leave` first) and `shutdown` ends the engine at once: vLLM's client stands down, then EngineCore
+  and its workers get SIGKILL (EngineCore may have begun its own orderly shutdown on the signal
+  meanwhile: it exits its loop first, so it steps no more). Before, a departure's worker ended on
+  the signal while its EngineCore, still stepping, logged a fatal ``AssertionError: collective_rpc
+  should not be called on follower node``, and vLLM's graceful shutdown took 5 s more. An owner
+  that dies ends them through the owner watch (`pipeline.generator.owner_watch`).
 """
 from __future__ import annotations
 
@@ -122,13 +131,14 @@ class Generator:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from pipeline.generator.owner_watch import mark_owner
-        from pipeline.supervise import descendants
+        from pipeline.supervise import descendants, is_resource_tracker
 
         t0 = time.monotonic()
         before = set(descendants(os.getpid()))
         mark_owner()  # the engine's processes end when this one dies, SIGKILL included
         self.engine = AsyncLLM.from_engine_args(engine_args(self.config))
-        self._engine_pids = [p for p in descendants(os.getpid()) if p not in before]
+        self._engine_pids = [p for p in descendants(os.getpid())  # the tracker ends with this process
+                             if p not in before and not is_resource_tracker(p)]
         await self.engine.update_weight_version(str(self.version))
         if self.config.record_routing:
             self.routing_shape = tuple((await self.engine.collective_rpc("start_routing_capture"))[0])
@@ -145,17 +155,18 @@ class Generator:
         return all(alive(p) for p in self._engine_pids)
 
     def shutdown(self) -> None:
-        """Stop the engine and every process it started (vLLM's shutdown may leave its engine core
-        and worker running: they would outlive the caller)."""
+        """End the engine and every process it started, at once: vLLM's client stands down first
+        (so it takes the engine's end for no failure), then its processes get SIGKILL (nothing in
+        them needs a graceful end; its workers ignore SIGTERM)."""
         from pipeline.supervise import end_processes
 
         if self._poster is not None:
             self._poster.close()
             self._poster = None
         if self.engine is not None:
-            self.engine.shutdown()
+            self.engine.shutdown(timeout=0)
             self.engine = None
-        end_processes(self._engine_pids)
+        end_processes(self._engine_pids, grace_s=0)
         self._engine_pids = []
 
     # -- generation ---------------------------------------------------------------------------

@@ -28,7 +28,9 @@ Invariants:
   second of start-up, before EngineCore has spawned its worker: EngineCore then gives up on its
   handshake with the owner after vLLM's handshake timeout, 5 minutes);
 - at most one watch per process; in the owner itself, and in a process without ``OWNER_ENV``,
-  `watch_owner()` does nothing.
+  `watch_owner()` does nothing;
+- while the owner lives, no stop signal ends a worker: it ignores them (`ignore_stop_signals`);
+  the owner ends its engine.
 
 Example: a generator role, pid 4100 started at clock tick 88120, calls `mark_owner()`
 (``TOKENFLOW_ENGINE_OWNER=4100:88120``) and starts ``AsyncLLM``: EngineCore 4130 and its worker 4152
@@ -90,6 +92,28 @@ def _end_when_gone(pid: int, started: int, token: str) -> None:
     if engine_core:
         os.kill(parent, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""Signals an engine worker ignores while its owner lives (`ignore_stop_signals`)."""
+
+
+def ignore_stop_signals() -> bool:
+    """In an engine worker of an owner (``OWNER_ENV`` set, another process), from its main thread:
+    ignore the stop signals, whatever handler vLLM installed, so a signal to the whole process group
+    never ends a worker before its owner ends the engine (SIGKILL): a worker that ended on it left
+    its EngineCore stepping into a dead executor (a fatal ``AssertionError`` in the log). Blocking
+    them in the owner before the engine's start did not suffice: a SIGTERM sent to a worker, or to
+    EngineCore, was not always left pending (some thread took it), and Python then ran vLLM's
+    handler. Returns whether the signals are ignored now."""
+    token = os.environ.get(OWNER_ENV)
+    if not token or int(token.partition(":")[0]) == os.getpid():
+        return False
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    return True
 
 
 def watch_owner() -> bool:

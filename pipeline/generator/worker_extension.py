@@ -52,8 +52,6 @@ Invariants:
   update that cannot be built (an MoE layer lacks experts) fails its receive: nothing changed.
 - `load_version` marks each swap on a `StepClock` (`pipeline.generator.step_clock`): `step_gaps`
   returns the engine's own stall per update, the gap between the steps around it.
-- A worker that joined a weight group ends within 0.05 s of a SIGTERM, however vLLM's
-  shutdown goes, so no broadcast waits on a departing worker (`pipeline.generator.exit_deadline`).
 - A worker's rank in the weight group is ``first_rank + its vLLM rank`` (TP workers each receive
   the full HF tensors and keep their shard).
 """
@@ -62,10 +60,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
-from pipeline.generator.exit_deadline import bound_exit_after_stop_signal
 from pipeline.generator.expert_writer import ExpertWriter, cpu_prepack_isa, hf_prefix, non_expert
 from pipeline.generator.interrupted_reload import put_back_unfinished_modules, tensors_without_data
-from pipeline.generator.owner_watch import watch_owner
+from pipeline.generator.owner_watch import ignore_stop_signals, watch_owner
 
 if TYPE_CHECKING:
     import torch
@@ -194,7 +191,6 @@ class WeightSyncExtension:
         self.leave_weight_group()
         rank = first_rank + int(self.rank)
         self._step_clock()
-        bound_exit_after_stop_signal()  # a departure's SIGTERM never leaves the group waiting on this worker
         self._tf_channel = _open_channel(host, port, rank, world_size, timeout_s, backend, epoch, senders, channel)
         return rank
 
@@ -206,7 +202,6 @@ class WeightSyncExtension:
         from pipeline.weights.group_build import GroupBuild
 
         rank = first_rank + int(self.rank)
-        bound_exit_after_stop_signal()  # a departure's SIGTERM never leaves the group waiting on this worker
         joins = self.__dict__.setdefault("_tf_joins", {})
         if epoch in joins:
             joins.pop(epoch).abandon()
@@ -396,6 +391,7 @@ class WeightSyncExtension:
 
 
 watch_owner()  # in an engine worker: end the engine when its owner dies (owner_watch.py)
+ignore_stop_signals()  # ... and leave the stop signals to the owner while it lives
 
 
 def _open_channel(host: str, port: int, rank: int, world_size: int, timeout_s: float, backend: str, epoch: int,

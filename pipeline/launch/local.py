@@ -13,16 +13,14 @@ waiting for the dead task.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import List
 
 from pipeline.launch.base import Launcher, Run
 from pipeline.launch.plan import JobPlan
-from pipeline.supervise import signal_group
+from pipeline.supervise import end_groups
 
 
 class LocalRun(Run):
@@ -49,21 +47,22 @@ class LocalRun(Run):
             return True
         return all(c is not None for c in codes)
 
-    def cancel(self) -> None:
+    def cancel(self, grace_s: float | None = None) -> None:
+        """Stop every task: SIGTERM (the trainer checkpoints at its step boundary), SIGKILL to what
+        is left after ``grace_s`` (default ``kill_grace_s``); returns once no process of any task's
+        process group is left."""
         self._cancelled = True
-        self._stop()
+        self._stop(self.kill_grace_s if grace_s is None else grace_s)
 
-    def _stop(self) -> None:
-        # each task leads its own process group: signal the group so its children (engines) stop too
-        for p in self.procs:  # exited tasks too: children they left behind are still in the group
-            signal_group(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.kill_grace_s
+    def _stop(self, grace_s: float | None = None) -> None:
+        # each task leads its own process group: signal the group so its children (engines) stop too;
+        # exited tasks too: children they left behind are still in the group
+        end_groups(self.pids, self.kill_grace_s if grace_s is None else grace_s)
         for p in self.procs:
             try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                signal_group(p.pid, signal.SIGKILL)
                 p.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # blocked in the kernel (end_groups named it): not waited for
+                pass
 
 
 class LocalLauncher(Launcher):

@@ -5,10 +5,14 @@ itself: it becomes a child subreaper and starts the role as a child process (`RO
 set, so the child runs the role entry; see `pipeline.launch.task`). Then:
 
 - the child exits 0 -> the task is done (its result file is the child's);
-- the child dies otherwise (an exception, ``kill -9``, an engine crash that took it down) -> every
-  process left in the task's tree (vLLM engines, an orchestrator) is ended (`end_tree`); if the
+- the child dies otherwise (an exception, ``kill -9``, an engine crash that took it down) -> if the
   component allows restarts (`ComponentSpec.max_restarts`) and none of the stop signals came, the
-  role is started again; past the bound an `optional` component's task *abandons* (result
+  role is started again at once: every process the dead one left in the task's tree (vLLM
+  engines, an orchestrator) gets SIGKILL (nothing owns them; their sockets close, so a broadcast
+  to them fails at once), ``on_restart``, if given, tells the run the dead one is gone (a
+  generator's leases are re-issued at once), the new role starts, and only then are the killed
+  ones waited for; otherwise they are ended (`end_tree`) before the task goes on; past the
+  bound an `optional` component's task *abandons* (result
   ``{"ok": false, "abandoned": true}``, exit 0: the run goes on without it), any other task fails
   (exit 1: the launcher, or ``srun --kill-on-bad-exit``, ends the run);
 - SIGTERM (preemption, ``scancel``, the local launcher stopping a run) and the checkpoint signal
@@ -26,9 +30,9 @@ set, so the child runs the role entry; see `pipeline.launch.task`). Then:
   itself, ends its own tree on the way out.
 
 Example: generator.1 with max_restarts=2. Its engine core is killed at 12:00:00; the role raises
-(EngineDeadError) and exits 1; the supervisor ends the orphaned engine worker and starts the role
-again (restart 1 of 2, logged in ``logs/generator.1.out``); the new role joins the weight group and
-takes work once it holds the current weights.
+(EngineDeadError) and exits 1; the supervisor starts the role again (restart 1 of 2, logged in
+``logs/generator.1.out``) and SIGKILLs the orphaned engine worker; the new role joins the weight
+group and takes work once it holds the current weights.
 """
 from __future__ import annotations
 
@@ -42,12 +46,16 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping
 
-from pipeline.supervise import become_subreaper, die_with_parent, end_tree, own, signal_note
+from pipeline.supervise import (become_subreaper, descendants, die_with_parent, end_processes, end_tree,
+                                is_resource_tracker, own, signal_note)
 
 class RoleFailed(RuntimeError):
     """The task's role died and was not (or no longer) restarted."""
 
 
+RESTART_NOTICE_WAIT_S = 5.0
+"""How long a restart waits for ``on_restart`` (a generator's `Leave` on behalf of its dead role:
+well under a second) before it starts the role anyway."""
 ROLE_PROCESS_ENV = "TOKENFLOW_ROLE_PROCESS"
 """Set (to the restart count) in the role's child process: it runs the role instead of supervising."""
 
@@ -55,7 +63,8 @@ ROLE_PROCESS_ENV = "TOKENFLOW_ROLE_PROCESS"
 class TaskSupervisor:
     def __init__(self, argv: list[str], env: Mapping[str, str], result_file: Path, max_restarts: int,
                  optional: bool, stop_grace_s: float, requeue: Callable[[], None] | None,
-                 wait_for_requeue: bool, kill_grace_s: float = 10.0, term_linger_s: float = 600.0) -> None:
+                 wait_for_requeue: bool, kill_grace_s: float = 10.0, term_linger_s: float = 600.0,
+                 on_restart: Callable[[], None] | None = None) -> None:
         self.argv, self.env, self.result_file = argv, dict(env), result_file
         self.max_restarts, self.optional = max_restarts, optional
         self.stop_grace_s, self.requeue, self.kill_grace_s = stop_grace_s, requeue, kill_grace_s
@@ -65,6 +74,7 @@ class TaskSupervisor:
         self.stop_signal: int | None = None
         self.restarts = 0
         self.requeue_thread: threading.Thread | None = None
+        self.on_restart = on_restart  # tells the run the dead role is gone, before its successor starts
 
     def _on_signal(self, sig: int, frame) -> None:
         first = self.stop_signal is None
@@ -88,25 +98,38 @@ class TaskSupervisor:
         become_subreaper()
         for sig in stop_signals:
             signal.signal(sig, self._on_signal)
+        orphans: list[int] = []
         while True:
+            for pid in orphans:  # what the dead role left has no owner: SIGKILL now, its sockets close
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self._report_left(orphans)
+            if self.restarts and self.on_restart is not None:
+                self._notify_restart()
             env = {**self.env, ROLE_PROCESS_ENV: str(self.restarts)}
             self.child = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL,
                                           preexec_fn=die_with_parent)
             own(self.child.pid)
+            if orphans:  # waited for (the kernel frees their memory) while the new role starts
+                end_processes(orphans, grace_s=0)
+                orphans = []
             code = self._wait_child()
             if self.requeue_thread is not None:  # its `scontrol requeue` is ours, not a leftover of the role
                 self.requeue_thread.join(timeout=self.stop_grace_s + 90)
-            left = end_tree(grace_s=self.kill_grace_s)
-            if left:
-                print(f"tokenflow supervisor: ended {len(left)} process(es) the role left behind: {left}",
-                      flush=True)
+            restart = code != 0 and self.stop_signal is None and self.restarts < self.max_restarts
+            if restart:  # what the dead role left: SIGKILLed before its successor starts, waited for after
+                orphans = [p for p in descendants(os.getpid()) if not is_resource_tracker(p)]
+            else:
+                self._report_left(end_tree(grace_s=self.kill_grace_s))
             if code == 0:
                 return self._after_success()
             why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             if self.stop_signal is not None:  # asked to stop: ending badly now is no failure of the run
                 self._record_death(why)
                 return self._linger_after_sigterm()
-            if self.restarts < self.max_restarts:
+            if restart:
                 self.restarts += 1
                 print(f"tokenflow supervisor: role process {self.child.pid} died ({why}); restart "
                       f"{self.restarts} of {self.max_restarts} at {time.strftime('%H:%M:%S')}", flush=True)
@@ -117,6 +140,24 @@ class TaskSupervisor:
                       f"abandoned, the run goes on without it", flush=True)
                 return 0
             return 1
+
+    def _notify_restart(self) -> None:
+        """Run ``on_restart`` before the role starts again, at most `RESTART_NOTICE_WAIT_S` (it goes
+        on in the background after that); a failure is logged, never raised."""
+        def notify() -> None:
+            try:
+                self.on_restart()
+            except Exception as exc:  # the run notices the death later by itself (silence)
+                print(f"tokenflow supervisor: could not announce the dead role ({exc!r})", flush=True)
+
+        thread = threading.Thread(target=notify, name="restart-notice", daemon=True)
+        thread.start()
+        thread.join(RESTART_NOTICE_WAIT_S)
+
+    @staticmethod
+    def _report_left(left: list[int]) -> None:
+        if left:
+            print(f"tokenflow supervisor: ended {len(left)} process(es) the role left behind: {left}", flush=True)
 
     def _wait_child(self) -> int:
         while True:

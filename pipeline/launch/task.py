@@ -54,7 +54,7 @@ from typing import Any, Callable, Dict, Mapping, Tuple
 from pipeline.launch.plan import JobPlan, LaunchError
 from pipeline.launch.rendezvous import DIST_ENV, Rendezvous, mpi_bootstrap, under_mpi
 from pipeline.launch.supervisor import ROLE_PROCESS_ENV, RoleFailed, TaskSupervisor, role_argv
-from pipeline.supervise import become_subreaper, end_tree, signal_note
+from pipeline.supervise import become_subreaper, end_tree, own_resource_trackers, signal_note
 from pipeline.run_files import LOGS_DIR, PLAN_FILE, RESULTS_DIR
 
 
@@ -68,6 +68,11 @@ REQUEUES = "requeues"
 """Key of ``JobPlan.config`` (default true): false for a job that ends at its checkpoint signal
 (time limit, preemption) instead of being requeued; its tasks exit 0 once their role returned
 (a generator job departs for good: `pipeline.launch.generator_jobs`)."""
+
+
+RESTART_NOTICES = {"generator": "pipeline.roles.generator:predecessor_left"}
+"""role -> ``module:function(run_dir, rank)`` its task's supervisor calls before it restarts the role:
+the run learns at once that the dead process is gone (`TaskSupervisor.on_restart`)."""
 
 
 @dataclass
@@ -244,9 +249,11 @@ def run_task(plan: JobPlan, run_dir: Path, launch_index: int, environ: Mapping[s
     requeues = _under_submitit() and plan.config.get(REQUEUES, True)
     requeue = _submitit_requeue(checkpoint_signal()) if global_rank == 0 and requeues else None
     env = {**environ, "TOKENFLOW_GLOBAL_RANK": str(global_rank), **_mpi_dist_env(plan, role, rank, node)}
+    notice = RESTART_NOTICES.get(role)
     supervisor = TaskSupervisor(role_argv(run_dir, launch_index), env, result_file,
                                 spec.max_restarts, spec.optional, plan.stop_grace_s, requeue,
-                                wait_for_requeue=requeues)
+                                wait_for_requeue=requeues,
+                                on_restart=(lambda: resolve_entry(notice)(run_dir, rank)) if notice else None)
     code = supervisor.run((signal.SIGTERM, checkpoint_signal()))
     if code != 0:
         record = json.loads(result_file.read_text()) if result_file.exists() else {}
@@ -295,11 +302,11 @@ def _run_role(plan: JobPlan, run_dir: Path, where: Tuple[int, str, int], attempt
         _write_result(result_file, {"ok": False, "attempt": attempt, "node": node, "restart": restart,
                                     "error": traceback.format_exc()})
         traceback.print_exc()
-        end_tree()
+        end_tree(spare=own_resource_trackers())  # it ends with this process (shared memory cleaned)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)  # a failed role's library threads (vLLM, ZeroMQ) could hold the interpreter's exit
-    end_tree()
+    end_tree(spare=own_resource_trackers())
     _write_result(result_file, {"ok": True, "attempt": attempt, "node": node, "restart": restart,
                                 "result": value, "stopped": task.stop_requested.is_set()})
     sys.stdout.flush()

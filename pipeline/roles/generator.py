@@ -16,13 +16,17 @@ Invariants:
   the task's supervisor ends what is left of the engine and restarts the role, which joins the
   weight group and takes work only after loading the current weights; a stop signal
   (``task.stop_requested``: preemption, scancel, a generator job's time limit) is a planned
-  departure (`_leave`: in-flight groups returned at once, then it waits for the orchestrator's
-  ``stop``, at most ``generator.weight_timeout_s``) and ends it cleanly, and so does the end of the run
+  departure (`_leave`: in-flight groups returned at once, then the engine ended and the role
+  returns, well within a second and with no error logged) and so is the end of the run
   (trainer rank 0's result of this attempt exists: a generator restarted after the orchestrator
   said ``stop`` hears it no more); Slurm's SIGKILL follows ``scancel``'s SIGTERM after KillWait,
-  so the ``Leave`` goes out first and the wait for ``stop`` may be cut short (no result then);
+  long after the ``Leave`` went out;
+- a restarted role tells the orchestrator at once that the process before it is gone: its
+  supervisor sends a `Leave` on its behalf (`predecessor_left`) as it restarts it, so its leases
+  are re-issued and the others' weight group is rebuilt without it at the trainer's next push;
 - a generator that joins a running run (a weight group exists: a generator job's, a restarted
-  one) warms its engine up at the run's batch shape before it says Hello (`_warm_up`), so the
+  one, unless it is the run's sole generator: nobody trains while it restarts) warms its engine up
+  at the run's batch shape before it says Hello (`_warm_up`), so the
   group that takes it in forms with an idle, warm engine, and neither the trainer's first
   broadcast into it nor the ones while it serves its first leases wait for a first engine step;
 - a new weight group is joined in the background (`GroupBuild` in each engine worker): the
@@ -51,7 +55,7 @@ import numpy as np
 
 from pipeline.config import record_schema
 from pipeline.generator.completion import eval_sample
-from pipeline.launch.generator_jobs import JOB_ENV, RUN_CHECK_S, run_alive
+from pipeline.launch.generator_jobs import JOB_ENV, RUN_CHECK_S, job_records, run_alive
 from pipeline.launch.rendezvous import running_attempt
 from pipeline.launch.task import JOINS_RUN
 from pipeline.metrics import MetricsWriter
@@ -108,7 +112,8 @@ class GeneratorRole:
         self.gen = Generator(gcfg, generator_id=self.rank, schema=self.schema, episodes=episode_runner(cfg, model))
         await self.gen.start()
         slots = max(1, gcfg.max_num_seqs // cfg.orchestrator.group_size)
-        if self._newest_published_epoch():  # a running run: it says Hello once its engine is warm
+        if self._newest_published_epoch() and not self._sole_generator():  # a running run: it says Hello
+            # once its engine is warm (the sole generator, restarted, has nobody training meanwhile)
             await self._warm_up(slots * cfg.orchestrator.group_size)
         self.joinable_from = 1 + self._newest_published_epoch()  # read before the Hello (see _join)
         self.link = GeneratorLink(self.run_dir, self.rank, slots, self.schema, cfg.orchestrator.transport,
@@ -117,23 +122,19 @@ class GeneratorRole:
         self.controls_task = asyncio.create_task(self._apply_controls(controls))
         tasks: set[asyncio.Task] = {self.controls_task}
         t_start = last_metrics = last_run_check = time.monotonic()
-        left_at: float | None = None
         while not self.stop:
-            if self.task.stop_requested.is_set() and left_at is None:
-                left_at = time.monotonic()
+            if self.task.stop_requested.is_set():
                 self._leave(tasks)
-            if left_at is not None and (time.monotonic() - left_at > cfg.generator.weight_timeout_s
-                                        or not self.gen.engine_alive()):
-                break  # released late (the trainer is in a long step) or the signal took the engine too
+                break  # its engine ends now (a broadcast still waiting on it fails: the group is rebuilt)
             # Credits are sent only once weights are loaded: no work before the current version.
             for item in self.link.poll(0.002, send_credit=self.loaded):
                 if isinstance(item, Control):
                     if isinstance(item, Regroup):
                         self.newest_epoch = max(self.newest_epoch, item.weight_epoch)
                     controls.put_nowait((item, time.monotonic()))
-                elif isinstance(item, WorkItem) and left_at is None:  # after Leave: its lease is returned
+                elif isinstance(item, WorkItem):
                     tasks.add(asyncio.create_task(self._group(item)))
-                elif isinstance(item, EvalItem) and left_at is None:
+                elif isinstance(item, EvalItem):
                     tasks.add(asyncio.create_task(self._eval(item)))
             done = {t for t in tasks if t.done()}
             for t in done:
@@ -147,7 +148,7 @@ class GeneratorRole:
                     raise RuntimeError("a vLLM engine process died")
                 self.stop = self.stop or self._run_over()
                 if self.task.config.get(JOINS_RUN):
-                    if running_attempt(self.run_dir) != self.task.attempt and left_at is None:
+                    if running_attempt(self.run_dir) != self.task.attempt:
                         raise RuntimeError("the run was requeued: this generator's supervisor restarts it "
                                            "to join the new attempt")
                     if now - last_run_check >= RUN_CHECK_S:
@@ -166,9 +167,9 @@ class GeneratorRole:
 
     def _leave(self, tasks: set[asyncio.Task]) -> None:
         """A planned departure (the stop signal): abort the groups and evaluations under way and
-        tell the orchestrator, which re-issues their leases at once. Weight-group changes and
-        updates are still served until it answers `Stop` (the trainer no longer counts on this
-        generator), so a broadcast started before the trainer knew does not wait for it."""
+        tell the orchestrator, which re-issues their leases at once. The engine ends right after
+        (`Generator.shutdown`): a broadcast the trainer started before it knew fails at once and
+        is retried in a group without this generator."""
         work = [t for t in tasks if t is not self.controls_task]
         for t in work:
             t.cancel()
@@ -176,6 +177,13 @@ class GeneratorRole:
         self.metrics.log("generator_leave", generator_id=self.rank, job=self.job, aborted=len(work),
                          version=self.gen.version)
         log.info("leaving the run: %d group/eval task(s) aborted, their leases returned", len(work))
+
+    def _sole_generator(self) -> bool:
+        """The run's one generator, and no generator job joined: while it restarts nothing is
+        generated, so a warm-up before its Hello would only delay training (by the engine's first
+        steps, 5-49 s on a loaded 2-core machine)."""
+        return (self.cfg.cluster.generators == 1 and not self.task.config.get(JOINS_RUN)
+                and not job_records(self.run_dir))
 
     def _run_over(self) -> bool:
         """True once trainer rank 0 of this attempt wrote its result (the run ended, well or not)."""
@@ -224,6 +232,9 @@ class GeneratorRole:
                              "paused %.3fs, load %.3fs)", report.version, self.epoch, t_switch - arrived,
                              t_update - t_switch, report.staging_s, report.paused_s, report.load_s)
             except Exception as exc:  # collective_rpc wraps the worker's errors in a plain Exception
+                if self.task.stop_requested.is_set():  # the engine is stopping too: no failure
+                    log.info("weight %s not applied: stopping (%s)", item.KIND, exc)
+                    return
                 if not self.gen.engine_alive():
                     raise
                 # The trainer sees the failure too and rebuilds the group; wait for its regroup.
@@ -347,6 +358,23 @@ class GeneratorRole:
                          in_flight_groups=self.in_flight, unacked=len(self.link.unacked),
                          sync_failures=self.sync_failures, weight_epoch=self.epoch, restart=self.task.restart,
                          job=self.job)
+
+
+def predecessor_left(run_dir: Path, rank: int) -> None:
+    """Tell the orchestrator that generator ``rank``'s role process died (a `Leave` on its behalf):
+    its leases are re-issued now and the trainer rebuilds the weight group of the others at its
+    next push, instead of both waiting ``orchestrator.generator_dead_after_s`` for its silence (15 s
+    of no training measured when the restarted role said it itself, after its start on a loaded
+    2-core machine). Run by the task's supervisor as it restarts the role
+    (`pipeline.launch.supervisor`); the orchestrator forgets the leaver's `Stop` once the new
+    process says Hello."""
+    from pipeline.protocol.links import GeneratorLink
+
+    cfg = load_run_config(run_dir)
+    link = GeneratorLink(run_dir, rank, 0, record_schema(cfg), cfg.orchestrator.transport,
+                         timeout_s=cfg.run.timeout_s, job=os.environ.get(JOB_ENV, ""))
+    link.leave()
+    link.close()
 
 
 def log_stacks_at_sigterm() -> None:

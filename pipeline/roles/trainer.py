@@ -12,7 +12,9 @@ Invariants:
 - a step's samples are the orchestrator's recorded batch for that step; the generators hold the
   weights of version v only after the broadcast of v completed; versions equal optimizer steps;
 - a checkpoint directory is complete or absent (written under a temporary name, then renamed);
-- every wait (batch, rendezvous, broadcast) has a timeout (``run.timeout_s``);
+- every wait (batch, rendezvous, broadcast) has a timeout (``run.timeout_s``), and the leader's
+  waits on generators (for a batch, for a weight group) end, failing the run, once every
+  generator task was abandoned and no generator is a member (checked every `BATCH_POLL_S`);
 - the orchestrator is a child of rank 0 that dies with it (parent-death signal); when it dies it is
   restarted from the log within a second (`KeptProcess`; the trainer and the generators reconnect to
   the same address), at most ``orchestrator.max_restarts`` times, counted as
@@ -47,6 +49,10 @@ from pipeline.supervise import KeptProcess, die_with_parent
 from pipeline.run_files import CHECKPOINTS_DIR, EXPORT_DIR, LOGS_DIR, checkpoint_name
 
 log = logging.getLogger(__name__)
+
+BATCH_POLL_S = 1.0
+"""While the trainer waits for a batch, how often it looks at the generators: a restarted one to
+send the weights to, or none left at all (`WeightPusher.check_generators_left`)."""
 
 
 def prepare_model(run_dir: Path, cfg: TokenflowConfig) -> Path:
@@ -222,8 +228,8 @@ class TrainerRole:
         while True:
             left = deadline - time.monotonic()
             try:
-                return self.link.get_batch(step, self.version, self.dp_size, min(5.0, max(left, 0.1)),
-                                           dp_rank=self.dp_rank)[0]
+                return self.link.get_batch(step, self.version, self.dp_size,
+                                           min(BATCH_POLL_S, max(left, 0.1)), dp_rank=self.dp_rank)[0]
             except TransportError:
                 # A restarted generator takes work only with weights: resend them now. The sync is a
                 # collective over the trainer ranks, so only a one-rank trainer can do it here; with
@@ -235,6 +241,8 @@ class TrainerRole:
                 if self.task.stop_requested.is_set():
                     log.warning("stop requested while waiting for the batch of step %d", step)
                     return None
+                if self.leader and self.live:  # nobody to wait for: the run fails naming it
+                    self.weights.check_generators_left()
                 if left <= 0:
                     raise TransportError(f"no batch for step {step} within {self.cfg.run.timeout_s:.0f}s") from None
 

@@ -9,8 +9,9 @@ Invariants:
 - the generators hold version v only after the push of v returned without error; the leader then
   reports v to the orchestrator, never before;
 - a group's members are the generators alive when it was built; a member dying fails the next
-  broadcast within ``generator.weight_timeout_s`` and the group is rebuilt from the survivors
-  (epoch + 1), retried for up to ``run.timeout_s``;
+  broadcast within ``generator.weight_timeout_s`` (the group's forming, as soon as the
+  orchestrator no longer lists it) and the group is rebuilt from the survivors (epoch + 1),
+  retried for up to ``run.timeout_s``;
 - a change of members the leader sees at a push (a join, a `Leave`, a restart) is never waited
   for: the next group forms on a background thread (`GroupBuild`) while pushes go on into the
   group in use, and the leader switches to it at the first push after it formed; while the group
@@ -46,7 +47,12 @@ LEFT_GROUP_WAIT_S = 1.0
 before it gives the version up. The group of the remaining members formed 0.1-0.9 s after the
 regroup in the local tests; a version given up leaves them on the one before, and at the staleness
 bound the trainer's next batch waits for them, while a trainer waiting for a batch checks the
-members (and pushes) only every 5 s: 5.9 s measured on one departure (docs/generator-jobs.md)."""
+members (and pushes) only every `pipeline.roles.trainer.BATCH_POLL_S` (then 5 s: 5.9 s measured on one departure,
+docs/generator-jobs.md)."""
+
+
+MEMBERS_POLL_S = 0.5
+"""While a weight group forms, how often the leader checks that its members are still alive."""
 
 
 class WeightPusher:
@@ -159,7 +165,7 @@ class WeightPusher:
             members = self.link.members(cfg.run.timeout_s)
             if sum(ident.startswith("gen-") for ident in members) >= want:  # a lagged teacher is a member too
                 break
-            self._check_generators_left()
+            self.check_generators_left()
             if self.stop_requested.is_set():  # every generator left because the run is stopping
                 from pipeline.weights.group import WeightSyncError
                 raise WeightSyncError("stop requested while no generator is a member")
@@ -173,14 +179,21 @@ class WeightPusher:
         self.pending = self._start_group(members, senders)
         self._switch()
 
-    def _check_generators_left(self) -> None:
-        """Raise once every generator task gave up (abandoned after its restarts): nobody to train on."""
+    def check_generators_left(self) -> None:
+        """Raise once every generator task of the run gave up (abandoned after its restarts) and no
+        generator (one of a generator job included) is a member any more: nobody to train on.
+        Called wherever the leader waits on generators: for a weight group, and for a batch
+        (`pipeline.roles.trainer`)."""
         from pipeline.launch.task import abandoned_tasks
 
         n = self.cfg.cluster.generators
-        if abandoned_tasks(self.run_dir, "generator", n) == n:
-            raise RuntimeError(f"all {n} generator(s) died and used up their restarts "
-                               f"(cluster.generator.max_restarts); see logs/generator.*.out")
+        if abandoned_tasks(self.run_dir, "generator", n) < n:
+            return
+        if any(ident.startswith("gen-") for ident in self.link.members(self.cfg.run.timeout_s)):
+            return  # a generator job's generator still serves the run
+        raise RuntimeError(f"all {n} generator(s) died and used up their restarts "
+                           f"(cluster.generator.max_restarts): no generator is left to train on; "
+                           f"see logs/generator.*.out")
 
     def _group_for(self, version: int, senders: int) -> int:
         """The epoch to broadcast `version` into, or SKIP (leader; see the module docstring)."""
@@ -245,9 +258,22 @@ class WeightPusher:
         return GroupBuild(epoch, members, open_channel)
 
     def _switch(self) -> None:
-        """Make the pending group the one in use (waits for it to form; leader)."""
+        """Make the pending group the one in use (waits for it to form; leader). A member gone
+        meanwhile (dead: its supervisor says `Leave` for it as it restarts it) fails the wait at
+        once, not after ``generator.weight_timeout_s``: the group is then rebuilt of the others.
+        Measured before: 62 s without training after a kill -9 of one of two generators' engine
+        while a group with it formed."""
+        from pipeline.weights.group import WeightSyncError
+
         build, self.pending = self.pending, None
-        channel = build.wait(self.cfg.generator.weight_timeout_s + 5)
+        deadline = time.monotonic() + self.cfg.generator.weight_timeout_s + 5
+        while not build.ready(MEMBERS_POLL_S) and time.monotonic() < deadline:
+            members = self.link.members(self.cfg.run.timeout_s)
+            gone = sorted(g for g, inc in build.members.items() if members.get(g) != inc)
+            if gone:
+                build.abandon()
+                raise WeightSyncError(f"weight group epoch {build.epoch}: {gone} left while it formed")
+        channel = build.wait(max(0.0, deadline - time.monotonic()))
         if self.channel is not None:
             self.channel.close()
         self.channel, self.epoch, self.group_members, self.sent_version = channel, build.epoch, build.members, None
@@ -269,9 +295,10 @@ class WeightPusher:
 
     def _wait_for_membership_change(self) -> None:
         """Give the orchestrator time to notice the dead generator (it reaps silent ones). A leaver's
-        `Leave` is there within tens of milliseconds of its signal, its worker's end (and so the
-        failed broadcast) a little later (`pipeline.generator.exit_deadline`): polled every 0.1 s,
-        not every second."""
+        `Leave` is there within tens of milliseconds of its signal (for a dead generator, its
+        supervisor's `Leave` on its behalf as it restarts it, `pipeline.roles.generator`), its
+        engine's end (and so the failed broadcast) right after: polled every 0.1 s, not every
+        second."""
         deadline = time.monotonic() + self.cfg.orchestrator.generator_dead_after_s + 10
         while time.monotonic() < deadline:
             if self.link.members(self.cfg.run.timeout_s) != self.group_members:

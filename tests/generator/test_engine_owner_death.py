@@ -4,7 +4,9 @@ The case measured under Slurm: a generator role owns a vLLM engine and runs unde
 supervisor (a child subreaper that would end the role's leftovers); both are SIGKILLed (Slurm's
 KillWait), so nobody is left to end EngineCore and its worker. They must end by themselves within a
 few seconds. Without the owner watch they live on, reparented to init (checked once: the engine test
-then fails with both listed). One tiny dense engine, eager: ~50 s alone on 2 cores (`engine`).
+then fails with both listed). Before that, a SIGTERM to the worker (as ``kill -TERM -PGID`` sends)
+is ignored: only the owner ends its engine (`pipeline.generator.engine`). One tiny dense engine,
+eager: ~50 s alone on 2 cores (`engine`).
 
 Two cheap tests (~1 s each) check the watch's bounds with plain processes in vLLM's places: an
 "engine core" child of the owner and a "worker" below it that imports our worker extension, as vLLM
@@ -82,6 +84,12 @@ SPAWN = textwrap.dedent("""
 """)
 
 
+def _ignored(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` ignores ``sig`` (no handler, no default action)."""
+    status = dict(line.split(":\t", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":\t" in line)
+    return bool(int(status["SigIgn"], 16) >> (sig - 1) & 1)
+
+
 def _kill_all(pids: list[int]) -> None:
     for p in pids:
         if alive(p):
@@ -152,6 +160,9 @@ def test_engine_processes_end_when_their_owner_and_its_supervisor_are_sigkilled(
         engine = pids["engine"]  # EngineCore, its worker, the owner's multiprocessing resource tracker
         titles = {p: open(f"/proc/{p}/cmdline").read().replace("\0", " ").strip() for p in engine}
         assert sum("VLLM::" in t for t in titles.values()) >= 2, f"no EngineCore and worker under the owner: {titles}"
+        for p in (p for p, t in titles.items() if "VLLM::Worker" in t):  # a group's SIGTERM ends no worker
+            os.kill(p, signal.SIGTERM)
+            assert alive(p) and _ignored(p, signal.SIGTERM), f"{titles[p]} took a SIGTERM its owner did not send"
         os.kill(sup.pid, signal.SIGKILL)  # the subreaper that would have ended the role's leftovers
         os.kill(pids["owner"], signal.SIGKILL)
         sup.wait(timeout=10)

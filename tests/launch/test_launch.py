@@ -154,7 +154,9 @@ def test_checkpoint_signal_sets_stop_requested_and_children_survive_it(tmp_path)
 
 
 def test_status_and_cancel_of_a_local_run(tmp_path):
+    """`tokenflow cancel` ends the run's tasks and a generator job that joined it before it returns."""
     from pipeline.apps.ops import cancel_run, run_status
+    from pipeline.supervise import process_group
 
     plan = toy_plan(hold_s=120)
     plan.components["trainer"].tasks_per_node = 1
@@ -165,11 +167,32 @@ def test_status_and_cancel_of_a_local_run(tmp_path):
     s = run_status(tmp_path / "run")
     assert s["launcher"] == "local" and [c["state"] for c in s["components"]] == ["RUNNING", "RUNNING"]
     assert [c["tasks"] for c in s["components"]] == [1, 2] and s["attempt"] == 0
+    joined = _joined_generator_job(tmp_path / "run")
     assert "SIGTERM" in cancel_run(tmp_path / "run")
+    assert not process_group(joined.pids[0]), "cancel returned with the joined generator job running"
     deadline = time.monotonic() + 90  # a loaded 2-core machine may take a while to stop the tasks
     while not run.done() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert run.done() and [c["state"] for c in run_status(tmp_path / "run")["components"]] == ["EXITED", "EXITED"]
+    joined.cancel()  # reaps it
+
+
+def _joined_generator_job(run_dir):
+    """A probe task recorded as a generator job that joined the run (`tokenflow generators`), running."""
+    from pipeline.launch.task import PLAN_ENV
+    from pipeline.run_files import GENERATOR_JOB_PLAN, GENERATOR_JOBS_FILE
+
+    plan_file = GENERATOR_JOB_PLAN.format(index=0)
+    job = JobPlan(name="job", components={"generator": ComponentSpec(entry=PROBE, tasks_per_node=1, first_rank=2)},
+                  config={"probe": {"timeout_s": 60, "hold_s": 120}}, env={PLAN_ENV: plan_file})
+    launched = LocalLauncher(kill_grace_s=5).launch(job, run_dir, plan_file=plan_file,
+                                                    launches_file=GENERATOR_JOBS_FILE, job="genjob-0",
+                                                    first_rank=2, count=1)
+    deadline = time.monotonic() + 60
+    while not list(run_dir.glob("probe/generator.2.attempt-*.json")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert launched.state() == "RUNNING"
+    return launched
 
 
 def test_cancel_ends_a_local_task_that_does_not_stop(tmp_path):

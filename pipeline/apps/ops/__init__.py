@@ -23,16 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from pipeline.launch.task import log_path
 from pipeline.run_files import CONFIG_FILE, RESULTS_DIR
 
+CANCEL_GRACE_S = 60.0
+"""Seconds a cancelled local run's tasks get between SIGTERM and SIGKILL (a step and a checkpoint)."""
 LAUNCHES = "launch/launches.jsonl"
 PLAN = "launch/plan.json"
 #: Component states in which nothing of it runs: Slurm's final states, local EXITED, and UNKNOWN
@@ -187,39 +187,41 @@ def format_status(s: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def cancel_run(run_dir: Path, grace_s: float = 60.0) -> str:
-    """Stop every task of the run's latest launch; returns what was done.
+def cancel_run(run_dir: Path, grace_s: float = CANCEL_GRACE_S) -> str:
+    """Stop every task of the run's latest launch and of the generator jobs that joined it; returns
+    what was done.
 
     Slurm: ``scancel`` (Slurm's KillWait escalates). Local: SIGTERM to the process group of every
     task still running (each task leads its own; the pid must still name a task of this run), then
     wait until no process of those groups is left; after ``grace_s`` the rest get SIGKILL, so a role
     that does not stop at its step boundary cannot keep the run alive."""
+    from pipeline.launch.generator_jobs import job_records
+    from pipeline.supervise import end_groups
+
     run_dir = Path(run_dir).resolve()
-    launch = latest_launch(run_dir)
-    if launch["launcher"] in ("slurm", "sbatch"):
-        job_id = str(launch["job_id"])
+    run, joined = latest_launch(run_dir), job_records(run_dir)
+    done = []
+    if run.get("job_id"):
+        job_id = str(run["job_id"])
         out = subprocess.run(["scancel", job_id], capture_output=True, text=True, timeout=30)
         if out.returncode != 0:
             raise RuntimeError(f"scancel {job_id} failed: {out.stderr.strip()}")
-        return f"scancel {job_id} (every component of the heterogeneous job)"
-    from pipeline.supervise import process_group, signal_group
-
-    groups = [pid for pid in launch.get("pids") or [] if _alive(pid, run_dir)]
-    def left_after(sig: int, wait_s: float) -> list[int]:
-        for pgid in groups:
-            signal_group(pgid, sig)
-        deadline = time.monotonic() + wait_s
-        while any(process_group(g) for g in groups) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        return [pid for g in groups for pid in process_group(g)]
-
-    done = f"SIGTERM to the process groups of {len(groups)} running local task(s)"
-    left = left_after(signal.SIGTERM, grace_s)
-    if not left:
-        return done + ("; every task stopped" if groups else "")
-    unkillable = left_after(signal.SIGKILL, 10.0)  # returns once the kernel has ended them
-    done += f"; {len(left)} process(es) still running after {grace_s:g} s got SIGKILL: {left}"
-    return done + (f"; still present after it: {unkillable}" if unkillable else "")
+        done.append(f"scancel {job_id} (every component of the heterogeneous job)")
+    for job in joined:  # generator jobs that joined the run: gone already, most of them
+        if job.get("job_id"):
+            subprocess.run(["scancel", str(job["job_id"])], capture_output=True, timeout=30)
+    groups = [pid for launch in (run, *joined) if not launch.get("job_id")
+              for pid in launch.get("pids") or [] if _alive(pid, run_dir)]
+    if not run.get("job_id") or groups:
+        done.append(f"SIGTERM to the process groups of {len(groups)} running local task(s)")
+        killed, unkillable = end_groups(groups, grace_s)
+        if killed:
+            done.append(f"{len(killed)} process(es) still running after {grace_s:g} s got SIGKILL: {killed}")
+        if unkillable:
+            done.append(f"still present after it: {unkillable}")
+        elif groups and not killed:
+            done.append("every task stopped")
+    return "; ".join(done)
 
 
 def sweep_status(sweep_dir: Path) -> Dict[str, Any]:
@@ -264,7 +266,7 @@ def cancel_main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenflow cancel", description="stop every component of a run "
                                      "(scancel, or SIGTERM to local tasks); the same train command resumes it")
     parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--grace-s", type=float, default=60.0, help="local runs: seconds the tasks get to stop "
+    parser.add_argument("--grace-s", type=float, default=CANCEL_GRACE_S, help="local runs: seconds the tasks get to stop "
                         "after SIGTERM before SIGKILL (Slurm: its KillWait)")
     args = parser.parse_args(argv)
     try:
