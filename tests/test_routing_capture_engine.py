@@ -1,9 +1,10 @@
-"""Keep Routing in the generator, on a real vLLM engine (float32):
+"""Keep Routing in the generator, on a real vLLM engine (float32) compiled as a checkpoint is by default
+(enforce_eager off: on this CPU build, vLLM's V1 runner with Dynamo + inductor), so the recorder
+hook runs inside the compiled graph (pipeline/generator/engine_plan.py; the eager hook runs in
+tests/test_routing_run.py):
 
 - the routing recorded for every position of a sample (prompt included) equals what transformers'
   model routes the same tokens to in the engine's dtype;
-- the same on a compiled engine (the checkpoint default, enforce_eager off: Dynamo + inductor on
-  CPU), where the hook must run inside the compiled graph;
 - after a ``keep``-mode weight update mid-generation, every position carries the routing of the
   NEW weights (the update drops the KV and the engine recomputes the whole prefix: last
   computation wins, routing_capture.py), although the early tokens were sampled by the old ones.
@@ -67,11 +68,11 @@ def engine(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("routing")
     dirs = {1: sharpened_checkpoint("moe", root / "v1", seed=7), 2: sharpened_checkpoint("moe", root / "v2", seed=8)}
-    cfg = GeneratorConfig(model=str(dirs[1]), max_model_len=512, max_tokens=12, enforce_eager=True,
-                          dtype="float32", kv_cache_gib=1, max_num_seqs=16, seed=5, prefix_caching=False,
-                          record_routing=True)
+    cfg = GeneratorConfig(model=str(dirs[1]), max_model_len=512, max_tokens=12, enforce_eager=False,
+                          dtype="float32", kv_cache_gib=1, max_num_seqs=16, seed=5, record_routing=True)
     loop = asyncio.new_event_loop()
     gen = loop.run_until_complete(Generator(cfg, initial_version=1).start())
+    assert (gen.plan.runner, gen.plan.compilation, gen.plan.routing_capture) == ("v1", "torch.compile", "hook")
     yield gen, loop, dirs
     gen.shutdown()
     pending = asyncio.all_tasks(loop)
@@ -132,30 +133,3 @@ def test_a_keep_update_leaves_every_position_with_the_new_weights_routing(engine
     assert differ == 0 and compared > 10 * max(ties, 1)
     assert differ_old > 0  # the old weights would have routed the early positions otherwise
 
-
-@pytest.mark.slow
-def test_a_compiled_engine_records_the_routing_transformers_computes(tmp_path):
-    """The default compilation of a checkpoint (enforce_eager off): the V1 runner's compiled graph
-    runs the recorder hook (engine_plan.py). ~100 s on 2 cores (inductor compiles the model twice)."""
-    from pipeline.generator.config import GeneratorConfig
-    from pipeline.generator.engine import Generator
-    from support.oracle import sharpened_checkpoint
-
-    model = sharpened_checkpoint("moe", tmp_path / "ckpt", seed=7)
-    cfg = GeneratorConfig(model=str(model), max_model_len=512, max_tokens=12, enforce_eager=False,
-                          dtype="float32", kv_cache_gib=1, max_num_seqs=16, seed=5, record_routing=True)
-    loop = asyncio.new_event_loop()
-    gen = Generator(cfg, initial_version=1)
-    try:
-        loop.run_until_complete(gen.start())
-        assert (gen.plan.runner, gen.plan.compilation, gen.plan.routing_capture) == ("v1", "torch.compile", "hook")
-
-        async def run():
-            return await asyncio.gather(*(gen.complete(p, lambda seg, i=i: 100 + i) for i, p in enumerate(PROMPTS)))
-        done = loop.run_until_complete(run())
-    finally:
-        gen.shutdown()
-        loop.close()
-    sequences = [p + c.token_ids[:-1] for p, c in zip(PROMPTS, done)]
-    compared, ties, differ = compare(model, sequences, [c.routed_experts for c in done])
-    assert differ == 0 and compared > 10 * max(ties, 1)
