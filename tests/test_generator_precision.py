@@ -8,24 +8,16 @@
   vLLM 0.32's ``use_v2_model_runner`` and CPU platform).
 
 The engine side: tests/test_routing_capture_engine.py (a compiled engine), tests/test_train_e2e.py
-(step-0 mismatch of the default demo)."""
+(step-0 mismatch of the default demo), tests/test_data.py (the demo's resolved dtype)."""
 from __future__ import annotations
 
 import logging
 
 import pytest
 
-from pipeline.config import TokenflowConfig, validate
 from pipeline.generator.config import GeneratorConfig
 from pipeline.generator.engine_plan import engine_plan
 from pipeline.models.defaults import checkpoint_dtype, kv_bytes_per_token, model_config
-
-
-def test_the_demo_generator_runs_at_the_trainers_precision():
-    cfg = TokenflowConfig()
-    assert cfg.generator.dtype == "auto"
-    validate(cfg)
-    assert cfg.generator.dtype == "float32" == cfg.trainer.parallel.params_dtype
 
 
 def test_auto_is_the_checkpoints_dtype_and_sizes_the_kv_cache_at_it():
@@ -36,6 +28,17 @@ def test_auto_is_the_checkpoints_dtype_and_sizes_the_kv_cache_at_it():
     assert checkpoint_dtype(hf) == "bfloat16" and kv_bytes_per_token(hf, "auto") * 2 == per_token_f32
     with pytest.raises(ValueError, match="generator.dtype='fp8'"):
         kv_bytes_per_token(hf, "fp8")
+
+
+def test_an_engine_built_without_the_run_config_gets_the_checkpoints_dtype_too(tmp_path):
+    from pipeline.generator.vllm_args import engine_dtype
+
+    hf = model_config("tiny-moe")
+    for named in ("float32", "bfloat16"):
+        hf.dtype = named
+        hf.save_pretrained(tmp_path / named)
+        assert engine_dtype(GeneratorConfig(model=str(tmp_path / named))) == named
+    assert engine_dtype(GeneratorConfig(model=str(tmp_path / "float32"), dtype="bfloat16")) == "bfloat16"
 
 
 def test_vllms_cast_warning_is_logged_once_with_its_count(caplog):

@@ -10,6 +10,7 @@ Invariants:
 - A sampled request asks for the logprob of the sampled token only (``logprobs=0``, more when the
   sampling mask needs the top-k ids); `sampled_logprobs` returns exactly one float per completion
   token, in order.
+- ``dtype: auto`` is the checkpoint's dtype, passed to vLLM by name (`engine_dtype`).
 - ``weight_sync: auto`` is staged for a checkpoint of at most ``staged_max_gb`` (e.g. 3 GB of
   safetensors with the default 8: staged) and streamed above it.
 """
@@ -36,6 +37,18 @@ def resolve_weight_sync(config: GeneratorConfig) -> str:
     return "staged" if size <= config.staged_max_gb * 1e9 else "streamed"
 
 
+def engine_dtype(config: GeneratorConfig) -> str:
+    """The dtype the engine runs in: ``config.dtype``, 'auto' being the checkpoint's (never vLLM's own
+    'auto', which runs a float32 checkpoint in bfloat16)."""
+    if config.dtype != "auto":
+        return config.dtype
+    from transformers import AutoConfig
+
+    from pipeline.models.defaults import checkpoint_dtype
+
+    return checkpoint_dtype(AutoConfig.from_pretrained(config.model))
+
+
 def engine_args(config: GeneratorConfig, seed: int | None = None):
     """vLLM AsyncEngineArgs for `config` (also used by bench/generator.py for the bare baseline), as
     `engine_plan` decides runner, compilation and routing capture."""
@@ -60,7 +73,7 @@ def engine_args(config: GeneratorConfig, seed: int | None = None):
     if logprobs_to_request(config.sampling_mask_width) > 20:  # vLLM's default max_logprobs
         extra["max_logprobs"] = logprobs_to_request(config.sampling_mask_width)
     return AsyncEngineArgs(
-        model=config.model, dtype=config.dtype, max_model_len=config.max_model_len,
+        model=config.model, dtype=engine_dtype(config), max_model_len=config.max_model_len,
         enforce_eager=plan.enforce_eager, seed=config.seed if seed is None else seed,
         tensor_parallel_size=config.tensor_parallel_size, max_num_seqs=config.max_num_seqs,
         gpu_memory_utilization=config.gpu_memory_utilization, logprobs_mode=config.logprobs_mode,
