@@ -201,9 +201,13 @@ def format_status(s: Dict[str, Any]) -> str:
                  f"staleness max {s['staleness_max']}")
     ev = s["last_eval"]
     lines.append("eval       " + (f"step {ev['step']}: accuracy {ev['accuracy']:.3f} (n={ev['n']})" if ev else "none yet"))
-    lines.append("mismatch   " + (f"step {s['mismatch_first_step']}: {s['mismatch_first']:.2e}, step "
-                                 f"{s['mismatch_last_step']}: {s['mismatch_last']:.2e} (mean |train - generator| "
-                                 "logprob)" if s.get("mismatch_first") is not None else "none measured yet"))
+    if s.get("mismatch_first") is None:
+        lines.append("mismatch   none measured yet")
+    else:
+        last = "" if s["mismatch_last_step"] == s["mismatch_first_step"] else \
+            f", step {s['mismatch_last_step']}: {s['mismatch_last']:.2e}"
+        lines.append(f"mismatch   step {s['mismatch_first_step']}: {s['mismatch_first']:.2e}{last} "
+                     "(mean |train - generator| logprob)")
     lines.append(f"error      {s['last_error'] or 'none'}")
     from pipeline.launch.generator_jobs import format_jobs
     lines += format_jobs(s.get("generator_jobs") or [])
