@@ -10,9 +10,9 @@ holds the requests in token order (``input_batch.req_ids``), their token spans
 
 Compiled engines: the hook calls the custom op ``tokenflow::record_routing``, which Dynamo keeps in
 the graph as an opaque call (it mutates the recorder's row counter), so compiled steps run it like
-eager ones. Dynamo traced the model at start-up, before the hook existed, so `install` traces it
-again (vLLM's ``reset_compile_wrapper``, then the runner's warm-up); the engine's compile cache is
-off for such engines (vllm_args.py), so the hookless graph is never loaded back.
+eager ones. Dynamo traced the model at start-up, before the hook existed, so the recorder has it
+traced again once installed (vLLM's ``reset_compile_wrapper``, then the runner's warm-up); the
+engine's compile cache is off for such engines (vllm_args.py), so the hookless graph never comes back.
 
 Invariants:
 - ``routes[request]`` is ``[positions, moe_layers, top_k]`` int16 global expert ids, position p =
@@ -24,8 +24,9 @@ Invariants:
   to. An ``abort``-mode resumed segment is a new request that recomputes its whole prefix.
 - Positions served from the prefix cache are never computed by the request, so this capture runs
   with prefix caching off (engine_plan.py); a position never computed reads as -1 when taken.
-- ``rows_recorded[layer]`` counts the router rows each layer's hook saw since `install`: a
-  compiled graph that lost the hook shows as zeros after a forward (the driver's start probe).
+- ``rows_recorded[layer]`` counts the router rows each layer's hook saw: the op's one effect a
+  graph can see, which keeps it from being dropped as dead code. Whether every position got its
+  routing is checked by the driver on a probe request at start (`Generator.start`).
 - Routing is replicated over tensor-parallel workers (each computes the full router logits); the
   driver reads worker 0's copy and every worker drops its own.
 """

@@ -16,9 +16,9 @@ Rules (a field the user set is kept; each rule reads only the model's config and
   names none), written out so vLLM gets it explicitly: vLLM's own 'auto' runs a float32 checkpoint in
   bfloat16 (every platform), and the trainer (float32 parameters by default) would score the
   generator's tokens at another precision;
-- generator.kv_cache_gib (CPU): the KV cache, at the engine's dtype (the resolved generator.dtype), of max_num_seqs full-length sequences, rounded up to GiB,
-  at most half of one generator's share of cluster.generator.mem_gb (vLLM then decodes fewer sequences
-  at once), at least 1;
+- generator.kv_cache_gib (CPU): the KV cache of max_num_seqs full-length sequences at the engine's dtype
+  (the resolved generator.dtype), rounded up to GiB, at most half of one generator's share of
+  cluster.generator.mem_gb (vLLM then decodes fewer sequences at once), at least 1;
 - the checkpoint's generation_config.json: its EOS ids are used by vLLM itself (they end completions);
   its sampling suggestions (temperature, top_p, top_k) are reported, not adopted: the loss needs samples
   from the policy's full distribution at trainer.temperature (set generator.temperature and
@@ -26,9 +26,10 @@ Rules (a field the user set is kept; each rule reads only the model's config and
 - task.epochs, when set, must cover run.steps x orchestrator.groups_per_step prompts.
 
 Worked example: tiny-moe on the sort task: warm-start 120 steps, max_tokens 32, max_num_seqs 64, eager,
-dtype float32 (the checkpoint's), max_model_len min(1024, 32 + 32) = 64, KV cache 2 layers x 2 KV heads x 64 dims x 2 (K, V) x 4 bytes =
-2 KiB per token x 64 x 64 = 8 MiB -> 1 GiB. A Qwen3 checkpoint (40960 positions) on a JSONL task:
-no warm-start, max_tokens 1024, 256 sequences, CUDA graphs, dtype bfloat16 (its config's), max_model_len 2048.
+dtype float32 (the checkpoint's), max_model_len min(1024, 32 + 32) = 64, KV cache 2 layers x 2 KV heads
+x 64 dims x 2 (K, V) x 4 bytes = 2 KiB per token x 64 x 64 = 8 MiB -> 1 GiB. A Qwen3 checkpoint (40960
+positions, bfloat16) on a JSONL task: no warm-start, max_tokens 1024, 256 sequences, CUDA graphs, dtype
+bfloat16, max_model_len 2048.
 """
 from __future__ import annotations
 
