@@ -11,7 +11,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Dict, Iterator, List
 
 from pipeline.run_files import METRICS_FILE
 
@@ -51,3 +51,21 @@ def read_metrics(run_dir: Path, kind: str | None = None) -> Iterator[dict[str, A
                 continue
             if kind is None or rec.get("kind") == kind:
                 yield rec
+
+
+def latest_by_step(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """One record per step (the last written for it: a step repeated after a restart), in step order."""
+    by_step: Dict[int, Dict[str, Any]] = {}
+    for rec in records:
+        if isinstance(rec.get("step"), int):
+            by_step[rec["step"]] = rec
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def mismatch_points(steps: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The first and last measured train-inference mismatch of `steps` (train_step records, one per
+    step, in step order) with their steps; None where none was measured."""
+    measured = [s for s in steps if isinstance(s.get("mismatch"), (int, float))]
+    first, last = (measured[0], measured[-1]) if measured else (None, None)
+    return {"mismatch_first": first["mismatch"] if first else None, "mismatch_first_step": first["step"] if first else None,
+            "mismatch_last": last["mismatch"] if last else None, "mismatch_last_step": last["step"] if last else None}

@@ -55,8 +55,9 @@ class GeneratorConfig:
     vocabulary and every ratio of a truncated distribution is biased."""
     record_routing: bool = False
     """Keep Routing: record the experts every MoE layer routed each prompt and completion token to
-    (``Completion.routed_experts``; pipeline/generator/routing_capture.py). Turns prefix_caching
-    off: a prompt served from the prefix cache is never routed by the request."""
+    (``Completion.routed_experts``): vLLM's routed-experts output on its V2 model runner, the
+    recorder hook (pipeline/generator/routing_capture.py; prefix caching then off) on V1
+    (pipeline/generator/engine_plan.py)."""
     gpu_memory_utilization: float = 0.85
     """Share of GPU memory vLLM may use (GPU only)."""
     max_num_seqs: int | None = None
@@ -65,7 +66,9 @@ class GeneratorConfig:
     """Skip torch.compile / CUDA graphs (fast start, slower decode; tests use it). None: on for the
     tiny models, off (CUDA graphs on GPU) for a checkpoint."""
     dtype: str = "auto"
-    """Engine dtype ('auto' = the checkpoint's)."""
+    """Engine dtype: 'auto' is the checkpoint's, resolved to its name before anything starts
+    (pipeline.models.defaults; vLLM's own 'auto' would run a float32 checkpoint in bfloat16),
+    or float32, bfloat16, float16."""
     prefix_caching: bool = True
     """Share the prompt's KV blocks between the samples of a group. Off makes sampling independent
     of which request computed a shared prefix first (bit-reproducible synchronous runs)."""
@@ -119,8 +122,6 @@ class GeneratorConfig:
                 "the trainer would score over the full vocabulary (biased ratios): set "
                 "generator.sampling_mask_width (e.g. 64) to record the kept set, or "
                 "generator.allow_sampling_bias=true to accept the bias")
-        if self.record_routing:
-            self.prefix_caching = False
         if self.sampling_mask_width:
             if self.sampling_mask_width < max(self.top_k, 1):
                 raise ValueError(f"generator.sampling_mask_width={self.sampling_mask_width} must be >= "

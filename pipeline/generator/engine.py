@@ -67,6 +67,7 @@ import numpy as np
 from pipeline.generator.capture import kept_token_ids
 from pipeline.generator.completion import Completion, EpisodeRunning, rollout_sample
 from pipeline.generator.config import GeneratorConfig, GroupRequest, request_seed
+from pipeline.generator.engine_plan import EnginePlan, engine_plan
 from pipeline.generator.vllm_args import engine_args, resolve_weight_sync, sampled_logprobs, sampling_params
 from pipeline.protocol.codec import MessageError
 from pipeline.protocol.record import RecordSchema, RolloutSample
@@ -125,6 +126,7 @@ class Generator:
         self.routing_shape: tuple[int, int] | None = None  # (MoE layers, top_k) with record_routing
         self.start_s = 0.0
         self.weight_sync = resolve_weight_sync(config)
+        self.plan: EnginePlan | None = None  # runner, compilation, routing capture: set by `start`
         self._engine_pids: list[int] = []  # processes the engine started (ended by `shutdown`)
 
     async def start(self) -> "Generator":
@@ -134,19 +136,37 @@ class Generator:
         from pipeline.supervise import descendants, is_resource_tracker
 
         t0 = time.monotonic()
+        self.plan = engine_plan(self.config)
         before = set(descendants(os.getpid()))
         mark_owner()  # the engine's processes end when this one dies, SIGKILL included
         self.engine = AsyncLLM.from_engine_args(engine_args(self.config))
         self._engine_pids = [p for p in descendants(os.getpid())  # the tracker ends with this process
                              if p not in before and not is_resource_tracker(p)]
         await self.engine.update_weight_version(str(self.version))
-        if self.config.record_routing:
-            self.routing_shape = tuple((await self.engine.collective_rpc("start_routing_capture"))[0])
-            if self.schema.routed_experts not in (None, self.routing_shape):
-                raise ValueError(f"the engine routes {self.routing_shape} (MoE layers, top_k), the run's "
-                                 f"record schema expects {self.schema.routed_experts}")
+        if self.plan.routing_capture != "off":
+            await self._start_routing_capture()
         self.start_s = time.monotonic() - t0
         return self
+
+    async def _start_routing_capture(self) -> None:
+        """Install the routing capture of `plan` and prove it on a probe request: every position the
+        engine ran must have its routing, else the generator refuses to start (naming the plan)."""
+        if self.plan.routing_capture == "hook":
+            self.routing_shape = tuple((await self.engine.collective_rpc("start_routing_capture"))[0])
+        else:
+            model = self.engine.model_config
+            self.routing_shape = (model.get_total_num_hidden_layers(), model.get_num_experts_per_tok())
+        if self.schema.routed_experts not in (None, self.routing_shape):
+            raise ValueError(f"the engine routes {self.routing_shape} (MoE layers, top_k), the run's "
+                             f"record schema expects {self.schema.routed_experts}")
+        probe = [1, 2, 3, 4]
+        out, routed = await self._run(probe, sampling_params(self.config, 0, 2, greedy=True))
+        missing = np.flatnonzero((routed < 0).any(axis=(1, 2)))
+        if len(missing):
+            raise RuntimeError(f"routing capture ({self.plan.routing_capture}, {self.plan.runner} runner, "
+                               f"{self.plan.compilation}) recorded no routing for positions {missing.tolist()} "
+                               f"of a {len(probe) + len(out.token_ids) - 1}-position probe request; refusing "
+                               "to start (set generator.enforce_eager=true to run the hook uncompiled)")
 
     def engine_alive(self) -> bool:
         """False once a process the engine started has died (vLLM itself may notice much later)."""
@@ -183,6 +203,11 @@ class Generator:
         if self.routing_shape is None:
             return out, None
         positions = len(prompt_ids) + len(out.token_ids) - 1
+        if self.plan.routing_capture == "vllm":  # [positions the engine ran, layers, top_k]
+            routed = np.full((positions, *self.routing_shape), -1, dtype=np.int16)
+            got = out.routed_experts if out.routed_experts is not None else routed[:0]
+            routed[:min(positions, len(got))] = got[:positions]
+            return out, routed
         raw = await self.engine.collective_rpc("take_routing", args=(rid, positions))
         return out, np.frombuffer(raw[0], dtype=np.int16).reshape(positions, *self.routing_shape)
 

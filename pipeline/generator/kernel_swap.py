@@ -40,7 +40,10 @@ example, tiny-moe (15.2 MB of safetensors): about 30 MB while preparing, 15 MB u
 from __future__ import annotations
 
 import copy
+import logging
 from typing import TYPE_CHECKING, Any, Iterable
+
+from pipeline.generator.cast_log import casts_logged_once
 
 if TYPE_CHECKING:
     import torch
@@ -128,7 +131,7 @@ def prepare(model: Any, named: Iterable[tuple[str, "torch.Tensor"]], writers: di
         return None
     tree = _ShadowTree({id(w.layer) for w in writers.values()})
     root = tree.copy(model)
-    with torch.no_grad():
+    with torch.no_grad(), casts_logged_once(logging.getLogger(__name__)):
         loaded_names = root.load_weights(named)
     if not loaded_names:
         return None

@@ -1,12 +1,18 @@
-"""Keep Routing in the generator: record the experts vLLM's MoE routers choose, per request.
+"""Keep Routing in the generator on vLLM's V1 model runner: record the experts the MoE routers
+choose, per request (on V2, vLLM's own routed-experts output does it: engine_plan.py).
 
 Runs inside a vLLM worker (installed by the worker extension's ``start_routing_capture``). vLLM
 0.32's routers (``BaseRouter._select_experts``) call a capture hook with each step's top-k ids
-(logical ids, before any EPLB remapping); its own consumer of that hook (``enable_return_routed_
-experts``) is wired only into the V2 model runner, which the CPU build lacks, so this module
-attributes the rows itself: during a forward, the model runner's input batch holds the requests
-in token order (``input_batch.req_ids``), their token spans (``query_start_loc``) and each token's
-position (``positions``).
+(logical ids, before any EPLB remapping); vLLM's own consumer of that hook is wired only into the V2
+runner, so this module attributes the rows itself: during a forward, the V1 runner's input batch
+holds the requests in token order (``input_batch.req_ids``), their token spans
+(``query_start_loc``) and each token's position (``positions``).
+
+Compiled engines: the hook calls the custom op ``tokenflow::record_routing``, which Dynamo keeps in
+the graph as an opaque call (it mutates the recorder's row counter), so compiled steps run it like
+eager ones. Dynamo traced the model at start-up, before the hook existed, so the recorder has it
+traced again once installed (vLLM's ``reset_compile_wrapper``, then the runner's warm-up); the
+engine's compile cache is off for such engines (vllm_args.py), so the hookless graph never comes back.
 
 Invariants:
 - ``routes[request]`` is ``[positions, moe_layers, top_k]`` int16 global expert ids, position p =
@@ -16,8 +22,11 @@ Invariants:
   recomputes the prefix on the new weights; preemption recomputes too) is overwritten, so the
   routing recorded for every token is the one of the forward whose KV the later tokens attended
   to. An ``abort``-mode resumed segment is a new request that recomputes its whole prefix.
-- Positions served from the prefix cache are never computed by the request, so capture refuses
-  prefix caching (``GeneratorConfig`` checks it); a position never computed reads as -1 when taken.
+- Positions served from the prefix cache are never computed by the request, so this capture runs
+  with prefix caching off (engine_plan.py); a position never computed reads as -1 when taken.
+- ``rows_recorded[layer]`` counts the router rows each layer's hook saw: the op's one effect a
+  graph can see, which keeps it from being dropped as dead code. Whether every position got its
+  routing is checked by the driver on a probe request at start (`Generator.start`).
 - Routing is replicated over tensor-parallel workers (each computes the full router logits); the
   driver reads worker 0's copy and every worker drops its own.
 """
@@ -27,6 +36,21 @@ from functools import partial
 from typing import Any
 
 import numpy as np
+import torch
+
+_RECORDERS: dict[int, "RoutingRecorder"] = {}  # by id: the op reaches its recorder from compiled code
+
+
+@torch.library.custom_op("tokenflow::record_routing", mutates_args=("rows_recorded",))
+def record_routing(topk_ids: torch.Tensor, layer: int, recorder: int, rows_recorded: torch.Tensor) -> None:
+    """Hand one MoE layer's ``[rows, top_k]`` expert ids of this forward to recorder `recorder`."""
+    _RECORDERS[recorder].capture(layer, topk_ids)
+    rows_recorded[layer] += topk_ids.shape[0]
+
+
+@record_routing.register_fake
+def _(topk_ids, layer, recorder, rows_recorded) -> None:
+    return None
 
 
 class RoutingRecorder:
@@ -35,6 +59,9 @@ class RoutingRecorder:
     def __init__(self, model_runner: Any):
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
+        if not hasattr(model_runner, "input_batch"):
+            raise RuntimeError(f"the routing hook reads vLLM's V1 model runner; this engine runs "
+                               f"{type(model_runner).__module__} (V2 returns routing itself: engine_plan.py)")
         self.runner = model_runner
         routers: dict[int, tuple[int, Any]] = {}  # a layer and its runner may both hold the router
         for m in model_runner.get_model().modules():
@@ -48,8 +75,24 @@ class RoutingRecorder:
         self.top_k = int(ordered[0].top_k)
         self.routes: dict[str, np.ndarray] = {}
         self._batch: list[tuple[str, np.ndarray, int, int]] = []
+        self.rows_recorded = torch.zeros(self.num_layers, dtype=torch.int64)
+        _RECORDERS[id(self)] = self
         for index, router in enumerate(ordered):
-            router.set_capture_fn(partial(self._capture, index))
+            router.set_capture_fn(partial(torch.ops.tokenflow.record_routing, layer=index, recorder=id(self),
+                                          rows_recorded=self.rows_recorded))
+        self._trace_again()
+
+    def _trace_again(self) -> None:
+        """A compiled model traced before the hook existed: drop its graph and warm up again."""
+        from vllm.compilation.wrapper import reset_compile_wrapper
+        from vllm.config import CompilationMode, set_current_vllm_config
+
+        config = self.runner.vllm_config
+        if config.compilation_config.mode == CompilationMode.NONE:
+            return
+        with set_current_vllm_config(config):
+            reset_compile_wrapper(self.runner.get_model())
+            self.runner.warming_up_model()
 
     def _step_layout(self, rows: int) -> list[tuple[str, np.ndarray, int, int]]:
         """(request id, positions, first row, end row) of each request in this forward."""
@@ -64,7 +107,8 @@ class RoutingRecorder:
         return [(rid, positions[starts[i]:starts[i + 1]], int(starts[i]), int(starts[i + 1]))
                 for i, rid in enumerate(batch.req_ids[:n])]
 
-    def _capture(self, layer: int, topk_ids) -> None:
+    def capture(self, layer: int, topk_ids) -> None:
+        """Store one layer's rows of this forward under each request's positions."""
         if layer == 0:
             self._batch = self._step_layout(topk_ids.shape[0])
         ids = topk_ids.cpu().numpy()

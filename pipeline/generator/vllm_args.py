@@ -10,6 +10,7 @@ Invariants:
 - A sampled request asks for the logprob of the sampled token only (``logprobs=0``, more when the
   sampling mask needs the top-k ids); `sampled_logprobs` returns exactly one float per completion
   token, in order.
+- ``dtype: auto`` is the checkpoint's dtype, passed to vLLM by name (`engine_dtype`).
 - ``weight_sync: auto`` is staged for a checkpoint of at most ``staged_max_gb`` (e.g. 3 GB of
   safetensors with the default 8: staged) and streamed above it.
 """
@@ -20,6 +21,7 @@ from typing import Any
 
 from pipeline.generator.capture import logprobs_to_request
 from pipeline.generator.config import GeneratorConfig
+from pipeline.generator.engine_plan import engine_plan
 
 EXTENSION = "pipeline.generator.worker_extension.WeightSyncExtension"
 _CPU_BATCHED_TOKENS = 4096  # tokens per engine step on CPU (prefills are never chunked there)
@@ -35,28 +37,47 @@ def resolve_weight_sync(config: GeneratorConfig) -> str:
     return "staged" if size <= config.staged_max_gb * 1e9 else "streamed"
 
 
+def engine_dtype(config: GeneratorConfig) -> str:
+    """The dtype the engine runs in: ``config.dtype``, 'auto' being the checkpoint's (never vLLM's own
+    'auto', which runs a float32 checkpoint in bfloat16)."""
+    if config.dtype != "auto":
+        return config.dtype
+    from transformers import AutoConfig
+
+    from pipeline.models.defaults import checkpoint_dtype
+
+    return checkpoint_dtype(AutoConfig.from_pretrained(config.model))
+
+
 def engine_args(config: GeneratorConfig, seed: int | None = None):
-    """vLLM AsyncEngineArgs for `config` (also used by bench/generator.py for the bare baseline)."""
+    """vLLM AsyncEngineArgs for `config` (also used by bench/generator.py for the bare baseline), as
+    `engine_plan` decides runner, compilation and routing capture."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.platforms import current_platform
 
+    plan = engine_plan(config)
     extra: dict[str, Any] = {}
+    if plan.routing_capture == "vllm":
+        extra["enable_return_routed_experts"] = True
+    elif plan.routing_capture == "hook" and not plan.enforce_eager:
+        # the hook is traced in after start-up (routing_capture.py): a cached graph without it must not load
+        os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     if current_platform.is_cpu():
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
         if config.cpu_cores:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_cores
         # vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a seeded request's
         # prefill is split across steps: every prompt is prefilled whole instead.
-        extra = {"enable_chunked_prefill": False,
-                 "max_num_batched_tokens": max(config.max_model_len, _CPU_BATCHED_TOKENS)}
+        extra.update(enable_chunked_prefill=False,
+                     max_num_batched_tokens=max(config.max_model_len, _CPU_BATCHED_TOKENS))
     if logprobs_to_request(config.sampling_mask_width) > 20:  # vLLM's default max_logprobs
         extra["max_logprobs"] = logprobs_to_request(config.sampling_mask_width)
     return AsyncEngineArgs(
-        model=config.model, dtype=config.dtype, max_model_len=config.max_model_len,
-        enforce_eager=config.enforce_eager, seed=config.seed if seed is None else seed,
+        model=config.model, dtype=engine_dtype(config), max_model_len=config.max_model_len,
+        enforce_eager=plan.enforce_eager, seed=config.seed if seed is None else seed,
         tensor_parallel_size=config.tensor_parallel_size, max_num_seqs=config.max_num_seqs,
         gpu_memory_utilization=config.gpu_memory_utilization, logprobs_mode=config.logprobs_mode,
-        enable_prefix_caching=config.prefix_caching, worker_extension_cls=EXTENSION, disable_log_stats=True, **extra)
+        enable_prefix_caching=plan.prefix_caching, worker_extension_cls=EXTENSION, disable_log_stats=True, **extra)
 
 
 def sampling_params(config: GeneratorConfig, seed: int | None, max_tokens: int, greedy: bool = False):

@@ -60,6 +60,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
+from pipeline.generator.cast_log import casts_logged_once
 from pipeline.generator.expert_writer import ExpertWriter, cpu_prepack_isa, hf_prefix, non_expert
 from pipeline.generator.interrupted_reload import put_back_unfinished_modules, tensors_without_data
 from pipeline.generator.owner_watch import ignore_stop_signals, watch_owner
@@ -138,7 +139,8 @@ class WeightSyncExtension:
                 yield item
 
         try:
-            self.model_runner.reload_weights(weights_iterator=non_expert(counted(), writers))
+            with casts_logged_once(logging.getLogger(__name__)):
+                self.model_runner.reload_weights(weights_iterator=non_expert(counted(), writers))
         except BaseException:
             put_back = put_back_unfinished_modules(self.model_runner.get_model())
             logging.getLogger(__name__).warning("the load broke off: %d modules put back to their previous "
@@ -380,7 +382,8 @@ class WeightSyncExtension:
 
     # -- Keep Routing (pipeline/generator/routing_capture.py) ----------------------------------
     def start_routing_capture(self) -> tuple[int, int]:
-        """Install the routing recorder on this worker's MoE routers; returns (MoE layers, top_k)."""
+        """Install the routing recorder on this worker's MoE routers (V1 runner; a compiled model
+        is traced again with it); returns (MoE layers, top_k)."""
         from pipeline.generator.routing_capture import RoutingRecorder
 
         self._routing = RoutingRecorder(self.model_runner)

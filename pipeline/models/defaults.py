@@ -12,9 +12,13 @@ Rules (a field the user set is kept; each rule reads only the model's config and
 - generator.enforce_eager: on for the tiny models (start-up dominates a 2-minute demo), off for a checkpoint
   (vLLM captures CUDA graphs on GPU, compiles on CPU);
 - generator.max_model_len: min(the model's max_position_embeddings, task.max_prompt_tokens + max_tokens);
-- generator.kv_cache_gib (CPU): the KV cache of max_num_seqs full-length sequences, rounded up to GiB,
-  at most half of one generator's share of cluster.generator.mem_gb (vLLM then decodes fewer sequences
-  at once), at least 1;
+- generator.dtype 'auto': the checkpoint's dtype (its config's ``dtype``/``torch_dtype``; float32 when it
+  names none), written out so vLLM gets it explicitly: vLLM's own 'auto' runs a float32 checkpoint in
+  bfloat16 (every platform), and the trainer (float32 parameters by default) would score the
+  generator's tokens at another precision;
+- generator.kv_cache_gib (CPU): the KV cache of max_num_seqs full-length sequences at the engine's dtype
+  (the resolved generator.dtype), rounded up to GiB, at most half of one generator's share of
+  cluster.generator.mem_gb (vLLM then decodes fewer sequences at once), at least 1;
 - the checkpoint's generation_config.json: its EOS ids are used by vLLM itself (they end completions);
   its sampling suggestions (temperature, top_p, top_k) are reported, not adopted: the loss needs samples
   from the policy's full distribution at trainer.temperature (set generator.temperature and
@@ -22,9 +26,10 @@ Rules (a field the user set is kept; each rule reads only the model's config and
 - task.epochs, when set, must cover run.steps x orchestrator.groups_per_step prompts.
 
 Worked example: tiny-moe on the sort task: warm-start 120 steps, max_tokens 32, max_num_seqs 64, eager,
-max_model_len min(1024, 32 + 32) = 64, KV cache 2 layers x 2 KV heads x 64 dims x 2 (K, V) x 4 bytes =
-2 KiB per token x 64 x 64 = 8 MiB -> 1 GiB. A Qwen3 checkpoint (40960 positions) on a JSONL task:
-no warm-start, max_tokens 1024, 256 sequences, CUDA graphs, max_model_len 2048.
+dtype float32 (the checkpoint's), max_model_len min(1024, 32 + 32) = 64, KV cache 2 layers x 2 KV heads
+x 64 dims x 2 (K, V) x 4 bytes = 2 KiB per token x 64 x 64 = 8 MiB -> 1 GiB. A Qwen3 checkpoint (40960
+positions, bfloat16) on a JSONL task: no warm-start, max_tokens 1024, 256 sequences, CUDA graphs, dtype
+bfloat16, max_model_len 2048.
 """
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ log = logging.getLogger(__name__)
 
 TINY_GENERATOR = {"max_num_seqs": 64, "enforce_eager": True}
 CHECKPOINT_GENERATOR = {"max_num_seqs": 256, "enforce_eager": False}
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
 
 
 def model_config(name: str):
@@ -53,14 +58,22 @@ def model_config(name: str):
     return AutoConfig.from_pretrained(str(resolve_model(name)))
 
 
+def checkpoint_dtype(hf_config) -> str:
+    """The dtype the checkpoint's config names ('float32' when it names none)."""
+    named = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32"
+    return str(named).removeprefix("torch.")
+
+
 def kv_bytes_per_token(hf_config, dtype: str) -> int:
-    """Bytes of K and V one token occupies in all layers."""
+    """Bytes of K and V one token occupies in all layers, the engine running in `dtype` (a name
+    vLLM accepts; 'auto' is the checkpoint's, see `checkpoint_dtype`)."""
     from pipeline.trainer.families import head_dim
 
-    if dtype == "auto":
-        dtype = str(getattr(hf_config, "dtype", None) or "float32").removeprefix("torch.")
+    dtype = checkpoint_dtype(hf_config) if dtype == "auto" else dtype
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(f"generator.dtype={dtype!r}: expected auto or one of {sorted(_DTYPE_BYTES)}")
     return 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim(hf_config) * \
-        _DTYPE_BYTES.get(dtype, 4)
+        _DTYPE_BYTES[dtype]
 
 
 def _report_generation_config(name: str, cfg) -> None:
@@ -83,6 +96,8 @@ def resolve_defaults(cfg) -> None:
     hf = model_config(cfg.model.name)
     cfg.model.warmstart_steps = cfg.model.warmstart_steps_or_default()
     g = cfg.generator
+    if g.dtype == "auto":
+        g.dtype = checkpoint_dtype(hf)
     for key, value in (TINY_GENERATOR if tiny else CHECKPOINT_GENERATOR).items():
         if getattr(g, key) is None:
             setattr(g, key, value)

@@ -1,4 +1,5 @@
-"""Figures (PNG): one run's reward, held-out accuracy and staleness over optimizer steps (`plot_run`,
+"""Figures (PNG): one run's reward, held-out accuracy, staleness and train-inference mismatch (log
+scale, its first measured value, step 0's, written on the panel) over optimizer steps (`plot_run`,
 the end-of-run figure); several runs' accuracy and reward curves overlaid (`plot_overlay`, for
 `tokenflow compare` and the end of a sweep)."""
 from __future__ import annotations
@@ -18,7 +19,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     out = out or run_dir / PLOT_FILE
     steps = list(read_metrics(run_dir, "train_step"))
     evals = list(read_metrics(run_dir, "eval"))
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.6))
     ax = axes[0]
     ax.plot([s["step"] for s in steps], [s.get("reward_mean") for s in steps], marker=".", lw=1)
     ax.set(title="mean reward of the step's batch", xlabel="optimizer step", ylabel="reward")
@@ -31,6 +32,14 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
             color="C3", ls="--")
     ax.set(title="staleness (trainer - token version)", xlabel="optimizer step", ylabel="versions")
     ax.legend(loc="upper left")
+    ax = axes[3]
+    measured = [s for s in steps if isinstance(s.get("mismatch"), (int, float))]
+    ax.plot([s["step"] for s in measured], [max(s["mismatch"], 1e-12) for s in measured], marker=".", color="C4")
+    ax.set(title="train-inference mismatch", xlabel="optimizer step", ylabel="mean |train - generator| logprob",
+           yscale="log")
+    if measured:
+        ax.annotate(f"step {measured[0]['step']}: {measured[0]['mismatch']:.1e}", (0.02, 0.92),
+                    xycoords="axes fraction", fontsize="small")
     for a in axes:
         a.grid(alpha=0.3)
     fig.suptitle(run_dir.name)

@@ -1,4 +1,7 @@
-"""Keep Routing in the generator, on a real vLLM engine (float32):
+"""Keep Routing in the generator, on a real vLLM engine (float32) compiled as a checkpoint is by default
+(enforce_eager off: on this CPU build, vLLM's V1 runner with Dynamo + inductor), so the recorder
+hook runs inside the compiled graph (pipeline/generator/engine_plan.py; the eager hook runs in
+tests/test_routing_run.py):
 
 - the routing recorded for every position of a sample (prompt included) equals what transformers'
   model routes the same tokens to in the engine's dtype;
@@ -29,11 +32,11 @@ def engine(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("routing")
     dirs = {1: sharpened_checkpoint("moe", root / "v1", seed=7), 2: sharpened_checkpoint("moe", root / "v2", seed=8)}
-    cfg = GeneratorConfig(model=str(dirs[1]), max_model_len=512, max_tokens=12, enforce_eager=True,
-                          dtype="float32", kv_cache_gib=1, max_num_seqs=16, seed=5, prefix_caching=False,
-                          record_routing=True)
+    cfg = GeneratorConfig(model=str(dirs[1]), max_model_len=512, max_tokens=12, enforce_eager=False,
+                          dtype="float32", kv_cache_gib=1, max_num_seqs=16, seed=5, record_routing=True)
     loop = asyncio.new_event_loop()
     gen = loop.run_until_complete(Generator(cfg, initial_version=1).start())
+    assert (gen.plan.runner, gen.plan.compilation, gen.plan.routing_capture) == ("v1", "torch.compile", "hook")
     yield gen, loop, dirs
     gen.shutdown()
     pending = asyncio.all_tasks(loop)
@@ -93,3 +96,4 @@ def test_a_keep_update_leaves_every_position_with_the_new_weights_routing(engine
           f"the new weights' routing; the old weights' routing differs at {differ_old} of the early ones")
     assert differ == 0 and compared > 10 * max(ties, 1)
     assert differ_old > 0  # the old weights would have routed the early positions otherwise
+

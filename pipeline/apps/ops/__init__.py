@@ -123,7 +123,7 @@ def run_status(run_dir: Path) -> Dict[str, Any]:
     for comp in components:
         comp["logs"] = [str(log_path(run_dir, comp["role"], r)) for r in range(comp["tasks"])]
     step, orch, ev = _last(run_dir, "train_step"), _last(run_dir, "orchestrator"), _last(run_dir, "eval")
-    from pipeline.metrics import read_metrics
+    from pipeline.metrics import latest_by_step, mismatch_points, read_metrics
     generators: Dict[str, int] = {}
     for rec in read_metrics(run_dir, "generator"):
         generators[rec["role"]] = rec.get("version")
@@ -143,6 +143,7 @@ def run_status(run_dir: Path) -> Dict[str, Any]:
         "in_flight_groups": orch.get("in_flight") if orch else None,
         "staleness_max": step.get("staleness_max") if step else None,
         "last_eval": {k: ev.get(k) for k in ("step", "version", "accuracy", "n")} if ev else None,
+        **mismatch_points(latest_by_step(list(read_metrics(run_dir, "train_step")))),
         "last_error": last_error(run_dir),
         "generator_jobs": _generator_jobs(run_dir),
     }
@@ -181,6 +182,13 @@ def format_status(s: Dict[str, Any]) -> str:
                  f"staleness max {s['staleness_max']}")
     ev = s["last_eval"]
     lines.append("eval       " + (f"step {ev['step']}: accuracy {ev['accuracy']:.3f} (n={ev['n']})" if ev else "none yet"))
+    if s.get("mismatch_first") is None:
+        lines.append("mismatch   none measured yet")
+    else:
+        last = "" if s["mismatch_last_step"] == s["mismatch_first_step"] else \
+            f", step {s['mismatch_last_step']}: {s['mismatch_last']:.2e}"
+        lines.append(f"mismatch   step {s['mismatch_first_step']}: {s['mismatch_first']:.2e}{last} "
+                     "(mean |train - generator| logprob)")
     lines.append(f"error      {s['last_error'] or 'none'}")
     from pipeline.launch.generator_jobs import format_jobs
     lines += format_jobs(s.get("generator_jobs") or [])

@@ -13,6 +13,10 @@ Invariants:
 - wall time is the sum over launches of (latest record of that launch - launch time); a resume a day
   later does not add the day. A run still going counts its last launch up to now.
 
+- the train-inference mismatch (`mismatch`: mean |trainer - generator| logprob of the tokens the
+  current weights generated, measured every run.mismatch_every steps) is reported at the first step
+  that measured it (step 0 unless resumed past it: the generator's and trainer's precision and
+  kernels alone, before any update) and at the last one.
 - throughput and idleness are those of the training loop: tokens/s = trained tokens / loop time
   and trainer idle = time waiting for batches / loop time, where loop time is the sum of the steps'
   wait_s + step_s + sync_s; the first step is left out when there are later ones (its wait holds
@@ -31,20 +35,12 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from pipeline.metrics import read_metrics
+from pipeline.metrics import latest_by_step, mismatch_points, read_metrics
 
 #: `reward_last` is the mean batch reward of this many last steps.
 LAST_STEPS = 5
 #: Orchestrator counters that are groups dropped (stale on arrival, stale in the buffer, ahead of the trainer).
 DROP_PREFIX = "count_dropped_"
-
-
-def _latest_by_step(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    by_step: Dict[int, Dict[str, Any]] = {}
-    for rec in records:
-        if isinstance(rec.get("step"), int):
-            by_step[rec["step"]] = rec
-    return [by_step[k] for k in sorted(by_step)]
 
 
 def _restart_safe_totals(records: List[Dict[str, Any]], prefix: str) -> Dict[str, int]:
@@ -85,8 +81,8 @@ def metric_summary(run_dir: Path, running: bool = False, last_steps: int = LAST_
     """The run's numbers from its metrics stream (None where it has none yet)."""
     run_dir = Path(run_dir)
     records = list(read_metrics(run_dir))
-    steps = _latest_by_step([r for r in records if r.get("kind") == "train_step"])
-    evals = _latest_by_step([r for r in records if r.get("kind") == "eval"])
+    steps = latest_by_step([r for r in records if r.get("kind") == "train_step"])
+    evals = latest_by_step([r for r in records if r.get("kind") == "eval"])
     final = evals[-1] if evals else None
     best = max(evals, key=lambda e: (e.get("accuracy") or 0.0, -e["step"])) if evals else None
     rewards = [s["reward_mean"] for s in steps[-last_steps:] if s.get("reward_mean") is not None]
@@ -110,6 +106,7 @@ def metric_summary(run_dir: Path, running: bool = False, last_steps: int = LAST_
         "drops": sum(drops.values()) if orchestrator else None,
         "drops_by_reason": drops,
         "wall_s": wall_seconds(launch_times(run_dir), [r["t"] for r in records if "t" in r], running),
+        **mismatch_points(steps),
     }
 
 
