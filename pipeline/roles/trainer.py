@@ -218,7 +218,8 @@ class TrainerRole:
                                  reward_mean=float(np.mean(batch.columns["reward"])),
                                  samples=len(batch), staleness_mean=float(stale.mean()),
                                  staleness_max=int(stale.max()), wait_s=t1 - t0, step_s=t2 - t1,
-                                 sync_s=sync_s, mismatch=mismatch, sync_failures=self.weights.sync_failures,
+                                 sync_s=sync_s, sync_bytes_sent=self.weights.sent_bytes,
+                                 mismatch=mismatch, sync_failures=self.weights.sync_failures,
                                  orchestrator_restarts=self.orchestrator.restarts,
                                  trainer_idle_frac=1 - busy / max(1e-9, time.monotonic() - t_run),
                                  **m)
