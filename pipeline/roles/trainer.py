@@ -50,21 +50,29 @@ from pipeline.run_files import CHECKPOINTS_DIR, EXPORT_DIR, LOGS_DIR, checkpoint
 log = logging.getLogger(__name__)
 
 
+def warm_start_config(cfg: TokenflowConfig, task):
+    """The run's supervised warm-start on `task` (a WarmStartConfig), or None when it has none."""
+    steps = cfg.model.warmstart_steps_or_default()
+    if steps <= 0:
+        return None
+    from pipeline.models.warmstart import WarmStartConfig
+    from pipeline.tasks.prompting import PromptFormat
+
+    return WarmStartConfig(steps=steps, lr=cfg.model.warmstart_lr, prompt_format=PromptFormat.of(cfg.task, task),
+                           distractor_fraction=task.warmstart_distractor_fraction)
+
+
 def prepare_model(run_dir: Path, cfg: TokenflowConfig) -> Path:
     """The run's starting checkpoint (cached build), recorded in RUN/model.json for the other roles."""
     from pipeline.models.tiny import resolve_model
 
     path = resolve_model(cfg.model.name)
-    steps = cfg.model.warmstart_steps_or_default()
-    if steps > 0:
+    if cfg.model.warmstart_steps_or_default() > 0:
+        from pipeline.models.warmstart import ensure_warm_start
         from pipeline.tasks import make_task
-        from pipeline.models.warmstart import WarmStartConfig, ensure_warm_start
-        from pipeline.tasks.prompting import PromptFormat
 
         task = make_task(cfg.task)
-        ws = WarmStartConfig(steps=steps, lr=cfg.model.warmstart_lr, prompt_format=PromptFormat.of(cfg.task, task),
-                             distractor_fraction=task.warmstart_distractor_fraction)
-        path = ensure_warm_start(path, task, ws)
+        path = ensure_warm_start(path, task, warm_start_config(cfg, task))
     publish_model(run_dir, path)
     return path
 
