@@ -15,10 +15,14 @@ Invariants:
   completion (for `sort`: the digits in descending order). The warm-started policy then knows how to
   order digits but is torn between the two orders: greedy decoding is mostly wrong while samples at
   temperature 1 are often right, and RL must learn from the verifier alone which order earns reward.
-  Measured with the defaults (`sort` 6-8 digits, 1 thread, held-out greedy / pass@8 at temperature 1):
-  dense 13.5 % / 58.5 %, moe 28.5 % / 65.5 %. A plain on-policy GRPO probe (transformers, 32 prompts x 8
-  samples, AdamW 3e-4) then reached 61 % (dense, step 45) and 55 % (moe, step 15) greedy. Without
-  distractors (50 steps: greedy 24 %) the same probe lowered greedy accuracy to 16.5 % in 75 steps.
+  Measured (`sort` 6-8 digits, 1 thread, held-out greedy / pass@8 at temperature 1): 100 steps with
+  half distractors, dense 13.5 % / 58.5 %, moe 28.5 % / 65.5 %; a plain on-policy GRPO probe
+  (transformers, 32 prompts x 8 samples, AdamW 3e-4) then reached 61 % (dense, step 45) and 55 % (moe,
+  step 15) greedy. Without distractors (50 steps: greedy 24 %) the same probe lowered greedy accuracy to
+  16.5 % in 75 steps. Too short a warm-start leaves the policy unable to sort long strings in either
+  order, and RL then plateaus (the demo at 120 steps: 0.51-0.68). The demo's (moe, 300 steps, the sort
+  task's 0.65 distractors) sorts: greedy 6.5 % (it prefers descending), pass@8 94 %, 32 % of samples
+  right; with 0.5 distractors the same 300 steps give greedy 74 %, pass@8 99.5 % (2026-12-06).
 """
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 def warm_start_config(cfg: TokenflowConfig, task):
     """The run's supervised warm-start on `task` (a WarmStartConfig), or None when it has none."""
-    steps = cfg.model.warmstart_steps_or_default()
+    steps = cfg.model.warmstart_steps_or_default(task)
     if steps <= 0:
         return None
     from pipeline.models.warmstart import WarmStartConfig
@@ -67,12 +67,14 @@ def prepare_model(run_dir: Path, cfg: TokenflowConfig) -> Path:
     from pipeline.models.tiny import resolve_model
 
     path = resolve_model(cfg.model.name)
-    if cfg.model.warmstart_steps_or_default() > 0:
+    if cfg.task.name != "synthetic" and cfg.model.warmstart_steps != 0:
         from pipeline.models.warmstart import ensure_warm_start
         from pipeline.tasks import make_task
 
         task = make_task(cfg.task)
-        path = ensure_warm_start(path, task, warm_start_config(cfg, task))
+        ws = warm_start_config(cfg, task)
+        if ws is not None:
+            path = ensure_warm_start(path, task, ws)
     publish_model(run_dir, path)
     return path
 
