@@ -124,7 +124,7 @@ def test_routing_mismatch_smoke():
 @pytest.mark.engine
 @pytest.mark.slow
 def test_weight_sync_smoke():
-    """WEIGHT_SYNC_COST (four parts: a vLLM engine, megatron TP2 x EP2 and LoRA syncs)."""
+    """183 s on a loaded 2-core machine (four parts: a vLLM engine, megatron TP2 x EP2 and LoRA syncs)."""
     report = _smoke("weight_sync")
     assert set(report["bandwidth"]["sets"]) == {"tiny-dense", "tiny-moe", "big"}
     assert set(report["layouts"]) >= {"tp1", "tp2xep2"} and set(report["lora"]) >= {"full", "adapters"}
