@@ -204,13 +204,16 @@ def analyse(run_dir: Path) -> dict:
 
 def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="2 steps each, both runs at once (< 1 min with "
-                    "a cached warm-start; checks the harness, its times mean nothing)")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="2 steps each, both runs at once (< 1 min with "
+                      "a cached warm-start; checks the harness, its times mean nothing)")
+    size.add_argument("--smoke", action="store_true", help="as --quick with 1 step each: the report's keys, "
+                      "not its figures")
     ap.add_argument("--steps", type=int, default=32, help="optimizer steps per run (full mode)")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds each run may take")
     ap.add_argument("--keep", action="store_true", help="keep the run directories")
     args = ap.parse_args()
-    steps = 2 if args.quick else args.steps
+    steps = 1 if args.smoke else 2 if args.quick else args.steps
     root = Path(tempfile.mkdtemp(prefix="tokenflow-async-vs-sync-"))
     try:
         prompts = root / "long_tail_sort.jsonl"
@@ -224,7 +227,7 @@ def main() -> dict:
         walls: dict[str, float] = {}
         started: dict[str, tuple[subprocess.Popen, float]] = {}
         try:
-            if args.quick:  # both at once: they share the core plan, so only the harness is checked
+            if args.quick or args.smoke:  # both at once: they share the core plan, so only the harness is checked
                 started = {name: start_run(name, root, base + extra) for name, extra in plan.items()}
                 ends: dict[str, float] = {}
                 while len(ends) < len(started) and time.monotonic() - t < args.timeout:

@@ -115,7 +115,9 @@ async def main(args) -> dict:
 
 def cli() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="small workload, eager engine (< 1 minute)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="small workload, eager engine (< 1 minute)")
+    size.add_argument("--smoke", action="store_true", help="tiny workload, eager engine: the report's keys, not its figures")
     p.add_argument("--groups", type=int, default=32)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--turns", type=int, default=6, help="episode.max_turns")
@@ -126,6 +128,9 @@ def cli() -> None:
     args = p.parse_args()
     if args.quick:
         args.groups, args.group_size, args.turns, args.max_tokens, args.rounds, args.eager = 8, 4, 4, 128, 2, True
+    if args.smoke:
+        args.groups, args.group_size, args.turns, args.max_tokens, args.rounds, args.eager = 2, 2, 2, 32, 1, True
+        args.kv_cache_gib = 1
     result = asyncio.run(main(args))
     print(json.dumps(result))
 

@@ -11,6 +11,7 @@ Prints per-round figures, then one JSON line: output tokens/s of each side and t
 (target >= 0.95).
 
     python bench/generator.py --quick          # < 1 minute on a 2-core CPU, tiny dense model
+    python bench/generator.py --smoke          # seconds after the engine starts: checks the harness
     python bench/generator.py --model DIR --groups 64 --group-size 8 --max-tokens 256 --rounds 3
 """
 from __future__ import annotations
@@ -87,7 +88,9 @@ async def main(args) -> dict:
 
 def cli() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="small workload, eager engine (< 1 minute)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="small workload, eager engine (< 1 minute)")
+    size.add_argument("--smoke", action="store_true", help="tiny workload, eager engine: the report's keys, not its figures")
     p.add_argument("--model", default="", help="HF checkpoint directory (default: the tiny dense model)")
     p.add_argument("--groups", type=int, default=32)
     p.add_argument("--group-size", type=int, default=8)
@@ -98,6 +101,8 @@ def cli() -> None:
     args = p.parse_args()
     if args.quick:
         args.groups, args.group_size, args.max_tokens, args.rounds, args.eager = 12, 8, 64, 2, True
+    if args.smoke:
+        args.groups, args.group_size, args.max_tokens, args.rounds, args.eager, args.kv_cache_gib = 2, 2, 8, 1, True, 1
     result = asyncio.run(main(args))
     print(json.dumps(result))
 

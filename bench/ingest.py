@@ -16,7 +16,14 @@ side by side in one run, on the same bytes, for each filesystem:
 
 Targets (local disk): <= 1 s orchestrator CPU per 1M tokens; efficiency = CPU(slower baseline) /
 CPU(orchestrator) >= 0.5. The network filesystem (``--netfs DIR``, default the first mount of
-``scripts/netfs.sh``) is reported, not held to targets. The last line printed is one JSON object.
+``scripts/netfs.sh``) is reported, not held to targets. The last line printed is one JSON object,
+with the same keys in every mode (`MODES`: full, ``--quick``, ``--smoke``); each filesystem's
+figures are the keys `measure` returns.
+
+The raw ZeroMQ receiver and sender are this script run again (``--raw-receiver``, ``--raw-sender``);
+they are parts of the benchmark, so only the benchmark's own process checks for leftover processes
+(`bench/leftovers.py`). A helper that checked too would find its sibling still running, wait for it
+while the sibling waited for it, and after 15 s kill it (the sender exited 1 or was SIGKILLed).
 """
 from __future__ import annotations
 
@@ -43,6 +50,11 @@ from pipeline.run_files import ORCHESTRATOR_RENDEZVOUS  # noqa: E402
 COMPLETION = 1024
 PROMPT = 64
 GROUP = 8
+
+MODES = {"full": {"groups": 2400, "ack_flushes": 500}, "quick": {"groups": 200, "ack_flushes": 100},
+         "smoke": {"groups": 40, "ack_flushes": 10}}
+"""Groups ingested per filesystem (of 8 x 1K tokens: ~20M, ~1.7M, ~0.3M tokens) and durable flushes
+timed, per mode."""
 
 
 def _cpu() -> float:
@@ -97,6 +109,8 @@ def run_orchestrator(groups: int, producers: int, root: Path) -> dict:
     stored = m[-1]["count_stored"] - m[0]["count_stored"]
     tokens = m[-1]["ingested_tokens"] - m[0]["ingested_tokens"]
     shutil.rmtree(run, ignore_errors=True)
+    if not tokens:
+        raise RuntimeError(f"all {groups} groups were stored within one metrics interval: ingest more")
     return {"cpu_s": m[-1]["cpu_s"] - m[0]["cpu_s"], "tokens": tokens, "wall_s": wall,
             "groups": stored}
 
@@ -198,7 +212,7 @@ def run_ack_latency(n_flushes: int, root: Path) -> dict:
             "seal_s": round(seal_s, 3), "seal_mb": round(n_flushes * GROUP * COMPLETION * 12 / 1e6, 1)}
 
 
-def measure(root: Path, groups: int, producers: int, quick: bool) -> dict:
+def measure(root: Path, groups: int, producers: int, ack_flushes: int) -> dict:
     orch = run_orchestrator(groups, producers, root)
     n = orch["groups"]
     zmq_raw = run_raw_zmq(n)
@@ -213,7 +227,7 @@ def measure(root: Path, groups: int, producers: int, quick: bool) -> dict:
         "raw_h5py_cpu_s_per_1M_tokens": round(h5_raw["cpu_s"] / mtok, 4),
         "efficiency_vs_slower_baseline": round(slower / orch["cpu_s"], 3),
         "orchestrator_wall_tokens_per_s": round(orch["tokens"] / orch["wall_s"]),
-        **run_ack_latency(100 if quick else 500, root)}
+        **run_ack_latency(ack_flushes, root)}
 
 
 def _default_netfs() -> str | None:
@@ -221,27 +235,31 @@ def _default_netfs() -> str | None:
     return ready.read_text().split()[0] if ready.is_file() else None
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="~1.7M tokens per filesystem instead of ~20M (under a minute)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="~1.7M tokens per filesystem instead of ~20M (under a minute)")
+    size.add_argument("--smoke", action="store_true", help="~0.3M tokens per filesystem (seconds): the report's keys, "
+                      "not its figures")
     p.add_argument("--producers", type=int, default=2)
     p.add_argument("--local", help="local-disk directory for the run (default: the temp dir)")
     p.add_argument("--netfs", help="network-filesystem directory (default: scripts/netfs.sh's mount)")
     p.add_argument("--raw-receiver", nargs=2, help=argparse.SUPPRESS)
     p.add_argument("--raw-sender", nargs=2, help=argparse.SUPPRESS)
-    a = p.parse_args()
-    if a.raw_receiver:
-        return raw_receiver(a.raw_receiver[0], int(a.raw_receiver[1]))
-    if a.raw_sender:
-        return raw_sender(int(a.raw_sender[0]), int(a.raw_sender[1]))
+    return p.parse_args(argv)
+
+
+def main(a: argparse.Namespace) -> None:
     from pipeline.rollout_log.format import filesystem_type
-    groups = 200 if a.quick else 2400
+    mode = "smoke" if a.smoke else "quick" if a.quick else "full"
+    sizes = MODES[mode]
     local = Path(a.local or tempfile.gettempdir())
-    results = {"local": {"fstype": filesystem_type(local), **measure(local, groups, a.producers, a.quick)}}
+    results = {"local": {"fstype": filesystem_type(local),
+                         **measure(local, sizes["groups"], a.producers, sizes["ack_flushes"])}}
     netfs = a.netfs or _default_netfs()
     if netfs:
         results["netfs"] = {"fstype": filesystem_type(Path(netfs)),
-                            **measure(Path(netfs), groups, a.producers, a.quick)}
+                            **measure(Path(netfs), sizes["groups"], a.producers, sizes["ack_flushes"])}
     r = results["local"]
     ok = (r["orchestrator_cpu_s_per_1M_tokens"] <= 1.0 and r["efficiency_vs_slower_baseline"] >= 0.5)
     for where, x in results.items():
@@ -252,7 +270,7 @@ def main() -> None:
               f"p99 {x['ack_flush_ms_p99']} ms; seal of {x['seal_mb']} MB {x['seal_s']} s")
     if not netfs:
         print("network filesystem: not measured (no --netfs and no scripts/netfs.sh mount)")
-    print(json.dumps({"benchmark": "ingest", "quick": a.quick, **results,
+    print(json.dumps({"benchmark": "ingest", "mode": mode, "quick": a.quick, **results,
                       "netfs_measured": bool(netfs), "target_cpu_s_per_1M_tokens": 1.0,
                       "target_efficiency": 0.5, "meets_targets": bool(ok)}))
 
@@ -260,5 +278,11 @@ def main() -> None:
 if __name__ == "__main__":
     from leftovers import no_process_left  # bench/ is this script's directory
 
-    with no_process_left():
-        main()
+    args = parse_args()
+    if args.raw_receiver:  # a helper of a running benchmark, whose own check covers it (module docstring)
+        raw_receiver(args.raw_receiver[0], int(args.raw_receiver[1]))
+    elif args.raw_sender:
+        raw_sender(int(args.raw_sender[0]), int(args.raw_sender[1]))
+    else:
+        with no_process_left():
+            main(args)

@@ -15,6 +15,7 @@ weights loaded).
 Prints one line per kill, then one JSON line: per count and role the seconds, and the ratio of two
 generators' to one's.
 
+    python bench/recovery.py --smoke     # one generator, the orchestrator killed once
     python bench/recovery.py --quick     # no trainer kill (its figure is a whole relaunch): ~8 min on 2 cores
     python bench/recovery.py --generators 2
 """
@@ -86,21 +87,27 @@ def measure(generators: int, steps: int, root: Path, roles: tuple[str, ...]) -> 
     cfg = _config(run, generators, steps)
     prepare_run_dir(cfg)
     chaos = Chaos(run, list(roles), seed=0, first=3, spread=1)
-    orch, engine, gen = chaos.kills[:3]
+    kills = dict(zip(roles, chaos.kills))
     gen_rank = 1  # global rank of generator 0 (trainer.0 first)
     launched = LocalLauncher().launch(job_plan(cfg, run), run)
     chaos.running = lambda: launched.state() == "RUNNING"
     try:
-        chaos.strike(orch, lambda: orchestrator_process(run))
-        chaos.strike(engine, lambda: engine_process(run, gen_rank))
-        wait_for(lambda: loaded_after_restart(run, "generator", 0, 1), 900, "the restarted generator", chaos.running)
-        gen.at_step = max(gen.at_step, last_step(run) + 1)
-        chaos.strike(gen, lambda: role_process(run, gen_rank))
-        wait_for(lambda: loaded_after_restart(run, "generator", 0, 2), 900, "the restarted generator", chaos.running)
-        wait_for(lambda: any(r["t"] > gen.t for r in read_metrics(run, "train_step")), 900,
-                 "training after the generator's restart", chaos.running)
-        if "trainer" in roles:
-            trainer = chaos.kills[3]
+        chaos.strike(kills["orchestrator"], lambda: orchestrator_process(run))
+        if "engine" in kills:
+            chaos.strike(kills["engine"], lambda: engine_process(run, gen_rank))
+            wait_for(lambda: loaded_after_restart(run, "generator", 0, 1), 900, "the restarted generator",
+                     chaos.running)
+        if "generator" in kills:
+            gen = kills["generator"]
+            gen.at_step = max(gen.at_step, last_step(run) + 1)
+            chaos.strike(gen, lambda: role_process(run, gen_rank))
+            wait_for(lambda: loaded_after_restart(run, "generator", 0, 2), 900, "the restarted generator",
+                     chaos.running)
+        last = chaos.kills[-1]
+        wait_for(lambda: any(r["t"] > last.t for r in read_metrics(run, "train_step")), 900,
+                 "training after the last kill", chaos.running)
+        if "trainer" in kills:
+            trainer = kills["trainer"]
             trainer.at_step = max(trainer.at_step, last_step(run) + 1)
             chaos.strike(trainer, lambda: role_process(run, 0))
             try:
@@ -116,7 +123,7 @@ def measure(generators: int, steps: int, root: Path, roles: tuple[str, ...]) -> 
     steps = [r["t"] for r in read_metrics(run, "train_step")]
     ends = [k.t for k in chaos.kills[1:]] + [steps[-1]]
     out = {k.target: _longest_pause(steps, k.t, end) for k, end in zip(chaos.kills, ends)}
-    out["cold_start_s"] = [_cold_start_s(run, 1), _cold_start_s(run, 2)]
+    out["cold_start_s"] = [_cold_start_s(run, 1), _cold_start_s(run, 2)] if "engine" in kills else [None, None]
     for k in chaos.kills:
         print(f"{generators} generator(s): kill -9 {k.target} after step {k.step}: {out[k.target]} s "
               f"without training", flush=True)
@@ -126,13 +133,17 @@ def measure(generators: int, steps: int, root: Path, roles: tuple[str, ...]) -> 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="no trainer kill (its figure is a whole relaunch)")
+    p.add_argument("--smoke", action="store_true", help="one generator, only the orchestrator killed (seconds of "
+                   "recovery after an engine start; the same keys)")
     p.add_argument("--generators", type=int, nargs="*", default=[1, 2], help="generator counts (default 1 2)")
     p.add_argument("--steps", type=int, default=3000, help="steps of each run (it is cancelled after the kills)")
     args = p.parse_args()
-    roles = ROLES[:3] if args.quick else ROLES
-    result: dict = {"generators": {}}
+    roles = ROLES[:1] if args.smoke else ROLES[:3] if args.quick else ROLES
+    counts = [1] if args.smoke else args.generators
+    result: dict = {"bench": "recovery", "mode": "smoke" if args.smoke else "quick" if args.quick else "full",
+                    "generators": {}, "two_over_one": None}
     with tempfile.TemporaryDirectory(prefix="tokenflow-recovery-") as tmp:
-        for n in args.generators:
+        for n in counts:
             result["generators"][str(n)] = measure(n, args.steps, Path(tmp), roles)
     by = result["generators"]
     if "1" in by and "2" in by:

@@ -89,13 +89,17 @@ def _hf_routing(model_dir: Path, sequences) -> list[np.ndarray]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true")
+    size.add_argument("--smoke", action="store_true", help="2 prompts x 2 samples of 4 tokens: the report's keys, not its figures")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.group_size, args.max_tokens = 4, 2, 16
+    if args.smoke:
+        args.prompts, args.group_size, args.max_tokens = 2, 2, 4
     from pipeline.apps.inspect_log import per_token_bytes
     from pipeline.launch.rendezvous import free_port
     from pipeline.protocol.record import RecordSchema
@@ -150,4 +154,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from leftovers import no_process_left  # bench/ is this script's directory
+
+    with no_process_left():
+        main()

@@ -97,7 +97,9 @@ def measure(role: str, scfg, groups: list, run: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python bench/scorers.py")
-    p.add_argument("--quick", action="store_true", help="small workload (< 1 minute)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="small workload (< 1 minute)")
+    size.add_argument("--smoke", action="store_true", help="2 groups of 16-token completions: the report's keys, not its figures")
     p.add_argument("--teacher", action="store_true", help="also the vLLM teacher (heavy)")
     p.add_argument("--completion", type=int, default=128)
     a = p.parse_args(argv)
@@ -105,7 +107,9 @@ def main(argv: list[str] | None = None) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' shared helpers
     from support.reward_model import build_tiny_reward_model
 
-    n_groups = 16 if a.quick else 64
+    n_groups = 2 if a.smoke else 16 if a.quick else 64
+    if a.smoke:
+        a.completion = 16
     work = Path(tempfile.mkdtemp(prefix="bench-scorers-"))
     rm = build_tiny_reward_model(work / "rm", vocab_size=1024, hidden_size=256)
     groups = _groups(n_groups, 8, a.completion, 1000, 7)

@@ -526,7 +526,10 @@ def lora_sync(reps: int, rank: int = 8) -> dict:
 
 def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="< 1 minute; reports only")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="< 1 minute; reports only")
+    size.add_argument("--smoke", action="store_true", help="every part at its smallest (one repetition, a "
+                      "one-layer set, one update, short windows): the report's keys, not its figures")
     ap.add_argument("--part", choices=("all", "bandwidth", "stall", "layouts", "lora"), default="all")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per mode (a) and layout (c)")
     ap.add_argument("--model", default=None, help="generator model of (b): tiny-dense, tiny-moe or a "
@@ -547,6 +550,9 @@ def main() -> dict:
     if args.model is None:
         from pipeline.config import ModelConfig
         args.model = ModelConfig().name
+    if args.smoke:
+        args.reps, args.big_layers, args.big_vocab, args.updates, args.rounds = 1, 1, 4096, 1, 1
+        args.interval, args.batch, args.gen_tokens = 1.0, 4, 4  # the warm-up stays: first steps are slow
     args.reps = args.reps or (2 if args.quick else 7)
     args.big_layers = args.big_layers or (6 if args.quick else 20)
     args.updates = args.updates or (3 if args.quick else 8)

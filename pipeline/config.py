@@ -69,21 +69,19 @@ class ModelConfig:
     (families and options: pipeline.trainer.families)."""
     warmstart_steps: int | None = None
     """Supervised warm-start steps on the task before RL (0: start from the checkpoint as is;
-    None: 120 for the built-in tiny models, 0 for a checkpoint)."""
+    None: the task's `warmstart_steps` for the built-in tiny models (sort 300, others 120), 0 for a
+    checkpoint)."""
     warmstart_lr: float = 3e-3
     """Peak learning rate of the warm-start (tuned for the tiny models)."""
 
-    def warmstart_steps_or_default(self) -> int:
-        """`warmstart_steps`, or its default for `name` when None."""
+    def warmstart_steps_or_default(self, task) -> int:
+        """`warmstart_steps`, or its default for `name` and `task` (a Task; None: the synthetic
+        load, which has no warm-start) when None."""
         from pipeline.models.tiny import TINY_MODELS
 
         if self.warmstart_steps is not None:
             return self.warmstart_steps
-        return TINY_WARMSTART_STEPS if self.name in TINY_MODELS else 0
-
-
-#: Warm-start steps of the built-in tiny models (the demo) unless model.warmstart_steps says otherwise.
-TINY_WARMSTART_STEPS = 120
+        return task.warmstart_steps if self.name in TINY_MODELS and task is not None else 0
 
 
 @dataclass

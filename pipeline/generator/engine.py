@@ -106,6 +106,9 @@ class UpdateReport:
     prepared: bool = False
     """Staged only: every worker built the update's kernel form while generating, so the pause only
     swapped references (`pipeline/generator/kernel_swap.py`); else it was loaded in place."""
+    received_bytes: int = 0
+    """Bytes the weight channel counted receiving the update, at the worker that counted most (each
+    worker receives the whole update); 0 from a checkpoint."""
 
 
 class Generator:
@@ -331,7 +334,8 @@ class Generator:
             await self.engine.resume_generation()
             mode = "checkpoint" if path is not None else self.weight_sync
             return UpdateReport(self.version, time.monotonic() - t_pause, t_loaded - t_pause, t_pause - t0,
-                                mode, max(r["load_s"] for r in loaded), prepared)
+                                mode, max(r["load_s"] for r in loaded), prepared,
+                                max(r["received_bytes"] for r in loaded))
 
     async def _swap_at_once(self, load: tuple[str, int | None, str], version: int) -> list[dict]:
         """keep / keep_kv with the version known: pause, load, (reset the prefix cache,) relabel,

@@ -72,6 +72,7 @@ class WeightSyncExtension:
     """Methods vLLM mixes into its Worker (``self.model_runner``, ``self.rank`` come from the Worker)."""
 
     _tf_load_failed = False  # the last `load_version` raised: the next one checks for meta tensors
+    _tf_received_bytes = 0  # bytes the channel counted receiving the update loaded last (0: from a checkpoint)
 
     def _moe_layers(self) -> dict[str, tuple[Any, str | None | bool]]:
         if not hasattr(self, "_tf_moe"):
@@ -236,11 +237,14 @@ class WeightSyncExtension:
         returns its version."""
         from pipeline.generator.held_views import copy_held_views
 
-        update = self._channel().receive(stage=False, release=copy_held_views)
+        channel = self._channel()
+        before = channel.wire.reading()
+        update = channel.receive(stage=False, release=copy_held_views)
         try:
             self.load_hf_weights(update)
         finally:
             self._tf_carried = update.carried
+            self._tf_received_bytes = channel.wire.since(before).received
         return update.version
 
     def sync_buffer_bytes(self) -> dict[str, int]:
@@ -264,8 +268,10 @@ class WeightSyncExtension:
 
         def receive() -> None:
             try:
+                before = channel.wire.reading()
                 update = channel.receive(stage=True)
                 tensors = list(update)  # views that keep their buckets alive
+                result["received_bytes"] = channel.wire.since(before).received
                 result["prepared"] = self._prepare(tensors)
                 if result["prepared"] is None:
                     result["tensors"] = tensors
@@ -327,6 +333,7 @@ class WeightSyncExtension:
         self._tf_staging = None
         if "error" in result:
             raise result["error"]
+        self._tf_received_bytes = result["received_bytes"]
         if result["prepared"] is None:
             self.load_hf_weights(result["tensors"])
         else:
@@ -336,12 +343,14 @@ class WeightSyncExtension:
     def load_version(self, source: str, version: int | None, path: str = "") -> dict[str, Any]:
         """The driver's load inside a pause: ``source`` 'staged' (`load_received`), 'streamed'
         (`receive_weights`) or 'checkpoint' (`path`, holding `version`); returns the version
-        loaded and this worker's seconds loading it (``load_s``). Raises if the load failed, or if
+        loaded, this worker's seconds loading it (``load_s``) and the bytes its channel counted
+        receiving it (``received_bytes``; 0 from a checkpoint). Raises if the load failed, or if
         the load following a failed one left a tensor on the meta device."""
         import time
 
         t0 = time.perf_counter()
         complete = False
+        self._tf_received_bytes = 0
         try:
             if source == "checkpoint":
                 self.load_weights_from_safetensors(path)
@@ -356,7 +365,7 @@ class WeightSyncExtension:
         finally:
             self._tf_load_failed = not complete
             self._step_clock().swapped()
-        return {"version": version, "load_s": time.perf_counter() - t0}
+        return {"version": version, "load_s": time.perf_counter() - t0, "received_bytes": self._tf_received_bytes}
 
     def _step_clock(self):
         if getattr(self, "_tf_clock", None) is None:

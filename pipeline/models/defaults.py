@@ -6,7 +6,8 @@ the run directory's config.yaml then stores the resolved values, so every role (
 Rules (a field the user set is kept; each rule reads only the model's config and the task):
 - the model must be a supported family with supported options (pipeline.trainer.families): an
   unsupported checkpoint is refused here, naming the config field, before any process starts;
-- model.warmstart_steps: 120 for the built-in tiny models (the demo), 0 for a checkpoint;
+- model.warmstart_steps: the task's for the built-in tiny models (sort, the demo: 300; others 120), 0 for
+  a checkpoint;
 - generator.max_tokens: the task's completion budget (task.max_tokens; built-in sort/addition 32, jsonl 1024);
 - generator.max_num_seqs: 64 for the tiny models, 256 for a checkpoint;
 - generator.enforce_eager: on for the tiny models (start-up dominates a 2-minute demo), off for a checkpoint
@@ -94,15 +95,16 @@ def resolve_defaults(cfg) -> None:
 
     tiny = cfg.model.name in TINY_MODELS
     hf = model_config(cfg.model.name)
-    cfg.model.warmstart_steps = cfg.model.warmstart_steps_or_default()
+    # reads and validates the task's data here, before anything starts
+    task = make_task(cfg.task) if cfg.task.name != "synthetic" else None
+    cfg.model.warmstart_steps = cfg.model.warmstart_steps_or_default(task)
     g = cfg.generator
     if g.dtype == "auto":
         g.dtype = checkpoint_dtype(hf)
     for key, value in (TINY_GENERATOR if tiny else CHECKPOINT_GENERATOR).items():
         if getattr(g, key) is None:
             setattr(g, key, value)
-    if cfg.task.name != "synthetic":
-        task = make_task(cfg.task)  # reads and validates the task's data here, before anything starts
+    if task is not None:
         cfg.task.max_tokens, cfg.task.max_prompt_tokens = task.max_tokens, task.max_prompt_tokens
         if cfg.task.epochs is not None:
             needed = cfg.run.steps * cfg.orchestrator.groups_per_step

@@ -73,8 +73,8 @@ def pin_process(cores: list[int] | None) -> None:
 
 
 def agree_over_ranks(value: int, *, world: int, cuda: bool, op: str = "max") -> int:
-    """The max (or, with op='leader', rank 0's value) of `value` over the trainer ranks: a
-    collective every rank calls (a no-op with one rank)."""
+    """The max (or, with op='leader', rank 0's value; with op='sum', the sum) of `value` over the
+    trainer ranks: a collective every rank calls (a no-op with one rank)."""
     if world == 1:
         return value
     import torch
@@ -84,5 +84,5 @@ def agree_over_ranks(value: int, *, world: int, cuda: bool, op: str = "max") -> 
     if op == "leader":
         td.broadcast(t, src=0)
     else:
-        td.all_reduce(t, op=td.ReduceOp.MAX)
+        td.all_reduce(t, op=td.ReduceOp.SUM if op == "sum" else td.ReduceOp.MAX)
     return int(t.item())

@@ -92,6 +92,7 @@ class GeneratorRole:
         self.newest_epoch = 0  # newest weight group the trainer announced (its Regroup may wait in the queue)
         self.joinable_from = 1  # groups published before this process said Hello are its predecessor's
         self.sync_failures = 0
+        self.sync_bytes_received = 0  # bytes the channel counted receiving the version loaded last
         self.job = os.environ.get(JOB_ENV, "")  # the generator job it came with ("": the run's own)
 
     async def run(self) -> dict:
@@ -228,6 +229,7 @@ class GeneratorRole:
                     self.link.loaded_version = report.version
                     self.link.send_want()  # tell the orchestrator at once: admission waits for it
                     self.stall_s += report.paused_s
+                    self.sync_bytes_received = report.received_bytes
                     log.info("loaded version %d (epoch %d; queued %.3fs, switch %.3fs, receive %.3fs, "
                              "paused %.3fs, load %.3fs)", report.version, self.epoch, t_switch - arrived,
                              t_update - t_switch, report.staging_s, report.paused_s, report.load_s)
@@ -356,7 +358,8 @@ class GeneratorRole:
                          tokens=self.tokens, tokens_per_s=self.tokens / max(elapsed, 1e-9),
                          idle_frac=1 - busy / max(elapsed, 1e-9), stall_s=self.stall_s,
                          in_flight_groups=self.in_flight, unacked=len(self.link.unacked),
-                         sync_failures=self.sync_failures, weight_epoch=self.epoch, restart=self.task.restart,
+                         sync_failures=self.sync_failures, sync_bytes_received=self.sync_bytes_received,
+                         weight_epoch=self.epoch, restart=self.task.restart,
                          job=self.job)
 
 

@@ -55,21 +55,31 @@ BATCH_POLL_S = 1.0
 send the weights to, or none left at all (`WeightPusher.check_generators_left`)."""
 
 
+def warm_start_config(cfg: TokenflowConfig, task):
+    """The run's supervised warm-start on `task` (a WarmStartConfig), or None when it has none."""
+    steps = cfg.model.warmstart_steps_or_default(task)
+    if steps <= 0:
+        return None
+    from pipeline.models.warmstart import WarmStartConfig
+    from pipeline.tasks.prompting import PromptFormat
+
+    return WarmStartConfig(steps=steps, lr=cfg.model.warmstart_lr, prompt_format=PromptFormat.of(cfg.task, task),
+                           distractor_fraction=task.warmstart_distractor_fraction)
+
+
 def prepare_model(run_dir: Path, cfg: TokenflowConfig) -> Path:
     """The run's starting checkpoint (cached build), recorded in RUN/model.json for the other roles."""
     from pipeline.models.tiny import resolve_model
 
     path = resolve_model(cfg.model.name)
-    steps = cfg.model.warmstart_steps_or_default()
-    if steps > 0:
+    if cfg.task.name != "synthetic" and cfg.model.warmstart_steps != 0:
+        from pipeline.models.warmstart import ensure_warm_start
         from pipeline.tasks import make_task
-        from pipeline.models.warmstart import WarmStartConfig, ensure_warm_start
-        from pipeline.tasks.prompting import PromptFormat
 
         task = make_task(cfg.task)
-        ws = WarmStartConfig(steps=steps, lr=cfg.model.warmstart_lr, prompt_format=PromptFormat.of(cfg.task, task),
-                             distractor_fraction=task.warmstart_distractor_fraction)
-        path = ensure_warm_start(path, task, ws)
+        ws = warm_start_config(cfg, task)
+        if ws is not None:
+            path = ensure_warm_start(path, task, ws)
     publish_model(run_dir, path)
     return path
 
@@ -209,7 +219,8 @@ class TrainerRole:
                                  reward_mean=float(np.mean(batch.columns["reward"])),
                                  samples=len(batch), staleness_mean=float(stale.mean()),
                                  staleness_max=int(stale.max()), wait_s=t1 - t0, step_s=t2 - t1,
-                                 sync_s=sync_s, mismatch=mismatch, sync_failures=self.weights.sync_failures,
+                                 sync_s=sync_s, sync_bytes_sent=self.weights.sent_bytes,
+                                 mismatch=mismatch, sync_failures=self.weights.sync_failures,
                                  orchestrator_restarts=self.orchestrator.restarts,
                                  trainer_idle_frac=1 - busy / max(1e-9, time.monotonic() - t_run),
                                  **m)

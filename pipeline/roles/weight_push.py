@@ -24,7 +24,9 @@ Invariants:
   version at most once;
 - every decision that changes what a rank does next (failed, stopping, past the deadline, which
   epoch) is agreed by all trainer ranks first, so the ranks never disagree on a collective;
-- every rank runs its parameter gathers to the end, whatever happened to its sending.
+- every rank runs its parameter gathers to the end, whatever happened to its sending;
+- ``sent_bytes`` is what the sending ranks' channels counted on the wire for the last version
+  pushed (`pipeline.weights.group.WireBytes`), summed over the ranks, failed attempts included.
 
 Example: 2 trainer ranks with expert parallel size 2 (`senders=2`) and 2 generators of tensor
 parallel size 2 form a group of 2 + 2 x 2 = 6 ranks: senders 0 and 1, generator workers 2-5.
@@ -70,6 +72,7 @@ class WeightPusher:
         self.built_epochs = 0  # groups published so far (leader): the next one is built_epochs + 1
         self.pending = None  # the next group, forming in the background (leader; a GroupBuild)
         self.sent_version: int | None = None  # the version the group in use got last (leader)
+        self.sent_bytes = 0  # bytes the sending ranks counted for the last version pushed (all ranks)
 
     def push(self, version: int) -> float:
         """Stream version `version` to the generators; seconds it took. A collective over the ranks.
@@ -87,6 +90,7 @@ class WeightPusher:
         shards = ShardedWeights(self.trainer.model, self.trainer.hf_config)
         plan = BucketPlan.from_specs(shards.specs, int(self.cfg.run.weight_bucket_mb * 2**20))
         deadline = time.monotonic() + self.cfg.run.timeout_s  # generators may be restarting meanwhile
+        self.sent_bytes = sent = 0
         while True:
             failed, target = False, SKIP
             if self.leader:
@@ -101,11 +105,13 @@ class WeightPusher:
             if epoch == SKIP:  # agreed by every rank: no gathers, no broadcast, not reported
                 return time.monotonic() - t0
             tensors = shards.tensors()
+            channel = before = None
             try:
                 if epoch and shards.source is not None:
                     if shards.source > 0:
                         self._join_as_sender(epoch, shards.source)
                     first, t_send = self.sent_version is None, time.monotonic()
+                    channel, before = self.channel, self.channel.wire.reading()
                     self.channel.send_stream(version, plan, tensors)
                     if first and self.leader:
                         log.info("first broadcast into weight group epoch %d: version %d sent in %.3fs",
@@ -115,6 +121,8 @@ class WeightPusher:
                 log.error("weight sync of version %d failed (%s)", version, exc)
             for _ in tensors:  # every rank completes its gathers, whatever happened to the sending
                 pass
+            if before is not None:
+                sent += channel.wire.since(before).sent
             if not self.agree(int(failed or not epoch)):
                 self.sent_version = version
                 break
@@ -129,6 +137,7 @@ class WeightPusher:
             if self.leader:
                 log.error("regrouping the survivors")
                 self._wait_for_membership_change()
+        self.sent_bytes = self.agree(sent, op="sum")
         if self.leader:
             self.link.report_version(version)
         return time.monotonic() - t0

@@ -61,6 +61,8 @@ class Task(abc.ABC):
     """Distinct training prompts of a dataset task; None for a generated task (endless fresh draws)."""
     warmstart_distractor_fraction: float = 0.5
     """Share of the warm-start's demonstrations replaced by `distractor_completion` (pipeline.models.warmstart)."""
+    warmstart_steps: int = 120
+    """Warm-start steps of the built-in tiny models on this task (model.warmstart_steps left None)."""
 
     def prompt_id(self, seed: int, position: int) -> int:
         """Id of the prompt at `position` of seed `seed`'s training stream (generated: the position)."""

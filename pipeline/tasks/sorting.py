@@ -28,6 +28,8 @@ class SortDigitsTask(Task):
     name = "sort"
     max_tokens = 32
     max_prompt_tokens = 32  # "sort " + at most 8 digits + the chat template
+    warmstart_distractor_fraction = 0.65  # greedy prefers the wrong order at first (pipeline.models.warmstart)
+    warmstart_steps = 300  # long enough to sort well in either order (the module docstring)
 
     def __init__(self, min_digits: int = 6, max_digits: int = 8, eval_size: int = 200):
         if not 1 <= min_digits <= max_digits:

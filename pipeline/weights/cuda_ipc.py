@@ -23,7 +23,10 @@ Invariants:
 - the sender keeps every exported bucket alive until the receiver is done with it (CUDA IPC memory
   must outlive its mappings): `CudaIpcExport.hold` / the acknowledgements above;
 - a document whose plan does not match its buckets' sizes is refused with `WeightSyncError`;
-- every wait has the channel's timeout; a peer that dies makes the other raise `WeightSyncError`.
+- every wait has the channel's timeout; a peer that dies makes the other raise `WeightSyncError`;
+- ``wire`` counts at each store call the bytes of the value written (sent) or read (received), and
+  each bucket's bytes once where it changes hands: sent when its handle is published, received
+  when it is opened; so the receiver counts what the sender sent, and the other way round (acks).
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 import msgpack
 
 from pipeline.weights.buckets import Assembly, BucketPlan, BufferRing, pack, unpack
-from pipeline.weights.group import ReceivedWeights, Release, WeightChannel, WeightSyncError
+from pipeline.weights.group import ReceivedWeights, Release, WeightChannel, WeightSyncError, WireBytes
 
 if TYPE_CHECKING:
     import torch
@@ -123,6 +126,7 @@ class CudaIpcChannel(WeightChannel):
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.buffers = BufferRing(self.device)
+        self.wire = WireBytes()
         try:
             store = dist.TCPStore(host, port, 2, is_master=(rank == 0), timeout=self.timeout,
                                   wait_for_workers=False)
@@ -134,10 +138,16 @@ class CudaIpcChannel(WeightChannel):
 
     def _get(self, key: str, what: str) -> bytes:
         try:
-            return self._store.get(key)
+            value = self._store.get(key)
         except RuntimeError as e:  # DistStoreError (timeout, peer gone) is a RuntimeError
             raise WeightSyncError(f"rank {self.rank}: {what} did not arrive within "
                                   f"{self.timeout.total_seconds():.0f} s (did the peer die?): {e}") from e
+        self.wire.received += len(value)
+        return value
+
+    def _set(self, key: str, value: bytes) -> None:
+        self._store.set(key, value)
+        self.wire.sent += len(value)
 
     def send_stream(self, version: int, plan: BucketPlan, named: Iterable[tuple[str, "torch.Tensor"]]) -> None:
         import torch
@@ -146,11 +156,12 @@ class CudaIpcChannel(WeightChannel):
             raise WeightSyncError("rank 1 of a CUDA IPC channel receives; it cannot send")
         n = self._updates
         self._updates += 1
-        self._store.set(f"u{n}/meta", msgpack.packb({"version": int(version), "plan": plan.to_wire()}))
+        self._set(f"u{n}/meta", msgpack.packb({"version": int(version), "plan": plan.to_wire()}))
         count = 0
         for k, bucket in enumerate(pack(plan, named, self.device, self.buffers)):
             torch.cuda.current_stream(self.device).synchronize()  # written before it is read elsewhere
-            self._store.set(f"u{n}/b{k}", msgpack.packb(_share(bucket, f"bucket {k}"), use_bin_type=True))
+            self._set(f"u{n}/b{k}", msgpack.packb(_share(bucket, f"bucket {k}"), use_bin_type=True))
+            self.wire.sent += bucket.numel()
             count = k + 1
             if k >= 1:  # the next bucket goes into this one's predecessor's buffer
                 self._get(f"u{n}/ack{k - 1}", f"the acknowledgement of bucket {k - 1} of version {version}")
@@ -181,18 +192,19 @@ class CudaIpcChannel(WeightChannel):
                 if not stage and release is not None:  # the sender may reuse bucket k-2's memory now
                     update.carried += release(mapped[0])
                 mapped = mapped[1:]
-                self._store.set(f"u{n}/ack{k - 2}", b"1")
+                self._set(f"u{n}/ack{k - 2}", b"1")
             entry = msgpack.unpackb(self._get(f"u{n}/b{k}", f"bucket {k}/{count} of version {version}"), raw=False)
             if entry["numel"] != size:
                 raise WeightSyncError(f"bucket {k} of version {version} has {entry['numel']} bytes, plan {size}")
             bucket = _open(entry)
+            self.wire.received += size
             mapped.append(bucket)
             yield bucket.clone() if stage else bucket
             if stage:  # copied: the sender may reuse it at once
-                self._store.set(f"u{n}/ack{k}", b"1")
+                self._set(f"u{n}/ack{k}", b"1")
         if not stage:
             for k in range(max(0, count - 2), count):
-                self._store.set(f"u{n}/ack{k}", b"1")
+                self._set(f"u{n}/ack{k}", b"1")
 
     def close(self) -> None:
         self.buffers.release()

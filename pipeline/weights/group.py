@@ -41,6 +41,11 @@ tensor's reassembly memory (`Assembly.target`), not into a buffer. E.g. a 622 MB
 bucket with the next tensors, is copied out of the bucket on the receiver. A streamed receive
 reassembles in the memory of the channel's previous streamed receive (an assembled tensor stays
 valid until the next `receive`), so no update page-faults fresh memory in under gloo's writes.
+Counted bytes: each end counts what it moves in `WireBytes` (``channel.wire``), at every
+broadcast it starts, as the root (``sent``) or a receiver (``received``): the metadata (8 bytes of
+length, then the msgpack document) and each bucket's segments. So an update's counted bytes are
+the tensors' bytes, plus the alignment padding inside packed runs, plus the metadata; every
+receiver counts what the senders together counted (tests/test_weights.py, test_weight_layouts.py).
 Every call waits at most ``timeout_s``; a peer that dies mid-update makes the survivors raise
 `WeightSyncError` (naming the step that failed) within that time instead of hanging.
 """
@@ -61,6 +66,26 @@ if TYPE_CHECKING:
 
 Release = Callable[["torch.Tensor"], int]
 """Called with a streaming buffer about to be reused: copy the views of it still held; returns bytes copied."""
+
+
+@dataclass
+class WireBytes:
+    """Bytes one end of a weight channel moved, counted at each broadcast or store call it made
+    (not computed from a plan); cumulative over the channel's life, an update's are the difference
+    of two readings (`since`)."""
+
+    sent: int = 0
+    """Bytes this end sent: broadcast as the root, or written to the channel's store."""
+    received: int = 0
+    """Bytes this end received: by broadcast, or read from the channel's store."""
+
+    def since(self, before: "WireBytes") -> "WireBytes":
+        """The bytes moved after the reading `before`."""
+        return WireBytes(self.sent - before.sent, self.received - before.received)
+
+    def reading(self) -> "WireBytes":
+        """A copy of the counts now."""
+        return WireBytes(self.sent, self.received)
 
 
 class WeightSyncError(RuntimeError):
@@ -100,6 +125,8 @@ class WeightChannel(abc.ABC):
     """Where buckets must live to be sent (None: wherever the tensors are)."""
     buffers: BufferRing
     """This end's streaming buffers (bytes allocated: ``buffers.allocated``)."""
+    wire: WireBytes
+    """Bytes this end sent and received so far, counted at each call (see `WireBytes`)."""
 
     @abc.abstractmethod
     def send_stream(self, version: int, plan: BucketPlan, named: Iterable[tuple[str, "torch.Tensor"]]) -> None:
@@ -141,6 +168,7 @@ class TorchDistChannel(WeightChannel):
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
         self.buffers = BufferRing(self.device, slots=2)
+        self.wire = WireBytes()
         receivers = world_size - senders
         mine = [rank] if rank < senders else range(senders)
         self._pgs: dict[int, Any] = {}
@@ -174,9 +202,15 @@ class TorchDistChannel(WeightChannel):
         opts.rootRank = 0
         opts.timeout = self.timeout
         try:
-            return self._pgs[source].broadcast([tensor], opts)
+            work = self._pgs[source].broadcast([tensor], opts)
         except RuntimeError as e:
             raise WeightSyncError(f"rank {self.rank}: broadcast of {what} failed to start: {e}") from e
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.rank == source:  # the root of its own group
+            self.wire.sent += nbytes
+        else:
+            self.wire.received += nbytes
+        return work
 
     def _wait(self, work, what: str) -> None:
         try:

@@ -55,6 +55,13 @@ def test_async_run_learns_through_versions_and_loses_nothing(async_run):
     from pipeline.apps.ops import format_status, run_status
     assert f"mismatch   step 0: {steps[0]['mismatch']:.2e}" in format_status(run_status(run))
     assert any(s["grad_norm"] > 0 for s in steps), "the policy never changed"
+    # bytes counted on the wire by both ends, beside the planned figure: every update the same
+    # count, the planned tensor bytes plus the metadata and the padding inside packed runs (a few
+    # KiB), and what the generator counted receiving is what the trainer counted sending
+    sent = {s["sync_bytes_sent"] for s in steps}
+    assert len(sent) == 1 and 0 < sent.pop() - steps[0]["sync_bytes"] < 1 << 16, steps[0]
+    received = {g["sync_bytes_received"] for g in read_metrics(run, "generator") if g["version"] >= 1}
+    assert received == {steps[0]["sync_bytes_sent"]}, received
     evals = list(read_metrics(run, "eval"))
     assert [e["step"] for e in evals] == [0, 3, 6] and all(e["n"] == 200 for e in evals)
     with RolloutLog.open(run) as log:

@@ -1,22 +1,162 @@
-"""bench/weight_sync.py's bandwidth part runs end to end and reports what it measured.
+"""Every benchmark runs end to end in its smoke mode and reports what its full mode reports.
 
-Two real processes over a real gloo `TorchDistChannel`; small sizes and one repetition keep it to
-a few seconds. No timing is asserted: only that every mode moved every byte and the report is
-complete and consistent (the benchmark itself raises when a mode receives the wrong byte count).
+Each ``bench/*.py --smoke`` runs its real harness (real processes, sockets, engines, files) at its
+smallest sizes; a smoke mode only chooses sizes, so its JSON report (the last line of stdout) has
+the keys of the full mode's, pinned here (`REPORT_KEYS`): a benchmark whose harness broke, or whose
+report lost or renamed a field, fails here. Adding a field to a report: add it here too. The
+figures themselves mean nothing at these sizes and are not checked beyond being well-formed; no
+timing is asserted. Each benchmark checks for processes it left behind (`bench/leftovers.py`) and
+exits 1 if it finds one. The default suite runs the smoke modes of ingest and scorers (95 s with
+the bandwidth test below on a loaded 2-core machine); the others, whose vLLM engine and trainer
+start-ups take about a minute each, are marked slow (their costs in their docstrings). Besides,
+the weight_sync bandwidth part at quick sizes is checked in detail (every mode moved every byte).
 """
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "weight_sync.py"
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+INGEST_FILESYSTEM_KEYS = {
+    "fstype", "dir", "tokens", "groups", "orchestrator_cpu_s_per_1M_tokens", "raw_zmq_cpu_s_per_1M_tokens",
+    "raw_h5py_cpu_s_per_1M_tokens", "efficiency_vs_slower_baseline", "orchestrator_wall_tokens_per_s",
+    "ack_flush_ms_median", "ack_flush_ms_p99", "seal_s", "seal_mb"}
+"""bench/ingest.py: the figures of one filesystem (`measure`, plus its type)."""
+
+SCORER_ROLE_KEYS = {"samples", "errors", "remote_samples_per_s", "in_process_samples_per_s", "ratio"}
+
+REPORT_KEYS = {
+    "ingest": {"benchmark", "mode", "quick", "local", "netfs_measured", "target_cpu_s_per_1M_tokens",
+               "target_efficiency", "meets_targets"},
+    "scorers": {"benchmark", "groups", "group_size", "completion_tokens", "roles"},
+    "generator": {"bench", "model", "groups", "group_size", "max_tokens", "rounds", "enforce_eager",
+                  "engine_start_s", "vllm_tok_s", "driver_tok_s", "ratio", "target"},
+    "episodes": {"bench", "groups", "group_size", "max_turns", "max_tokens", "rounds", "mean_model_turns",
+                 "env_token_share", "episode_tok_s", "single_tok_s", "episode_model_tok_s", "ratio"},
+    "routing_mismatch": {
+        "samples", "completion_tokens", "mismatch_own_routing", "mismatch_replayed_routing",
+        "mismatch_ratio_replayed_over_own", "trainer_routing_differ_frac_own",
+        "trainer_routing_differ_token_frac_own", "trainer_routing_differ_frac_replayed",
+        "trainer_routing_differ_token_frac_replayed", "hf_fp32_routed_differently_fraction",
+        "routing_bytes_per_prompt_token", "routing_bytes_per_completion_token", "mask_bytes_per_token_width_64"},
+    "weight_sync": {"bench", "quick", "model", "bucket_bytes", "bandwidth", "bandwidth_target", "bandwidth_met",
+                    "stall", "stall_target", "stall_met", "engine_gap_met", "layouts", "lora",
+                    "machine_load_1min", "wall_s"},
+    "async_vs_sync": {"bench", "quick", "steps", "workload", "T_sync_s", "T_async_s", "T_sync_process_s",
+                      "T_async_process_s", "S", "S_process", "S_per_token", "sum_T_gen_s", "sum_T_train_s",
+                      "fill_s", "B", "S_over_B", "target", "met", "trainer_idle_frac_sync",
+                      "trainer_idle_frac_async", "shared_prompt_frac", "machine_load_1min", "runs"},
+    "recovery": {"bench", "mode", "generators", "two_over_one"},
+}
+"""Top-level keys of each benchmark's report, in every mode."""
+
+
+def test_every_benchmark_has_a_smoke_test():
+    benches = {p.stem for p in BENCH.glob("*.py")} - {"leftovers"}  # leftovers.py is their shared check
+    assert benches == set(REPORT_KEYS)
+
+
+def _smoke(name: str, *extra: str) -> dict:
+    proc = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--smoke", *extra], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, f"{name} --smoke exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(report) - {"netfs"} == REPORT_KEYS[name], set(report) ^ REPORT_KEYS[name]
+    return report
+
+
+def _finite(*values) -> bool:
+    return all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
+
+
+def test_ingest_smoke(tmp_path):
+    """6-21 s for both filesystems on a loaded 2-core machine. Also the old failure of ``--quick``: its raw ZeroMQ sender, a second copy of the script,
+    checked for leftover processes itself, found its sibling receiver and was killed (or killed it)."""
+    report = _smoke("ingest", "--local", str(tmp_path))
+    assert report["mode"] == "smoke"
+    for where in ("local", "netfs") if report["netfs_measured"] else ("local",):
+        figures = report[where]
+        assert set(figures) == INGEST_FILESYSTEM_KEYS, where
+        assert figures["groups"] > 0 and figures["tokens"] > 0
+        assert _finite(figures["orchestrator_cpu_s_per_1M_tokens"], figures["raw_zmq_cpu_s_per_1M_tokens"],
+                       figures["raw_h5py_cpu_s_per_1M_tokens"], figures["ack_flush_ms_p99"])
+
+
+def test_scorers_smoke():
+    """30-65 s on a loaded 2-core machine (two scorer processes)."""
+    report = _smoke("scorers")
+    assert set(report["roles"]) == {"reward_model", "process_reward"}
+    for role, figures in report["roles"].items():
+        assert set(figures) == SCORER_ROLE_KEYS and figures["errors"] == 0, role
+        assert figures["samples"] == report["groups"] * report["group_size"]
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_generator_smoke():
+    """58 s on a loaded 2-core machine, most of it the vLLM engine's start-up."""
+    report = _smoke("generator")
+    assert report["vllm_tok_s"] > 0 and report["driver_tok_s"] > 0 and _finite(report["ratio"])
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_episodes_smoke():
+    """76 s on a loaded 2-core machine (the vLLM engine's start-up dominates)."""
+    report = _smoke("episodes")
+    assert report["episode_tok_s"] > 0 and 0 <= report["env_token_share"] < 1
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_routing_mismatch_smoke():
+    """64 s on a loaded 2-core machine (a vLLM engine, a megatron trainer, transformers)."""
+    report = _smoke("routing_mismatch")
+    assert report["samples"] == 4 and report["completion_tokens"] > 0
+    assert _finite(report["mismatch_own_routing"], report["mismatch_replayed_routing"])
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_weight_sync_smoke():
+    """183 s on a loaded 2-core machine (four parts: a vLLM engine, megatron TP2 x EP2 and LoRA syncs)."""
+    report = _smoke("weight_sync")
+    assert set(report["bandwidth"]["sets"]) == {"tiny-dense", "tiny-moe", "big"}
+    assert set(report["layouts"]) >= {"tp1", "tp2xep2"} and set(report["lora"]) >= {"full", "adapters"}
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_async_vs_sync_smoke():
+    """105 s on a loaded 2-core machine with its warm-start cached (two `tokenflow train` runs of one
+    step, at once), plus 140 s to build that warm-start in a fresh cache."""
+    report = _smoke("async_vs_sync")
+    assert report["steps"] == 1 and set(report["runs"]) == {"sync", "async"}
+    assert all(r["steps"] == 1 for r in report["runs"].values())
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_recovery_smoke():
+    """About 2 minutes on a 2-core machine (a one-generator run, the orchestrator killed once)."""
+    report = _smoke("recovery")
+    pauses = report["generators"]["1"]
+    assert report["mode"] == "smoke" and _finite(pauses["orchestrator"])
 
 
 def test_weight_sync_bandwidth_quick_reports_every_mode():
-    proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--part", "bandwidth", "--reps", "1",
-                           "--big-layers", "1", "--big-vocab", "4096"], capture_output=True, text=True, timeout=300)
+    """bench/weight_sync.py's bandwidth part at quick sizes, one repetition: every mode moved every
+    byte and the report is complete and consistent (the benchmark itself raises when a mode
+    receives the wrong byte count). Two real processes over a real gloo `TorchDistChannel`."""
+    proc = subprocess.run([sys.executable, str(BENCH / "weight_sync.py"), "--quick", "--part", "bandwidth",
+                           "--reps", "1", "--big-layers", "1", "--big-vocab", "4096"],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["bench"] == "weight_sync" and "stall" not in report and "layouts" not in report

@@ -102,11 +102,12 @@ def _trainer_rank(rank: int, a: dict) -> dict:
         channel = TorchDistChannel("127.0.0.1", a["weight_port"], shards.source, shards.senders + a["receivers"],
                                    a["timeout_s"], senders=shards.senders)
     sent: list[str] = []
-    times = []
+    times, wire = [], []
     for version in range(1, a["reps"] + 1):
         torch.distributed.barrier()
         t0 = time.perf_counter()
         tensors = shards.tensors()
+        before = channel.wire.reading() if channel is not None else None
         if channel is not None:
             def named():
                 for name, t in tensors:
@@ -118,7 +119,10 @@ def _trainer_rank(rank: int, a: dict) -> dict:
             pass
         torch.distributed.barrier()
         times.append(time.perf_counter() - t0)
-    result = {"rank": rank, "source": shards.source, "sent": sent, "sync_s": times,
+        counted = channel.wire.since(before) if channel is not None else None
+        wire.append([counted.sent, counted.received] if counted is not None else [0, 0])
+    result = {"rank": rank, "source": shards.source, "sent": sent, "sync_s": times, "wire": wire,
+              "sync_bytes": trainer.sync_bytes,
               "plan_buckets": len(plan.sizes), "plan_bytes": plan.total_bytes, "max_bucket": max(plan.sizes),
               "buffers_allocated": channel.buffers.allocated if channel else 0,
               "buffers_resident": channel.buffers.resident if channel else 0}
@@ -148,9 +152,10 @@ def _receiver(index: int, a: dict) -> dict:
         n for n in where if re.search(r"(q|k|v|o|gate|up|down)_proj\.weight$", n)}
     channel = TorchDistChannel("127.0.0.1", a["weight_port"], senders + index, senders + a["receivers"],
                                a["timeout_s"], senders=senders)
-    versions, times, mismatched, names = [], [], [], []
+    versions, times, mismatched, names, wire, planned = [], [], [], [], [], []
     for _ in range(a["reps"]):
         t0 = time.perf_counter()
+        before = channel.wire.reading()
         update = channel.receive()
         names = []
         for name, t in (update if merger is None else merger.merged(update)):
@@ -160,12 +165,31 @@ def _receiver(index: int, a: dict) -> dict:
                 mismatched.append(name)
         times.append(time.perf_counter() - t0)
         versions.append(update.version)
+        counted = channel.wire.since(before)
+        wire.append([counted.sent, counted.received])
+        planned.append(_planned_wire_bytes(update.version, update.plan))
     result = {"index": index, "versions": versions, "receive_s": times, "tensors": len(names),
+              "wire": wire, "planned_wire": planned,
               "unique": len(set(names)), "checkpoint_tensors": len(where), "mismatched": mismatched[:10],
               "mismatched_count": len(mismatched), "missing": sorted(expected - set(names))[:10],
               "buffers_allocated": channel.buffers.allocated, "buffers_resident": channel.buffers.resident}
     channel.close()
     return result
+
+
+def _planned_wire_bytes(version: int, plan) -> dict[str, int]:
+    """What the plan says an update puts on the wire: the metadata (int64 length + msgpack
+    document, `pipeline.weights.group`) and each bucket's `segments` (tensors and the padding
+    inside packed runs); ``tensor_bytes``: the tensors' own bytes."""
+    import msgpack
+
+    from pipeline.weights.buckets import segments
+
+    meta = len(msgpack.packb({"version": int(version), "plan": plan.to_wire()}))
+    payload = sum(end - start for slots, size in zip(plan.buckets, plan.sizes)
+                  for start, end, _ in segments(slots, size))
+    tensor_bytes = sum(slot.nbytes for slots in plan.buckets for slot in slots)
+    return {"metadata": 8 + meta, "payload": payload, "tensor_bytes": tensor_bytes}
 
 
 def main() -> None:

@@ -166,7 +166,7 @@ def test_demo_defaults_are_the_old_demo_values():
     cfg = TokenflowConfig()
     validate(cfg)
     g = cfg.generator
-    assert cfg.model.warmstart_steps == 120 and cfg.task.max_tokens == 32
+    assert cfg.model.warmstart_steps == 300 and cfg.task.max_tokens == 32
     assert (g.max_tokens, g.max_num_seqs, g.enforce_eager, g.kv_cache_gib) == (32, 64, True, 1)
     assert g.max_model_len == 32 + 32
     assert g.dtype == "float32" == cfg.trainer.parallel.params_dtype  # auto: the checkpoint's, as the trainer's

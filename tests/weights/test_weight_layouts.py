@@ -14,6 +14,7 @@ pytestmark = pytest.mark.engine
 
 
 def test_tp2_ep2_streams_each_expert_from_its_owner_and_receivers_get_the_checkpoint(tmp_path):
+    """Also the bytes test of an expert-parallel layout: what both ends counted agrees."""
     from pipeline.models.tiny import ensure_tiny_model
     from support.layout_check import run
 
@@ -41,3 +42,16 @@ def test_tp2_ep2_streams_each_expert_from_its_owner_and_receivers_get_the_checkp
     for t in (by_rank[0], by_rank[2]):  # 0 when every bucket of a sender is one tensor's bytes (sent uncopied)
         assert 0 <= t["buffers_allocated"] <= 2 * t["max_bucket"]
     assert by_rank[0]["buffers_allocated"] > 0  # the leader packs the small dense tensors
+    # counted, not computed: per update the bytes each receiver counted are what the two sending
+    # ranks counted together; the non-sending ranks moved none; the count is the plan's segments
+    # plus the metadata, and the tensors' bytes are what the trainer planned at its start
+    # (sync_bytes: every sender's tensors; the padding inside packed runs comes on top)
+    for version in range(2):
+        sent = by_rank[0]["wire"][version][0] + by_rank[2]["wire"][version][0]
+        assert by_rank[1]["wire"][version] == by_rank[3]["wire"][version] == [0, 0]
+        for recv in r["receivers"]:
+            planned = recv["planned_wire"][version]
+            assert recv["wire"][version] == [0, sent], (version, recv["wire"], sent)
+            assert sent == planned["metadata"] + planned["payload"]
+            assert planned["tensor_bytes"] == by_rank[0]["sync_bytes"]
+            assert 0 <= planned["payload"] - planned["tensor_bytes"] < 64 * len(by_rank[0]["sent"] + by_rank[2]["sent"])

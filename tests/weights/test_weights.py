@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 
+import msgpack
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -235,14 +236,14 @@ SPLIT_SENDER = textwrap.dedent("""
     for version in (1, 2, 3):  # received streamed, streamed, then staged
         named_v = [(n, t * version if n == "embed" else t) for n, t in named]
         ch.send_stream(version, BucketPlan.for_tensors(named_v, bucket), named_v)
-    print(ch.buffers.allocated, flush=True)
+    print(ch.buffers.allocated, ch.wire.sent, ch.wire.received, flush=True)
     ch.close()
 """)
 
 
 def test_a_tensor_of_two_and_a_half_buckets_round_trips_within_two_buckets_of_buffers(monkeypatch):
-    """Streamed and staged receives of a tensor split over three buckets: exact bytes; the counted
-    buffers of either end stay within two buckets; the reassembly costs the
+    """Streamed and staged receives of a tensor split over three buckets: exact bytes, and the bytes
+    both ends counted on the wire are the tensors' and the metadata's; the counted buffers of either end stay within two buckets; the reassembly costs the
     tensor's own size, once: a second streamed update reassembles in the first one's memory, a
     staged one in memory of its own. Its pieces travel as segments of their own (ALONE_BYTES)."""
     from pipeline.weights import buckets
@@ -256,8 +257,9 @@ def test_a_tensor_of_two_and_a_half_buckets_round_trips_within_two_buckets_of_bu
         gen = torch.Generator().manual_seed(11)
         big = torch.randn(5 * bucket // 8, generator=gen)
         want = {"small": torch.arange(7), "embed": big, "tail": torch.randn(3, generator=gen).bfloat16()}
-        embed_memory = []
+        embed_memory, received = [], 0
         for version, stage in ((1, False), (2, False), (3, True)):
+            before = ch.wire.reading()
             update = ch.receive(stage=stage)
             assert [[(s.name, s.part_start) for s in b] for b in update.plan.buckets] == \
                 [[("small", 0)], [("embed", 0)], [("embed", bucket)], [("embed", 2 * bucket), ("tail", 0)]]
@@ -268,12 +270,20 @@ def test_a_tensor_of_two_and_a_half_buckets_round_trips_within_two_buckets_of_bu
                     embed_memory.append(t.data_ptr())
             want["embed"] = big * version
             assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+            # counted at the receiver: the tensors' bytes (no padding falls inside a packed run
+            # here) and the metadata (its length, int64, then the msgpack document)
+            meta = msgpack.packb({"version": version, "plan": update.plan.to_wire()})
+            counted = ch.wire.since(before)
+            assert counted.received == 8 + len(meta) + sum(t.numel() * t.element_size() for t in want.values())
+            assert counted.sent == 0
+            received += counted.received
             assert update.assembly.allocated == (0 if version == 2 else big.numel() * 4)
         assert embed_memory[1] == embed_memory[0] != embed_memory[2]
         assert ch.buffers.allocated <= 2 * bucket  # the streamed receives; staged buckets are kept by design
         ch.close()
-        sent = int(proc.stdout.readline())
-        assert 0 < sent <= 2 * bucket, f"the sender allocated {sent} B of buffers for {bucket} B buckets"
+        allocated, sent, sender_received = map(int, proc.stdout.readline().split())
+        assert 0 < allocated <= 2 * bucket, f"the sender allocated {allocated} B of buffers for {bucket} B buckets"
+        assert (sent, sender_received) == (received, 0), "the two ends counted different bytes"
         assert proc.wait(timeout=30) == 0
     finally:
         proc.kill()
@@ -439,6 +449,7 @@ IPC_SENDER = textwrap.dedent("""
                  torch.bfloat16 if i % 2 else torch.float32)) for i in range(9)]
         ch.send_tensors(version, named, bucket_bytes=1 << 14)
         assert ch.buffers.allocated <= 2 * (1 << 14), ch.buffers.allocated
+    print(ch.wire.sent, ch.wire.received, flush=True)
     ch.close()
 """)
 
@@ -451,9 +462,10 @@ def test_cuda_ipc_channel_streams_buckets_to_a_process_on_the_same_gpu(stage):
     from pipeline.weights.cuda_ipc import CudaIpcChannel
 
     port = free_port("127.0.0.1")
-    proc = subprocess.Popen([sys.executable, "-c", IPC_SENDER, str(port)])
+    proc = subprocess.Popen([sys.executable, "-c", IPC_SENDER, str(port)], stdout=subprocess.PIPE, text=True)
     try:
         ch = CudaIpcChannel("127.0.0.1", port, 1, timeout_s=60)
+        payload = 0
         for version in (1, 2, 3):
             gen = torch.Generator(device="cuda").manual_seed(version)
             expected = [(f"w{i}", torch.randn(3000 + 700 * i, device="cuda", generator=gen).to(
@@ -463,7 +475,13 @@ def test_cuda_ipc_channel_streams_buckets_to_a_process_on_the_same_gpu(stage):
             assert update.version == version and len(update.plan.sizes) > 2
             assert [n for n, _ in got] == [n for n, _ in expected]
             assert all(a.is_cuda and torch.equal(a, b) for (_, a), (_, b) in zip(got, expected))
+            payload += sum(update.plan.sizes)
         assert ch.buffers.allocated == 0, "the receiver maps the sender's buffers; it allocates none"
+        # counted at both ends: the buckets handed over and every store document (plans, handles,
+        # acknowledgements the other way) are counted alike by their sender and their receiver
+        sent, received = map(int, proc.stdout.readline().split())
+        assert (ch.wire.received, ch.wire.sent) == (sent, received) and received > 0
+        assert payload < ch.wire.received < payload + (1 << 16), (payload, ch.wire.received)
         ch.close()
         assert proc.wait(timeout=60) == 0
     finally:
