@@ -11,8 +11,11 @@ in 0.06 s. Through this channel the driver asks each worker's listener thread di
 calls the worker's ``start_receiving`` (which only starts the background receive) and answers.
 
 Invariants (imports neither vLLM nor torch):
-- the worker's listener is a daemon thread of the worker process with one ZeroMQ REP socket on an
-  abstract Unix socket (no file to leave behind), started once (`ReceivePostListener.address`);
+- the worker's listener is a daemon thread of the worker process with one ZeroMQ REP socket on a
+  Unix socket inside a fresh directory of mode 0700 (`tempfile.mkdtemp`), started once
+  (`ReceivePostListener.address`): no other user can connect (an abstract socket has no
+  permissions: any local user could trigger a receive); the directory is removed at exit (a
+  killed worker leaves an empty one in the temp directory);
 - a request is a msgpack ``{"version": v}``; the answer is msgpack ``{"ok": true}`` or
   ``{"ok": false, "error": text}`` (no pickle); a malformed request gets an error answer;
 - the driver waits at most ``timeout_s`` for each answer (`ReceivePoster.post`), raising
@@ -24,9 +27,10 @@ Invariants (imports neither vLLM nor torch):
 """
 from __future__ import annotations
 
-import os
+import atexit
+import shutil
+import tempfile
 import threading
-import uuid
 from typing import Callable
 
 import msgpack
@@ -39,7 +43,9 @@ class ReceivePostListener:
         import zmq
 
         self._start = start
-        self.address = f"ipc://@tokenflow-receive-post-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        directory = tempfile.mkdtemp(prefix="tokenflow-receive-post-")  # mode 0700, ours
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        self.address = f"ipc://{directory}/socket"
         self._socket = zmq.Context.instance().socket(zmq.REP)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(self.address)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 import msgpack
 
 from pipeline.weights.buckets import Assembly, BucketPlan, BufferRing, pack, unpack
-from pipeline.weights.group import ReceivedWeights, Release, WeightChannel, WeightSyncError
+from pipeline.weights.group import ReceivedWeights, Release, WeightChannel, WeightSyncError, open_store
 
 if TYPE_CHECKING:
     import torch
@@ -124,8 +124,7 @@ class CudaIpcChannel(WeightChannel):
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.buffers = BufferRing(self.device)
         try:
-            store = dist.TCPStore(host, port, 2, is_master=(rank == 0), timeout=self.timeout,
-                                  wait_for_workers=False)
+            store = open_store(host, port, 2, rank == 0, self.timeout)
         except (RuntimeError, OSError) as e:
             raise WeightSyncError(f"rank {rank} could not reach the CUDA IPC channel at {host}:{port} "
                                   f"within {timeout_s:.0f} s: {e}") from e

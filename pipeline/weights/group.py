@@ -43,6 +43,11 @@ reassembles in the memory of the channel's previous streamed receive (an assembl
 valid until the next `receive`), so no update page-faults fresh memory in under gloo's writes.
 Every call waits at most ``timeout_s``; a peer that dies mid-update makes the survivors raise
 `WeightSyncError` (naming the step that failed) within that time instead of hanging.
+
+The rendezvous store (`open_store`) listens only on ``host``'s address (torch's TCPStore given
+127.0.0.1 listens on every interface; here rank 0 binds the socket itself and hands it over as
+``master_listen_fd``). The store and the broadcasts carry no authentication: the cluster fabric
+and the node's users who can reach the address are trusted with the weights (docs/security.md).
 """
 from __future__ import annotations
 
@@ -125,6 +130,29 @@ class WeightChannel(abc.ABC):
         return plan
 
 
+def open_store(host: str, port: int, world_size: int, is_master: bool, timeout: datetime.timedelta):
+    """The weight group's TCPStore; rank 0 (``is_master``) listens on ``host``'s address only."""
+    import socket
+
+    import torch.distributed as dist
+
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(1024)
+        store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=listener.fileno())
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store's server owns the socket now
+    return store
+
+
 class TorchDistChannel(WeightChannel):
     """Broadcasts over private process groups (see the module docstring for ranks and protocol)."""
 
@@ -145,8 +173,7 @@ class TorchDistChannel(WeightChannel):
         mine = [rank] if rank < senders else range(senders)
         self._pgs: dict[int, Any] = {}
         try:
-            store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=self.timeout,
-                                  wait_for_workers=False)
+            store = open_store(host, port, world_size, rank == 0, self.timeout)
             for s in mine:  # rank in sender s's group: 0 for s, 1 + i for receiver i
                 sub = dist.PrefixStore(f"tokenflow/weights/epoch{epoch}/src{s}", store)
                 local = 0 if rank == s else rank - senders + 1
