@@ -12,9 +12,10 @@ no borrowed identity; `pipeline.protocol.transport`). The MAC is AES-256-GCM use
 96-bit nonce, then the 16-byte tag of the length-prefixed header and frames as associated data,
 fed to GHASH frame by frame: no concatenated copy; nothing is encrypted), so a frame cannot be
 moved, cut or swapped without detection. It gives integrity and origin (a holder of the run
-secret), not confidentiality: anyone who can read the network sees every token. GMAC runs at several GB/s with AES-NI (HMAC-SHA256 managed ~1.7 GB/s
-here, and was a quarter of the orchestrator's ingest cost). Random 96-bit nonces keep GMAC safe for
-up to ~2**32 messages per secret (NIST SP 800-38D), far more than one run sends. Decoding creates numpy arrays that are
+secret), not confidentiality: anyone who can read the network sees every token. GMAC runs at
+several GB/s with AES-NI (HMAC-SHA256 managed ~1.7 GB/s here, and was a quarter of the
+orchestrator's ingest cost). Random 96-bit nonces keep GMAC safe for up to ~2**32 messages per
+secret (NIST SP 800-38D), far more than one run sends. Decoding creates numpy arrays that are
 read-only views of the received frames: no copy, and no pickle anywhere.
 
 Invariants:

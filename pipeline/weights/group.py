@@ -13,7 +13,7 @@ never receive each other's buckets and never wait for each other except through 
 
 Protocol of one update (plan order; bucket i travels on the group of ``plan.sources[i]``):
   1. leader: an int64[1] tensor holding the metadata length L;
-  2. leader: a uint8[L] tensor: msgpack ``{"version": v, "plan": BucketPlan.to_wire()}``;
+  2. leader: a uint8[L] tensor: the `UpdateHeader` record (`pipeline.protocol.weight_stream`);
   3. each bucket of the plan, in order, from its source, as its `segments` (byte ranges of the
      flat uint8 bucket, one broadcast each: a tensor of at least `ALONE_BYTES` alone, the smaller
      ones between them together), received at their offsets in one bucket-sized buffer.
@@ -56,8 +56,7 @@ import datetime
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
-import msgpack
-
+from pipeline.protocol import weight_stream as records
 from pipeline.weights.buckets import Assembly, BucketPlan, BufferRing, lone, pack, segments, unpack
 
 if TYPE_CHECKING:
@@ -245,7 +244,7 @@ class TorchDistChannel(WeightChannel):
         if self.rank >= self.senders:
             raise WeightSyncError(f"rank {self.rank} is a receiver; senders are ranks 0..{self.senders - 1}")
         if self.rank == 0:
-            meta = msgpack.packb({"version": int(version), "plan": plan.to_wire()})
+            meta = records.pack(records.UpdateHeader(int(version), plan.to_wire()))
             self._broadcast(torch.tensor([len(meta)], dtype=torch.int64, device=self.device), "metadata length")
             self._broadcast(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device), "metadata")
         mine = plan.of_source(self.rank)
@@ -276,9 +275,9 @@ class TorchDistChannel(WeightChannel):
         raw = torch.empty(n, dtype=torch.uint8, device=self.device)
         self._broadcast(raw, "metadata")
         try:
-            meta = msgpack.unpackb(raw.cpu().numpy().tobytes())
-            version, plan = int(meta["version"]), BucketPlan.from_wire(meta["plan"])
-        except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
+            header = records.unpack(records.UpdateHeader, raw.cpu().numpy().tobytes())
+            version, plan = header.version, BucketPlan.from_wire(header.plan)
+        except ValueError as e:  # WeightRecordError, or a plan that does not parse
             raise WeightSyncError(f"malformed weight metadata: {e}") from e
         if any(not 0 <= s < self.senders for s in plan.sources):
             raise WeightSyncError(f"the plan of version {version} names senders {sorted(set(plan.sources))} "
