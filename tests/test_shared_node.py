@@ -28,7 +28,7 @@ from pipeline.orchestrator.config import OrchestratorConfig
 from pipeline.protocol import messages as m
 from pipeline.protocol.links import GeneratorLink, TrainerLink, read_rendezvous
 from pipeline.protocol.record import RecordSchema, SampleBatch
-from pipeline.protocol.transport import MessageClient, TransportConfig, load_or_create_secret
+from pipeline.protocol.transport import MessageClient, TransportConfig, TransportError, load_or_create_secret
 from pipeline.rollout_log.reader import RolloutLog
 from pipeline.tasks import TaskConfig
 from support.child_env import child_env
@@ -274,3 +274,19 @@ def _status_mib(pid: int, field: str) -> float:
         if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+def test_a_secret_planted_by_another_user_or_through_a_symlink_is_refused(tmp_path):
+    planted = tmp_path / "elsewhere"
+    planted.write_bytes(b"k" * 32)
+    os.chmod(planted, 0o600)
+    (tmp_path / "secret").symlink_to(planted)
+    with pytest.raises(TransportError, match="symlink"):
+        load_or_create_secret(tmp_path)
+    (tmp_path / "secret").unlink()
+    if os.getuid() != 0:
+        pytest.skip("giving a file to another user needs root (CI runs the suite as root)")
+    shutil.copy(planted, tmp_path / "secret")
+    os.chown(tmp_path / "secret", 65534, 65534)  # nobody's file
+    with pytest.raises(TransportError, match="not a regular file owned by this user"):
+        load_or_create_secret(tmp_path)
