@@ -66,7 +66,7 @@ def fuzz_live_orchestrator(run_dir: Path, messages: int) -> dict:
     return figures
 
 
-def test_signed_fuzzing_and_poisoned_results_never_stop_the_orchestrator_nor_reach_the_log(tmp_path):
+def test_signed_fuzzing_never_stops_the_orchestrator_nor_reaches_the_log(tmp_path):
     """5,000 signed mutations of every kind, replays, forged stamps and roles, wrong MACs and random
     bytes against a live orchestrator; then a trainer runs 4 steps (~10 s)."""
     fuzz_live_orchestrator(tmp_path, 5_000)
