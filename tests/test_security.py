@@ -1,6 +1,8 @@
 """The orchestrator fuzzer (docs/security.md): signed mutations of every message kind, replays,
 forged stamps and roles, wrong MACs and random bytes against a live orchestrator process, which
-must stay up with bounded memory and store nothing invalid. It prints its figures as one JSON line."""
+must stay up with bounded memory and store nothing invalid. It prints its figures as one JSON line.
+The run's bounds on values a synthetic run cannot carry (experts, sampling masks) are checked
+directly (`pipeline/orchestrator/bounds.py`)."""
 from __future__ import annotations
 
 import json
@@ -10,11 +12,15 @@ import numpy as np
 import pytest
 
 from pipeline.metrics import read_metrics
-from pipeline.protocol.links import read_rendezvous
+from pipeline.orchestrator.bounds import RunBounds
+from pipeline.orchestrator.clock import PolicyClock
+from pipeline.protocol.links import WorkItem, read_rendezvous
 from pipeline.protocol.messages import KINDS
+from pipeline.protocol.record import RecordError, RecordSchema, SampleBatch
 from pipeline.protocol.transport import load_or_create_secret
 from pipeline.rollout_log.reader import RolloutLog
 from support.fuzz import Fuzzer
+from support.loadgen import synthetic_group
 from test_orchestrator import check_log_invariants, run_trainer, start_generator, start_orchestrator, stop, \
     write_spec
 
@@ -76,3 +82,23 @@ def test_signed_fuzzing_never_stops_the_orchestrator_nor_reaches_the_log(tmp_pat
 def test_fifty_thousand_fuzzed_messages(tmp_path):
     """The same with 50,000 messages (~2 min)."""
     fuzz_live_orchestrator(tmp_path, 50_000)
+
+
+def test_run_bounds_refuse_expert_and_sampling_mask_ids_the_model_cannot_have():
+    schema = RecordSchema(routed_experts=(2, 4), sampling_mask_k=4)
+    item = WorkItem(0, 0, 0, 2, np.arange(5, dtype=np.int32), 3)
+    group = synthetic_group(item, 0, schema, 4, 6)
+    clock = PolicyClock(max_staleness=1, trainer_step=2)
+    RunBounds(1000, 8).check(group, clock)  # versions 3 = step 2 + 1: the newest weights
+    for name, value, problem in [("routed_experts", 8, "expert ids 0..8, the model has 8"),
+                                 ("prompt_routed_experts", -1, "expert ids -1..0"),
+                                 ("sampling_mask", 1000, "token id 1000"),
+                                 ("sampling_mask", -2, "below -1"),
+                                 ("versions", 4, "newer than any weights"),
+                                 ("logprobs", np.nan, "NaN")]:
+        cols = {k: np.array(v) for k, v in group.columns.items()}
+        cols[name].reshape(-1)[-1] = value
+        with pytest.raises(RecordError, match=problem):
+            RunBounds(1000, 8).check(SampleBatch(cols, schema, validate=False), clock)
+    with pytest.raises(RecordError, match="the model has no experts"):
+        RunBounds(1000).check(group, clock)
