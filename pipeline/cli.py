@@ -14,6 +14,7 @@ Subcommands are thin: they parse arguments and call the module that does the wor
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 #: subcommand -> (module with ``main(argv) -> int``, one-line help)
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         print(usage())
         return 0
     name, rest = argv[0], argv[1:]
+    os.umask(0o077)  # every file a command and the processes it starts create is private to the user
     if name not in COMMANDS:
         print(f"tokenflow: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2

@@ -22,11 +22,7 @@ from support import import_graph
 #: Modules that still call msgpack outside pipeline/protocol/ on this branch: their channels are
 #: being rewritten and declared in pipeline/protocol/ by issue #30 (security of every channel).
 #: Known cases, listed so that any other one fails; the lead resolves them at merge.
-MSGPACK_PENDING = {
-    "pipeline.generator.receive_post",  # issue #30: the receive-post requests
-    "pipeline.weights.cuda_ipc",  # issue #30: the weight-stream headers
-    "pipeline.weights.group",  # issue #30: the weight-stream headers
-}
+MSGPACK_PENDING: set[str] = set()
 
 #: Modules that still read journal entries' metadata dicts on this branch: the journal's flush
 #: records move into pipeline/protocol/ with the rollout-log engineer's part of issue #26.

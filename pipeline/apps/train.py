@@ -28,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import time
@@ -97,6 +98,7 @@ def prepare_run_dir(cfg: TokenflowConfig) -> Path:
 
     run_dir = Path(cfg.run.dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(run_dir, 0o700)  # the run's files (secret, rollouts, checkpoints, logs) are the user's alone
     cfg.run.dir = str(run_dir)
     path = run_dir / CONFIG_FILE
     if path.exists():

@@ -11,10 +11,14 @@ in 0.06 s. Through this channel the driver asks each worker's listener thread di
 calls the worker's ``start_receiving`` (which only starts the background receive) and answers.
 
 Invariants (imports neither vLLM nor torch):
-- the worker's listener is a daemon thread of the worker process with one ZeroMQ REP socket on an
-  abstract Unix socket (no file to leave behind), started once (`ReceivePostListener.address`);
-- a request is a msgpack ``{"version": v}``; the answer is msgpack ``{"ok": true}`` or
-  ``{"ok": false, "error": text}`` (no pickle); a malformed request gets an error answer;
+- the worker's listener is a daemon thread of the worker process with one ZeroMQ REP socket on a
+  Unix socket inside a fresh directory of mode 0700 (`tempfile.mkdtemp`), started once
+  (`ReceivePostListener.address`): no other user can connect (an abstract socket has no
+  permissions: any local user could trigger a receive); the directory is removed at exit (a
+  killed worker leaves an empty one in the temp directory);
+- a request is a `ReceivePost` record, the answer a `ReceivePostAnswer`
+  (`pipeline.protocol.weight_stream`: msgpack, no pickle); a malformed request gets an error
+  answer;
 - the driver waits at most ``timeout_s`` for each answer (`ReceivePoster.post`), raising
   `TimeoutError` naming the worker; its socket is then replaced, so a late answer is never read as
   the answer to a later request;
@@ -24,12 +28,13 @@ Invariants (imports neither vLLM nor torch):
 """
 from __future__ import annotations
 
-import os
+import atexit
+import shutil
+import tempfile
 import threading
-import uuid
 from typing import Callable
 
-import msgpack
+from pipeline.protocol.weight_stream import ReceivePost, ReceivePostAnswer, pack, unpack
 
 
 class ReceivePostListener:
@@ -39,7 +44,9 @@ class ReceivePostListener:
         import zmq
 
         self._start = start
-        self.address = f"ipc://@tokenflow-receive-post-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        directory = tempfile.mkdtemp(prefix="tokenflow-receive-post-")  # mode 0700, ours
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        self.address = f"ipc://{directory}/socket"
         self._socket = zmq.Context.instance().socket(zmq.REP)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(self.address)
@@ -49,17 +56,12 @@ class ReceivePostListener:
         while True:
             raw = self._socket.recv()
             try:
-                try:
-                    request = msgpack.unpackb(raw)
-                except (ValueError, msgpack.UnpackException) as e:
-                    raise ValueError(f"a receive post is not msgpack ({type(e).__name__}, {len(raw)} bytes)") from e
-                if not isinstance(request, dict) or "version" not in request:
-                    raise ValueError(f"a receive post is a map with a version, got {request!r:.80}")
+                unpack(ReceivePost, raw)
                 self._start()
-                answer = {"ok": True}
+                answer = ReceivePostAnswer(True)
             except Exception as e:  # answered, never raised: the driver decides
-                answer = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-            self._socket.send(msgpack.packb(answer))
+                answer = ReceivePostAnswer(False, f"{type(e).__name__}: {e}")
+            self._socket.send(pack(answer))
 
 
 class ReceivePoster:
@@ -88,16 +90,16 @@ class ReceivePoster:
         async def one(i: int) -> None:
             sock = self._sockets[i]
             try:
-                await sock.send(msgpack.packb({"version": version}))
-                reply = msgpack.unpackb(await asyncio.wait_for(sock.recv(), self.timeout_s))
+                await sock.send(pack(ReceivePost(version)))
+                reply = unpack(ReceivePostAnswer, await asyncio.wait_for(sock.recv(), self.timeout_s))
             except asyncio.TimeoutError:
                 sock.close()
                 self._sockets[i] = self._connect(self.addresses[i])
                 raise TimeoutError(f"engine worker {i} did not answer the receive post of version {version} "
                                    f"within {self.timeout_s:.0f} s") from None
-            if not reply.get("ok"):
+            if not reply.ok:
                 raise RuntimeError(f"engine worker {i} could not start receiving version {version}: "
-                                   f"{reply.get('error')}")
+                                   f"{reply.error}")
 
         await asyncio.gather(*(one(i) for i in range(len(self._sockets))))
 

@@ -29,6 +29,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 _ROLE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 _ENTRY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_SBATCH_OPTION = re.compile(r"-[A-Za-z]|--[A-Za-z][A-Za-z0-9-]*(=[^\x00-\x1f\x7f]*)?|-[A-Za-z][^\x00-\x1f\x7f]*")
+"""One sbatch option: ``-x``, ``-xVALUE``, ``--name`` or ``--name=value``, no control characters."""
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class LaunchError(RuntimeError):
@@ -110,8 +113,14 @@ class JobPlan:
             if not spec.mem_gb > 0:
                 problems.append(f"{role}: mem_gb={spec.mem_gb!r} must be > 0")
             for line in spec.extra_sbatch:
-                if not line.startswith("-"):
-                    problems.append(f"{role}: extra sbatch option {line!r} must start with '-'")
+                if not _SBATCH_OPTION.fullmatch(line):
+                    problems.append(f"{role}: extra sbatch option {line!r} must be one option ('-x', "
+                                    f"'--name' or '--name=value') without control characters: it "
+                                    f"becomes an #SBATCH line of the job script, and a newline "
+                                    f"would start a shell command")
+        for name in self.env:
+            if not _ENV_NAME.fullmatch(name):
+                problems.append(f"env {name!r} is not a variable name (it is exported by the job script)")
         if not 0 <= self.stop_grace_s < self.signal_delay_s:
             problems.append(f"stop_grace_s={self.stop_grace_s} must be >= 0 and below "
                             f"signal_delay_s={self.signal_delay_s}")

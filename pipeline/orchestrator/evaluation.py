@@ -16,6 +16,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -81,12 +82,21 @@ class Evaluator:
             prompts = [self.prompt(i).token_ids for i in indices]
             server.send(peer, *encode(EvalWork(self.round.step, indices, prompt_arrays(prompts))))
 
-    def on_result(self, peer: bytes, msg: EvalResult, counts: Counter) -> dict | None:
-        """Record a generator's answers; the round's summary once it is complete."""
+    def on_result(self, peer: bytes, msg: EvalResult, counts: Counter,
+                  check: Callable[[SampleBatch], None]) -> dict | None:
+        """Record a generator's answers (``check``: the run's bounds, raising `RecordError`); the
+        round's summary once it is complete."""
         arrays = dict(msg.arrays)
         indices = arrays.pop("eval_index")  # a frame `EvalResult` requires
         try:
             batch = SampleBatch(arrays, self.schema)
+            if indices.dtype.kind not in "iu" or indices.shape != (len(batch),):
+                raise RecordError(f"eval_index is {indices.dtype}{list(indices.shape)}, expected one "
+                                  f"integer per answer ({len(batch)})")
+            if len(batch) and not 0 <= int(indices.min()) <= int(indices.max()) < len(self.prompts):
+                raise RecordError(f"eval_index holds {int(indices.min())}..{int(indices.max())}, the "
+                                  f"held-out set has {len(self.prompts)} prompts")
+            check(batch)
         except RecordError as exc:
             counts["invalid_eval_result"] += 1
             log.warning("invalid eval result from %r: %s", peer, exc)

@@ -21,6 +21,10 @@ Invariants (`docs/architecture.md`, "Staleness, admission and the policy clock",
 - generators come and go while the run goes on (`pipeline.orchestrator.members`): a ``hello`` is a
   join (or a restart), a ``leave`` returns the leaver's leases at once, a silent one is lost; each
   is one ``membership`` record in the metrics stream, and so is each weight regroup;
+- no message ends the loop: a message of a kind its sender's role may not send
+  (`pipeline.protocol.roles`), a malformed one, or one whose handler raises is counted
+  (``bad_message``) and answered with `Error`; a result's values are checked against what the run
+  knows (`pipeline.orchestrator.bounds`) before it is scored or stored;
 - restarting on the same run directory rebuilds everything from the log: resolved groups, the
   cursor, kept counts, the buffer (stored and not consumed), the step record. Groups leased but
   not stored before the crash are re-issued; nothing stored is stored again.
@@ -43,6 +47,7 @@ import numpy as np
 from pipeline.metrics import MetricsWriter
 from pipeline.protocol import messages as m
 from pipeline.orchestrator.admission import Admission
+from pipeline.orchestrator.bounds import RunBounds
 from pipeline.orchestrator.buffer import BufferedGroup, RolloutBuffer
 from pipeline.orchestrator.clock import PolicyClock
 from pipeline.orchestrator.config import OrchestratorConfig
@@ -56,6 +61,7 @@ from pipeline.orchestrator.scoring import GROUP_FILTERS, AsyncScoring, Scorer, S
 from pipeline.orchestrator.steps import StepDesk
 from pipeline.orchestrator.trainer_side import TrainerSide
 from pipeline.protocol.record import RecordError, RecordSchema, SampleBatch
+from pipeline.protocol.roles import may_send
 from pipeline.rollout_log.writer import GroupOutcome, RolloutLogWriter
 from pipeline.run_files import ROLLOUTS_DIR
 from pipeline.protocol.wire import Message
@@ -68,16 +74,17 @@ class Orchestrator(TrainerSide):
     evaluations) is `pipeline.orchestrator.trainer_side`."""
 
     def __init__(self, run_dir: Path, cfg: OrchestratorConfig, prompts: PromptSource,
-                 scorer: Scorer, schema: RecordSchema, run_id: str = "run",
+                 scorer: Scorer, schema: RecordSchema, bounds: RunBounds, run_id: str = "run",
                  eval_prompts: PromptSource | None = None, replay_source: Path | None = None,
                  scoring: Scoring | None = None):
         """``scoring``: where groups are scored (default: ``AsyncScoring(scorer)`` in this process;
         `pipeline.scorers.pool.RemoteScoring` for scorer roles, which fill the fields of ``schema``
-        generators do not send)."""
+        generators do not send). ``bounds``: the model's vocabulary and experts."""
         cfg.validate()
         self.run_dir, self.cfg, self.prompts, self.schema = Path(run_dir), cfg, prompts, schema
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.group_filter = GROUP_FILTERS[cfg.group_filter]
+        self.bounds = bounds
         self.counts: Counter[str] = Counter()
         log_dir = self.run_dir / ROLLOUTS_DIR
         # The writer first: its start fences any stale writer, so the restore reads a final log.
@@ -114,6 +121,7 @@ class Orchestrator(TrainerSide):
         self.stopping = False
         self._last_flush = self._last_metrics = self._last_expiry = time.monotonic()
         self._ingested_tokens = self._ingested_total = 0
+        self._last_bad_log = 0.0
         self._write_metrics(time.monotonic())
         log.info("orchestrator incarnation %s at %s (restored %d resolved groups, %d buffered, %d steps)",
                  self.incarnation, self.server.address, len(state.resolved), len(state.buffered),
@@ -168,13 +176,29 @@ class Orchestrator(TrainerSide):
             handler = self._handlers.get(type(msg))
             if handler is None:
                 raise m.MessageError(raw.kind, "not a message the orchestrator takes")
+            if raw.origin is None or not may_send(raw.origin.role, type(msg)):
+                role = raw.origin.role if raw.origin else "an unstamped sender"
+                raise m.MessageError(raw.kind, f"a {role} may not send it")
         except m.MessageError as exc:
-            self.counts["bad_message"] += 1
-            log.warning("bad message from %r: %s", peer, exc)
-            self.server.send(peer, *m.encode(m.Error(exc.kind, exc.detail)))
+            self._bad_message(peer, exc.kind, exc.detail)
             return
         self.generators.seen(peer)
-        handler(peer, msg)
+        try:
+            handler(peer, msg)
+        except Exception as exc:  # no message ends the run: counted and answered like a malformed one
+            self.counts["handler_error"] += 1
+            if self.counts["handler_error"] <= 10:
+                log.exception("handling %s from %r failed", raw.kind, peer[:64])
+            self._bad_message(peer, raw.kind, f"could not be handled: {type(exc).__name__}: {exc}"[:500])
+
+    def _bad_message(self, peer: bytes, kind: str, detail: str) -> None:
+        self.counts["bad_message"] += 1
+        now = time.monotonic()
+        if now - self._last_bad_log >= 1.0:  # a flood of bad messages must not flood the log
+            self._last_bad_log = now
+            log.warning("bad message from %r: %s: %s (%d so far)", peer[:64], kind, detail,
+                        self.counts["bad_message"])
+        self.server.send(peer, *m.encode(m.Error(kind, detail)))
 
     @property
     def _handlers(self) -> dict[type, Callable]:
@@ -301,6 +325,7 @@ class Orchestrator(TrainerSide):
         try:
             batch = batch_from_arrays(msg.arrays, self.result_schema)
             check_result(batch, gid, attempt, self.cfg.group_size, self.prompts.for_group(gid))
+            self.bounds.check(batch, self.clock)
         except RecordError as exc:
             self.counts["invalid_result"] += 1
             log.warning("invalid result for group %d from %r: %s", gid, peer, exc)

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
     from pipeline.metrics import MetricsWriter
     from pipeline.orchestrator.admission import Admission
+    from pipeline.orchestrator.bounds import RunBounds
+    from pipeline.orchestrator.config import OrchestratorConfig
     from pipeline.orchestrator.buffer import RolloutBuffer
     from pipeline.orchestrator.clock import PolicyClock
     from pipeline.orchestrator.evaluation import Evaluator
@@ -48,6 +50,8 @@ class TrainerSide:
     """Mixed into `Orchestrator`; the attributes below are the orchestrator's."""
 
     admission: "Admission"
+    bounds: "RunBounds"
+    cfg: "OrchestratorConfig"
     buffer: "RolloutBuffer"
     clock: "PolicyClock"
     counts: "Counter[str]"
@@ -68,6 +72,10 @@ class TrainerSide:
                                 g.min_version, time.time()))
 
     def _on_get_batch(self, peer: bytes, msg: m.GetBatch) -> None:
+        samples = self.cfg.groups_per_step * self.cfg.group_size
+        if msg.dp_size > samples:
+            self._bad_message(peer, msg.KIND, f"dp_size {msg.dp_size}: a step has {samples} samples")
+            return
         self.clock.trainer_at_step(msg.step, msg.version)
         reply = self.desk.request(peer, msg)
         if reply is not None:
@@ -126,6 +134,7 @@ class TrainerSide:
     def _on_eval_result(self, peer: bytes, msg: m.EvalResult) -> None:
         if self.evaluator is None:
             return
-        summary = self.evaluator.on_result(peer, msg, self.counts)
+        summary = self.evaluator.on_result(peer, msg, self.counts,
+                                           lambda batch: self.bounds.check(batch, self.clock))
         if summary is not None:
             self.metrics.log("eval", **summary)

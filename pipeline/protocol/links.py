@@ -30,6 +30,7 @@ import zmq
 
 from pipeline.protocol import messages as m
 from pipeline.protocol.record import RecordError, RecordSchema, SampleBatch
+from pipeline.protocol.roles import ORCHESTRATOR_SERVES
 from pipeline.run_files import ORCHESTRATOR_RENDEZVOUS
 from pipeline.protocol.transport import (MessageClient, MessageServer, TransportConfig, TransportError,
                                 load_or_create_secret)
@@ -96,10 +97,10 @@ def bind_server(run_dir: Path, cfg: TransportConfig) -> MessageServer:
     if cfg.port == 0:
         try:
             prev = int(read_rendezvous(run_dir, 0.0)["address"].rsplit(":", 1)[1])
-            return MessageServer(key, replace(cfg, port=prev))
+            return MessageServer(key, replace(cfg, port=prev), ORCHESTRATOR_SERVES)
         except (TransportError, ValueError, KeyError, zmq.ZMQError):
             pass
-    return MessageServer(key, cfg)
+    return MessageServer(key, cfg, ORCHESTRATOR_SERVES)
 
 
 class _Link:

@@ -5,15 +5,22 @@ A message on the wire is a ZeroMQ multipart message::
     [ mac (28 bytes) | header (msgpack map) | frame 0 | frame 1 | ... ]
 
 The header holds ``kind`` (the message type), ``v`` (protocol version), free-form small values under
-``meta`` and, under ``arrays``, one ``[name, dtype, shape]`` triple per following frame. The MAC is
-AES-256-GCM used as GMAC (a random 96-bit nonce, then the 16-byte tag of the length-prefixed
-header and frames as associated data; nothing is encrypted), so a frame cannot be moved, cut or
-swapped without detection. GMAC runs at several GB/s with AES-NI (HMAC-SHA256 managed ~1.7 GB/s
-here, and was a quarter of the orchestrator's ingest cost). Random 96-bit nonces keep GMAC safe for
-up to ~2**32 messages per secret (NIST SP 800-38D), far more than one run sends. Decoding creates numpy arrays that are
+``meta``, under ``arrays`` one ``[name, dtype, shape]`` triple per following frame and, on the
+transport's messages, under ``from`` the sender's `Origin`: ``[identity, role, incarnation,
+counter]`` (the receiver binds it to the connection and refuses a counter it has seen: no replay,
+no borrowed identity; `pipeline.protocol.transport`). The MAC is AES-256-GCM used as GMAC (a random
+96-bit nonce, then the 16-byte tag of the length-prefixed header and frames as associated data,
+fed to GHASH frame by frame: no concatenated copy; nothing is encrypted), so a frame cannot be
+moved, cut or swapped without detection. It gives integrity and origin (a holder of the run
+secret), not confidentiality: anyone who can read the network sees every token. GMAC runs at
+several GB/s with AES-NI (HMAC-SHA256 managed ~1.7 GB/s here, and was a quarter of the
+orchestrator's ingest cost). Random 96-bit nonces keep GMAC safe for up to ~2**32 messages per
+secret (NIST SP 800-38D), far more than one run sends. Decoding creates numpy arrays that are
 read-only views of the received frames: no copy, and no pickle anywhere.
 
 Invariants:
+- the MAC covers every byte before anything is parsed; the caller bounds frames and bytes before
+  (`decode`'s ``max_bytes``, and ZeroMQ's limits in the transport);
 - `decode` either returns a `Message` whose arrays exactly match their declared dtype and shape, or
   raises `FrameError` with a short machine-readable ``reason`` (``unauthenticated``, ``oversized``,
   ``malformed``, ``bad_version``); it never raises anything else on bad input.
@@ -26,6 +33,7 @@ a few hundred bytes; authenticating the ~1 MB costs ~0.1 ms, parsing the header 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Mapping, Sequence
@@ -33,7 +41,7 @@ from typing import Any, Mapping, Sequence
 import msgpack
 import numpy as np
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 PROTOCOL_VERSION = 2
 """2: control messages are the typed records of `pipeline.protocol.messages`."""
@@ -58,43 +66,78 @@ class FrameError(ValueError):
         self.detail = detail
 
 
+@dataclass(frozen=True)
+class Origin:
+    """Who sent a message, as authenticated by its MAC."""
+    identity: str
+    """The sender's ZeroMQ identity (``gen-3``, ``trainer-0``, ``orchestrator``...)."""
+    role: str
+    """What it is (`pipeline.protocol.roles`): it decides which kinds it may send."""
+    incarnation: int
+    """The sending process's start (ns since the epoch): a restarted sender counts afresh."""
+    counter: int
+    """1, 2, 3... per message of this incarnation."""
+
+
+@dataclass
+class Sender:
+    """This end's identity and message counter: `encode` stamps each message with the next `Origin`."""
+    identity: str
+    role: str
+    incarnation: int = field(default_factory=time.time_ns)
+    sent: int = 0
+
+    def next(self) -> list:
+        self.sent += 1
+        return [self.identity, self.role, self.incarnation, self.sent]
+
+
 @dataclass
 class Message:
     kind: str
     meta: dict[str, Any] = field(default_factory=dict)
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    origin: Origin | None = None
+    """The authenticated sender (None: the message carried none, e.g. a journal entry)."""
 
 
 @lru_cache(maxsize=8)
-def _gmac(key: bytes) -> AESGCM:
-    return AESGCM(key)
+def _aes(key: bytes) -> algorithms.AES:
+    return algorithms.AES(key)
 
 
-def _aad(parts: Sequence[memoryview | bytes]) -> bytes:
-    out = bytearray()
+def _ghash(ctx, parts: Sequence[memoryview | bytes]) -> None:
+    """Feed the length-prefixed parts to GHASH one by one (the same tag as over their concatenation)."""
     for p in parts:
-        out += len(p).to_bytes(8, "little")
-        out += p
-    return bytes(out)
+        ctx.authenticate_additional_data(len(p).to_bytes(8, "little"))
+        if len(p):
+            ctx.authenticate_additional_data(p)
 
 
 def _mac(key: bytes, parts: Sequence[memoryview | bytes], nonce: bytes | None = None) -> bytes:
     nonce = os.urandom(NONCE_BYTES) if nonce is None else nonce
-    return nonce + _gmac(key).encrypt(nonce, b"", _aad(parts))
+    ctx = Cipher(_aes(key), modes.GCM(nonce)).encryptor()
+    _ghash(ctx, parts)
+    ctx.finalize()
+    return nonce + ctx.tag
 
 
 def _verify(key: bytes, mac: memoryview, parts: Sequence[memoryview]) -> bool:
     mac = bytes(mac)
+    ctx = Cipher(_aes(key), modes.GCM(mac[:NONCE_BYTES], mac[NONCE_BYTES:])).decryptor()
+    _ghash(ctx, parts)
     try:
-        _gmac(key).decrypt(mac[:NONCE_BYTES], mac[NONCE_BYTES:], _aad(parts))
+        ctx.finalize()
     except InvalidTag:
         return False
     return True
 
 
 def encode(key: bytes, kind: str, meta: Mapping[str, Any] | None = None,
-           arrays: Mapping[str, np.ndarray] | None = None) -> list[bytes | memoryview]:
-    """Frames of one message. Arrays are sent from their own memory (made contiguous if needed)."""
+           arrays: Mapping[str, np.ndarray] | None = None,
+           sender: Sender | None = None) -> list[bytes | memoryview]:
+    """Frames of one message (``sender``: stamped with its next `Origin`). Arrays are sent from
+    their own memory (made contiguous if needed)."""
     specs, frames = [], []
     for name, arr in (arrays or {}).items():
         arr = np.ascontiguousarray(arr)
@@ -102,8 +145,10 @@ def encode(key: bytes, kind: str, meta: Mapping[str, Any] | None = None,
             raise TypeError(f"array {name!r} has dtype {arr.dtype}, which cannot cross the wire")
         specs.append([name, arr.dtype.str, list(arr.shape)])
         frames.append(memoryview(arr).cast("B") if arr.size else b"")
-    header = msgpack.packb({"v": PROTOCOL_VERSION, "kind": kind, "meta": dict(meta or {}),
-                            "arrays": specs}, use_bin_type=True)
+    head = {"v": PROTOCOL_VERSION, "kind": kind, "meta": dict(meta or {}), "arrays": specs}
+    if sender is not None:
+        head["from"] = sender.next()
+    header = msgpack.packb(head, use_bin_type=True)
     return [_mac(key, [header, *frames]), header, *frames]
 
 
@@ -138,7 +183,16 @@ def decode(key: bytes, frames: Sequence[Any], max_bytes: int) -> Message:
     arrays: dict[str, np.ndarray] = {}
     for spec, view in zip(specs, body):
         arrays.update([_array(spec, view)])
-    return Message(kind=kind, meta=meta, arrays=arrays)
+    return Message(kind=kind, meta=meta, arrays=arrays, origin=_origin(h.get("from")))
+
+
+def _origin(value: Any) -> Origin | None:
+    if value is None:
+        return None
+    if (not isinstance(value, list) or len(value) != 4 or not all(isinstance(v, str) for v in value[:2])
+            or not all(type(v) is int and 0 <= v < 2**63 for v in value[2:])):
+        raise FrameError("malformed", f"bad sender stamp {str(value)[:80]}")
+    return Origin(*value)
 
 
 def _array(spec: Any, view: memoryview) -> tuple[str, np.ndarray]:

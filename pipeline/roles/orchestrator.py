@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.config import TokenflowConfig, stored_record_schema
+from pipeline.orchestrator.bounds import RunBounds
 from pipeline.orchestrator.prompts import PromptSource, SyntheticPromptSource
 from pipeline.orchestrator.scoring import Scorer, VerifierScorer, last_token_verifier
 from pipeline.orchestrator.service import Orchestrator
@@ -44,7 +45,9 @@ def build_orchestrator(run_dir: Path, cfg: TokenflowConfig) -> Orchestrator:
         scoring = RemoteScoring(run_dir, cfg.scorers, schema,
                                 scorer if cfg.scorers.reward == "verifier" else None, t,
                                 refresh_every=cfg.run.checkpoint_every)
-    return Orchestrator(run_dir, cfg.orchestrator, train, scorer, schema,
+    bounds = RunBounds(train.vocab) if isinstance(train, SyntheticPromptSource) \
+        else RunBounds.of_model(model_dir(run_dir))
+    return Orchestrator(run_dir, cfg.orchestrator, train, scorer, schema, bounds,
                         run_id=cfg.run.name, eval_prompts=evals,
                         replay_source=Path(cfg.replay.source) if cfg.replay.source else None,
                         scoring=scoring)

@@ -54,6 +54,7 @@ from pipeline.orchestrator.prompts import PromptItem
 from pipeline.orchestrator.scoring import Scorer, Scoring
 from pipeline.protocol.codec import MessageError, encode
 from pipeline.protocol.record import RecordSchema, SampleBatch
+from pipeline.protocol.roles import SCORER_POOL_SERVES
 from pipeline.protocol.scorer_pool import (SCORER_POOL, Score, Scored, ScorerHello, ScorerStop, ScorerWho,
                                            WeightsRegroup, WeightsUpdate)
 from pipeline.protocol.transport import MessageServer, TransportConfig, TransportError, load_or_create_secret
@@ -371,9 +372,9 @@ def _bind(run_dir: Path, transport: TransportConfig) -> MessageServer:
     key = load_or_create_secret(run_dir)
     try:
         prev = int(json.loads((run_dir / SCORERS_RENDEZVOUS).read_text())["address"].rsplit(":", 1)[1])
-        return MessageServer(key, replace(transport, port=prev))
+        return MessageServer(key, replace(transport, port=prev), SCORER_POOL_SERVES)
     except (OSError, ValueError, KeyError, zmq.ZMQError, TransportError):
-        return MessageServer(key, replace(transport, port=0))
+        return MessageServer(key, replace(transport, port=0), SCORER_POOL_SERVES)
 
 
 def _publish(run_dir: Path, info: dict) -> None:

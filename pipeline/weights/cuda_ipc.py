@@ -4,17 +4,18 @@ When a trainer rank and a generator share one GPU, the trainer packs the new wei
 buckets (`pipeline.weights.buckets.pack`) and exports each bucket's memory as a CUDA IPC handle;
 the generator opens the handles and reads the buckets in place, without a copy through the host.
 
-A handle is a small msgpack document (no pickle): the fields of ``UntypedStorage._share_cuda_()``
-(device, IPC handle bytes, sizes, offsets, ref-counter and event handles) plus the view's offset
-and length. The receiver rebuilds each storage with ``UntypedStorage._new_shared_cuda(...)``.
+A handle is an `IpcHandle` record (`pipeline.protocol.weight_stream`, msgpack, no pickle): the
+fields of ``UntypedStorage._share_cuda_()`` (device, IPC handle bytes, sizes, offsets, ref-counter
+and event handles) plus the view's offset and length. The receiver rebuilds each storage with
+``UntypedStorage._new_shared_cuda(...)``.
 
 Two forms:
 - `export_buckets` / `import_buckets`: one document for a whole set of buckets (a check script);
 - `CudaIpcChannel`: a `WeightChannel` (``generator.weight_channel = "cuda_ipc"``) that streams one
-  bucket at a time through the sender's two `BufferRing` buffers, with a TCP store carrying the
-  documents and the receiver's acknowledgements: update n's plan under ``u{n}/meta``, bucket k's
-  handle under ``u{n}/b{k}``; the receiver acknowledges bucket k (``u{n}/ack{k}``) when it asks
-  for bucket k + 2, and the sender packs bucket k + 2 into bucket k's buffer only after that
+  bucket at a time through the sender's two `BufferRing` buffers, with a TCP store (listening on
+  the given address only, `open_store`) carrying the records and the receiver's acknowledgements:
+  update n's `UpdateHeader` under ``u{n}/meta``, bucket k's `IpcHandle` under ``u{n}/b{k}``; the
+  receiver acknowledges bucket k (``u{n}/ack{k}``) when it asks for bucket k + 2, and the sender packs bucket k + 2 into bucket k's buffer only after that
   acknowledgement. So at most two buckets of GPU memory are used, on the sender only, and a
   received tensor stays valid until the next bucket but one is requested; views the consumer
   holds longer are copied by the receive's ``release`` before the acknowledgement.
@@ -34,34 +35,33 @@ import datetime
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
-import msgpack
-
+from pipeline.protocol import weight_stream as records
 from pipeline.weights.buckets import Assembly, BucketPlan, BufferRing, pack, unpack
-from pipeline.weights.group import ReceivedWeights, Release, WeightChannel, WeightSyncError, WireBytes
+from pipeline.weights.group import ReceivedWeights, Release, WeightChannel, WeightSyncError, WireBytes, open_store
 
 if TYPE_CHECKING:
     import torch
 
 
-def _share(bucket: "torch.Tensor", what: str) -> dict:
-    """The IPC handle document of one CUDA uint8 bucket."""
+def _share(bucket: "torch.Tensor", what: str) -> records.IpcHandle:
+    """The IPC handle of one CUDA uint8 bucket."""
     import torch
 
     if not bucket.is_cuda or bucket.dtype != torch.uint8 or bucket.dim() != 1:
         raise WeightSyncError(f"{what} must be a flat CUDA uint8 tensor, got {bucket.dtype}"
                               f"{list(bucket.shape)} on {bucket.device}")
     fields = bucket.untyped_storage()._share_cuda_()
-    return {"fields": [f if not isinstance(f, torch.device) else f.index for f in fields],
-            "offset": bucket.storage_offset(), "numel": bucket.numel()}
+    return records.IpcHandle([f if not isinstance(f, torch.device) else f.index for f in fields],
+                     bucket.storage_offset(), bucket.numel())
 
 
-def _open(entry: dict) -> "torch.Tensor":
-    """The bucket a `_share` document describes, mapped into this process."""
+def _open(handle: records.IpcHandle) -> "torch.Tensor":
+    """The bucket a `_share` handle describes, mapped into this process."""
     import torch
 
-    storage = torch.UntypedStorage._new_shared_cuda(*entry["fields"])
-    flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{entry['fields'][0]}")
-    flat.set_(storage, entry["offset"], (entry["numel"],))
+    storage = torch.UntypedStorage._new_shared_cuda(*handle.fields)
+    flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{handle.fields[0]}")
+    flat.set_(storage, handle.offset, (handle.numel,))
     return flat
 
 
@@ -87,20 +87,19 @@ def export_buckets(version: int, plan: BucketPlan, buckets: Iterable["torch.Tens
         hold.append(bucket)
     if len(shared) != len(plan.sizes):
         raise WeightSyncError(f"{len(shared)} buckets given for a plan of {len(plan.sizes)}")
-    doc = msgpack.packb({"version": int(version), "plan": plan.to_wire(), "buckets": shared},
-                        use_bin_type=True)
+    doc = records.pack(records.IpcExport(int(version), plan.to_wire(), [records.pack(h) for h in shared]))
     return CudaIpcExport(doc, hold)
 
 
 def import_buckets(document: bytes) -> tuple[int, BucketPlan, Iterator[tuple[str, "torch.Tensor"]]]:
     """Open an export on this process's GPU: (version, plan, iterator of (name, tensor view))."""
     try:
-        doc = msgpack.unpackb(document, raw=False)
-        version, plan = int(doc["version"]), BucketPlan.from_wire(doc["plan"])
-        entries = doc["buckets"]
-    except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
+        doc = records.unpack(records.IpcExport, document)
+        version, plan = doc.version, BucketPlan.from_wire(doc.plan)
+        entries = [records.unpack(records.IpcHandle, raw) for raw in doc.buckets]
+    except (ValueError, KeyError, TypeError) as exc:
         raise WeightSyncError(f"malformed CUDA IPC document: {exc}") from exc
-    if [e["numel"] for e in entries] != list(plan.sizes):
+    if [e.numel for e in entries] != list(plan.sizes):
         raise WeightSyncError("CUDA IPC document: bucket sizes differ from its plan")
 
     def tensors() -> Iterator[tuple[str, "torch.Tensor"]]:
@@ -128,8 +127,7 @@ class CudaIpcChannel(WeightChannel):
         self.buffers = BufferRing(self.device)
         self.wire = WireBytes()
         try:
-            store = dist.TCPStore(host, port, 2, is_master=(rank == 0), timeout=self.timeout,
-                                  wait_for_workers=False)
+            store = open_store(host, port, 2, rank == 0, self.timeout)
         except (RuntimeError, OSError) as e:
             raise WeightSyncError(f"rank {rank} could not reach the CUDA IPC channel at {host}:{port} "
                                   f"within {timeout_s:.0f} s: {e}") from e
@@ -156,11 +154,11 @@ class CudaIpcChannel(WeightChannel):
             raise WeightSyncError("rank 1 of a CUDA IPC channel receives; it cannot send")
         n = self._updates
         self._updates += 1
-        self._set(f"u{n}/meta", msgpack.packb({"version": int(version), "plan": plan.to_wire()}))
+        self._set(f"u{n}/meta", records.pack(records.UpdateHeader(int(version), plan.to_wire())))
         count = 0
         for k, bucket in enumerate(pack(plan, named, self.device, self.buffers)):
             torch.cuda.current_stream(self.device).synchronize()  # written before it is read elsewhere
-            self._set(f"u{n}/b{k}", msgpack.packb(_share(bucket, f"bucket {k}"), use_bin_type=True))
+            self._set(f"u{n}/b{k}", records.pack(_share(bucket, f"bucket {k}")))
             self.wire.sent += bucket.numel()
             count = k + 1
             if k >= 1:  # the next bucket goes into this one's predecessor's buffer
@@ -174,9 +172,9 @@ class CudaIpcChannel(WeightChannel):
         n = self._updates
         self._updates += 1
         try:
-            meta = msgpack.unpackb(self._get(f"u{n}/meta", "the plan of the next update"))
-            version, plan = int(meta["version"]), BucketPlan.from_wire(meta["plan"])
-        except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
+            header = records.unpack(records.UpdateHeader, self._get(f"u{n}/meta", "the plan of the next update"))
+            version, plan = header.version, BucketPlan.from_wire(header.plan)
+        except ValueError as e:  # WeightRecordError, or a plan that does not parse
             raise WeightSyncError(f"malformed CUDA IPC plan: {e}") from e
         update = ReceivedWeights(version, plan, iter(()))
         update._buckets = self._buckets(n, update, stage, release)
@@ -193,9 +191,13 @@ class CudaIpcChannel(WeightChannel):
                     update.carried += release(mapped[0])
                 mapped = mapped[1:]
                 self._set(f"u{n}/ack{k - 2}", b"1")
-            entry = msgpack.unpackb(self._get(f"u{n}/b{k}", f"bucket {k}/{count} of version {version}"), raw=False)
-            if entry["numel"] != size:
-                raise WeightSyncError(f"bucket {k} of version {version} has {entry['numel']} bytes, plan {size}")
+            try:
+                raw = self._get(f"u{n}/b{k}", f"bucket {k}/{count} of version {version}")
+                entry = records.unpack(records.IpcHandle, raw)
+            except ValueError as e:
+                raise WeightSyncError(f"malformed CUDA IPC handle of bucket {k} of version {version}: {e}") from e
+            if entry.numel != size:
+                raise WeightSyncError(f"bucket {k} of version {version} has {entry.numel} bytes, plan {size}")
             bucket = _open(entry)
             self.wire.received += size
             mapped.append(bucket)

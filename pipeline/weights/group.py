@@ -13,7 +13,7 @@ never receive each other's buckets and never wait for each other except through 
 
 Protocol of one update (plan order; bucket i travels on the group of ``plan.sources[i]``):
   1. leader: an int64[1] tensor holding the metadata length L;
-  2. leader: a uint8[L] tensor: msgpack ``{"version": v, "plan": BucketPlan.to_wire()}``;
+  2. leader: a uint8[L] tensor: the `UpdateHeader` record (`pipeline.protocol.weight_stream`);
   3. each bucket of the plan, in order, from its source, as its `segments` (byte ranges of the
      flat uint8 bucket, one broadcast each: a tensor of at least `ALONE_BYTES` alone, the smaller
      ones between them together), received at their offsets in one bucket-sized buffer.
@@ -48,6 +48,11 @@ the tensors' bytes, plus the alignment padding inside packed runs, plus the meta
 receiver counts what the senders together counted (tests/test_weights.py, test_weight_layouts.py).
 Every call waits at most ``timeout_s``; a peer that dies mid-update makes the survivors raise
 `WeightSyncError` (naming the step that failed) within that time instead of hanging.
+
+The rendezvous store (`open_store`) listens only on ``host``'s address (torch's TCPStore given
+127.0.0.1 listens on every interface; here rank 0 binds the socket itself and hands it over as
+``master_listen_fd``). The store and the broadcasts carry no authentication: the cluster fabric
+and the node's users who can reach the address are trusted with the weights (docs/security.md).
 """
 from __future__ import annotations
 
@@ -56,8 +61,7 @@ import datetime
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
-import msgpack
-
+from pipeline.protocol import weight_stream as records
 from pipeline.weights.buckets import Assembly, BucketPlan, BufferRing, lone, pack, segments, unpack
 
 if TYPE_CHECKING:
@@ -152,6 +156,29 @@ class WeightChannel(abc.ABC):
         return plan
 
 
+def open_store(host: str, port: int, world_size: int, is_master: bool, timeout: datetime.timedelta):
+    """The weight group's TCPStore; rank 0 (``is_master``) listens on ``host``'s address only."""
+    import socket
+
+    import torch.distributed as dist
+
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(1024)
+        store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=listener.fileno())
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store's server owns the socket now
+    return store
+
+
 class TorchDistChannel(WeightChannel):
     """Broadcasts over private process groups (see the module docstring for ranks and protocol)."""
 
@@ -173,8 +200,7 @@ class TorchDistChannel(WeightChannel):
         mine = [rank] if rank < senders else range(senders)
         self._pgs: dict[int, Any] = {}
         try:
-            store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=self.timeout,
-                                  wait_for_workers=False)
+            store = open_store(host, port, world_size, rank == 0, self.timeout)
             for s in mine:  # rank in sender s's group: 0 for s, 1 + i for receiver i
                 sub = dist.PrefixStore(f"tokenflow/weights/epoch{epoch}/src{s}", store)
                 local = 0 if rank == s else rank - senders + 1
@@ -238,7 +264,7 @@ class TorchDistChannel(WeightChannel):
         if self.rank >= self.senders:
             raise WeightSyncError(f"rank {self.rank} is a receiver; senders are ranks 0..{self.senders - 1}")
         if self.rank == 0:
-            meta = msgpack.packb({"version": int(version), "plan": plan.to_wire()})
+            meta = records.pack(records.UpdateHeader(int(version), plan.to_wire()))
             self._broadcast(torch.tensor([len(meta)], dtype=torch.int64, device=self.device), "metadata length")
             self._broadcast(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device), "metadata")
         mine = plan.of_source(self.rank)
@@ -269,9 +295,9 @@ class TorchDistChannel(WeightChannel):
         raw = torch.empty(n, dtype=torch.uint8, device=self.device)
         self._broadcast(raw, "metadata")
         try:
-            meta = msgpack.unpackb(raw.cpu().numpy().tobytes())
-            version, plan = int(meta["version"]), BucketPlan.from_wire(meta["plan"])
-        except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
+            header = records.unpack(records.UpdateHeader, raw.cpu().numpy().tobytes())
+            version, plan = header.version, BucketPlan.from_wire(header.plan)
+        except ValueError as e:  # WeightRecordError, or a plan that does not parse
             raise WeightSyncError(f"malformed weight metadata: {e}") from e
         if any(not 0 <= s < self.senders for s in plan.sources):
             raise WeightSyncError(f"the plan of version {version} names senders {sorted(set(plan.sources))} "

@@ -47,6 +47,18 @@ def test_plan_validation_names_each_problem():
         JobPlan().validate()
 
 
+def test_an_sbatch_option_or_env_name_cannot_inject_shell_into_the_job_script():
+    plan = toy_plan()
+    plan.components["generator"].extra_sbatch = ["--constraint=fast\ntouch /tmp/pwned"]
+    plan.env = {"A; touch /tmp/pwned; B": "1"}
+    with pytest.raises(LaunchError) as err:
+        plan.validate()
+    assert "without control characters" in str(err.value) and "is not a variable name" in str(err.value)
+    plan.components["generator"].extra_sbatch = ["--constraint=fast", "-C gpu", "--exclusive"]
+    plan.env = {"OMP_NUM_THREADS": "1"}
+    plan.validate()
+
+
 def test_plan_json_round_trip():
     plan = toy_plan(rendezvous=True)
     plan.components["generator"].extra_sbatch = ["--constraint=fast"]

@@ -1,6 +1,7 @@
 """Transport details (secret, interfaces, timeouts) and the buffer's spill to the rollout log."""
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import time
@@ -12,6 +13,7 @@ from pipeline.orchestrator.buffer import BufferedGroup, RolloutBuffer
 from pipeline.orchestrator.clock import is_stale
 from pipeline.protocol.links import WorkItem
 from pipeline.protocol.record import RecordSchema
+from pipeline.protocol.roles import ORCHESTRATOR_SERVES
 from pipeline.rollout_log.writer import RolloutLogWriter
 from pipeline.protocol.transport import (MessageClient, MessageServer, TransportConfig, TransportError,
                                 interface_address, load_or_create_secret)
@@ -36,18 +38,19 @@ def test_interface_address_resolves_loopback_and_names_unknown_interfaces():
 
 def test_only_holders_of_the_secret_are_heard_and_calls_time_out(tmp_path):
     key = load_or_create_secret(tmp_path)
-    server = MessageServer(key, TransportConfig())
-    good = MessageClient(key, server.address, TransportConfig(), "good")
-    evil = MessageClient(b"e" * 32, server.address, TransportConfig(), "evil")
+    server = MessageServer(key, TransportConfig(), ORCHESTRATOR_SERVES)
+    good = MessageClient(key, server.address, TransportConfig(), "gen-0")
+    evil = MessageClient(b"e" * 32, server.address, TransportConfig(), "gen-1")
     try:
-        evil.send("hello", {"x": 1})
+        with contextlib.suppress(TransportError):  # refused at once, or queued and never heard
+            evil.send("hello", {"x": 1}, timeout_s=1.0)
         good.send("hello", {"x": 2}, {"a": np.arange(3)})
         got = server.recv(5.0)
-        assert got is not None and got[0] == b"good" and got[1].meta == {"x": 2}
+        assert got is not None and got[0] == b"gen-0" and got[1].meta == {"x": 2}
         np.testing.assert_array_equal(got[1].arrays["a"], np.arange(3))
         assert server.recv(0.2) is None
-        assert server.dropped["unauthenticated"] == 1
-        assert server.send(b"good", "ack", {"ok": True})
+        assert not server.dropped  # refused at the connection's handshake: never queued
+        assert server.send(b"gen-0", "ack", {"ok": True})
         assert good.recv(5.0).meta == {"ok": True}
         t0 = time.monotonic()
         assert good.recv(0.3) is None and time.monotonic() - t0 >= 0.29
