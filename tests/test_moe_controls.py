@@ -29,7 +29,7 @@ def test_gpu_moe_tp2_gets_the_sequence_parallel_norm_patch():
     gpu_moe_tp2 = select_patches("cuda", uses_sequence_parallel(MoE, ParallelConfig(tp=2, ep=2)))
     assert gpu_moe_tp2 == ["moe_te_general_gemm", "torch_norm_sequence_parallel"]
     assert select_patches("cuda", uses_sequence_parallel(Dense, ParallelConfig(tp=2))) == ["moe_te_general_gemm"]
-    assert "torch_norm_sequence_parallel" not in select_patches("cuda", True, apex_available=True)
+    assert "torch_norm_sequence_parallel" not in select_patches("cuda", True, norm="FusedLayerNorm")
     cpu = select_patches("cpu", uses_sequence_parallel(MoE, ParallelConfig(tp=2)))
     assert {"cuda_rng", "gloo_uneven_gather_scatter", "torch_norm_sequence_parallel"} <= set(cpu)
     with pytest.raises(ValueError, match="device"):
@@ -43,10 +43,15 @@ def test_each_generator_and_trainer_rank_gets_its_own_gpus():
     trainer = ComponentSpec(entry="pipeline.roles.trainer:main", nodes=2, tasks_per_node=4, gpus_per_node=4)
     generator = ComponentSpec(entry="pipeline.roles.generator:main", nodes=1, tasks_per_node=2, gpus_per_node=4)
     JobPlan(components={"trainer": trainer, "generator": generator}).validate()
-    assert [trainer.gpus_of(r) for r in range(8)] == [["0"], ["1"], ["2"], ["3"]] * 2
-    assert [generator.gpus_of(r) for r in range(2)] == [["0", "1"], ["2", "3"]]
-    assert generator.gpus_of(1, ["4", "5", "6", "7"]) == ["6", "7"]  # Slurm's CUDA_VISIBLE_DEVICES
-    assert ComponentSpec(entry="a.b:c").gpus_of(0) == []
+    from pipeline.launch.gpus import local_gpus, slurm_gpus, task_gpu_env
+
+    node = [str(i) for i in range(4)]
+    assert [local_gpus(trainer, r, node) for r in range(8)] == [["0"], ["1"], ["2"], ["3"]] * 2
+    assert [local_gpus(generator, r, node) for r in range(2)] == [["0", "1"], ["2", "3"]]
+    bound = {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "SLURM_LOCALID": "1"}  # Slurm's binding
+    assert slurm_gpus(generator, bound) == ["6", "7"]
+    plan = JobPlan(components={"scorer": ComponentSpec(entry="a.b:c")})
+    assert task_gpu_env(plan, "scorer", 0, {}) == {"CUDA_VISIBLE_DEVICES": "", "LOCAL_RANK": "0"}
     bad = ComponentSpec(entry="pipeline.roles.generator:main", tasks_per_node=3, gpus_per_node=4)
     with pytest.raises(LaunchError, match="multiple of tasks_per_node"):
         JobPlan(components={"generator": bad}).validate()

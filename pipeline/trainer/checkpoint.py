@@ -92,12 +92,16 @@ def _lora_meta(trainer) -> dict | None:
 
 
 def _adam_step(trainer) -> int:
-    """Adam's step count, checked to be the same for every parameter of this rank."""
+    """Adam's step count, checked to be the same for every parameter of this rank: read where the
+    optimizer keeps it, per parameter (torch's Adam: ``state[p]["step"]``) or per parameter group
+    (fused Adams, TE's and Apex's: ``param_groups[i]["step"]``)."""
     if trainer.optimizer_kind == "torch":
-        states = list(trainer.optimizer.state.values())
+        adams = [trainer.optimizer]
     else:
-        states = [opt.optimizer.state[p] for opt in _distributed_optimizers(trainer)
-                  for g in opt.optimizer.param_groups for p in g["params"]]
+        adams = [opt.optimizer for opt in _distributed_optimizers(trainer)]
+    states = [adam.state[p] for adam in adams for g in adam.param_groups for p in g["params"]
+              if p in adam.state]
+    states += [g for adam in adams for g in adam.param_groups]
     steps = {int(s["step"]) for s in states if "step" in s}
     if len(steps) > 1:
         raise ValueError(f"parameters have different Adam step counts {sorted(steps)}; "
@@ -217,6 +221,10 @@ def _load_distopt(trainer, params, moments, meta) -> None:
             opt.init_state_fn(opt.optimizer, opt.config)
     if not meta["adam_step"]:
         return
+    for opt in _distributed_optimizers(trainer):  # a fused Adam counts its steps per group
+        for group in opt.optimizer.param_groups:
+            if "step" in group:
+                group["step"] = meta["adam_step"]
     with torch.no_grad():
         for name in moments[MOMENTS[0]]:
             p = params[name]

@@ -44,14 +44,15 @@ class Trainer:
 
         from megatron_patches import apply_patches
 
-        from .model import build_gpt_model, load_hf_config, load_hf_weights, uses_sequence_parallel
+        from .model import build_gpt_model, load_hf_config, load_hf_weights, spec_norm, uses_sequence_parallel
 
         check_trainer_config(cfg)
         self.cfg = cfg
         self.cuda = torch.cuda.is_available()
         self.hf_config = load_hf_config(cfg.model_dir)
         apply_patches("cuda" if self.cuda else "cpu",
-                      sequence_parallel=uses_sequence_parallel(self.hf_config, cfg.parallel))
+                      sequence_parallel=uses_sequence_parallel(self.hf_config, cfg.parallel),
+                      norm=spec_norm(self.hf_config))
         if not torch.distributed.is_initialized():
             rank = int(os.environ.get("RANK", 0)) if rank is None else rank
             world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
@@ -60,6 +61,8 @@ class Trainer:
             torch.distributed.init_process_group(
                 "nccl" if self.cuda else "gloo", init_method=init_method or "env://", rank=rank,
                 world_size=world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        # this rank's device, read before any other thread exists; weight channels get it explicitly
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         p = cfg.parallel
         ps.initialize_model_parallel(
             tensor_model_parallel_size=p.tp, expert_model_parallel_size=p.ep,

@@ -23,7 +23,9 @@ Invariants:
 - the sender keeps every exported bucket alive until the receiver is done with it (CUDA IPC memory
   must outlive its mappings): `CudaIpcExport.hold` / the acknowledgements above;
 - a document whose plan does not match its buckets' sizes is refused with `WeightSyncError`;
-- every wait has the channel's timeout; a peer that dies makes the other raise `WeightSyncError`.
+- every wait has the channel's timeout; a peer that dies makes the other raise `WeightSyncError`;
+- the receiver synchronises its stream before each acknowledgement: the copies reading a bucket
+  have finished before the sender may pack the next bucket but one into its memory.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 import msgpack
 
 from pipeline.weights.buckets import Assembly, BucketPlan, BufferRing, pack, unpack
-from pipeline.weights.group import ReceivedWeights, Release, WeightChannel, WeightSyncError
+from pipeline.weights.group import ReceivedWeights, Release, WeightChannel, WeightSyncError, cuda_device
 
 if TYPE_CHECKING:
     import torch
@@ -112,7 +114,7 @@ class CudaIpcChannel(WeightChannel):
     """Rank 0 (a trainer rank) streams to rank 1 (a generator worker on the same GPU)."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int = 2, timeout_s: float = 60.0,
-                 epoch: int = 0, senders: int = 1):
+                 epoch: int = 0, senders: int = 1, device: "torch.device | None" = None):
         import torch
         import torch.distributed as dist
 
@@ -121,7 +123,7 @@ class CudaIpcChannel(WeightChannel):
                              f"{rank} of {world_size} with {senders} sender(s)")
         self.rank = rank
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = cuda_device(device)
         self.buffers = BufferRing(self.device)
         try:
             store = dist.TCPStore(host, port, 2, is_master=(rank == 0), timeout=self.timeout,
@@ -181,7 +183,7 @@ class CudaIpcChannel(WeightChannel):
                 if not stage and release is not None:  # the sender may reuse bucket k-2's memory now
                     update.carried += release(mapped[0])
                 mapped = mapped[1:]
-                self._store.set(f"u{n}/ack{k - 2}", b"1")
+                self._acknowledge(n, k - 2)
             entry = msgpack.unpackb(self._get(f"u{n}/b{k}", f"bucket {k}/{count} of version {version}"), raw=False)
             if entry["numel"] != size:
                 raise WeightSyncError(f"bucket {k} of version {version} has {entry['numel']} bytes, plan {size}")
@@ -189,10 +191,19 @@ class CudaIpcChannel(WeightChannel):
             mapped.append(bucket)
             yield bucket.clone() if stage else bucket
             if stage:  # copied: the sender may reuse it at once
-                self._store.set(f"u{n}/ack{k}", b"1")
+                self._acknowledge(n, k)
         if not stage:
             for k in range(max(0, count - 2), count):
-                self._store.set(f"u{n}/ack{k}", b"1")
+                self._acknowledge(n, k)
+
+    def _acknowledge(self, n: int, k: int) -> None:
+        """Tell the sender it may overwrite bucket ``k`` of update ``n``: only once every kernel
+        this process queued on it (the consumer's copies, the staging clone) has run, since the
+        acknowledgement is a host-side store write that does not wait for the GPU."""
+        import torch
+
+        torch.cuda.current_stream(self.device).synchronize()
+        self._store.set(f"u{n}/ack{k}", b"1")
 
     def close(self) -> None:
         self.buffers.release()
