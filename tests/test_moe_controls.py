@@ -147,3 +147,34 @@ def test_routing_statistics_match_transformers_router_and_capacity_drops(tmp_pat
 
 if __name__ == "__main__":
     {"routing": scenario_routing}[sys.argv[1]](Path(sys.argv[2]), json.loads(sys.argv[3]))
+
+
+def test_sequence_parallel_norm_patch_applies_with_an_unrelated_apex_installed(tmp_path):
+    """PyPI's `apex` (unrelated to NVIDIA's) or NGC's Apex on the path: the local spec still builds
+    its RMSNorm as WrappedTorchNorm, so the sequence-parallel norm patch must still apply (the old
+    selection skipped it whenever `find_spec("apex")` found anything, and the norm asserted)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "apex").mkdir()
+    (tmp_path / "apex" / "__init__.py").write_text("")  # what `pip install apex` (PyPI) gives: a package named apex
+    code = (
+        "from megatron_patches import apply_patches\n"
+        "apply_patches('cpu', sequence_parallel=True)\n"
+        "from megatron.core.transformer.torch_norm import WrappedTorchNorm\n"
+        "from megatron.core.transformer.transformer_config import TransformerConfig\n"
+        "cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, tensor_model_parallel_size=2,\n"
+        "                        sequence_parallel=True, normalization='RMSNorm', use_cpu_initialization=True)\n"
+        "norm = WrappedTorchNorm(config=cfg, hidden_size=8)\n"
+        "print(norm.weight.sequence_parallel)\n"
+        "from megatron_patches import TORCH_NORM\n"
+        "from pipeline.models.defaults import model_config\n"
+        "from pipeline.trainer.model import spec_norm\n"
+        "print(spec_norm(model_config('tiny-moe')) == TORCH_NORM)\n")
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": f"{tmp_path}:{repo}", "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["True", "True"]

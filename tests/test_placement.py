@@ -13,7 +13,6 @@ import pytest
 from pipeline.apps.train import job_plan, train
 from pipeline.config import TokenflowConfig, validate
 from pipeline.launch import LocalLauncher
-from pipeline.launch.gpus import slurm_gpus
 from pipeline.launch.plan import ComponentSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,6 +51,8 @@ def test_local_components_get_disjoint_gpus_and_a_gpuless_task_none(tmp_path, mo
 def test_slurm_task_gpus_follow_slurm_localid(distribution, localids):
     """2 nodes x 2 tasks, 4 GPUs per node, Slurm binding the node's GPUs to each task: the slice
     follows SLURM_LOCALID; ranks on one node never share a GPU under either distribution."""
+    from pipeline.launch.gpus import slurm_gpus
+
     spec = ComponentSpec(entry=PROBE, nodes=2, tasks_per_node=2, gpus_per_node=4)
     nodes = [0, 1, 0, 1] if distribution == "cyclic" else [0, 0, 1, 1]
     got = {}

@@ -138,6 +138,9 @@ def scenario_checkpoint(outdir: Path, args: dict) -> None:
     import torch
 
     trainer = _trainer(args)
+    if args.get("group_step_adam"):  # a fused Adam's bookkeeping (step per group), on CPU
+        from support.group_step_adam import GroupStepAdam
+        trainer.optimizer = GroupStepAdam(trainer.trainable(), lr=args.get("lr", 1e-3))
     samples = make_samples(args["seed"], args["n"], trainer.hf_config.vocab_size)
     perturb_behaviour(samples, trainer.logprobs(samples), 1)
     trainer.train_step(samples)
@@ -153,6 +156,7 @@ def scenario_checkpoint(outdir: Path, args: dict) -> None:
     (outdir / "result.json").write_text(json.dumps({
         "inputs_untouched": all(s.advantage is None for s in samples),
         "rng_equal": rng_equal, "weight_diff": w_diff,
+        "adam_step": json.loads((outdir / "ckpt" / "trainer.json").read_text())["adam_step"],
         "metrics_direct": [m_direct[k] for k in keys], "metrics_resumed": [m_resumed[k] for k in keys]}))
     trainer.close()
 
@@ -328,6 +332,17 @@ def test_checkpoint_resume_is_exact(checkpoints, tmp_path):
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["inputs_untouched"], "train_step changed the caller's samples"
     assert result["rng_equal"]
+    assert result["weight_diff"] == 0.0
+    assert result["metrics_resumed"] == result["metrics_direct"]
+
+
+def test_checkpoint_finds_adams_step_in_param_groups(checkpoints, tmp_path):
+    """A fused Adam (TE, Apex) counts steps per parameter group: the checkpoint records the step
+    and the resumed step equals the direct one (the old code recorded 0 and dropped the moments)."""
+    launch("checkpoint", 1, tmp_path, {"model_dir": str(checkpoints["dense"]), "seed": 5, "n": 4,
+                                        "group_step_adam": True})
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["adam_step"] == 1
     assert result["weight_diff"] == 0.0
     assert result["metrics_resumed"] == result["metrics_direct"]
 
