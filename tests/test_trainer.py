@@ -145,10 +145,13 @@ def scenario_checkpoint(outdir: Path, args: dict) -> None:
     perturb_behaviour(samples, trainer.logprobs(samples), 1)
     trainer.train_step(samples)
     trainer.save(outdir / "ckpt")
+    masters = getattr(trainer, "masters", None)  # fp32 copies of a bf16 model (pipeline/trainer/masters.py)
+    saved_masters = [m.detach().clone() for m in masters.masters] if masters is not None else []
     rng_draw = torch.rand(4)
     m_direct = trainer.train_step(samples)
     w_direct = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.load(outdir / "ckpt")
+    masters_equal = all(torch.equal(m, s) for m, s in zip(masters.masters, saved_masters)) if masters else None
     rng_equal = bool(torch.equal(torch.rand(4), rng_draw))
     m_resumed = trainer.train_step(samples)
     w_diff = max(float((p.detach() - w_direct[n]).abs().max()) for n, p in trainer.model.named_parameters())
@@ -157,8 +160,18 @@ def scenario_checkpoint(outdir: Path, args: dict) -> None:
         "inputs_untouched": all(s.advantage is None for s in samples),
         "rng_equal": rng_equal, "weight_diff": w_diff,
         "adam_step": json.loads((outdir / "ckpt" / "trainer.json").read_text())["adam_step"],
+        "masters_restored": masters_equal, "stored_beyond_bf16": _beyond_bf16(outdir / "ckpt"),
         "metrics_direct": [m_direct[k] for k in keys], "metrics_resumed": [m_resumed[k] for k in keys]}))
     trainer.close()
+
+
+def _beyond_bf16(ckpt: Path) -> bool:
+    """Whether any stored weight is not a bf16 value (fp32 masters are, after a step, almost surely)."""
+    from safetensors.torch import load_file
+    import torch
+
+    return any(not torch.equal(t, t.to(torch.bfloat16).float())
+               for f in sorted(ckpt.glob("model-r*.safetensors")) for t in load_file(str(f)).values())
 
 
 def scenario_decoupled(outdir: Path, args: dict) -> None:
@@ -343,6 +356,19 @@ def test_checkpoint_finds_adams_step_in_param_groups(checkpoints, tmp_path):
                                         "group_step_adam": True})
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["adam_step"] == 1
+    assert result["weight_diff"] == 0.0
+    assert result["metrics_resumed"] == result["metrics_direct"]
+
+
+def test_bf16_training_keeps_fp32_masters_through_a_checkpoint(checkpoints, tmp_path):
+    """bf16 parameters on the torch path: AdamW on fp32 masters; the checkpoint stores the masters
+    (not the rounded weights) and the resume restores them and the next step exactly (the old code
+    had no masters: every stored weight was a bf16 value)."""
+    launch("checkpoint", 1, tmp_path, {"model_dir": str(checkpoints["dense"]), "seed": 5, "n": 4,
+                                        "parallel": {"params_dtype": "bfloat16"}})
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["stored_beyond_bf16"], "the checkpoint holds only bf16 values: no fp32 masters"
+    assert result["masters_restored"] is True
     assert result["weight_diff"] == 0.0
     assert result["metrics_resumed"] == result["metrics_direct"]
 

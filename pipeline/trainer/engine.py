@@ -83,6 +83,7 @@ class Trainer:
         self.optimizer_kind = cfg.optimizer if cfg.optimizer != "auto" else (
             "megatron" if self.cuda else "torch")
         self.model = self._wrap_ddp(model)
+        self.masters = None  # fp32 master weights of a bf16 model on the torch path (masters.py)
         self.optimizer = self._make_optimizer()
         self.ref_model = None
         if cfg.loss.kl_coef:
@@ -124,9 +125,12 @@ class Trainer:
         import torch
 
         c = self.cfg
-        if self.optimizer_kind == "torch":
-            return torch.optim.AdamW(self.trainable(), lr=c.lr, betas=c.adam_betas,
-                                     eps=c.adam_eps, weight_decay=c.weight_decay)
+        if self.optimizer_kind == "torch":  # bf16 parameters: AdamW on fp32 masters (masters.py)
+            from .masters import MasterWeights
+
+            self.masters = MasterWeights(self.trainable()) if c.parallel.params_dtype == "bfloat16" else None
+            return torch.optim.AdamW(self.masters.masters if self.masters else self.trainable(), lr=c.lr,
+                                     betas=c.adam_betas, eps=c.adam_eps, weight_decay=c.weight_decay)
         if self.optimizer_kind != "megatron":
             raise ValueError(f"optimizer must be 'torch', 'megatron' or 'auto', got {c.optimizer!r}")
         if not self.cuda:
@@ -334,11 +338,15 @@ class Trainer:
         for p in params:
             p.grad = p.main_grad.to(p.dtype)
         grad_norm = self.grad_norm()
+        scale = 1.0
         if self.cfg.grad_clip and grad_norm > self.cfg.grad_clip:
             scale = self.cfg.grad_clip / (grad_norm + 1e-6)
             for p in params:
                 p.grad.mul_(scale)
-        self.optimizer.step()
+        if self.masters is not None:
+            self.masters.step(self.optimizer, scale)
+        else:
+            self.optimizer.step()
         return grad_norm
 
     def grad_norm(self) -> float:
