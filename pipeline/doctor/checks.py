@@ -106,11 +106,12 @@ def placement(run: Run) -> None:
             if len(who) > 1 and tuple(sorted(who)) not in shared_ok:
                 run.refuse(f"GPU {g} would be shared by {', '.join(who)}")
     else:
-        for role, spec in plan.components.items():
+        for role, spec in plan.components.items():  # each its own allocation: Slurm binds the GPUs
             each = gpus_per_task(spec)
-            run.uses(f"{role}: {spec.nodes} node(s) x {spec.tasks_per_node} task(s), {spec.gpus_per_node} "
-                     f"GPU(s) per node, {each} per task: "
-                     + ("the GPUs Slurm binds to the task, cut by SLURM_LOCALID" if each else "none"))
+            slices = "; ".join(f"local task {t}: GPUs {','.join(str(g) for g in range(t * each, (t + 1) * each))}"
+                               for t in range(spec.tasks_per_node)) if each else "no GPU"
+            run.uses(f"{role}: {spec.nodes} node(s) x {spec.tasks_per_node} task(s), {spec.gpus_per_node} GPU(s) "
+                     f"per node; on each node, of the GPUs Slurm binds (by SLURM_LOCALID, block or cyclic): {slices}")
         if shutil.which("sinfo"):
             from pipeline.launch import LaunchError, SlurmLauncher
             try:
