@@ -280,13 +280,13 @@ def _run_role(plan: JobPlan, run_dir: Path, where: Tuple[int, str, int], attempt
     become_subreaper()  # orphans of its children (an engine's worker) stay in its tree, ended at exit
     result_file.unlink(missing_ok=True)
     os.environ.update(plan.env)
-    os.environ.update(task_gpu_env(plan, role, rank, os.environ))  # before any CUDA state (gpus.py)
     task = TaskInfo(role=role, rank=rank, role_size=plan.components[role].num_tasks,
                     roles={r: spec.num_tasks for r, spec in plan.components.items()}, global_rank=global_rank,
                     world_size=len(plan.task_layout()), run_dir=run_dir, attempt=attempt, node=node,
                     config=plan.config, restart=restart)
     StopWatcher(task.stop_requested)
     try:
+        os.environ.update(task_gpu_env(plan, role, rank, os.environ))  # before any CUDA state (gpus.py)
         value = resolve_entry(plan.components[role].entry)(task)
     except BaseException:
         _write_result(result_file, {"ok": False, "attempt": attempt, "node": node, "restart": restart,
