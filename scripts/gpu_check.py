@@ -195,9 +195,13 @@ def build_1b(out: Path) -> Path:
 
     if (out / "config.json").exists():
         return out
+    import inspect
+
+    rope = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}} \
+        if "rope_parameters" in inspect.signature(Qwen3Config.__init__).parameters else {"rope_theta": 1e6}
     cfg = Qwen3Config(vocab_size=32768, hidden_size=2048, intermediate_size=6144, num_hidden_layers=16,
                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
-                      tie_word_embeddings=False, rope_theta=1e6)
+                      tie_word_embeddings=False, **rope)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(str(out))
