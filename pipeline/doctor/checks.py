@@ -125,6 +125,10 @@ def placement(run: Run) -> None:
     if trainer_gpus and torch_build() == "cpu":
         run.refuse(f"the trainer gets GPUs but torch {_installed('torch')} is a CPU build "
                    "(install the gpu extra: bash scripts/setup-venv.sh on a GPU node)")
+    teacher = plan.components.get("teacher")
+    if run.cfg.scorers.teacher == "lagged" and trainer_gpus and teacher is not None and not teacher.gpus_per_node:
+        run.refuse("scorers.teacher=lagged joins the trainer's NCCL weight group: it needs a GPU "
+                   "(cluster.teacher.gpus_per_node)")
     if run.cfg.generator.weight_channel == "cuda_ipc" and c.launcher == "local" and \
             "generator" in plan.components:
         t, g = plan.components["trainer"], plan.components["generator"]
