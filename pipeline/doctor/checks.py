@@ -76,7 +76,7 @@ def engine_runtime(cfg) -> dict:
     return {"runner": runner, "runner_reason": why, "compilation": compilation, "routing_capture": capture}
 
 
-def _node_ids(run: Run) -> list[str]:
+def _node_ids() -> list[str]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         return [g for g in visible.split(",") if g.strip()]
@@ -87,7 +87,7 @@ def _node_ids(run: Run) -> list[str]:
 def placement(run: Run) -> None:
     c, plan = run.cfg.cluster, run.plan
     if c.launcher == "local":
-        ids = _node_ids(run)
+        ids = _node_ids()
         run.uses(f"this node: {len(ids)} GPU(s){' (' + ','.join(ids) + ')' if ids else ''}")
         owners: dict[str, list[str]] = {}
         for role, spec in plan.components.items():
