@@ -107,6 +107,8 @@ def section_checkpoint(work: Path) -> dict:
     from safetensors.torch import load_file
     from support.oracle import make_samples, sharpened_checkpoint
 
+    from pipeline.trainer.model import iter_hf_weights
+
     ckpt = sharpened_checkpoint("moe", work / "moe-sharp")
     trainer = trainer_for(ckpt)
     try:
@@ -115,6 +117,7 @@ def section_checkpoint(work: Path) -> dict:
             s.behaviour_logprobs = (lp - 0.05).astype(np.float32)
         trainer.train_step(samples)
         trainer.save(work / "ckpt")
+        model_weights = dict(iter_hf_weights(trainer.model, trainer.hf_config))  # bf16 values
         direct = trainer.train_step(samples)
         w_direct = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         trainer.load(work / "ckpt")
@@ -122,8 +125,8 @@ def section_checkpoint(work: Path) -> dict:
         weight_diff = max(float((p.detach() - w_direct[n]).abs().max()) for n, p in trainer.model.named_parameters())
     finally:
         trainer.close()
-    stored = [t for f in sorted((work / "ckpt").glob("model-r*.safetensors")) for t in load_file(str(f)).values()]
-    beyond_bf16 = any(not torch.equal(t, t.to(torch.bfloat16).float()) for t in stored)
+    stored = {n: t for f in sorted((work / "ckpt").glob("model-r*.safetensors")) for n, t in load_file(str(f)).items()}
+    beyond_bf16 = any(not torch.equal(t, model_weights[n].float().cpu()) for n, t in stored.items())
     meta = json.loads((work / "ckpt" / "trainer.json").read_text())
     return {"weight_diff": weight_diff, "loss_direct": direct["loss"], "loss_resumed": resumed["loss"],
             "masters_stored": beyond_bf16, "adam_step": meta["adam_step"],

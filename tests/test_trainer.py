@@ -145,6 +145,8 @@ def scenario_checkpoint(outdir: Path, args: dict) -> None:
     perturb_behaviour(samples, trainer.logprobs(samples), 1)
     trainer.train_step(samples)
     trainer.save(outdir / "ckpt")
+    from pipeline.trainer.model import iter_hf_weights
+    saved_weights = dict(iter_hf_weights(trainer.model, trainer.hf_config))  # the model's own (bf16) values
     masters = getattr(trainer, "masters", None)  # fp32 copies of a bf16 model (pipeline/trainer/masters.py)
     saved_masters = [m.detach().clone() for m in masters.masters] if masters is not None else []
     rng_draw = torch.rand(4)
@@ -160,18 +162,19 @@ def scenario_checkpoint(outdir: Path, args: dict) -> None:
         "inputs_untouched": all(s.advantage is None for s in samples),
         "rng_equal": rng_equal, "weight_diff": w_diff,
         "adam_step": json.loads((outdir / "ckpt" / "trainer.json").read_text())["adam_step"],
-        "masters_restored": masters_equal, "stored_beyond_bf16": _beyond_bf16(outdir / "ckpt"),
+        "masters_restored": masters_equal, "stored_beyond_model": _stored_differs(outdir / "ckpt", saved_weights),
         "metrics_direct": [m_direct[k] for k in keys], "metrics_resumed": [m_resumed[k] for k in keys]}))
     trainer.close()
 
 
-def _beyond_bf16(ckpt: Path) -> bool:
-    """Whether any stored weight is not a bf16 value (fp32 masters are, after a step, almost surely)."""
-    from safetensors.torch import load_file
+def _stored_differs(ckpt: Path, weights: dict) -> bool:
+    """Whether any stored weight differs from the model's parameter at the save (fp32 masters of
+    bf16 parameters do, after a step, almost surely)."""
     import torch
+    from safetensors.torch import load_file
 
-    return any(not torch.equal(t, t.to(torch.bfloat16).float())
-               for f in sorted(ckpt.glob("model-r*.safetensors")) for t in load_file(str(f)).values())
+    return any(not torch.equal(t, weights[n].float())
+               for f in sorted(ckpt.glob("model-r*.safetensors")) for n, t in load_file(str(f)).items())
 
 
 def scenario_decoupled(outdir: Path, args: dict) -> None:
@@ -367,7 +370,7 @@ def test_bf16_training_keeps_fp32_masters_through_a_checkpoint(checkpoints, tmp_
     launch("checkpoint", 1, tmp_path, {"model_dir": str(checkpoints["dense"]), "seed": 5, "n": 4,
                                         "parallel": {"params_dtype": "bfloat16"}})
     result = json.loads((tmp_path / "result.json").read_text())
-    assert result["stored_beyond_bf16"], "the checkpoint holds only bf16 values: no fp32 masters"
+    assert result["stored_beyond_model"], "the checkpoint holds the bf16 weights themselves: no fp32 masters"
     assert result["masters_restored"] is True
     assert result["weight_diff"] == 0.0
     assert result["metrics_resumed"] == result["metrics_direct"]

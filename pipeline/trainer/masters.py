@@ -33,7 +33,9 @@ class MasterWeights:
         return self.masters[self._index[id(param)]]
 
     def step(self, optimizer, grad_scale: float = 1.0) -> None:
-        """One optimizer step on the masters from the fp32 gradients, then the rounded copy back."""
+        """One optimizer step on the masters from the fp32 gradients, then the rounded copy back.
+        The parameters' own ``.grad`` is cleared (the optimizer's ``zero_grad`` reaches only the
+        masters; a stale one would be added to the next backward's)."""
         import torch
 
         with torch.no_grad():
@@ -41,6 +43,8 @@ class MasterWeights:
                 m.grad = p.main_grad.float() * grad_scale
             optimizer.step()
             self.write_back()
+            for p in self.params:
+                p.grad = None
 
     def write_back(self) -> None:
         import torch
