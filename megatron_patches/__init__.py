@@ -5,7 +5,7 @@ Invariants this package keeps:
 - ``apply_patches()`` is idempotent: a patch is applied at most once per process; a later call
   for another layout only adds the patches that layout needs.
 - Which patches a configuration gets is a pure function (``select_patches(device,
-  sequence_parallel, apex_available)``), testable on a CPU machine for a GPU layout.
+  sequence_parallel, norm)``), testable on a CPU machine for a GPU layout.
 - "cpu" patches name the megatron-core version they were written against (``TARGET_VERSION``);
   on CPU, applying them to any other version raises ``RuntimeError`` naming both versions,
   because the patched internals are private and may have moved.
@@ -20,8 +20,9 @@ Patches (each function's docstring says what, why and the version), by condition
   always:        moe_te_general_gemm
   cpu:           cuda_current_device, cuda_streams, cuda_rng, default_causal_mask
   gloo (= cpu):  moe_split_sizes, gloo_uneven_gather_scatter
-  torch_norm_sp: torch_norm_sequence_parallel - sequence parallelism (MoE with TP > 1) on the
-                 local layer spec without Apex, on CPU and on GPU alike
+  torch_norm_sp: torch_norm_sequence_parallel - sequence parallelism (MoE with TP > 1) with a
+                 layer spec whose norm is megatron's ``WrappedTorchNorm`` (the local spec with
+                 RMSNorm always is, Apex or not), on CPU and on GPU alike
 
 Example::
 
@@ -306,22 +307,28 @@ _PATCHES: list[tuple[str, Callable[[], None], str]] = [
 ]
 
 
-def select_patches(device: str, sequence_parallel: bool, apex_available: bool = False) -> list[str]:
+TORCH_NORM = "WrappedTorchNorm"
+"""Class name of megatron's torch norm, the one that asserts ``not sequence_parallel``."""
+
+
+def select_patches(device: str, sequence_parallel: bool, norm: str = TORCH_NORM) -> list[str]:
     """Names of the patches a trainer on ``device`` ("cpu" or "cuda") needs; pure (applies
-    nothing), so which patches a GPU layout would get can be checked on a CPU machine.
+    nothing), so which patches a GPU layout would get can be checked on a CPU machine. ``norm``:
+    the class name of the norm the layer spec uses (what the model is built with, not which
+    packages are importable: NGC images ship Apex, yet the local spec's RMSNorm is torch's).
 
     The backend follows the device (gloo on CPU, NCCL on CUDA). Example: a TP=2 MoE trainer on a
-    GPU without Apex (sequence parallelism on) gets ``["moe_te_general_gemm",
+    GPU (sequence parallelism on, local spec: WrappedTorchNorm) gets ``["moe_te_general_gemm",
     "torch_norm_sequence_parallel"]``; the same layout on CPU gets all eight patches.
     """
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     wanted = {"always": True, "cpu": device == "cpu", "gloo": device == "cpu",
-              "torch_norm_sp": sequence_parallel and not apex_available}
+              "torch_norm_sp": sequence_parallel and norm == TORCH_NORM}
     return [name for name, _, condition in _PATCHES if wanted[condition]]
 
 
-def apply_patches(device: str | None = None, sequence_parallel: bool = True) -> list[str]:
+def apply_patches(device: str | None = None, sequence_parallel: bool = True, norm: str = TORCH_NORM) -> list[str]:
     """Apply the patches ``select_patches`` names for this machine and layout; return every
     patch applied in this process so far. Idempotent: a patch is applied at most once.
 
@@ -329,8 +336,6 @@ def apply_patches(device: str | None = None, sequence_parallel: bool = True) -> 
     megatron-core must be ``TARGET_VERSION``; otherwise ``RuntimeError`` is raised before anything
     is changed.
     """
-    import importlib.util
-
     import torch
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -338,7 +343,7 @@ def apply_patches(device: str | None = None, sequence_parallel: bool = True) -> 
         raise RuntimeError(
             f"megatron_patches targets megatron-core {TARGET_VERSION} for CPU, but "
             f"{_megatron_version()} is installed; re-check each patch in megatron_patches/ against it")
-    names = select_patches(device, sequence_parallel, importlib.util.find_spec("apex") is not None)
+    names = select_patches(device, sequence_parallel, norm)
     for name, patch, _ in _PATCHES:
         if name in names and name not in _applied:
             patch()

@@ -105,6 +105,12 @@ class ClusterConfig:
     cycles the trainer leaves idle instead of half of them: 10 leaves the trainer 90 % of a core both
     want, 0 halves it (the trainer's pushes took 0.15-0.56 s against 0.02 s while a joiner shared
     its core as equal; docs/generator-jobs.md)."""
+    gpus: int | None = None
+    """Local launcher: GPUs of this machine the run spreads its components over when no
+    cluster.<role>.gpus_per_node is set (None: every GPU found, nvidia-smi; 0: a CPU run). Enough
+    for all: one per trainer rank, generator.tensor_parallel_size per generator; one GPU, one trainer
+    rank and one TP-1 generator: both on it (weights by CUDA IPC, vLLM's share of its memory at most
+    0.45); pipeline/launch/gpus.py."""
     trainer: ComponentSpec = field(default_factory=lambda: ComponentSpec(
         entry="pipeline.roles.trainer:main", cpus_per_task=1, mem_gb=8.0))
     generator: ComponentSpec = field(default_factory=lambda: ComponentSpec(
@@ -202,6 +208,9 @@ def validate(cfg: TokenflowConfig) -> None:
     from pipeline.models.defaults import resolve_defaults
 
     resolve_defaults(cfg)
+    from pipeline.launch.gpus import resolve_local_gpus
+
+    resolve_local_gpus(cfg)
     checks: list[tuple[bool, str]] = [
         (cfg.run.steps >= 1, f"run.steps must be >= 1, got {cfg.run.steps}"),
         (cfg.run.eval_every >= 0, f"run.eval_every must be >= 0, got {cfg.run.eval_every}"),

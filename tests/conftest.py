@@ -63,10 +63,10 @@ def pytest_collection_modifyitems(config, items):
     reasons = {}
     slow = _slow_reason(config)
     for item in items:
-        if slow and "slow" in item.keywords:
+        if slow and item.get_closest_marker("slow"):  # markers, not keywords: a directory named gpu is no marker
             item.add_marker(pytest.mark.skip(reason=f"[slow] {slow}"))
         for marker, probe in (("gpu", _cuda_reason), ("slurm", _slurm_reason)):
-            if marker in item.keywords:
+            if item.get_closest_marker(marker):
                 if marker not in reasons:
                     reasons[marker] = probe()
                 if reasons[marker]:

@@ -85,9 +85,13 @@ def job_plan(cfg: TokenflowConfig, run_dir: Path):
                              "'tokenflow[mpi]', with Open MPI's headers installed); or leave cluster.mpi unset")
     components = {"trainer": trainer, "generator": generator} if c.generators else {"trainer": trainer}
     components.update(scorer_components(cfg))
-    return JobPlan(name=f"tokenflow-{cfg.run.name}", components=components,
+    plan = JobPlan(name=f"tokenflow-{cfg.run.name}", components=components,
                    config={"run_dir": str(run_dir)}, max_requeues=c.max_requeues,
                    mpi=c.mpi if c.launcher == "slurm" else None)
+    if c.launcher == "local":  # one node: disjoint GPU ranges per component
+        from pipeline.launch.gpus import colocated_roles, local_gpu_layout
+        local_gpu_layout(plan, colocated_roles(cfg))
+    return plan
 
 
 def prepare_run_dir(cfg: TokenflowConfig) -> Path:
@@ -114,6 +118,11 @@ def train(cfg: TokenflowConfig) -> int:
         validate(cfg)
     except (ValueError, FileNotFoundError) as exc:  # a bad config or model: refused before anything starts
         print(f"tokenflow: cannot start the run: {exc}", file=sys.stderr)
+        return 2
+    from pipeline.doctor import report, run_checks
+    checked = run_checks(cfg, job_plan(cfg, Path(cfg.run.dir).resolve()))
+    if checked.refusals:  # the doctor's checks (`tokenflow doctor` prints them all)
+        print(f"tokenflow: cannot start the run:\n{report(checked)}", file=sys.stderr)
         return 2
     from pipeline.apps.ops import still_running
     running = still_running(Path(cfg.run.dir).resolve())

@@ -194,7 +194,8 @@ class WeightSyncExtension:
         self.leave_weight_group()
         rank = first_rank + int(self.rank)
         self._step_clock()
-        self._tf_channel = _open_channel(host, port, rank, world_size, timeout_s, backend, epoch, senders, channel)
+        self._tf_channel = _open_channel(host, port, rank, world_size, timeout_s, backend, epoch, senders, channel,
+                                         self.device)
         return rank
 
     def start_joining_weight_group(self, host: str, port: int, first_rank: int, world_size: int,
@@ -208,8 +209,9 @@ class WeightSyncExtension:
         joins = self.__dict__.setdefault("_tf_joins", {})
         if epoch in joins:
             joins.pop(epoch).abandon()
+        device = self.device  # this worker's GPU, read on its own thread (vLLM sets it per thread)
         joins[epoch] = GroupBuild(epoch, None, lambda: _open_channel(host, port, rank, world_size, timeout_s,
-                                                                      backend, epoch, senders, channel))
+                                                                      backend, epoch, senders, channel, device))
         self._tf_join_timeout = timeout_s
         return rank
 
@@ -407,12 +409,13 @@ ignore_stop_signals()  # ... and leave the stop signals to the owner while it li
 
 
 def _open_channel(host: str, port: int, rank: int, world_size: int, timeout_s: float, backend: str, epoch: int,
-                  senders: int, channel: str):
-    """This worker's end of a weight group: 'broadcast' (`TorchDistChannel`) or 'cuda_ipc'."""
+                  senders: int, channel: str, device):
+    """This worker's end of a weight group on ``device`` (the worker's own): 'broadcast'
+    (`TorchDistChannel`) or 'cuda_ipc'."""
     if channel == "cuda_ipc":
         from pipeline.weights.cuda_ipc import CudaIpcChannel
 
-        return CudaIpcChannel(host, port, rank, world_size, timeout_s, epoch, senders)
+        return CudaIpcChannel(host, port, rank, world_size, timeout_s, epoch, senders, device)
     from pipeline.weights.group import TorchDistChannel
 
-    return TorchDistChannel(host, port, rank, world_size, timeout_s, backend, epoch, senders)
+    return TorchDistChannel(host, port, rank, world_size, timeout_s, backend, epoch, senders, device)

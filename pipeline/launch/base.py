@@ -23,6 +23,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Dict, List
 
+from pipeline.launch.gpus import LAUNCHER_ENV
 from pipeline.launch.plan import JobPlan
 from pipeline.launch.task import log_path, result_path
 from pipeline.run_files import LAUNCHES_FILE, PLAN_FILE
@@ -105,6 +106,7 @@ class Launcher(ABC):
         """Start ``plan``; its JSON goes to ``plan_file`` and one line (plus ``record``) to
         ``launches_file`` (a generator job joining a run keeps its own: `generator_jobs`)."""
         plan.validate()
+        plan.env[LAUNCHER_ENV] = self.name  # which rule places each task's GPUs (pipeline.launch.gpus)
         run_dir = Path(run_dir).absolute()
         self.check(plan)
         (run_dir / plan_file).parent.mkdir(parents=True, exist_ok=True)

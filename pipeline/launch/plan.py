@@ -55,22 +55,11 @@ class ComponentSpec:
     max_restarts: int = 0  # times a task's supervisor restarts its role process in place after it died
     optional: bool = False  # past max_restarts the task abandons (exit 0) and the run goes on without it
     first_rank: int = 0  # rank of this component's first task (a generator job joining a running run numbers its generators after those already there)
+    gpu_first: int = 0  # node-local index of this component's first GPU in a local run (set by pipeline.launch.gpus.local_gpu_layout; Slurm binds GPUs itself)
 
     @property
     def num_tasks(self) -> int:
         return self.nodes * self.tasks_per_node
-
-    def gpus_of(self, rank: int, visible: List[str] | None = None) -> List[str]:
-        """The GPUs task ``rank`` of this component uses: its node-local index (tasks fill a node
-        before the next, Slurm's block distribution) picks an equal slice of the node's GPUs
-        (``visible``: the node's CUDA_VISIBLE_DEVICES entries; default 0..gpus_per_node-1).
-        Example: gpus_per_node=4, tasks_per_node=2 -> ranks 0,1,2,3 get [0,1], [2,3], [0,1], [2,3]."""
-        if not self.gpus_per_node:
-            return []
-        visible = visible or [str(i) for i in range(self.gpus_per_node)]
-        each = self.gpus_per_node // self.tasks_per_node
-        local = (rank - self.first_rank) % self.tasks_per_node
-        return visible[local * each:(local + 1) * each]
 
 
 @dataclass

@@ -44,7 +44,8 @@ def probe(task: TaskInfo) -> Dict[str, Any]:
         "role": task.role, "rank": task.rank, "role_size": task.role_size, "global_rank": task.global_rank,
         "world_size": task.world_size, "node": task.node, "host": socket.gethostname(), "pid": os.getpid(),
         "attempt": task.attempt, "resumed": task.resumed, "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-        "het_size": os.environ.get("SLURM_HET_SIZE")}
+        "het_size": os.environ.get("SLURM_HET_SIZE"), "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "local_rank": os.environ.get("LOCAL_RANK")}
     print(f"probe {task.role}.{task.rank} on {task.node} attempt {task.attempt}", flush=True)
     if options.get("crash_role") == task.role:
         _crash_with_a_child(task, report, int(options.get("crash_times", 1)))

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Tuple
 
+from pipeline.launch.gpus import task_gpu_env
 from pipeline.launch.plan import JobPlan, LaunchError
 from pipeline.launch.rendezvous import DIST_ENV, Rendezvous, mpi_bootstrap, under_mpi
 from pipeline.launch.supervisor import ROLE_PROCESS_ENV, RoleFailed, TaskSupervisor, role_argv
@@ -286,17 +287,13 @@ def _run_role(plan: JobPlan, run_dir: Path, where: Tuple[int, str, int], attempt
     become_subreaper()  # orphans of its children (an engine's worker) stay in its tree, ended at exit
     result_file.unlink(missing_ok=True)
     os.environ.update(plan.env)
-    gpus = plan.components[role].gpus_of(rank, os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if
-                                          os.environ.get("CUDA_VISIBLE_DEVICES") else None)
-    if gpus:  # this task's share of the node's GPUs (several generators/ranks per node)
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-        os.environ["LOCAL_RANK"] = "0"
     task = TaskInfo(role=role, rank=rank, role_size=plan.components[role].num_tasks,
                     roles={r: spec.num_tasks for r, spec in plan.components.items()}, global_rank=global_rank,
                     world_size=len(plan.task_layout()), run_dir=run_dir, attempt=attempt, node=node,
                     config=plan.config, restart=restart)
     StopWatcher(task.stop_requested)
     try:
+        os.environ.update(task_gpu_env(plan, role, rank, os.environ))  # before any CUDA state (gpus.py)
         value = resolve_entry(plan.components[role].entry)(task)
     except BaseException:
         _write_result(result_file, {"ok": False, "attempt": attempt, "node": node, "restart": restart,

@@ -256,11 +256,12 @@ class WeightPusher:
             if kind == "cuda_ipc":
                 from pipeline.weights.cuda_ipc import CudaIpcChannel
 
-                return CudaIpcChannel(self.host, port, rank=0, world_size=world, timeout_s=timeout, epoch=epoch)
+                return CudaIpcChannel(self.host, port, rank=0, world_size=world, timeout_s=timeout, epoch=epoch,
+                                      device=self.trainer.device)
             from pipeline.weights.group import TorchDistChannel
 
             return TorchDistChannel(self.host, port, rank=0, world_size=world, timeout_s=timeout,
-                                    backend=backend, epoch=epoch, senders=senders)
+                                    backend=backend, epoch=epoch, senders=senders, device=self.trainer.device)
 
         log.info("weight group epoch %d forming at %s:%d: %s (%d sender(s), world %d)", epoch, self.host, port,
                  sorted(members), senders, world)
@@ -299,7 +300,7 @@ class WeightPusher:
         w = self.rdv.wait(f"weights-{epoch}", self.cfg.run.timeout_s)
         self.channel = TorchDistChannel(w["host"], w["port"], rank=source, world_size=w["world_size"],
                                         timeout_s=self.cfg.generator.weight_timeout_s, backend=w["backend"],
-                                        epoch=epoch, senders=w["senders"])
+                                        epoch=epoch, senders=w["senders"], device=self.trainer.device)
         self.epoch = epoch
 
     def _wait_for_membership_change(self) -> None:

@@ -136,8 +136,10 @@ class WeightFollower:
         if me is None:
             log.info("weight group epoch %d does not list %s", epoch, self.identity)
             return
+        device = _current_gpu() if w["backend"] == "nccl" else None  # read here, not on the build's thread
         self.joins[epoch] = GroupBuild(epoch, None, lambda: TorchDistChannel(
-            w["host"], w["port"], me, w["world_size"], self.timeout_s, w["backend"], epoch, w.get("senders", 1)))
+            w["host"], w["port"], me, w["world_size"], self.timeout_s, w["backend"], epoch, w.get("senders", 1),
+            device))
         log.info("joining weight group epoch %d as rank %d of %d", epoch, me, w["world_size"])
 
     def _switch(self, epoch: int) -> None:
@@ -174,3 +176,10 @@ class WeightFollower:
         if self.channel is not None:
             self.channel.close()
             self.channel = None
+
+
+def _current_gpu():
+    """This thread's current GPU (the scorer process was confined to its own: pipeline.launch.gpus)."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device())

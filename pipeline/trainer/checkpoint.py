@@ -3,7 +3,8 @@
 Layout of a checkpoint directory (tensor sets as in ``hf_shards``: files per writing rank plus an
 index)::
 
-    model-r*.safetensors     + model.safetensors.index.json       float32 weights, HF names
+    model-r*.safetensors     + model.safetensors.index.json       float32 weights (a bf16 model's fp32
+                                                                  master weights), HF names
     exp_avg-r*.safetensors   + exp_avg.safetensors.index.json     Adam first moments, HF names
     exp_avg_sq-r*.safetensors + exp_avg_sq.safetensors.index.json Adam second moments
     rng-r00000.safetensors   one per world rank: "cpu", "cuda" (on GPU), "tracker.<name>"
@@ -27,7 +28,12 @@ parameters (every parameter is updated every step) and is stored once.
   of zero tensors holding each rank's range (disjoint ranges, so the sum is exact). On load each
   rank copies its range back, then refreshes its main parameters from the model's.
 
-Invariants: ``load`` after ``save`` restores weights and optimizer state bit for bit on ANY
+A bf16 model keeps fp32 master weights (megatron's distributed optimizer: its main parameters,
+each DP rank a range, gathered like the moments; the torch path: `pipeline.trainer.masters`): the
+checkpoint stores the masters, and a load sets the bf16 weights to them rounded and the masters to
+them exactly (reloading masters from the bf16 weights would truncate them).
+
+Invariants: ``load`` after ``save`` restores weights (masters included) and optimizer state bit for bit on ANY
 TP/EP/DP layout of the same model (and the RNG states when the layout and world size are the
 ones that saved); ``trainer.json`` is written last, after every rank's files, so a directory
 without it is an incomplete checkpoint and ``load`` refuses it.
@@ -59,13 +65,35 @@ def _owning_distopt(trainer, param):
     raise KeyError("parameter not handled by any distributed optimizer")
 
 
+def _adam_param(trainer, param):
+    """The tensor the torch optimizer updates for model parameter ``param`` (its fp32 master, if any)."""
+    return trainer.masters.of(param) if trainer.masters is not None else param
+
+
+def _has_masters(trainer) -> bool:
+    """Whether the optimizer keeps fp32 master weights distinct from the model's parameters."""
+    if trainer.optimizer_kind == "torch":
+        return trainer.masters is not None
+    return trainer.cfg.parallel.params_dtype != "float32"
+
+
+def _weights(trainer):
+    """``value_of(name, param)`` giving the weight a checkpoint stores: the fp32 master if any."""
+    if not _has_masters(trainer):
+        return lambda name, param: param
+    if trainer.optimizer_kind == "torch":
+        return lambda name, param: trainer.masters.of(param)
+    return _moment(trainer, "param")  # the distributed optimizer's main parameter ranges
+
+
 def _moment(trainer, key: str):
-    """``value_of(name, param)`` giving this rank's parameter-shaped moment ``key``."""
+    """``value_of(name, param)`` giving this rank's parameter-shaped moment ``key`` (distributed
+    optimizer: also ``"param"``, its fp32 main parameter)."""
     import torch
 
     if trainer.optimizer_kind == "torch":
         def torch_moment(name, param):
-            state = trainer.optimizer.state.get(param, {})
+            state = trainer.optimizer.state.get(_adam_param(trainer, param), {})
             return state[key] if key in state else torch.zeros_like(param)
         return torch_moment
 
@@ -92,12 +120,16 @@ def _lora_meta(trainer) -> dict | None:
 
 
 def _adam_step(trainer) -> int:
-    """Adam's step count, checked to be the same for every parameter of this rank."""
+    """Adam's step count, checked to be the same for every parameter of this rank: read where the
+    optimizer keeps it, per parameter (torch's Adam: ``state[p]["step"]``) or per parameter group
+    (fused Adams, TE's and Apex's: ``param_groups[i]["step"]``)."""
     if trainer.optimizer_kind == "torch":
-        states = list(trainer.optimizer.state.values())
+        adams = [trainer.optimizer]
     else:
-        states = [opt.optimizer.state[p] for opt in _distributed_optimizers(trainer)
-                  for g in opt.optimizer.param_groups for p in g["params"]]
+        adams = [opt.optimizer for opt in _distributed_optimizers(trainer)]
+    states = [adam.state[p] for adam in adams for g in adam.param_groups for p in g["params"]
+              if p in adam.state]
+    states += [g for adam in adams for g in adam.param_groups]
     steps = {int(s["step"]) for s in states if "step" in s}
     if len(steps) > 1:
         raise ValueError(f"parameters have different Adam step counts {sorted(steps)}; "
@@ -123,7 +155,7 @@ def save_checkpoint(trainer, directory: Path) -> None:
     if rank == 0 and (directory / "trainer.json").exists():
         (directory / "trainer.json").unlink()  # incomplete until rewritten below
     torch.distributed.barrier()
-    write_tensor_set(trainer.model, trainer.hf_config, directory, "model", lambda n, p: p)
+    write_tensor_set(trainer.model, trainer.hf_config, directory, "model", _weights(trainer))
     for key in MOMENTS:
         write_tensor_set(trainer.model, trainer.hf_config, directory, key, _moment(trainer, key))
     rng = {"cpu": torch.get_rng_state()}
@@ -168,16 +200,23 @@ def load_checkpoint(trainer, directory: Path) -> None:
         raise ValueError(f"{meta_path}: checkpoint LoRA setting {meta.get('lora')} differs from this "
                          f"trainer's {_lora_meta(trainer)} (trainer.lora.* must match the run that saved it)")
     params = dict(unwrap(trainer.model).named_parameters())
+    masters = {}  # name -> the fp32 weight as stored (a bf16 model's master)
     with torch.no_grad():
         for name, shard in iter_megatron_shards(trainer.model, trainer.hf_config,
                                                 set_reader(directory, "model")):
             params[name].copy_(shard.to(params[name].dtype))
+            if _has_masters(trainer):
+                masters[name] = shard
         moments = {key: dict(iter_megatron_shards(trainer.model, trainer.hf_config,
                                                   set_reader(directory, key))) for key in MOMENTS}
     if trainer.optimizer_kind == "torch":
+        if trainer.masters is not None:
+            with torch.no_grad():
+                for name, shard in masters.items():
+                    trainer.masters.of(params[name]).copy_(shard)
         _load_torch_adam(trainer, params, moments, meta)
     else:
-        _load_distopt(trainer, params, moments, meta)
+        _load_distopt(trainer, params, moments, meta, masters)
     if meta["layout"] == _layout(trainer):
         rng = load_file(str(directory / f"rng-r{torch.distributed.get_rank():05d}.safetensors"))
         torch.set_rng_state(rng["cpu"])
@@ -197,8 +236,9 @@ def _load_torch_adam(trainer, params, moments, meta) -> None:
     if meta["adam_step"]:
         for name in moments[MOMENTS[0]]:
             p = params[name]
+            q = _adam_param(trainer, p)
             state[order[id(p)]] = {"step": torch.tensor(float(meta["adam_step"])),
-                                   **{k: moments[k][name].to(p.device, p.dtype) for k in MOMENTS}}
+                                   **{k: moments[k][name].to(q.device, q.dtype) for k in MOMENTS}}
     groups = []
     for group in meta["param_groups"]:
         group = dict(group)
@@ -209,15 +249,27 @@ def _load_torch_adam(trainer, params, moments, meta) -> None:
     trainer.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def _load_distopt(trainer, params, moments, meta) -> None:
+def _load_distopt(trainer, params, moments, meta, masters) -> None:
     import torch
 
     for opt in _distributed_optimizers(trainer):
         opt.reload_model_params()
         if meta["adam_step"] and opt.init_state_fn is not None:
             opt.init_state_fn(opt.optimizer, opt.config)
+    with torch.no_grad():  # the masters as saved, not as reloaded from the bf16 weights
+        for name, shard in masters.items():
+            p = params[name]
+            opt = _owning_distopt(trainer, p)
+            if p in opt.model_param_group_index_map:
+                span = opt._get_model_param_range_map(p)["param"]
+                main = opt._get_main_param_and_optimizer_states(p)["param"]
+                main.view(-1).copy_(shard.reshape(-1)[span.start:span.end].to(main.device, main.dtype))
     if not meta["adam_step"]:
         return
+    for opt in _distributed_optimizers(trainer):  # a fused Adam counts its steps per group
+        for group in opt.optimizer.param_groups:
+            if "step" in group:
+                group["step"] = meta["adam_step"]
     with torch.no_grad():
         for name in moments[MOMENTS[0]]:
             p = params[name]

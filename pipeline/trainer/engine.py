@@ -44,14 +44,15 @@ class Trainer:
 
         from megatron_patches import apply_patches
 
-        from .model import build_gpt_model, load_hf_config, load_hf_weights, uses_sequence_parallel
+        from .model import build_gpt_model, load_hf_config, load_hf_weights, spec_norm, uses_sequence_parallel
 
         check_trainer_config(cfg)
         self.cfg = cfg
         self.cuda = torch.cuda.is_available()
         self.hf_config = load_hf_config(cfg.model_dir)
         apply_patches("cuda" if self.cuda else "cpu",
-                      sequence_parallel=uses_sequence_parallel(self.hf_config, cfg.parallel))
+                      sequence_parallel=uses_sequence_parallel(self.hf_config, cfg.parallel),
+                      norm=spec_norm(self.hf_config))
         if not torch.distributed.is_initialized():
             rank = int(os.environ.get("RANK", 0)) if rank is None else rank
             world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
@@ -60,6 +61,8 @@ class Trainer:
             torch.distributed.init_process_group(
                 "nccl" if self.cuda else "gloo", init_method=init_method or "env://", rank=rank,
                 world_size=world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        # this rank's device, read before any other thread exists; weight channels get it explicitly
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         p = cfg.parallel
         ps.initialize_model_parallel(
             tensor_model_parallel_size=p.tp, expert_model_parallel_size=p.ep,
@@ -80,6 +83,7 @@ class Trainer:
         self.optimizer_kind = cfg.optimizer if cfg.optimizer != "auto" else (
             "megatron" if self.cuda else "torch")
         self.model = self._wrap_ddp(model)
+        self.masters = None  # fp32 master weights of a bf16 model on the torch path (masters.py)
         self.optimizer = self._make_optimizer()
         self.ref_model = None
         if cfg.loss.kl_coef:
@@ -121,9 +125,12 @@ class Trainer:
         import torch
 
         c = self.cfg
-        if self.optimizer_kind == "torch":
-            return torch.optim.AdamW(self.trainable(), lr=c.lr, betas=c.adam_betas,
-                                     eps=c.adam_eps, weight_decay=c.weight_decay)
+        if self.optimizer_kind == "torch":  # bf16 parameters: AdamW on fp32 masters (masters.py)
+            from .masters import MasterWeights
+
+            self.masters = MasterWeights(self.trainable()) if c.parallel.params_dtype == "bfloat16" else None
+            return torch.optim.AdamW(self.masters.masters if self.masters else self.trainable(), lr=c.lr,
+                                     betas=c.adam_betas, eps=c.adam_eps, weight_decay=c.weight_decay)
         if self.optimizer_kind != "megatron":
             raise ValueError(f"optimizer must be 'torch', 'megatron' or 'auto', got {c.optimizer!r}")
         if not self.cuda:
@@ -331,11 +338,15 @@ class Trainer:
         for p in params:
             p.grad = p.main_grad.to(p.dtype)
         grad_norm = self.grad_norm()
+        scale = 1.0
         if self.cfg.grad_clip and grad_norm > self.cfg.grad_clip:
             scale = self.cfg.grad_clip / (grad_norm + 1e-6)
             for p in params:
                 p.grad.mul_(scale)
-        self.optimizer.step()
+        if self.masters is not None:
+            self.masters.step(self.optimizer, scale)
+        else:
+            self.optimizer.step()
         return grad_norm
 
     def grad_norm(self) -> float:

@@ -140,15 +140,26 @@ def transformer_config(hf_config, parallel: ParallelConfig, moe_cfg: MoEConfig |
     return TransformerConfig(**kwargs)
 
 
+def layer_spec(num_experts: int | None, qk_layernorm: bool):
+    """The layer spec every trainer model is built with: megatron's local spec with RMSNorm."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                    qk_layernorm=qk_layernorm, normalization="RMSNorm")
+
+
+def spec_norm(hf_config) -> str:
+    """Class name of the norm `layer_spec` gives ``hf_config``'s layers (selects megatron_patches)."""
+    spec = layer_spec(None, has_qk_norm(hf_config))
+    return spec.submodules.input_layernorm.__name__
+
+
 def build_gpt_model(hf_config, parallel: ParallelConfig, moe_cfg: MoEConfig | None = None):
     """A randomly initialised megatron ``GPTModel`` matching ``hf_config`` (load weights after)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     config = transformer_config(hf_config, parallel, moe_cfg)
-    spec = get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm,
-        normalization="RMSNorm")
+    spec = layer_spec(config.num_moe_experts, config.qk_layernorm)
     model = GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings, pre_process=True,

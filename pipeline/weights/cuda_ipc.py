@@ -27,7 +27,9 @@ Invariants:
 - every wait has the channel's timeout; a peer that dies makes the other raise `WeightSyncError`;
 - ``wire`` counts at each store call the bytes of the value written (sent) or read (received), and
   each bucket's bytes once where it changes hands: sent when its handle is published, received
-  when it is opened; so the receiver counts what the sender sent, and the other way round (acks).
+  when it is opened; so the receiver counts what the sender sent, and the other way round (acks);
+- the receiver synchronises its stream before each acknowledgement: the copies reading a bucket
+  have finished before the sender may pack the next bucket but one into its memory.
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from pipeline.protocol import weight_stream as records
 from pipeline.weights.buckets import Assembly, BucketPlan, BufferRing, pack, unpack
-from pipeline.weights.group import ReceivedWeights, Release, WeightChannel, WeightSyncError, WireBytes, open_store
+from pipeline.weights.group import (ReceivedWeights, Release, WeightChannel, WeightSyncError, WireBytes, cuda_device,
+                                    open_store)
 
 if TYPE_CHECKING:
     import torch
@@ -114,7 +117,7 @@ class CudaIpcChannel(WeightChannel):
     """Rank 0 (a trainer rank) streams to rank 1 (a generator worker on the same GPU)."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int = 2, timeout_s: float = 60.0,
-                 epoch: int = 0, senders: int = 1):
+                 epoch: int = 0, senders: int = 1, device: "torch.device | None" = None):
         import torch
         import torch.distributed as dist
 
@@ -123,7 +126,7 @@ class CudaIpcChannel(WeightChannel):
                              f"{rank} of {world_size} with {senders} sender(s)")
         self.rank = rank
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = cuda_device(device)
         self.buffers = BufferRing(self.device)
         self.wire = WireBytes()
         try:
@@ -190,7 +193,7 @@ class CudaIpcChannel(WeightChannel):
                 if not stage and release is not None:  # the sender may reuse bucket k-2's memory now
                     update.carried += release(mapped[0])
                 mapped = mapped[1:]
-                self._set(f"u{n}/ack{k - 2}", b"1")
+                self._acknowledge(n, k - 2)
             try:
                 raw = self._get(f"u{n}/b{k}", f"bucket {k}/{count} of version {version}")
                 entry = records.unpack(records.IpcHandle, raw)
@@ -203,10 +206,19 @@ class CudaIpcChannel(WeightChannel):
             mapped.append(bucket)
             yield bucket.clone() if stage else bucket
             if stage:  # copied: the sender may reuse it at once
-                self._set(f"u{n}/ack{k}", b"1")
+                self._acknowledge(n, k)
         if not stage:
             for k in range(max(0, count - 2), count):
-                self._set(f"u{n}/ack{k}", b"1")
+                self._acknowledge(n, k)
+
+    def _acknowledge(self, n: int, k: int) -> None:
+        """Tell the sender it may overwrite bucket ``k`` of update ``n``: only once every kernel
+        this process queued on it (the consumer's copies, the staging clone) has run, since the
+        acknowledgement is a host-side store write that does not wait for the GPU."""
+        import torch
+
+        torch.cuda.current_stream(self.device).synchronize()
+        self._set(f"u{n}/ack{k}", b"1")
 
     def close(self) -> None:
         self.buffers.release()

@@ -122,6 +122,20 @@ class ReceivedWeights:
         self.assembly.check_complete()
 
 
+def cuda_device(device: "torch.device | None") -> "torch.device":
+    """The GPU a CUDA channel end uses, made this thread's current device. It must be given: a
+    group is often opened on a new thread (`group_build`), where ``torch.cuda.current_device()``
+    is 0 whatever the rank or engine worker set on its own thread (every TP worker would land
+    on GPU 0: NCCL's "Duplicate GPU detected")."""
+    import torch
+
+    if device is None or torch.device(device).type != "cuda":
+        raise WeightSyncError(f"a CUDA weight channel needs its GPU given explicitly, got {device!r}")
+    device = torch.device(device)
+    torch.cuda.set_device(device)
+    return device
+
+
 class WeightChannel(abc.ABC):
     """Carries versioned weight updates from one or more senders to many receivers."""
 
@@ -183,7 +197,7 @@ class TorchDistChannel(WeightChannel):
     """Broadcasts over private process groups (see the module docstring for ranks and protocol)."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 60.0,
-                 backend: str = "gloo", epoch: int = 0, senders: int = 1):
+                 backend: str = "gloo", epoch: int = 0, senders: int = 1, device: "torch.device | None" = None):
         import torch
         import torch.distributed as dist
 
@@ -193,7 +207,7 @@ class TorchDistChannel(WeightChannel):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         self.rank, self.world_size, self.backend, self.senders = rank, world_size, backend, senders
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
+        self.device = torch.device("cpu") if backend == "gloo" else cuda_device(device)
         self.buffers = BufferRing(self.device, slots=2)
         self.wire = WireBytes()
         receivers = world_size - senders

@@ -11,10 +11,16 @@
 # `debug` are never preempted (PreemptMode=OFF). A running cluster without these partitions gets
 # them live (slurm.conf rewritten, `scontrol reconfigure`: running jobs keep running).
 #
+# Fake GPUs (for the placement tests): every node has $NODE_GPUS GPUs as gres/gpu backed by dummy
+# character devices ($STATE/dev/node<i>-gpu<j>, the numbers of /dev/null), so Slurm allocates and
+# binds them (CUDA_VISIBLE_DEVICES per task) like real ones. A running cluster without them gets
+# them by a restart of the whole cluster (stop.sh, which cancels its jobs, then a fresh start with
+# the same state directory): run start.sh under `heavy-all` then, so that no test is using it.
+#
 # Idempotent: if every recorded daemon is alive and the nodes answer, it only reports that.
 # Environment knobs: TOKENFLOW_SLURM_STATE (default /var/tmp/tokenflow-slurm),
 #   TOKENFLOW_SLURM_NODES (default 3), TOKENFLOW_SLURM_NODE_CPUS (4), TOKENFLOW_SLURM_NODE_MEM_MB (4000),
-#   TOKENFLOW_SLURM_TIMEOUT (seconds to wait for idle nodes, default 60).
+#   TOKENFLOW_SLURM_TIMEOUT (seconds to wait for idle nodes, default 60), TOKENFLOW_SLURM_NODE_GPUS (4).
 # Client tools find the cluster through /etc/slurm/slurm.conf (a symlink into $STATE; an existing
 # foreign slurm.conf is moved aside to slurm.conf.before-tokenflow).
 set -euo pipefail
@@ -24,6 +30,7 @@ STATE=${TOKENFLOW_SLURM_STATE:-/var/tmp/tokenflow-slurm}
 NODES=${TOKENFLOW_SLURM_NODES:-3}
 NODE_CPUS=${TOKENFLOW_SLURM_NODE_CPUS:-4}
 NODE_MEM_MB=${TOKENFLOW_SLURM_NODE_MEM_MB:-4000}
+NODE_GPUS=${TOKENFLOW_SLURM_NODE_GPUS:-4}
 TIMEOUT=${TOKENFLOW_SLURM_TIMEOUT:-60}
 CLUSTER=tokenflow
 CTLD_PORT=17817
@@ -57,6 +64,24 @@ PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=10 Preempt
 PREEMPT
 }
 
+# ---------------------------------------------------------------- fake GPUs
+add_gpus() {  # $1: slurm.conf (with its NodeName line); writes gres.conf beside it and the device files
+  local dir i j
+  dir=$(dirname "$1")
+  mkdir -p "$STATE/dev"
+  : > "$dir/gres.conf.tmp"
+  for i in $(seq 1 "$NODES"); do
+    for j in $(seq 0 $((NODE_GPUS - 1))); do
+      [ -c "$STATE/dev/node$i-gpu$j" ] || mknod "$STATE/dev/node$i-gpu$j" c 1 3
+    done
+    echo "NodeName=node$i Name=gpu File=$STATE/dev/node$i-gpu[0-$((NODE_GPUS - 1))]" >> "$dir/gres.conf.tmp"
+  done
+  mv "$dir/gres.conf.tmp" "$dir/gres.conf"
+  sed -i -e '/^GresTypes=/d' -e 's/ Gres=gpu:[0-9]*//' -e "s/^\(NodeName=.*\) State=UNKNOWN/\1 Gres=gpu:$NODE_GPUS State=UNKNOWN/" "$1"
+  echo "GresTypes=gpu" >> "$1"
+}
+has_gpus() { scontrol show node node1 2>/dev/null | grep -q "Gres=gpu:$NODE_GPUS"; }
+
 # ---------------------------------------------------------------- already running?
 nodes_ready() { [ "$(sinfo -h -N -t idle,mix,alloc -o %N 2>/dev/null | sort -u | wc -l)" -ge "$NODES" ]; }
 if [ -s "$STATE/pids" ] && command -v sinfo >/dev/null; then
@@ -70,11 +95,15 @@ if [ -s "$STATE/pids" ] && command -v sinfo >/dev/null; then
     scontrol reconfigure || die "scontrol reconfigure failed after adding the preemption partitions"
     log "added the preemption partitions to the running cluster"
   fi
+  if [ "$alive" = 1 ] && nodes_ready && ! has_gpus; then
+    log "the running cluster has no fake GPUs (gres/gpu): restarting it with $NODE_GPUS per node"
+    alive=0
+  fi
   if [ "$alive" = 1 ] && nodes_ready; then
     log "cluster already running ($(sinfo -h -o '%P %D %T' | paste -sd' ')); nothing to do ($(elapsed) s)"
     exit 0
   fi
-  log "recorded cluster is not healthy: stopping it before a fresh start"
+  log "stopping the recorded cluster before a fresh start"
   "$HERE/stop.sh" || true
 fi
 
@@ -168,6 +197,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
 [ "$NODES" = 1 ] && sed -i "s/Port=$FIRST_NODE_PORT-$NODE_LAST_PORT/Port=$FIRST_NODE_PORT/" "$STATE/etc/slurm.conf"
 add_preemption "$STATE/etc/slurm.conf"
+add_gpus "$STATE/etc/slurm.conf"
 
 MYSOCK=$STATE/mysql/mysqld.sock
 cat > "$STATE/etc/slurmdbd.conf" <<CONF
@@ -186,7 +216,7 @@ CONF
 chmod 600 "$STATE/etc/slurmdbd.conf"
 
 mkdir -p /etc/slurm
-for f in slurm.conf slurmdbd.conf; do
+for f in slurm.conf slurmdbd.conf gres.conf; do
   if [ -e "/etc/slurm/$f" ] && [ "$(readlink "/etc/slurm/$f" || true)" != "$STATE/etc/$f" ]; then
     mv "/etc/slurm/$f" "/etc/slurm/$f.before-tokenflow"; log "moved /etc/slurm/$f aside"
   fi

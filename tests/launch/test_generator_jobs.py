@@ -417,7 +417,8 @@ def test_generator_ranks_are_unique_across_jobs_and_tasks_find_theirs():
     plan.validate()
     assert plan.task_layout() == [("generator", 5), ("generator", 6), ("generator", 7)]
     assert locate(plan, {"SLURM_PROCID": "1"}) == (1, "generator", 6)
-    assert plan.components["generator"].gpus_of(6) == ["2", "3"]  # second task of its node
+    from pipeline.launch.gpus import local_gpus
+    assert local_gpus(plan.components["generator"], 6, [str(i) for i in range(6)]) == ["2", "3"]  # 2nd of its node
 
 
 def test_a_generator_logs_its_stacks_at_sigterm_and_still_stops(tmp_path):

@@ -3,8 +3,11 @@ job per run, rendezvous between components, MPI under PMIx, forced requeue, and 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +15,7 @@ from pipeline.launch import ComponentSpec, JobPlan, LaunchError, SlurmLauncher, 
 
 pytestmark = pytest.mark.slurm
 PROBE = "pipeline.launch.probe:probe"
+REPO = Path(__file__).resolve().parents[1]
 
 
 def plan_of(components, **probe) -> JobPlan:
@@ -122,7 +126,7 @@ def test_a_failing_role_ends_the_job_instead_of_hanging(tmp_path):
 def test_impossible_requests_are_refused_before_submission(tmp_path):
     cases = [({"partition": "nosuchpartition"}, "trainer: partition 'nosuchpartition' does not exist (partitions: debug"),
              ({"cpus_per_task": 64}, "trainer: 64 CPUs per node (1 tasks x 64 cpus) but the largest node of 'debug' has"),
-             ({"gpus_per_node": 1}, "trainer: 1 GPUs per node but the largest node of 'debug' has 0 GPUs"),
+             ({"gpus_per_node": 5}, "trainer: 5 GPUs per node but the largest node of 'debug' has 4 GPUs"),
              ({"mem_gb": 1000.0}, "trainer: 1000 GB memory per node"),
              ({"nodes": 3}, "the components need 4 distinct nodes (trainer=3, generator=1)")]
     for override, needle in cases:
@@ -147,3 +151,35 @@ def test_single_component_plan_is_a_plain_job_over_two_nodes(tmp_path):
     reports = run.wait(timeout_s=90)["generator"]
     assert [r["rank"] for r in reports] == [0, 1, 2, 3] and {r["het_size"] for r in reports} == {None}
     assert len({r["node"] for r in reports}) == 2
+
+
+@pytest.mark.parametrize("distribution", ["block", "cyclic"])
+def test_tasks_sharing_a_node_get_disjoint_gpus_as_slurm_bound_them(tmp_path, distribution):
+    """2 nodes x 2 tasks with 4 fake GPUs per node (gres/gpu on dummy devices, start.sh): each task
+    takes its half of what Slurm bound, by its node-local id; under cyclic distribution ranks 0 and
+    2 share a node (the old block assumption gave both GPUs 0,1)."""
+    plan = plan_of({"generator": dict(nodes=2, tasks_per_node=2, gpus_per_node=4,
+                                      extra_sbatch=[f"--distribution={distribution}"])})
+    reports = SlurmLauncher().launch(plan, tmp_path).wait(timeout_s=120)["generator"]
+    by_node: dict = {}
+    for r in reports:
+        by_node.setdefault(r["node"], []).append(r["gpus"])
+    assert len(by_node) == 2 and all(sorted(g) == ["0,1", "2,3"] for g in by_node.values()), reports
+    same_node = (reports[0]["node"] == reports[2]["node"]) if distribution == "cyclic" else \
+        (reports[0]["node"] == reports[1]["node"])
+    assert same_node, [(r["rank"], r["node"]) for r in reports]
+
+
+def test_doctor_shows_disjoint_gpu_placement_on_the_cluster(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "doctor", "cluster=slurm",
+                          "cluster.generator.gpus_per_node=4", "cluster.generator.tasks_per_node=2",
+                          "cluster.generator.nodes=1", "cluster.generators=2", "generator.tensor_parallel_size=2",
+                          "cluster.trainer.mem_gb=1", "cluster.generator.mem_gb=1", "cluster.trainer.cpus_per_task=1",
+                          "cluster.generator.cpus_per_task=1"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert "[placement] generator: 1 node(s) x 2 task(s), 4 GPU(s) per node; on each node, of the GPUs Slurm " \
+           "binds (by SLURM_LOCALID, block or cyclic): local task 0: GPUs 0,1; local task 1: GPUs 2,3" in out.stdout, \
+        out.stdout + out.stderr
+    assert "refused: [placement]" not in out.stdout, out.stdout  # the nodes have the GPUs (sinfo)
+

@@ -29,7 +29,7 @@ def test_gpu_moe_tp2_gets_the_sequence_parallel_norm_patch():
     gpu_moe_tp2 = select_patches("cuda", uses_sequence_parallel(MoE, ParallelConfig(tp=2, ep=2)))
     assert gpu_moe_tp2 == ["moe_te_general_gemm", "torch_norm_sequence_parallel"]
     assert select_patches("cuda", uses_sequence_parallel(Dense, ParallelConfig(tp=2))) == ["moe_te_general_gemm"]
-    assert "torch_norm_sequence_parallel" not in select_patches("cuda", True, apex_available=True)
+    assert "torch_norm_sequence_parallel" not in select_patches("cuda", True, norm="FusedLayerNorm")
     cpu = select_patches("cpu", uses_sequence_parallel(MoE, ParallelConfig(tp=2)))
     assert {"cuda_rng", "gloo_uneven_gather_scatter", "torch_norm_sequence_parallel"} <= set(cpu)
     with pytest.raises(ValueError, match="device"):
@@ -43,10 +43,15 @@ def test_each_generator_and_trainer_rank_gets_its_own_gpus():
     trainer = ComponentSpec(entry="pipeline.roles.trainer:main", nodes=2, tasks_per_node=4, gpus_per_node=4)
     generator = ComponentSpec(entry="pipeline.roles.generator:main", nodes=1, tasks_per_node=2, gpus_per_node=4)
     JobPlan(components={"trainer": trainer, "generator": generator}).validate()
-    assert [trainer.gpus_of(r) for r in range(8)] == [["0"], ["1"], ["2"], ["3"]] * 2
-    assert [generator.gpus_of(r) for r in range(2)] == [["0", "1"], ["2", "3"]]
-    assert generator.gpus_of(1, ["4", "5", "6", "7"]) == ["6", "7"]  # Slurm's CUDA_VISIBLE_DEVICES
-    assert ComponentSpec(entry="a.b:c").gpus_of(0) == []
+    from pipeline.launch.gpus import local_gpus, slurm_gpus, task_gpu_env
+
+    node = [str(i) for i in range(4)]
+    assert [local_gpus(trainer, r, node) for r in range(8)] == [["0"], ["1"], ["2"], ["3"]] * 2
+    assert [local_gpus(generator, r, node) for r in range(2)] == [["0", "1"], ["2", "3"]]
+    bound = {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "SLURM_LOCALID": "1"}  # Slurm's binding
+    assert slurm_gpus(generator, bound) == ["6", "7"]
+    plan = JobPlan(components={"scorer": ComponentSpec(entry="a.b:c")})
+    assert task_gpu_env(plan, "scorer", 0, {}) == {"CUDA_VISIBLE_DEVICES": "", "LOCAL_RANK": "0"}
     bad = ComponentSpec(entry="pipeline.roles.generator:main", tasks_per_node=3, gpus_per_node=4)
     with pytest.raises(LaunchError, match="multiple of tasks_per_node"):
         JobPlan(components={"generator": bad}).validate()
@@ -142,3 +147,34 @@ def test_routing_statistics_match_transformers_router_and_capacity_drops(tmp_pat
 
 if __name__ == "__main__":
     {"routing": scenario_routing}[sys.argv[1]](Path(sys.argv[2]), json.loads(sys.argv[3]))
+
+
+def test_sequence_parallel_norm_patch_applies_with_an_unrelated_apex_installed(tmp_path):
+    """PyPI's `apex` (unrelated to NVIDIA's) or NGC's Apex on the path: the local spec still builds
+    its RMSNorm as WrappedTorchNorm, so the sequence-parallel norm patch must still apply (the old
+    selection skipped it whenever `find_spec("apex")` found anything, and the norm asserted)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "apex").mkdir()
+    (tmp_path / "apex" / "__init__.py").write_text("")  # what `pip install apex` (PyPI) gives: a package named apex
+    code = (
+        "from megatron_patches import apply_patches\n"
+        "apply_patches('cpu', sequence_parallel=True)\n"
+        "from megatron.core.transformer.torch_norm import WrappedTorchNorm\n"
+        "from megatron.core.transformer.transformer_config import TransformerConfig\n"
+        "cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, tensor_model_parallel_size=2,\n"
+        "                        sequence_parallel=True, normalization='RMSNorm', use_cpu_initialization=True)\n"
+        "norm = WrappedTorchNorm(config=cfg, hidden_size=8)\n"
+        "print(norm.weight.sequence_parallel)\n"
+        "from megatron_patches import TORCH_NORM\n"
+        "from pipeline.models.defaults import model_config\n"
+        "from pipeline.trainer.model import spec_norm\n"
+        "print(spec_norm(model_config('tiny-moe')) == TORCH_NORM)\n")
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": f"{tmp_path}:{repo}", "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["True", "True"]

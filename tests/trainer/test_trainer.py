@@ -136,14 +136,22 @@ def scenario_checkpoint(outdir: Path, args: dict) -> None:
     import torch
 
     trainer = _trainer(args)
+    if args.get("group_step_adam"):  # a fused Adam's bookkeeping (step per group), on CPU
+        from support.group_step_adam import GroupStepAdam
+        trainer.optimizer = GroupStepAdam(trainer.trainable(), lr=args.get("lr", 1e-3))
     samples = make_samples(args["seed"], args["n"], trainer.hf_config.vocab_size)
     perturb_behaviour(samples, trainer.logprobs(samples), 1)
     trainer.train_step(samples)
     trainer.save(outdir / "ckpt")
+    from pipeline.trainer.model import iter_hf_weights
+    saved_weights = dict(iter_hf_weights(trainer.model, trainer.hf_config))  # the model's own (bf16) values
+    masters = getattr(trainer, "masters", None)  # fp32 copies of a bf16 model (pipeline/trainer/masters.py)
+    saved_masters = [m.detach().clone() for m in masters.masters] if masters is not None else []
     rng_draw = torch.rand(4)
     m_direct = trainer.train_step(samples)
     w_direct = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.load(outdir / "ckpt")
+    masters_equal = all(torch.equal(m, s) for m, s in zip(masters.masters, saved_masters)) if masters else None
     rng_equal = bool(torch.equal(torch.rand(4), rng_draw))
     m_resumed = trainer.train_step(samples)
     w_diff = max(float((p.detach() - w_direct[n]).abs().max()) for n, p in trainer.model.named_parameters())
@@ -151,8 +159,20 @@ def scenario_checkpoint(outdir: Path, args: dict) -> None:
     (outdir / "result.json").write_text(json.dumps({
         "inputs_untouched": all(s.advantage is None for s in samples),
         "rng_equal": rng_equal, "weight_diff": w_diff,
+        "adam_step": json.loads((outdir / "ckpt" / "trainer.json").read_text())["adam_step"],
+        "masters_restored": masters_equal, "stored_beyond_model": _stored_differs(outdir / "ckpt", saved_weights),
         "metrics_direct": [m_direct[k] for k in keys], "metrics_resumed": [m_resumed[k] for k in keys]}))
     trainer.close()
+
+
+def _stored_differs(ckpt: Path, weights: dict) -> bool:
+    """Whether any stored weight differs from the model's parameter at the save (fp32 masters of
+    bf16 parameters do, after a step, almost surely)."""
+    import torch
+    from safetensors.torch import load_file
+
+    return any(not torch.equal(t, weights[n].float())
+               for f in sorted(ckpt.glob("model-r*.safetensors")) for n, t in load_file(str(f)).items())
 
 
 def scenario_decoupled(outdir: Path, args: dict) -> None:
@@ -326,6 +346,30 @@ def test_checkpoint_resume_is_exact(checkpoints, tmp_path):
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["inputs_untouched"], "train_step changed the caller's samples"
     assert result["rng_equal"]
+    assert result["weight_diff"] == 0.0
+    assert result["metrics_resumed"] == result["metrics_direct"]
+
+
+def test_checkpoint_finds_adams_step_in_param_groups(checkpoints, tmp_path):
+    """A fused Adam (TE, Apex) counts steps per parameter group: the checkpoint records the step
+    and the resumed step equals the direct one (the old code recorded 0 and dropped the moments)."""
+    launch("checkpoint", 1, tmp_path, {"model_dir": str(checkpoints["dense"]), "seed": 5, "n": 4,
+                                        "group_step_adam": True})
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["adam_step"] == 1
+    assert result["weight_diff"] == 0.0
+    assert result["metrics_resumed"] == result["metrics_direct"]
+
+
+def test_bf16_training_keeps_fp32_masters_through_a_checkpoint(checkpoints, tmp_path):
+    """bf16 parameters on the torch path: AdamW on fp32 masters; the checkpoint stores the masters
+    (not the rounded weights) and the resume restores them and the next step exactly (the old code
+    had no masters: every stored weight was a bf16 value)."""
+    launch("checkpoint", 1, tmp_path, {"model_dir": str(checkpoints["dense"]), "seed": 5, "n": 4,
+                                        "parallel": {"params_dtype": "bfloat16"}})
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["stored_beyond_model"], "the checkpoint holds the bf16 weights themselves: no fp32 masters"
+    assert result["masters_restored"] is True
     assert result["weight_diff"] == 0.0
     assert result["metrics_resumed"] == result["metrics_direct"]
 

@@ -1,0 +1,85 @@
+"""`tokenflow doctor`: what a run will use, and the contradictions refused before anything starts.
+
+A check is a function ``check(run) -> None`` registered in order with ``@check("name")``
+(`pipeline.doctor.checks`: placement, engine, trainer, checkpoint; later issues add memory and
+network checks the same way). It reports through the `Run` it is given: ``run.uses(text)`` for
+what the run will use (printed), ``run.refuse(text)`` for a contradiction (the run is refused).
+`run_checks` runs every check, each one's failure (an exception) becoming a refusal that names
+it, so the doctor itself never ends in a traceback. `tokenflow train` runs the same checks and
+starts nothing when any refuses (exit status 2).
+
+Invariant: the checks are cheap (no torch, vLLM or megatron-core import: facts come from the
+config, package metadata, the model's config.json and nvidia-smi), so every `tokenflow train`
+can afford them.
+
+Example (this CPU machine, ``cluster.trainer.gpus_per_node=1``)::
+
+    [placement] this node: 0 GPUs
+    [placement] trainer.0: GPUs none (needs 1) ...
+    refused: [placement] trainer asks for 1 GPU(s) per node; this node has 0
+"""
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Tuple
+
+
+@dataclass
+class Finding:
+    check: str  # the registered check's name
+    refused: bool  # True: a contradiction, the run must not start
+    text: str
+
+
+@dataclass
+class Run:
+    """What the checks look at (a resolved config and its job plan) and what they found."""
+
+    cfg: Any  # the resolved TokenflowConfig (pipeline.config.validate ran)
+    plan: Any  # its pipeline.launch.plan.JobPlan
+    findings: List[Finding] = field(default_factory=list)
+    current: str = ""  # the check running now
+
+    def uses(self, text: str) -> None:
+        self.findings.append(Finding(self.current, False, text))
+
+    def refuse(self, text: str) -> None:
+        self.findings.append(Finding(self.current, True, text))
+
+    @property
+    def refusals(self) -> List[Finding]:
+        return [f for f in self.findings if f.refused]
+
+
+CHECKS: List[Tuple[str, Callable[[Run], None]]] = []
+
+
+def check(name: str) -> Callable[[Callable[[Run], None]], Callable[[Run], None]]:
+    """Register a check (run in registration order)."""
+    def register(fn: Callable[[Run], None]) -> Callable[[Run], None]:
+        CHECKS.append((name, fn))
+        return fn
+    return register
+
+
+def run_checks(cfg, plan) -> Run:
+    """Every registered check on ``cfg`` and ``plan``; the findings are in the returned `Run`."""
+    from pipeline.doctor import checks  # noqa: F401  (registers the checks)
+
+    run = Run(cfg, plan)
+    for name, fn in CHECKS:
+        run.current = name
+        try:
+            fn(run)
+        except Exception as exc:  # a check that cannot run is a refusal naming it
+            last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+            run.refuse(f"the check could not run: {last}")
+    return run
+
+
+def report(run: Run) -> str:
+    """The findings as text: what the run uses, then every refusal."""
+    lines = [f"[{f.check}] {f.text}" for f in run.findings if not f.refused]
+    lines += [f"refused: [{f.check}] {f.text}" for f in run.refusals]
+    return "\n".join(lines)
