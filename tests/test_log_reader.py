@@ -135,8 +135,8 @@ def test_damaged_segment_is_skipped_and_the_rest_stays_readable(tmp_path, damage
         RolloutLog.open(single)
 
 
-@pytest.mark.parametrize("damage", ["cut", "flipped_byte", "garbage_appended"])
-def test_journal_is_read_up_to_its_first_bad_entry(tmp_path, damage):
+@pytest.mark.parametrize("damage", ["cut", "garbage_appended"])
+def test_journal_is_read_up_to_its_torn_tail(tmp_path, damage):
     log_dir = tmp_path / "rollouts"
     w = RolloutLogWriter(log_dir, SCHEMA, "r", {}, seal_interval_s=3600)
     batches = [make_batch(SCHEMA, i, 4, first_group=10 * i) for i in range(3)]
@@ -149,12 +149,10 @@ def test_journal_is_read_up_to_its_first_bad_entry(tmp_path, damage):
     data = bytearray(journal.read_bytes())
     if damage == "cut":  # a writer killed while writing its third entry
         data = data[:ends[1] + (ends[2] - ends[1]) // 2]
-    elif damage == "flipped_byte":  # the second entry damaged on disk: the third is cut too
-        data[ends[0] + (ends[1] - ends[0]) * 3 // 4] ^= 0x40
     else:
         data += np.random.default_rng(0).bytes(1000)
     journal.write_bytes(bytes(data))
-    good = {"cut": 2, "flipped_byte": 1, "garbage_appended": 3}[damage]
+    good = {"cut": 2, "garbage_appended": 3}[damage]
     with RolloutLog.open(log_dir) as log:
         assert log.num_samples == 4 * good and not log.problems
         assert_batches_equal(log.read(np.arange(4 * good)), SampleBatch.concat(batches[:good]))
@@ -167,3 +165,73 @@ def test_journal_is_read_up_to_its_first_bad_entry(tmp_path, damage):
     with RolloutLog.open(log_dir) as log:
         assert log.scan.header["predecessor"]["valid_end"] == ends[good - 1]
         assert_batches_equal(log.read(np.arange(4 * good)), SampleBatch.concat(batches[:good]))
+
+
+@pytest.mark.parametrize("where", ["payload", "lengths", "marker", "header"])
+def test_damaged_journal_entry_is_reported_the_rest_kept_and_the_file_quarantined(tmp_path, where):
+    """A bad entry followed by valid ones is damage, not a torn tail: the entries after it are
+    read, the damage is named, and the next writer copies the journal aside (never deleted) and
+    carries its intact rows; only the damaged entry's rows are lost."""
+    log_dir = tmp_path / "rollouts"
+    w = RolloutLogWriter(log_dir, SCHEMA, "r", {}, seal_interval_s=3600)
+    batches = [make_batch(SCHEMA, i, 4, first_group=10 * i) for i in range(3)]
+    ends = [w.path.stat().st_size]
+    for i, b in enumerate(batches):
+        w.append_samples(b)
+        w.append_steps(i, [4 * i], 0, i, 0.0)
+        w.flush()
+        ends.append(w.path.stat().st_size)
+    journal = w.path
+    original = journal.read_bytes()
+    data = bytearray(original)
+    hit = {"payload": (ends[1] + ends[2]) // 2, "lengths": ends[1] + 9, "marker": ends[1] + 1,
+           "header": 40}[where]
+    data[hit] ^= 0x08
+    journal.write_bytes(bytes(data))
+    lost = 0 if where == "header" else 1  # the header is written twice: its copy stands in
+    kept = [0, 2] if lost else [0, 1, 2]
+    rows = np.concatenate([4 * k + np.arange(4) for k in kept])
+    with RolloutLog.open(log_dir) as log:
+        assert any("damaged" in p for p in log.problems)
+        assert log.num_samples == 12
+        assert_batches_equal(log.read(rows), SampleBatch.concat([batches[k] for k in kept]))
+        if lost:
+            with pytest.raises(LogError, match="not in the readable log"):
+                log.read([4])
+        assert log.scan.lost.entries == lost and log.scan.lost.rows == 4 * lost
+        assert log.scan.lost.step_records == lost
+        assert log.scan.lost.withhold_below == (8 if lost else 0)
+    w._journal.close()  # the writer is gone (as if killed)
+    with pytest.warns(LogDamageWarning, match="damaged"):
+        w2 = RolloutLogWriter(log_dir, SCHEMA, "r", {})
+    with w2:
+        assert w2.first_row == 12
+        w2.append_samples(make_batch(SCHEMA, 9, 2, first_group=90))
+    quarantined = log_dir / (journal.name + ".damaged")
+    assert quarantined.read_bytes() == bytes(data)  # the evidence, byte for byte
+    with RolloutLog.open(log_dir) as log:  # after two more generations the rows are still there
+        assert log.num_samples == 14 and log.scan.lost.entries == lost
+        assert_batches_equal(log.read(rows), SampleBatch.concat([batches[k] for k in kept]))
+        assert sorted(s for s, _, _ in log.step_records()) == kept
+
+
+def test_a_log_written_before_entry_checksums_and_renamed_columns_still_reads(tmp_path):
+    """tests/golden/log_tfj1: written by the previous release (TFJ1 journal entries, step_meta's
+    ``trainer_version`` column); a sealed segment of 12 rows, then a journal of 12 more. Read,
+    then continued by today's writer."""
+    import shutil
+    from pathlib import Path
+    log_dir = tmp_path / "rollouts"
+    shutil.copytree(Path(__file__).parent / "golden" / "log_tfj1", log_dir)
+    want = SampleBatch.concat([make_batch(SCHEMA, 100 + i, 6, first_group=10 * i) for i in range(4)])
+    with RolloutLog.open(log_dir) as log:
+        assert not log.problems and log.num_samples == 24
+        assert_batches_equal(log.read(np.arange(24)), want)
+        assert [(s, v, r.tolist()) for s, v, r in log.step_records()] == [
+            (0, 1, [0, 1]), (1, 2, [6, 7]), (2, 3, [12]), (3, 4, [18])]
+    with RolloutLogWriter(log_dir, SCHEMA, "old-run", {}) as w:
+        assert w.first_row == 24
+        w.append_samples(make_batch(SCHEMA, 7, 2, first_group=70))
+    with RolloutLog.open(log_dir) as log:
+        assert log.num_samples == 26 and not log.problems
+        assert_batches_equal(log.read(np.arange(24)), want)

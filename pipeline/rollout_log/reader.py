@@ -112,7 +112,8 @@ class RolloutLog:
     @classmethod
     def _from_scan(cls, scan: LogScan, note: str | None) -> "RolloutLog":
         warn_damaged(scan.problems)
-        segments = scan.segments + ([scan.tail] if scan.tail is not None else [])
+        segments = sorted(scan.segments + scan.carried + ([scan.tail] if scan.tail is not None else []),
+                          key=lambda s: s.first_row)
         log = cls(segments, list(scan.problems), note, scan)
         return log
 

@@ -32,7 +32,7 @@ import numpy as np
 from pipeline.rollout_log.format import (
     SCHEMA_VERSION, SEGMENT_RE, TABLES, CorruptSegmentError, LogError, NewerSchemaError,
     NotHDF5Error, dataset_layout, segment_attrs, segment_name)
-from pipeline.rollout_log.journal import JOURNAL_RE, read_journal
+from pipeline.rollout_log.journal import JOURNAL_RE, JournalRead, read_entries, read_journal
 from pipeline.rollout_log.segment import ArrayFile, Segment
 from pipeline.protocol.record import RecordSchema
 
@@ -44,7 +44,7 @@ class LogScan:
     segments: list[Segment]
     """Sealed segments of the log, opened, in order (damaged ones left out)."""
     tail: Segment | None
-    """The governing journal's valid flush entries (None if it holds none)."""
+    """The governing journal's valid flush entries (None if it holds none or is damaged)."""
     problems: list[str]
     """Damage and ignored files, one sentence each."""
     header: dict | None = None
@@ -63,10 +63,39 @@ class LogScan:
     scanned_at: float = field(default_factory=time.time)
     errors: list[LogError] = field(default_factory=list)
     """The damaged segments' errors (also in ``problems``)."""
+    carried: list[Segment] = field(default_factory=list)
+    """Rows kept from damaged journals: the quarantined ones the header carries, then the
+    governing journal's when it is damaged (one in-memory segment per run of intact entries)."""
+    damaged: bool = False
+    """The governing journal holds damage followed by valid entries (a writer quarantines it)."""
+    lost: JournalLoss = field(default_factory=lambda: JournalLoss())
+    """What damaged journal entries cost (carried journals and the governing one)."""
 
     def close(self) -> None:
-        for s in self.segments + ([self.tail] if self.tail is not None else []):
+        for s in self.segments + self.carried + ([self.tail] if self.tail is not None else []):
             s.close()
+
+
+@dataclass
+class JournalLoss:
+    """What damaged journal entries cost. Worked example: flushes 7 (rows 40-47, one step record)
+    and 8 (rows 48-51) lost between intact flushes: entries 2, rows 12, step_records 1 and
+    withhold_below 52 (the lost step may have consumed any row below 52)."""
+    entries: int = 0
+    rows: int = 0
+    step_records: int = 0
+    withhold_below: int = 0
+    """Rows below this that no intact step record names may have been consumed by a lost one."""
+
+    def add(self, other: "JournalLoss") -> None:
+        self.entries += other.entries
+        self.rows += other.rows
+        self.step_records += other.step_records
+        self.withhold_below = max(self.withhold_below, other.withhold_below)
+
+    def as_dict(self) -> dict:
+        return {"lost_entries": self.entries, "lost_rows": self.rows,
+                "lost_step_records": self.step_records, "withhold_below": self.withhold_below}
 
 
 def scan_log(log_dir: Path, strict: bool = False) -> LogScan:
@@ -132,28 +161,89 @@ def _scan(log_dir: Path, strict: bool) -> LogScan:
                  for i in sorted(set(seg_index) - set(listed))]
     flushes = jr.entries[1:]
     scan = LogScan(segs, None, problems, header=head, journal=path, max_index=max_index,
-                   next_seq=int(head["start_seq"]) + len(flushes), valid_end=jr.valid_end,
-                   torn=jr.cut, last_entry_t=float(jr.entries[-1].meta.get("t", head["created"])),
+                   next_seq=int(flushes[-1].meta["seq"]) + 1 if flushes else int(head["start_seq"]),
+                   valid_end=jr.valid_end, torn=jr.cut,
+                   last_entry_t=float(jr.entries[-1].meta.get("t", head["created"])),
                    errors=missing + errors)
-    scan.tail = _tail_segment(path, head, flushes, strict, problems)
-    scan.next_row = int(head["start_row"]) + (scan.tail.num_rows if scan.tail else 0)
+    try:
+        for c in head.get("carried", []):
+            cpath = log_dir / c["file"]
+            try:
+                with open(cpath, "rb") as fh:
+                    cjr = read_entries(fh.read(int(c["valid_end"])))
+            except FileNotFoundError:
+                if strict:
+                    raise CorruptSegmentError(f"{cpath}: listed by {path.name} but missing")
+                problems.append(f"{cpath.name}: quarantined journal listed by {path.name} but "
+                                "missing; its rows are lost")
+                continue
+            problems += [f"{cpath.name} (quarantined): {d}" for d in cjr.damage]
+            if cjr.entries:
+                scan.carried += journal_runs(cpath, cjr, strict, problems, scan.lost)
+        scan.damaged = bool(jr.damage)
+        problems += [f"{path.name}: {d}" for d in jr.damage]
+        runs = journal_runs(path, jr, strict, problems, scan.lost)
+        if scan.damaged:
+            scan.carried += runs
+        elif runs:
+            scan.tail = runs[0]
+    except BaseException:
+        scan.close()
+        raise
+    scan.next_row = max([int(head["start_row"])] + [s.first_row + s.num_rows for s in runs])
+    if scan.lost.entries:
+        loss = scan.lost
+        problems.append(f"damaged journal entries cost {loss.entries} flush(es): {loss.rows} rows and "
+                        f"{loss.step_records} step record(s) lost" + (
+                            f"; rows below {loss.withhold_below} that no intact step record names "
+                            "are withheld from training (a lost step may have consumed them)"
+                            if loss.withhold_below else ""))
     return scan
 
 
-def _tail_segment(path: Path, head: dict, flushes: list, strict: bool,
-                  problems: list[str]) -> Segment | None:
-    """The flush entries' rows as one in-memory segment."""
-    if not flushes:
-        return None
+def journal_runs(path: Path, jr: JournalRead, strict: bool, problems: list[str],
+                 lost: JournalLoss) -> list[Segment]:
+    """A journal's valid flush entries as in-memory segments, one per run of consecutive sequence
+    numbers; what the entries missing between runs held is added to ``lost``."""
+    head = jr.entries[0].meta
+    runs: list[list] = []
+    for f in jr.entries[1:]:
+        if runs and f.meta["seq"] == runs[-1][-1].meta["seq"] + 1:
+            runs[-1].append(f)
+        else:
+            runs.append([f])
+    out: list[Segment] = []
+    row_end, steps_end, seq_end = int(head["start_row"]), 0, int(head["start_seq"])
+    for run in runs:
+        m = run[0].meta
+        first_row, steps_at = int(m.get("row", row_end)), int(m.get("steps_at", steps_end))
+        if m["seq"] > seq_end:  # entries lost to damage before this run
+            gap = JournalLoss(m["seq"] - seq_end, first_row - row_end, steps_at - steps_end)
+            gap.withhold_below = first_row if gap.step_records else 0
+            lost.add(gap)
+        seg = _run_segment(path, head, run, first_row, strict, problems)
+        n_rows = sum(len(f.arrays["samples/prompt_len"]) for f in run)
+        row_end, seq_end = first_row + n_rows, int(run[-1].meta["seq"]) + 1
+        steps_end = steps_at + sum(len(f.arrays["step_meta/step"]) for f in run)
+        if seg is not None:
+            out.append(seg)
+    return out
+
+
+def _run_segment(path: Path, head: dict, flushes: list, first_row: int, strict: bool,
+                 problems: list[str]) -> Segment | None:
+    """Consecutive flush entries' rows as one in-memory segment."""
     schema = RecordSchema.from_dict(head["record_schema"])
     layout = dataset_layout(schema)
     arrays = {name: np.concatenate([f.arrays[name] for f in flushes]) for name in layout}
+    for kind in ("prompt", "completion"):  # token offsets count from the run's first entry
+        arrays[f"samples/{kind}_offset"] = (arrays[f"samples/{kind}_offset"]
+                                            - int(flushes[0].meta.get(f"{kind}_at", 0)))
     counts = dict.fromkeys(TABLES, 0)
     for name, spec in layout.items():
         counts[spec.table] = len(arrays[name])
-    attrs = segment_attrs(schema, head["run_id"], int(head["gen"]), int(head["start_row"]),
-                          head["meta"], int(head["start_seq"]), int(head["start_seq"]) + len(flushes) - 1,
-                          head["writer"])
+    attrs = segment_attrs(schema, head["run_id"], int(head["gen"]), first_row, head["meta"],
+                          int(flushes[0].meta["seq"]), int(flushes[-1].meta["seq"]), head["writer"])
     attrs["tokenflow_schema_version"] = int(head["layout"])
     attrs["meta"] = json.dumps(head["meta"], sort_keys=True)
     seg = Segment(ArrayFile(arrays, attrs), path, counts=counts)

@@ -74,8 +74,10 @@ class RolloutLogWriter:
         scan = scan_log(self.log_dir)
         self._sealed: list[Segment] = list(scan.segments)
         self._journal: JournalFile | None = None
+        self._carried_segs: list[Segment] = list(scan.carried)
+        self._carried: list[dict] = list(scan.header.get("carried", [])) if scan.header else []
         try:
-            old = scan.segments + ([scan.tail] if scan.tail is not None else [])
+            old = scan.segments + scan.carried + ([scan.tail] if scan.tail is not None else [])
             for seg in old:
                 _check_matches(seg, schema, run_id)
             self.problems = list(scan.problems)
@@ -101,6 +103,8 @@ class RolloutLogWriter:
                 "gen": int(scan.header["gen"]), "writer": scan.header["writer"],
                 "valid_end": scan.valid_end, "last_seq": scan.next_seq - 1, "torn": scan.torn}
             tail = scan.tail
+            if scan.damaged:
+                self._carried.append(_quarantine(scan))
             self._rotate(scan.max_index + 1, tail.file.arrays if tail else {},
                          tail.counts if tail else dict.fromkeys(TABLES, 0),
                          tail.first_row if tail else self.first_row,
@@ -113,11 +117,11 @@ class RolloutLogWriter:
             raise
         if scan.tail is not None:
             scan.tail.close()
-        self._log = RolloutLog(self._sealed + [self._live], self.problems)
+        self._log = RolloutLog(self._sealed + self._carried_segs + [self._live], self.problems)
         self._closed = False
 
     def _release(self, tail: Segment | None) -> None:
-        for seg in self._sealed + ([tail] if tail is not None else []):
+        for seg in self._sealed + self._carried_segs + ([tail] if tail is not None else []):
             seg.close()
         if self._journal is not None:
             self._journal.close()
@@ -151,9 +155,11 @@ class RolloutLogWriter:
             head = {"layout": SCHEMA_VERSION, "run_id": self.run_id, "gen": gen,
                     "record_schema": self.schema.to_dict(), "writer": self.writer_id,
                     "start_seq": self.seq, "start_row": first_row + counts["samples"],
-                    "meta": self.meta, "created": time.time(), "predecessor": predecessor}
-            journal.append(encode_entry("journal", head, {"segments": np.array(
-                [s.index for s in self._sealed], dtype=np.int64)}))
+                    "meta": self.meta, "created": time.time(), "predecessor": predecessor,
+                    "carried": self._carried}
+            header = encode_entry("journal", head, {"segments": np.array(
+                [s.index for s in self._sealed], dtype=np.int64)})
+            journal.append(header + header)  # and its copy (see `journal`)
             fsync_dir(self.log_dir)
         except BaseException:
             journal.close()
@@ -164,8 +170,8 @@ class RolloutLogWriter:
         for old_gen, old in list_journals(self.log_dir):
             if old_gen < gen:
                 old.unlink(missing_ok=True)  # sealed, or a fenced writer's: no reader needs it
-        for tmp in self.log_dir.glob(".segment-*.tmp"):
-            tmp.unlink(missing_ok=True)  # a killed (or fenced) writer's unfinished seal
+        for tmp in self.log_dir.glob(".*.tmp"):
+            tmp.unlink(missing_ok=True)  # a killed (or fenced) writer's unfinished seal or copy
         self._gen_first_row, self._gen_first_seq = head["start_row"], self.seq
         self._journal_bytes = 0
         self._sealed_at = self._fence_checked_at = time.monotonic()
@@ -177,7 +183,7 @@ class RolloutLogWriter:
             self.schema, self.run_id, gen, head["start_row"], self.meta)), journal.path,
             counts=self._written)
         if hasattr(self, "_log"):
-            self._log.segments = self._sealed + [self._live]
+            self._log.segments = self._sealed + self._carried_segs + [self._live]
 
     # -- appends (buffered) -------------------------------------------------------------------
     def append_samples(self, batch: SampleBatch) -> np.ndarray:
@@ -266,7 +272,11 @@ class RolloutLogWriter:
                 entry[name] = np.asarray(chunk, dtype=spec.dtype)
             else:
                 entry[name] = np.zeros((0, *spec.trail), spec.dtype)
-        parts = encode_entry("flush", {"seq": self.seq, "t": time.time()}, entry)
+        parts = encode_entry("flush", {
+            "seq": self.seq, "t": time.time(), "row": self._gen_first_row + self._written["samples"],
+            "prompt_at": self._written["prompt_tokens"],
+            "completion_at": self._written["completion_tokens"],
+            "steps_at": self._written["step_meta"]}, entry)
         self._journal.append(parts)  # raises before anything below: the flush can be retried
         self.seq += 1
         self._journal_bytes += sum(memoryview(p).nbytes for p in parts)
@@ -355,6 +365,27 @@ class RolloutLogWriter:
     def _check_open(self) -> None:
         if self._closed:
             raise LogError(f"the rollout log writer of {self.log_dir} is closed")
+
+
+def _quarantine(scan) -> dict:
+    """Copy the governing journal, damaged, aside (``*.tfj.damaged``: never removed, carried by
+    every later header so its intact entries stay in the log); what the header records of it."""
+    src = scan.journal
+    dst = src.with_name(src.name + ".damaged")
+    tmp = src.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    with open(src, "rb") as fh:
+        data = fh.read()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view.nbytes:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, dst)
+    fsync_dir(dst.parent)
+    return {"file": dst.name, "gen": int(scan.header["gen"]), "valid_end": scan.valid_end}
 
 
 def _cast(name: str, value: np.ndarray, dtype: np.dtype) -> np.ndarray:
