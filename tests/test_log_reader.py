@@ -7,10 +7,11 @@ import pytest
 
 from pipeline.rollout_log.format import (
     CorruptSegmentError, ForeignFileError, LogDamageWarning, LogError, LogNotFoundError,
-    NewerSchemaError, NotHDF5Error, list_segments)
+    NewerSchemaError, NotHDF5Error)
 from pipeline.rollout_log.reader import RolloutLog
 from pipeline.protocol.record import RecordSchema, SampleBatch
 from pipeline.rollout_log.writer import RolloutLogWriter
+from log_places import list_segments, readable_rows
 from rollout_data import assert_batches_equal, make_batch
 
 SCHEMA = RecordSchema(routed_experts=(2, 2))
@@ -97,6 +98,10 @@ def test_errors_name_the_problem(tmp_path):
     seg1 = _segment(tmp_path / "run" / "rollouts", 1)
     with h5py.File(seg1, "r+") as f:
         f.attrs["tokenflow_schema_version"] = 7
+    with RolloutLog.open(tmp_path / "run") as log:  # the header lists it as layout 3: a damaged attribute
+        assert_batches_equal(log.read(np.arange(8)), SampleBatch.concat(batches))
+    for journal in (tmp_path / "run" / "rollouts").glob("*.tfj"):  # segments only: they decide
+        journal.unlink()
     with pytest.raises(NewerSchemaError, match="version 7"):
         RolloutLog.open(tmp_path / "run")
     with pytest.raises(NewerSchemaError):
@@ -119,8 +124,9 @@ def test_damaged_segment_is_skipped_and_the_rest_stays_readable(tmp_path, damage
     with pytest.warns(LogDamageWarning, match=seg1.name):
         log = RolloutLog.open(log_dir)
     with log:
-        assert len(log.problems) == 1 and seg1.name in log.problems[0]
-        assert log.num_samples == 48 and log.num_readable == 8
+        assert len(log.problems) == 2 and seg1.name in log.problems[0]
+        assert "1 segment(s): 40 rows" in log.problems[1]  # counted from the journal header
+        assert log.num_samples == 48 and readable_rows(log) == 8
         assert_batches_equal(log.read(np.arange(5)), batches[0])
         assert_batches_equal(log.read(np.arange(45, 48)), batches[2])  # rows keep their numbers
         with pytest.raises(LogError, match="not in the readable log"):

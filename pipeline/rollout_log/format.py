@@ -43,8 +43,9 @@ import numpy as np
 from pipeline.protocol.record import PROMPT_COLUMN, RecordSchema
 from pipeline.run_files import ROLLOUTS_DIR
 
-#: Version of this file layout; readers refuse files of a newer version (and read version 1).
-SCHEMA_VERSION = 2
+#: Version of this file layout; readers refuse files of a newer version (and read versions 1, 2).
+#: 3: sealed segments carry per-block digests (`digests`), journal entries a length checksum.
+SCHEMA_VERSION = 3
 
 SEGMENT_RE = re.compile(r"^segment-(\d{5,})\.h5$")
 
@@ -136,12 +137,6 @@ class DatasetSpec:
     trail: tuple[int, ...]
     """Per-row trailing shape (e.g. (layers, top_k) for routed experts)."""
 
-    @property
-    def chunk_rows(self) -> int:
-        """Rows per chunk: ~256 KiB for token tables (64k int32 tokens), ~64 KiB otherwise."""
-        row_bytes = self.dtype.itemsize * int(np.prod(self.trail, dtype=np.int64))
-        target = 256 * 1024 if self.table.endswith("tokens") else 64 * 1024
-        return max(16, 1 << int(np.log2(max(1, target // row_bytes))))
 
 
 def dataset_layout(schema: RecordSchema) -> dict[str, DatasetSpec]:
@@ -161,16 +156,6 @@ def dataset_layout(schema: RecordSchema) -> dict[str, DatasetSpec]:
 
 def segment_name(index: int) -> str:
     return f"segment-{index:05d}.h5"
-
-
-def list_segments(log_dir: Path) -> list[tuple[int, Path]]:
-    """(index, path) of every segment file in ``log_dir``, in index order."""
-    found = []
-    for p in log_dir.iterdir():
-        m = SEGMENT_RE.match(p.name)
-        if m and p.is_file():
-            found.append((int(m.group(1)), p))
-    return sorted(found)
 
 
 def resolve_log_path(path: str | os.PathLike) -> tuple[Path, str | None]:
@@ -227,9 +212,10 @@ def segment_attrs(schema: RecordSchema, run_id: str, index: int, first_row: int,
 def write_sealed_segment(path: Path, schema: RecordSchema, attrs: dict,
                          data: dict[str, np.ndarray], counts: dict[str, int]) -> None:
     """Write an immutable segment holding ``data[name][:rows of its table]`` for every dataset
-    of the layout: aside as ``*.tmp``, fsync'd, renamed to ``path``, the directory fsync'd."""
+    of the layout, each with its digests (`digests`): aside as ``*.tmp``, fsync'd, renamed to ``path``, the directory fsync'd."""
     import h5py
 
+    from pipeline.rollout_log.digests import write_digests
     from pipeline.rollout_log.journal import fsync_dir
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with h5py.File(tmp, "w", libver="latest") as f:
@@ -237,7 +223,10 @@ def write_sealed_segment(path: Path, schema: RecordSchema, attrs: dict,
             f.attrs[key] = value
         for name, spec in dataset_layout(schema).items():
             f.create_dataset(name, data=data[name][:counts[spec.table]])
-        f.create_dataset("commits", data=np.array([[1, *(counts[t] for t in TABLES)]], np.int64))
+            write_digests(f, name, data[name][:counts[spec.table]])
+        commits = np.array([[1, *(counts[t] for t in TABLES)]], np.int64)
+        f.create_dataset("commits", data=commits)
+        write_digests(f, "commits", commits)
     fd = os.open(tmp, os.O_RDONLY)
     try:
         os.fsync(fd)

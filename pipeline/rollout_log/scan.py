@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.rollout_log.format import (
-    SCHEMA_VERSION, SEGMENT_RE, TABLES, CorruptSegmentError, LogError, NewerSchemaError,
-    NotHDF5Error, dataset_layout, segment_attrs, segment_name)
+    SCHEMA_VERSION, SEGMENT_RE, TABLES, CorruptSegmentError, ForeignFileError, LogError,
+    NewerSchemaError, NotHDF5Error, dataset_layout, segment_attrs, segment_name)
 from pipeline.rollout_log.journal import JOURNAL_RE, JournalRead, read_entries, read_journal
 from pipeline.rollout_log.segment import ArrayFile, Segment
 from pipeline.protocol.record import RecordSchema
@@ -68,8 +68,16 @@ class LogScan:
     governing journal's when it is damaged (one in-memory segment per run of intact entries)."""
     damaged: bool = False
     """The governing journal holds damage followed by valid entries (a writer quarantines it)."""
-    lost: JournalLoss = field(default_factory=lambda: JournalLoss())
+    lost: LogLoss = field(default_factory=lambda: LogLoss())
+    lost_segments: list[dict] = field(default_factory=list)
+    """What the header says of each listed segment that cannot be opened (kept listed: reported
+    and counted by every later read)."""
     """What damaged journal entries cost (carried journals and the governing one)."""
+
+    @property
+    def damage(self) -> list[str]:
+        """The problems that are damage (not a killed writer's leftovers, ignored by design)."""
+        return [p for p in self.problems if not p.endswith(", ignored")]
 
     def close(self) -> None:
         for s in self.segments + self.carried + ([self.tail] if self.tail is not None else []):
@@ -77,7 +85,7 @@ class LogScan:
 
 
 @dataclass
-class JournalLoss:
+class LogLoss:
     """What damaged journal entries cost. Worked example: flushes 7 (rows 40-47, one step record)
     and 8 (rows 48-51) lost between intact flushes: entries 2, rows 12, step_records 1 and
     withhold_below 52 (the lost step may have consumed any row below 52)."""
@@ -85,16 +93,19 @@ class JournalLoss:
     rows: int = 0
     step_records: int = 0
     withhold_below: int = 0
+    segments: int = 0
+    """Listed segments lost whole (missing, or HDF5 cannot open them): their step records with them."""
     """Rows below this that no intact step record names may have been consumed by a lost one."""
 
-    def add(self, other: "JournalLoss") -> None:
+    def add(self, other: "LogLoss") -> None:
+        self.segments += other.segments
         self.entries += other.entries
         self.rows += other.rows
         self.step_records += other.step_records
         self.withhold_below = max(self.withhold_below, other.withhold_below)
 
     def as_dict(self) -> dict:
-        return {"lost_entries": self.entries, "lost_rows": self.rows,
+        return {"lost_entries": self.entries, "lost_segments": self.segments, "lost_rows": self.rows,
                 "lost_step_records": self.step_records, "withhold_below": self.withhold_below}
 
 
@@ -110,14 +121,18 @@ def scan_log(log_dir: Path, strict: bool = False) -> LogScan:
     raise AssertionError("unreachable")
 
 
-def open_segments(paths: list[Path], strict: bool) -> tuple[list[Segment], list[LogError]]:
-    """Open segments in order; damaged ones are skipped (their errors returned) unless ``strict``."""
+def open_segments(paths: list[Path], strict: bool,
+                  known: list[dict] | None = None) -> tuple[list[Segment], list[LogError]]:
+    """Open segments in order; damaged ones are skipped (their errors returned) unless ``strict``.
+    ``known``: per path, what the journal header says of it (`Segment`); then a segment that looks
+    foreign or newer is damaged too."""
     segments, errors = [], []
+    damage = (NotHDF5Error, CorruptSegmentError) + ((ForeignFileError, NewerSchemaError) if known else ())
     try:
-        for p in paths:
+        for i, p in enumerate(paths):
             try:
-                segments.append(Segment.open(p))
-            except (NotHDF5Error, CorruptSegmentError) as e:
+                segments.append(Segment.open(p, known[i] if known else None))
+            except damage as e:
                 if strict:
                     raise
                 errors.append(e)
@@ -134,6 +149,7 @@ def _scan(log_dir: Path, strict: bool) -> LogScan:
     journals = sorted((int(m.group(1)), log_dir / n) for n in names if (m := JOURNAL_RE.match(n)))
     max_index = max([*seg_index, *(g for g, _ in journals)], default=-1)
     problems: list[str] = []
+    lost_segments: list[dict] = []
     for gen, path in reversed(journals):
         jr = read_journal(path)
         if jr.entries:
@@ -150,11 +166,19 @@ def _scan(log_dir: Path, strict: bool) -> LogScan:
         raise NewerSchemaError(f"{path}: written with log layout version {head['layout']}; this "
                                f"Tokenflow reads versions <= {SCHEMA_VERSION} (upgrade it)")
     listed = [int(i) for i in jr.entries[0].arrays["segments"]]
+    known = _listed_facts(head, jr.entries[0].arrays)
     missing = [CorruptSegmentError(f"{log_dir / segment_name(i)}: listed by {path.name} but "
                                    "missing") for i in listed if i not in seg_index]
     if missing and strict:
         raise missing[0]
-    segs, errors = open_segments([seg_index[i] for i in listed if i in seg_index], strict)
+    present = [k for k, i in enumerate(listed) if i in seg_index]
+    segs, errors = open_segments([seg_index[listed[k]] for k in present], strict,
+                                 [known[k] for k in present] if known else None)
+    if known:  # rows of listed segments lost whole (missing or unopenable)
+        opened = {s.index for s in segs}
+        for k, i in enumerate(listed):
+            if i not in opened:
+                lost_segments.append(known[k])
     problems += [str(e) for e in missing + errors]
     problems += [f"{seg_index[i].name}: not listed by {path.name} (left by a writer that stopped "
                  "before publishing it, or by a fenced stale writer), ignored"
@@ -190,19 +214,37 @@ def _scan(log_dir: Path, strict: bool) -> LogScan:
     except BaseException:
         scan.close()
         raise
+    scan.lost_segments = lost_segments
+    for facts in lost_segments:  # a lost segment's step records are lost with it
+        scan.lost.segments += 1
+        scan.lost.rows += facts["rows"]
+        scan.lost.withhold_below = max(scan.lost.withhold_below, facts["first_row"] + facts["rows"])
     scan.next_row = max([int(head["start_row"])] + [s.first_row + s.num_rows for s in runs])
-    if scan.lost.entries:
+    if scan.lost.entries or scan.lost.segments:
         loss = scan.lost
-        problems.append(f"damaged journal entries cost {loss.entries} flush(es): {loss.rows} rows and "
-                        f"{loss.step_records} step record(s) lost" + (
+        problems.append(f"damage cost {loss.entries} journal entries and {loss.segments} "
+                        f"segment(s): {loss.rows} rows and {loss.step_records} step record(s) "
+                        "(at least) lost" + (
                             f"; rows below {loss.withhold_below} that no intact step record names "
                             "are withheld from training (a lost step may have consumed them)"
                             if loss.withhold_below else ""))
     return scan
 
 
+def _listed_facts(head: dict, arrays: dict) -> list[dict] | None:
+    """What a header says of each segment it lists (`Segment`); None for headers written before
+    headers said it."""
+    if "segment_first_rows" not in arrays:
+        return None
+    schema = json.dumps(head["record_schema"], sort_keys=True)
+    return [{"first_row": int(r), "rows": int(n), "tokenflow_schema_version": int(v),
+             "run_id": head["run_id"], "record_schema": schema, "segment_index": int(i)}
+            for i, r, n, v in zip(arrays["segments"], arrays["segment_first_rows"],
+                                  arrays["segment_rows"], arrays["segment_layouts"])]
+
+
 def journal_runs(path: Path, jr: JournalRead, strict: bool, problems: list[str],
-                 lost: JournalLoss) -> list[Segment]:
+                 lost: LogLoss) -> list[Segment]:
     """A journal's valid flush entries as in-memory segments, one per run of consecutive sequence
     numbers; what the entries missing between runs held is added to ``lost``."""
     head = jr.entries[0].meta
@@ -218,7 +260,7 @@ def journal_runs(path: Path, jr: JournalRead, strict: bool, problems: list[str],
         m = run[0].meta
         first_row, steps_at = int(m.get("row", row_end)), int(m.get("steps_at", steps_end))
         if m["seq"] > seq_end:  # entries lost to damage before this run
-            gap = JournalLoss(m["seq"] - seq_end, first_row - row_end, steps_at - steps_end)
+            gap = LogLoss(m["seq"] - seq_end, first_row - row_end, steps_at - steps_end)
             gap.withhold_below = first_row if gap.step_records else 0
             lost.add(gap)
         seg = _run_segment(path, head, run, first_row, strict, problems)

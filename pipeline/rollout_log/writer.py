@@ -75,6 +75,8 @@ class RolloutLogWriter:
         self._sealed: list[Segment] = list(scan.segments)
         self._journal: JournalFile | None = None
         self._carried_segs: list[Segment] = list(scan.carried)
+        self._lost_listed = [(f["segment_index"], f["first_row"], f["rows"],
+                              f["tokenflow_schema_version"]) for f in scan.lost_segments]
         self._carried: list[dict] = list(scan.header.get("carried", [])) if scan.header else []
         try:
             old = scan.segments + scan.carried + ([scan.tail] if scan.tail is not None else [])
@@ -157,8 +159,12 @@ class RolloutLogWriter:
                     "start_seq": self.seq, "start_row": first_row + counts["samples"],
                     "meta": self.meta, "created": time.time(), "predecessor": predecessor,
                     "carried": self._carried}
-            header = encode_entry("journal", head, {"segments": np.array(
-                [s.index for s in self._sealed], dtype=np.int64)})
+            listed = sorted([(s.index, s.first_row, s.num_rows, s.version) for s in self._sealed]
+                            + self._lost_listed)
+            header = encode_entry("journal", head, {
+                name: np.array([entry[k] for entry in listed], np.int64).reshape(-1)
+                for k, name in enumerate(("segments", "segment_first_rows", "segment_rows",
+                                          "segment_layouts"))})
             journal.append(header + header)  # and its copy (see `journal`)
             fsync_dir(self.log_dir)
         except BaseException:
