@@ -31,6 +31,7 @@ fenced stale writer) is ignored and reported.
 from __future__ import annotations
 
 import enum
+import errno
 import json
 import os
 import re
@@ -119,6 +120,15 @@ class SchemaMismatchError(LogError):
 
 class UnsupportedFilesystemError(LogError):
     """The log directory's filesystem cannot make a write durable (the message says why)."""
+
+
+class LogFullError(LogError):
+    """The log's filesystem is full (ENOSPC) or over quota (EDQUOT): the writer stopped; what it
+    acknowledged is durable, nothing is half-written, and a start after space is freed resumes."""
+
+
+#: errno values that mean "no space": `LogFullError`.
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
 class LogFencedError(LogError):
@@ -212,27 +222,37 @@ def segment_attrs(schema: RecordSchema, run_id: str, index: int, first_row: int,
 def write_sealed_segment(path: Path, schema: RecordSchema, attrs: dict,
                          data: dict[str, np.ndarray], counts: dict[str, int]) -> None:
     """Write an immutable segment holding ``data[name][:rows of its table]`` for every dataset
-    of the layout, each with its digests (`digests`): aside as ``*.tmp``, fsync'd, renamed to ``path``, the directory fsync'd."""
+    of the layout, each with its digests (`digests`) and the map of where they lie
+    (`segment_map`): aside as ``*.tmp``, fsync'd, renamed to ``path``, the directory fsync'd."""
     import h5py
 
     from pipeline.rollout_log.digests import write_digests
     from pipeline.rollout_log.journal import fsync_dir
+    from pipeline.rollout_log.segment_map import describe, userblock_size, write_map
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with h5py.File(tmp, "w", libver="latest") as f:
-        for key, value in attrs.items():
-            f.attrs[key] = value
-        for name, spec in dataset_layout(schema).items():
-            f.create_dataset(name, data=data[name][:counts[spec.table]])
-            write_digests(f, name, data[name][:counts[spec.table]])
-        commits = np.array([[1, *(counts[t] for t in TABLES)]], np.int64)
-        f.create_dataset("commits", data=commits)
-        write_digests(f, "commits", commits)
-    fd = os.open(tmp, os.O_RDONLY)
+    layout = dataset_layout(schema)
+    userblock = userblock_size(2 * len(layout) + 2)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
+        with h5py.File(tmp, "w", libver="latest", userblock_size=userblock) as f:
+            for key, value in attrs.items():
+                f.attrs[key] = value
+            for name, spec in layout.items():
+                f.create_dataset(name, data=data[name][:counts[spec.table]])
+                write_digests(f, name, data[name][:counts[spec.table]])
+            commits = np.array([[1, *(counts[t] for t in TABLES)]], np.int64)
+            f.create_dataset("commits", data=commits)
+            write_digests(f, "commits", commits)
+            places = describe(f)
+        write_map(tmp, places, userblock)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # nothing half-written stays (a disk full, a bad array)
+        raise
     fsync_dir(path.parent)
 
 
@@ -279,6 +299,9 @@ def check_log_filesystem(log_dir: Path, mounts_text: str | None = None) -> str:
             probe.unlink(missing_ok=True)
         except OSError:
             pass
+        if e.errno in FULL_ERRNOS:
+            raise LogFullError(f"{log_dir} ({fstype}): no space left ({step} failed: {e}); free "
+                               "space there, then start again: the run resumes") from e
         raise UnsupportedFilesystemError(
             f"{log_dir} ({fstype}) cannot hold the rollout log: {step} failed ({e}); the log "
             "acknowledges results only once they are durable (see docs/rollout-log.md)") from e

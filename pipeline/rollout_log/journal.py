@@ -29,7 +29,9 @@ Invariants:
 - `read_entries` returns the valid entries: a bad entry (damaged marker, lengths or payload, or a
   sequence number out of order) followed by valid entries is *damage* (``damage``, the missing
   sequence numbers counted in ``lost_seqs``): reading goes on at the next valid entry; a bad entry
-  with nothing valid after it is a *torn tail* (``cut``; a write in progress or a killed writer).
+  with nothing valid after it is a *torn tail* (``cut``; a write in progress or a killed writer)
+  when the file ends inside it or only zeros follow (a node crash's unwritten blocks), else a
+  *damaged tail* (``damaged_tail``: a whole entry was there, it may have been acknowledged).
 
 Worked example: a journal with header (start_seq 41) and entries seq 41, 42, 43 where the writer was
 killed while writing 43 reads as [header, 41, 42]; ``valid_end`` is the offset where 43 starts. Had
@@ -100,6 +102,9 @@ class JournalRead:
     """Damaged byte ranges followed by valid entries (kept), one sentence each."""
     lost_seqs: int = 0
     """Flush entries missing between valid ones (their sequence numbers are skipped)."""
+    damaged_tail: bool = False
+    """The bytes after the last valid entry are damage, not a torn write: an entry that was
+    whole on disk (so maybe acknowledged, holding anything) is lost."""
 
 
 def _entry_at(view: memoryview, pos: int) -> tuple[str, wire.Message | None, int, str]:
@@ -170,7 +175,11 @@ def read_entries(data: bytes | memoryview, first_seq: int | None = None) -> Jour
             continue
         nxt = _next_valid(raw, view, pos + 1, expect, bool(out)) if resync else None
         if nxt is None:
-            return JournalRead(out, pos, size, why, damage, lost)
+            if not resync or state == "cut" or not any(raw[pos:]):  # killed mid-write, or a
+                return JournalRead(out, pos, size, why, damage, lost)  # crash's zero-filled end
+            damage.append(f"bytes {pos}..{size} (the end) damaged ({why}): a whole entry that "
+                          "fails its checks, not a torn write")
+            return JournalRead(out, pos, size, None, damage, lost, damaged_tail=True)
         damage.append(f"bytes {pos}..{nxt} damaged ({why}); the entries after them are kept")
         pos, resynced = nxt, True
     return JournalRead(out, pos, size, None, damage, lost)

@@ -179,7 +179,7 @@ def _scan(log_dir: Path, strict: bool) -> LogScan:
         for k, i in enumerate(listed):
             if i not in opened:
                 lost_segments.append(known[k])
-    problems += [str(e) for e in missing + errors]
+    problems += [str(e) for e in missing + errors] + [n for seg in segs for n in seg.notes]
     problems += [f"{seg_index[i].name}: not listed by {path.name} (left by a writer that stopped "
                  "before publishing it, or by a fenced stale writer), ignored"
                  for i in sorted(set(seg_index) - set(listed))]
@@ -269,6 +269,8 @@ def journal_runs(path: Path, jr: JournalRead, strict: bool, problems: list[str],
         steps_end = steps_at + sum(len(f.arrays["step_meta/step"]) for f in run)
         if seg is not None:
             out.append(seg)
+    if jr.damaged_tail:  # an entry of unknown content lost at the end: any row may be consumed
+        lost.add(LogLoss(entries=1, withhold_below=row_end))
     return out
 
 

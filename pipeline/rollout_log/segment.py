@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.rollout_log.digests import BlockDamage, damaged_blocks, verified
+from pipeline.rollout_log.segment_map import MappedFile, hdf5_damage
 from pipeline.rollout_log.format import (
     SCHEMA_VERSION, TABLES, CorruptSegmentError, ForeignFileError, LogError, NewerSchemaError,
     NotHDF5Error, dataset_layout)
@@ -75,6 +76,8 @@ class Segment:
         """Sealed with digests: every read is checked (`digests`); in-memory rows were checked
         by their journal entries' checksums."""
         self._damaged_rows: dict[str, np.ndarray] | None = None
+        self.notes: list[str] = []
+        """Damage found that cost no rows (a damaged map or HDF5 metadata), one sentence each."""
         self.counts = counts if counts is not None else self._committed_counts()
         if known and "rows" in known and self.counts["samples"] != known["rows"]:
             raise CorruptSegmentError(f"{self.path}: holds {self.counts['samples']} rows, the "
@@ -82,9 +85,34 @@ class Segment:
 
     @classmethod
     def open(cls, path: Path, known: dict | None = None) -> "Segment":
-        """Open a segment file (``known``: see `__init__`)."""
+        """Open a segment file (``known``: see `__init__`). A listed sealed segment (layout >= 3)
+        is read through its map (`segment_map`), so damaged HDF5 metadata costs nothing; HDF5
+        reads it when the map is damaged."""
         import h5py
         path = Path(path)
+        map_note = None
+        if known is not None and int(known.get("tokenflow_schema_version", 0)) >= 3:
+            try:
+                mapped = MappedFile(path)
+            except (OSError, ValueError) as e:
+                map_note = f"{path}: its map is damaged ({e}); read through HDF5"
+            else:
+                try:
+                    return cls(mapped, path, known=known)
+                except CorruptSegmentError:
+                    mapped.close()
+                    raise
+                except Exception as e:  # a map that names impossible places
+                    mapped.close()
+                    map_note = f"{path}: its map is damaged ({e}); read through HDF5"
+        seg = cls._open_hdf5(path, known)
+        if map_note:
+            seg.notes.append(map_note)
+        return seg
+
+    @classmethod
+    def _open_hdf5(cls, path: Path, known: dict | None) -> "Segment":
+        import h5py
         if not h5py.is_hdf5(path):
             raise NotHDF5Error(f"{path}: not an HDF5 file (no HDF5 signature)")
         shortfall = _shortfall(path)
@@ -174,10 +202,14 @@ class Segment:
         if not self.digested:
             return self.file[name][a:b]
         try:
-            return verified(self.file, name, a, b)
+            out = verified(self.file, name, a, b)
+            spec = self.layout.get(name)
+            if spec is not None and (out.dtype != spec.dtype or out.shape[1:] != spec.trail):
+                raise BlockDamage(name, a, b, f"read as {out.dtype}{list(out.shape[1:])}")
+            return out
         except BlockDamage as e:
             raise CorruptSegmentError(f"{self.path}: {e}") from e
-        except (OSError, KeyError, ValueError) as e:  # HDF5 metadata of the dataset damaged
+        except Exception as e:  # HDF5 metadata of the dataset damaged: h5py raises many types
             raise CorruptSegmentError(f"{self.path}: dataset {name} is damaged ({e})") from e
 
     def verify(self) -> list[str]:
@@ -191,7 +223,10 @@ class Segment:
         for name, spec in [*self.layout.items(), ("commits", None)]:
             try:
                 blocks = damaged_blocks(self.file, name)
-            except (OSError, KeyError, ValueError) as e:
+                ds = self.file[name]
+                if spec is not None and (ds.dtype != spec.dtype or ds.shape[1:] != spec.trail):
+                    raise ValueError(f"stored as {ds.dtype}{list(ds.shape[1:])}")
+            except Exception as e:
                 blocks = [BlockDamage(name, 0, self.counts[spec.table] if spec else 1,
                                       f"cannot be read ({e})")]
             for d in blocks:
@@ -214,7 +249,8 @@ class Segment:
                 lo, hi = np.clip(start, 0, len(bad[table])), np.clip(start + ln, 0, len(bad[table]))
                 bad["samples"] |= rows & (hit[hi] - hit[lo] > 0)
         self._damaged_rows = bad
-        return found
+        mapped = isinstance(self.file, MappedFile)
+        return found + self.notes + (hdf5_damage(self.path, self.file) if mapped else [])
 
     def damaged_rows(self) -> dict[str, np.ndarray]:
         """Table -> bool per committed row: True where a block it depends on is damaged."""

@@ -43,7 +43,8 @@ from typing import Sequence
 import numpy as np
 
 from pipeline.rollout_log.format import (
-    GROUP_COLUMNS, SCHEMA_VERSION, STEP_COLUMNS, STEP_META_COLUMNS, TABLES, GroupOutcome, LogError,
+    GROUP_COLUMNS, SCHEMA_VERSION, STEP_COLUMNS, STEP_META_COLUMNS, TABLES, CorruptSegmentError,
+    GroupOutcome, LogError,
     LogDamageWarning, LogFencedError, SchemaMismatchError, check_log_filesystem, dataset_layout,
     segment_attrs, segment_name, write_sealed_segment)
 from pipeline.rollout_log.journal import JournalFile, encode_entry, fsync_dir, journal_name, list_journals
@@ -98,9 +99,7 @@ class RolloutLogWriter:
             self.seq = scan.next_seq
             self._row_tokens = np.zeros(max(1024, 2 * self.first_row), dtype=np.int64)
             for seg in old:  # prompt + completion tokens of every row, for step records' n_tokens
-                lens = (seg.read_column("samples/prompt_len").astype(np.int64)
-                        + seg.read_column("samples/completion_len"))
-                self._row_tokens[seg.first_row:seg.first_row + len(lens)] = lens
+                self._row_tokens[seg.first_row:seg.first_row + seg.num_rows] = _row_tokens(seg)
             predecessor = None if scan.header is None else {
                 "gen": int(scan.header["gen"]), "writer": scan.header["writer"],
                 "valid_end": scan.valid_end, "last_seq": scan.next_seq - 1, "torn": scan.torn}
@@ -371,6 +370,19 @@ class RolloutLogWriter:
     def _check_open(self) -> None:
         if self._closed:
             raise LogError(f"the rollout log writer of {self.log_dir} is closed")
+
+
+def _row_tokens(seg: Segment) -> np.ndarray:
+    """Prompt + completion tokens of each row of ``seg`` (0 for rows lost to damage)."""
+    try:
+        return (seg.read_column("samples/prompt_len").astype(np.int64)
+                + seg.read_column("samples/completion_len"))
+    except CorruptSegmentError:
+        out = np.zeros(seg.num_rows, np.int64)
+        good = ~seg.damaged_rows()["samples"]
+        out[good] = (seg.intact_column("samples/prompt_len").astype(np.int64)
+                     + seg.intact_column("samples/completion_len"))
+        return out
 
 
 def _quarantine(scan) -> dict:
