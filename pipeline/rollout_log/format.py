@@ -223,7 +223,9 @@ def write_sealed_segment(path: Path, schema: RecordSchema, attrs: dict,
                          data: dict[str, np.ndarray], counts: dict[str, int]) -> None:
     """Write an immutable segment holding ``data[name][:rows of its table]`` for every dataset
     of the layout, each with its digests (`digests`) and the map of where they lie
-    (`segment_map`): aside as ``*.tmp``, fsync'd, renamed to ``path``, the directory fsync'd."""
+    (`segment_map`): aside as ``*.tmp``, fsync'd, renamed to ``path``, the directory fsync'd.
+    Raises ENOSPC before HDF5 writes anything when the filesystem cannot hold it (HDF5 may crash
+    the process on a failed write); a failure removes the ``*.tmp`` file."""
     import h5py
 
     from pipeline.rollout_log.digests import write_digests
@@ -232,6 +234,12 @@ def write_sealed_segment(path: Path, schema: RecordSchema, attrs: dict,
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     layout = dataset_layout(schema)
     userblock = userblock_size(2 * len(layout) + 2)
+    need = userblock + (1 << 20) + sum(
+        int(data[name][:counts[spec.table]].nbytes) * 102 // 100 for name, spec in layout.items())
+    st = os.statvfs(path.parent)
+    if st.f_bavail * st.f_frsize < need:  # HDF5 may crash on a write that fails: never let it
+        raise OSError(errno.ENOSPC, f"No space left: the segment needs ~{need} bytes, "
+                      f"{st.f_bavail * st.f_frsize} are free", str(path))
     try:
         with h5py.File(tmp, "w", libver="latest", userblock_size=userblock) as f:
             for key, value in attrs.items():

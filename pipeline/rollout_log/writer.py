@@ -44,7 +44,7 @@ import numpy as np
 
 from pipeline.rollout_log.format import (
     GROUP_COLUMNS, SCHEMA_VERSION, STEP_COLUMNS, STEP_META_COLUMNS, TABLES, CorruptSegmentError,
-    GroupOutcome, LogError,
+    FULL_ERRNOS, GroupOutcome, LogError, LogFullError,
     LogDamageWarning, LogFencedError, SchemaMismatchError, check_log_filesystem, dataset_layout,
     segment_attrs, segment_name, write_sealed_segment)
 from pipeline.rollout_log.journal import JournalFile, encode_entry, fsync_dir, journal_name, list_journals
@@ -71,6 +71,7 @@ class RolloutLogWriter:
         self.log_dir, self.schema, self.run_id = Path(log_dir), schema, run_id
         self.meta, self.seal_interval_s, self.seal_bytes = meta or {}, seal_interval_s, seal_bytes
         self.fstype = check_log_filesystem(self.log_dir)
+        self._full: LogFullError | None = None
         self.writer_id = uuid.uuid4().hex[:16]
         scan = scan_log(self.log_dir)
         self._sealed: list[Segment] = list(scan.segments)
@@ -139,19 +140,25 @@ class RolloutLogWriter:
         segment, write its journal header, then drop older journals (module invariants)."""
         try:
             journal = JournalFile(self.log_dir / journal_name(gen))
-        except FileExistsError:
+        except OSError as e:
+            if not isinstance(e, FileExistsError) and _disk_full(e):
+                raise self._stop_full(f"claiming generation {gen}", e) from e
+            if not isinstance(e, FileExistsError):
+                raise
             if self._journal is None:
                 raise
             raise LogFencedError(
                 f"{self.log_dir}: another writer took over this rollout log (it claimed "
                 f"{journal_name(gen)}); this writer's flushes since sequence {first_seq} are not "
                 "part of the log")
+        sealed = None
         try:
             if any(counts.values()):
                 path = self.log_dir / segment_name(gen)
                 write_sealed_segment(path, self.schema, segment_attrs(
                     self.schema, self.run_id, gen, first_row, self.meta, first_seq, self.seq - 1,
                     self.writer_id), data, counts)
+                sealed = path
                 self._sealed.append(Segment.open(path))
             head = {"layout": SCHEMA_VERSION, "run_id": self.run_id, "gen": gen,
                     "record_schema": self.schema.to_dict(), "writer": self.writer_id,
@@ -166,8 +173,15 @@ class RolloutLogWriter:
                                           "segment_layouts"))})
             journal.append(header + header)  # and its copy (see `journal`)
             fsync_dir(self.log_dir)
-        except BaseException:
+        except BaseException as e:  # withdraw the claim: nothing of this generation is acknowledged
             journal.close()
+            journal.path.unlink(missing_ok=True)  # (what it would seal is still in the old journal)
+            if sealed is not None:
+                if self._sealed and self._sealed[-1].path == sealed:
+                    self._sealed.pop().close()
+                sealed.unlink(missing_ok=True)
+            if _disk_full(e):
+                raise self._stop_full(f"sealing generation {gen}", e) from e
             raise
         if self._journal is not None:
             self._journal.close()
@@ -282,7 +296,12 @@ class RolloutLogWriter:
             "prompt_at": self._written["prompt_tokens"],
             "completion_at": self._written["completion_tokens"],
             "steps_at": self._written["step_meta"]}, entry)
-        self._journal.append(parts)  # raises before anything below: the flush can be retried
+        try:
+            self._journal.append(parts)  # raises before anything below: nothing half-written
+        except OSError as e:
+            if _disk_full(e):
+                raise self._stop_full(f"flush {self.seq}", e) from e
+            raise
         self.seq += 1
         self._journal_bytes += sum(memoryview(p).nbytes for p in parts)
         for name, chunk in entry.items():
@@ -297,6 +316,14 @@ class RolloutLogWriter:
         if (self._journal_bytes >= self.seal_bytes
                 or time.monotonic() - self._sealed_at >= self.seal_interval_s):
             self._seal()
+
+    def _stop_full(self, what: str, e: BaseException) -> LogFullError:
+        """Stop this writer: its filesystem is full (`LogFullError`, naming what is durable)."""
+        self._full = LogFullError(
+            f"{self.log_dir}: no space left on the rollout log's filesystem ({what} failed: {e}); "
+            f"this writer stopped. Everything acknowledged (flushes up to sequence {self.seq - 1}) "
+            "is durable and nothing is half-written: free space, then start again to resume")
+        return self._full
 
     def _check_not_fenced(self) -> None:
         """A newer writer removes this writer's journal once its own header is durable: then
@@ -352,11 +379,13 @@ class RolloutLogWriter:
         return self._arrays
 
     def close(self) -> None:
-        """Flush, seal what the journal holds, close every file."""
+        """Flush, seal what the journal holds, close every file (after a `LogFullError`: only
+        close; the next start seals what the journal holds)."""
         if self._closed:
             return
         try:
-            self.seal()
+            if self._full is None:
+                self.seal()
         finally:
             self._closed = True
             self._release(None)
@@ -368,8 +397,20 @@ class RolloutLogWriter:
         self.close()
 
     def _check_open(self) -> None:
+        if self._full is not None:
+            raise self._full
         if self._closed:
             raise LogError(f"the rollout log writer of {self.log_dir} is closed")
+
+
+def _disk_full(e: BaseException | None) -> bool:
+    """Whether ``e`` (or what caused it: h5py wraps OS errors) is ENOSPC / EDQUOT."""
+    while e is not None:
+        if isinstance(e, OSError) and (e.errno in FULL_ERRNOS or "errno = 28" in str(e)
+                                       or "No space left" in str(e)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _row_tokens(seg: Segment) -> np.ndarray:
@@ -393,15 +434,22 @@ def _quarantine(scan) -> dict:
     tmp = src.with_name(f".{dst.name}.{os.getpid()}.tmp")
     with open(src, "rb") as fh:
         data = fh.read()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        view = memoryview(data)
-        while view.nbytes:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, dst)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view.nbytes:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, dst)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if _disk_full(e):
+            raise LogFullError(f"{src.parent}: no space left to copy the damaged {src.name} aside "
+                               f"({e}); free space, then start again") from e
+        raise
     fsync_dir(dst.parent)
     return {"file": dst.name, "gen": int(scan.header["gen"]), "valid_end": scan.valid_end}
 
