@@ -9,6 +9,7 @@ from pipeline.rollout_log.format import (
     CorruptSegmentError, ForeignFileError, LogDamageWarning, LogError, LogNotFoundError,
     NewerSchemaError, NotHDF5Error)
 from pipeline.rollout_log.reader import RolloutLog
+from pipeline.rollout_log.scan import recorded_damage
 from pipeline.protocol.record import RecordSchema, SampleBatch
 from pipeline.rollout_log.writer import RolloutLogWriter
 from log_places import list_segments, readable_rows
@@ -204,7 +205,7 @@ def test_damaged_journal_entry_is_reported_the_rest_kept_and_the_file_quarantine
         assert_batches_equal(log.read(rows), SampleBatch.concat([batches[k] for k in kept]))
         if lost:
             with pytest.raises(LogError, match="not in the readable log"):
-                log.read([4])
+                log.read([8 if where == "last_entry" else 4])
         assert log.scan.lost.entries == lost
         if where != "last_entry":  # what a lost last entry held is unknown: every row is withheld
             assert log.scan.lost.rows == 4 * lost and log.scan.lost.step_records == lost
@@ -217,6 +218,10 @@ def test_damaged_journal_entry_is_reported_the_rest_kept_and_the_file_quarantine
         w2.append_samples(make_batch(SCHEMA, 9, 2, first_group=90))
     quarantined = log_dir / (journal.name + ".damaged")
     assert quarantined.read_bytes() == bytes(data)  # the evidence, byte for byte
+    rows_lost = {"header": 0, "last_entry": 0}.get(where, 4)  # (a lost last entry's: unknown)
+    assert recorded_damage(log_dir) == [  # what `tokenflow status` shows
+        f"{quarantined.name} quarantined: {lost} journal entries, {rows_lost} rows, "
+        f"{0 if where == 'last_entry' else lost} step records lost"]
     with RolloutLog.open(log_dir) as log:  # after two more generations the rows are still there
         assert log.num_samples == end + 2 and log.scan.lost.entries == lost
         assert_batches_equal(log.read(rows), SampleBatch.concat([batches[k] for k in kept]))

@@ -69,6 +69,8 @@ class LogScan:
     damaged: bool = False
     """The governing journal holds damage followed by valid entries (a writer quarantines it)."""
     lost: LogLoss = field(default_factory=lambda: LogLoss())
+    governing_lost: LogLoss = field(default_factory=lambda: LogLoss())
+    """What damage in the governing journal cost (part of ``lost``)."""
     lost_segments: list[dict] = field(default_factory=list)
     """What the header says of each listed segment that cannot be opened (kept listed: reported
     and counted by every later read)."""
@@ -202,11 +204,18 @@ def _scan(log_dir: Path, strict: bool) -> LogScan:
                                 "missing; its rows are lost")
                 continue
             problems += [f"{cpath.name} (quarantined): {d}" for d in cjr.damage]
+            loss = LogLoss()
             if cjr.entries:
-                scan.carried += journal_runs(cpath, cjr, strict, problems, scan.lost)
+                scan.carried += journal_runs(cpath, cjr, strict, problems, loss)
+            if "lost_entries" in c:  # what its quarantine recorded (a damaged tail included)
+                loss = LogLoss(c["lost_entries"], c["lost_rows"], c["lost_step_records"],
+                               c["withhold_below"], c["lost_segments"])
+                problems.append(f"{cpath.name} (quarantined): damage lost {loss.entries} entries")
+            scan.lost.add(loss)
         scan.damaged = bool(jr.damage)
         problems += [f"{path.name}: {d}" for d in jr.damage]
-        runs = journal_runs(path, jr, strict, problems, scan.lost)
+        runs = journal_runs(path, jr, strict, problems, scan.governing_lost)
+        scan.lost.add(scan.governing_lost)
         if scan.damaged:
             scan.carried += runs
         elif runs:
@@ -302,3 +311,18 @@ def _run_segment(path: Path, head: dict, flushes: list, first_row: int, strict: 
         problems.append(str(e))
         return None
     return seg
+
+
+def recorded_damage(log_dir: Path) -> list[str]:
+    """The damage the newest journal header records (quarantined journals and what they cost),
+    one sentence each; cheap (reads the header only), for `tokenflow status`."""
+    journals = sorted((int(m.group(1)), log_dir / n) for n in os.listdir(log_dir)
+                      if (m := JOURNAL_RE.match(n)))
+    for _, path in reversed(journals):
+        with open(path, "rb") as fh:
+            jr = read_entries(fh.read(1 << 20))
+        if jr.entries:
+            return [f"{c['file']} quarantined: {c.get('lost_entries', '?')} journal entries, "
+                    f"{c.get('lost_rows', '?')} rows, {c.get('lost_step_records', '?')} step "
+                    "records lost" for c in jr.entries[0].meta.get("carried", [])]
+    return []

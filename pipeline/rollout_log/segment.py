@@ -132,7 +132,7 @@ class Segment:
                 raise CorruptSegmentError(f"{path}: HDF5 cannot open it ({e}); if it was written "
                                           "without SWMR, `h5clear -s` may recover it")
         else:
-            if shortfall and known is None:  # listed segments: digests find what is missing
+            if shortfall:  # (HDF5 may hang reading a cut file)
                 f.close()
                 raise truncated
         try:
@@ -352,26 +352,43 @@ class _Attrs:
             raise
 
 
-def _superblock_eof(path: Path) -> int | None:
-    """End-of-file address recorded in the HDF5 superblock at offset 0 (None if unknown)."""
+_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def _superblock(path: Path) -> tuple[int, bytes] | None:
+    """(file offset, first 64 bytes) of the HDF5 superblock: at 0, or after a user block (512,
+    1024, 2048, ... bytes; sealed segments keep their map there); None if not found."""
     with open(path, "rb") as fh:
-        head = fh.read(64)
-    if len(head) < 64 or head[:8] != b"\x89HDF\r\n\x1a\n":
+        for at in [0] + [512 << k for k in range(12)]:
+            fh.seek(at)
+            head = fh.read(64)
+            if head[:8] == _SIGNATURE:
+                return at, head
+            if len(head) < 64:
+                return None
+    return None
+
+
+def _superblock_eof(path: Path) -> int | None:
+    """End of the file as its HDF5 superblock records it (None if unknown)."""
+    found = _superblock(path)
+    if found is None:
         return None
+    head = found[1]
     version = head[8]
     size_of_offsets = head[13] if version < 2 else head[9]
     at = {0: 24, 1: 28}.get(version, 12) + 2 * size_of_offsets
     if size_of_offsets not in (4, 8) or at + size_of_offsets > len(head):
         return None
-    return int.from_bytes(head[at:at + size_of_offsets], "little")
+    return int.from_bytes(head[at:at + size_of_offsets], "little")  # (counts the user block)
 
 
 def _marked_open_for_write(path: Path) -> bool:
     """Whether the superblock (version >= 2) says a writer still has the file open: a layout-1
     SWMR segment whose writer was killed. Sealed segments are closed before they are named."""
-    with open(path, "rb") as fh:
-        head = fh.read(12)
-    return len(head) == 12 and head[8] >= 2 and bool(head[11] & 0x05)
+    found = _superblock(path)
+    head = found[1] if found else b""
+    return len(head) >= 12 and head[8] >= 2 and bool(head[11] & 0x05)
 
 
 def _shortfall(path: Path) -> int:

@@ -451,7 +451,8 @@ def _quarantine(scan) -> dict:
                                f"({e}); free space, then start again") from e
         raise
     fsync_dir(dst.parent)
-    return {"file": dst.name, "gen": int(scan.header["gen"]), "valid_end": scan.valid_end}
+    return {"file": dst.name, "gen": int(scan.header["gen"]), "valid_end": scan.valid_end,
+            **scan.governing_lost.as_dict()}
 
 
 def _cast(name: str, value: np.ndarray, dtype: np.dtype) -> np.ndarray:
