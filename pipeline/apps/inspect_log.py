@@ -6,7 +6,9 @@ plus the journal's valid entries, and says (``journal``) how far behind the writ
 steps, tokens), the mean reward by policy version, a staleness histogram, prompt and completion
 length statistics and finish reasons. ``--json`` prints the summary as ONE JSON object, the only
 line on stdout (NaN becomes null); ``--plot`` writes a PNG of reward by version, staleness and
-lengths. Bad paths or files exit with code 2 and a message naming the problem. A log of multi-turn
+lengths. Bad paths or files exit with code 2 and a message naming the problem (never a traceback).
+Damage (`docs/rollout-log.md`, "Damage") is named on stderr and in ``damage``, and exits 1; reads
+check the blocks they touch, ``--verify`` every block of every segment. A log of multi-turn
 episodes (record schema with ``model_mask``) also gets ``episodes``: turns, tool calls, masked
 environment tokens, and the last ``--episodes N`` episodes turn by turn with their versions and
 (when the run's model is found) text (`pipeline.apps.inspect_episodes`).
