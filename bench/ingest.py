@@ -230,6 +230,17 @@ def measure(root: Path, groups: int, producers: int, ack_flushes: int) -> dict:
         **run_ack_latency(ack_flushes, root)}
 
 
+def digest_cpu_s_per_1m_tokens() -> float:
+    """CPU of the sealed segments' digests (`pipeline.rollout_log.digests`) per 1M tokens: the
+    three per-token columns (ids, logprobs, versions: 12 bytes a token), part of every seal."""
+    from pipeline.rollout_log.digests import block_rows, digest
+    column = np.arange(1_000_000, dtype=np.int32)
+    c0 = _cpu()
+    for _ in range(3):
+        digest(column, block_rows(column))
+    return round(_cpu() - c0, 4)
+
+
 def _default_netfs() -> str | None:
     ready = Path(os.environ.get("TOKENFLOW_NETFS", "/var/tmp/tokenflow-netfs")) / "ready"
     return ready.read_text().split()[0] if ready.is_file() else None
@@ -271,6 +282,7 @@ def main(a: argparse.Namespace) -> None:
     if not netfs:
         print("network filesystem: not measured (no --netfs and no scripts/netfs.sh mount)")
     print(json.dumps({"benchmark": "ingest", "mode": mode, "quick": a.quick, **results,
+                      "digest_cpu_s_per_1M_tokens": digest_cpu_s_per_1m_tokens(),
                       "netfs_measured": bool(netfs), "target_cpu_s_per_1M_tokens": 1.0,
                       "target_efficiency": 0.5, "meets_targets": bool(ok)}))
 

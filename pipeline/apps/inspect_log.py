@@ -6,7 +6,9 @@ plus the journal's valid entries, and says (``journal``) how far behind the writ
 steps, tokens), the mean reward by policy version, a staleness histogram, prompt and completion
 length statistics and finish reasons. ``--json`` prints the summary as ONE JSON object, the only
 line on stdout (NaN becomes null); ``--plot`` writes a PNG of reward by version, staleness and
-lengths. Bad paths or files exit with code 2 and a message naming the problem. A log of multi-turn
+lengths. Bad paths or files exit with code 2 and a message naming the problem (never a traceback).
+Damage (`docs/rollout-log.md`, "Damage") is named on stderr and in ``damage``, and exits 1; reads
+check the blocks they touch, ``--verify`` every block of every segment. A log of multi-turn
 episodes (record schema with ``model_mask``) also gets ``episodes``: turns, tool calls, masked
 environment tokens, and the last ``--episodes N`` episodes turn by turn with their versions and
 (when the run's model is found) text (`pipeline.apps.inspect_episodes`).
@@ -30,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.rollout_log.format import GroupOutcome, LogError
+from pipeline.rollout_log.format import CorruptSegmentError, GroupOutcome, LogError
 from pipeline.rollout_log.reader import RolloutLog
 from pipeline.protocol.record import FINISH_REASONS
 
@@ -94,24 +96,29 @@ def scorer_summary(log: RolloutLog) -> dict:
     return out
 
 
-def summarize(log: RolloutLog, progress=None, episode_examples: int = 3, tokenizer=None) -> dict:
+def summarize(log: RolloutLog, progress=None, episode_examples: int = 3, tokenizer=None,
+              verified: bool = False) -> dict:
     """The summary of an open log (see module docstring); every value is JSON-able. Episode logs:
-    `episode_examples` episodes in full, decoded with `tokenizer` when given."""
+    `episode_examples` episodes in full, decoded with `tokenizer` when given. ``verified``: the
+    log was verified (`RolloutLog.verify`); rows in damaged blocks are left out (and counted in
+    ``lost_rows``) instead of raising."""
     show = progress or (lambda msg: None)
     reward, plen, clen, finish, versions, rows = [], [], [], [], [], []
     for i, seg in enumerate(log.segments):
         show(f"inspect: reading segment {i + 1}/{len(log.segments)} ({seg.num_rows} samples)")
-        reward.append(seg.read_column("samples/reward"))
-        plen.append(seg.read_column("samples/prompt_len"))
-        clen.append(seg.read_column("samples/completion_len"))
-        finish.append(seg.read_column("samples/finish_reason"))
-        versions.append(seg.min_versions())
-        rows.append(np.arange(seg.first_row, seg.first_row + seg.num_rows, dtype=np.int64))
+        col = seg.intact_column if verified else seg.read_column
+        reward.append(col("samples/reward"))
+        plen.append(col("samples/prompt_len"))
+        clen.append(col("samples/completion_len"))
+        finish.append(col("samples/finish_reason"))
+        versions.append(seg.min_versions(intact_only=verified))
+        keep = ~seg.damaged_rows()["samples"] if verified else slice(None)
+        rows.append(np.arange(seg.first_row, seg.first_row + seg.num_rows, dtype=np.int64)[keep])
     reward, plen, clen, finish, versions, rows = map(np.concatenate,
                                                      (reward, plen, clen, finish, versions, rows))
     show("inspect: reading groups and steps")
-    state = log.resume_state()
-    records = log.step_records()
+    state = log.resume_state(verify=verified)
+    records = log.step_records(intact_only=verified)
     latest_record = {step: (version, r) for step, version, r in records}  # a re-run step: last wins
     consumed_version = np.full(log.num_samples, -1, dtype=np.int64)
     for version, step_rows in latest_record.values():
@@ -166,7 +173,7 @@ def summarize(log: RolloutLog, progress=None, episode_examples: int = 3, tokeniz
         "finish_reasons": {name: int((finish == i).sum()) for i, name in enumerate(FINISH_REASONS)},
         "per_token_bytes": per_token_bytes(log.schema),
         **episodes,
-        "scorers": scorer_summary(log),
+        "scorers": scorer_summary(log) if not (verified and log.damage) else {},
     }
 
 
@@ -290,11 +297,34 @@ def _json_safe(x):
     return x
 
 
+def _summary(log: RolloutLog, args, verify: bool) -> tuple[dict | None, list[str]]:
+    """(summary, damage): verified in full when ``verify`` or when a lazy check on the way finds
+    damage (then the summary leaves the damaged rows out)."""
+    large = log.num_samples > LARGE_LOG_SAMPLES
+    tokenizer = None
+    if log.schema.model_mask and args.episodes:
+        from pipeline.apps.inspect_episodes import run_tokenizer
+
+        tokenizer = run_tokenizer(Path(args.path))
+    progress = _progress_printer(sys.stderr.isatty() or large)
+    if verify:
+        log.verify()
+    try:
+        return summarize(log, progress, args.episodes, tokenizer, verified=verify), log.damage
+    except CorruptSegmentError as e:
+        if verify:
+            return None, log.damage + [str(e)]
+        return _summary(log, args, True)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tokenflow inspect", description=__doc__.split("\n")[0])
     parser.add_argument("path", help="run directory, its rollouts/ directory, or a segment file")
     parser.add_argument("--plot", metavar="OUT.png", type=Path, help="write a PNG of the summary")
     parser.add_argument("--json", action="store_true", help="print one JSON object only")
+    parser.add_argument("--verify", action="store_true",
+                        help="check every block of every segment against its digest (reads the "
+                             "whole log); damage found exits 1")
     parser.add_argument("--episodes", type=int, default=3, metavar="N",
                         help="episode logs: show the last N episodes turn by turn (default 3)")
     try:
@@ -308,26 +338,25 @@ def main(argv: list[str]) -> int:
         for w in caught:
             print(f"tokenflow inspect: warning: {w.message}", file=sys.stderr)
         with log:
-            large = log.num_samples > LARGE_LOG_SAMPLES
-            tokenizer = None
-            if log.schema.model_mask and args.episodes:
-                from pipeline.apps.inspect_episodes import run_tokenizer
-
-                tokenizer = run_tokenizer(Path(args.path))
-            summary = _json_safe(summarize(log, _progress_printer(sys.stderr.isatty() or large),
-                                           args.episodes, tokenizer))
-        if args.plot:
-            plot(summary, args.plot)
-    except LogError as e:
+            summary, damage = _summary(log, args, args.verify)
+        if summary is not None:
+            summary = _json_safe(summary)
+            summary["damage"] = damage
+            if args.plot:
+                plot(summary, args.plot)
+    except (LogError, OSError) as e:
         print(f"tokenflow inspect: error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:
-        print(f"tokenflow inspect: error: {e}", file=sys.stderr)
+    except Exception as e:  # damage no check anticipated: still exit 2 naming it, no traceback
+        print(f"tokenflow inspect: error: reading {args.path} failed ({type(e).__name__}: {e}); "
+              "the log may be damaged", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(summary, sort_keys=False))
-    else:
+        print(json.dumps(summary if summary is not None else {"damage": damage}, sort_keys=False))
+    elif summary is not None:
         print(format_text(summary))
         if args.plot:
             print(f"plot          {args.plot}")
-    return 0
+    for d in damage:
+        print(f"tokenflow inspect: damage: {d}", file=sys.stderr)
+    return 1 if damage else 0

@@ -139,11 +139,12 @@ def train(cfg: TokenflowConfig) -> int:
                   f"(choose another run.name to start a new run, or ask for more run.steps)")
             return 0
         done.unlink()  # more steps asked for: resume from the last checkpoint
-    from pipeline.rollout_log.format import UnsupportedFilesystemError, check_log_filesystem
+    from pipeline.rollout_log.format import (
+        LogFullError, UnsupportedFilesystemError, check_log_filesystem)
     from pipeline.run_files import ROLLOUTS_DIR
     try:  # before any role starts: none of them may wait for an orchestrator that cannot log
         check_log_filesystem(run_dir / ROLLOUTS_DIR)
-    except UnsupportedFilesystemError as exc:
+    except (UnsupportedFilesystemError, LogFullError) as exc:
         print(f"tokenflow: cannot start the run: {exc}", file=sys.stderr)
         return 2
     from pipeline.launch import LaunchError, LocalLauncher, SlurmLauncher

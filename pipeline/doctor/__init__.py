@@ -1,6 +1,7 @@
 """`tokenflow doctor`: what a run will use, and the contradictions refused before anything starts.
 
 A check is a function ``check(run) -> None`` registered in order with ``@check("name")``
+(`pipeline.doctor.registry`)
 (`pipeline.doctor.checks`: placement, engine, trainer, checkpoint; later issues add memory and
 network checks the same way). It reports through the `Run` it is given: ``run.uses(text)`` for
 what the run will use (printed), ``run.refuse(text)`` for a contradiction (the run is refused).
@@ -21,46 +22,8 @@ Example (this CPU machine, ``cluster.trainer.gpus_per_node=1``)::
 from __future__ import annotations
 
 import traceback
-from dataclasses import dataclass, field
-from typing import Any, Callable, List, Tuple
 
-
-@dataclass
-class Finding:
-    check: str  # the registered check's name
-    refused: bool  # True: a contradiction, the run must not start
-    text: str
-
-
-@dataclass
-class Run:
-    """What the checks look at (a resolved config and its job plan) and what they found."""
-
-    cfg: Any  # the resolved TokenflowConfig (pipeline.config.validate ran)
-    plan: Any  # its pipeline.launch.plan.JobPlan
-    findings: List[Finding] = field(default_factory=list)
-    current: str = ""  # the check running now
-
-    def uses(self, text: str) -> None:
-        self.findings.append(Finding(self.current, False, text))
-
-    def refuse(self, text: str) -> None:
-        self.findings.append(Finding(self.current, True, text))
-
-    @property
-    def refusals(self) -> List[Finding]:
-        return [f for f in self.findings if f.refused]
-
-
-CHECKS: List[Tuple[str, Callable[[Run], None]]] = []
-
-
-def check(name: str) -> Callable[[Callable[[Run], None]], Callable[[Run], None]]:
-    """Register a check (run in registration order)."""
-    def register(fn: Callable[[Run], None]) -> Callable[[Run], None]:
-        CHECKS.append((name, fn))
-        return fn
-    return register
+from pipeline.doctor.registry import CHECKS, Run
 
 
 def run_checks(cfg, plan) -> Run:

@@ -26,7 +26,7 @@ import subprocess
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from pipeline.doctor import Run, check
+from pipeline.doctor.registry import Run, check
 from pipeline.launch.gpus import gpus_per_task, local_gpus, node_gpu_count
 
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)

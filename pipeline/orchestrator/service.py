@@ -100,6 +100,8 @@ class Orchestrator(TrainerSide):
         for g in state.buffered:
             self.buffer.add(g)
         self.counts.update(state.outcome_counts)
+        for damage in state.damage:
+            log.warning("rollout log damage: %s", damage)
         self.scoring = scoring or AsyncScoring(scorer, cfg.scorer_threads)
         self.scoring.bind_clock(self.clock)  # scorer roles: a lagged teacher follows the policy
         # What generators send: the stored record less the fields scorer roles fill.

@@ -31,6 +31,7 @@ fenced stale writer) is ignored and reported.
 from __future__ import annotations
 
 import enum
+import errno
 import json
 import os
 import re
@@ -43,8 +44,9 @@ import numpy as np
 from pipeline.protocol.record import PROMPT_COLUMN, RecordSchema
 from pipeline.run_files import ROLLOUTS_DIR
 
-#: Version of this file layout; readers refuse files of a newer version (and read version 1).
-SCHEMA_VERSION = 2
+#: Version of this file layout; readers refuse files of a newer version (and read versions 1, 2).
+#: 3: sealed segments carry per-block digests (`digests`), journal entries a length checksum.
+SCHEMA_VERSION = 3
 
 SEGMENT_RE = re.compile(r"^segment-(\d{5,})\.h5$")
 
@@ -120,6 +122,15 @@ class UnsupportedFilesystemError(LogError):
     """The log directory's filesystem cannot make a write durable (the message says why)."""
 
 
+class LogFullError(LogError):
+    """The log's filesystem is full (ENOSPC) or over quota (EDQUOT): the writer stopped; what it
+    acknowledged is durable, nothing is half-written, and a start after space is freed resumes."""
+
+
+#: errno values that mean "no space": `LogFullError`.
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
 class LogFencedError(LogError):
     """A newer writer took over the log: this (stale) writer may not write to it any more."""
 
@@ -136,12 +147,6 @@ class DatasetSpec:
     trail: tuple[int, ...]
     """Per-row trailing shape (e.g. (layers, top_k) for routed experts)."""
 
-    @property
-    def chunk_rows(self) -> int:
-        """Rows per chunk: ~256 KiB for token tables (64k int32 tokens), ~64 KiB otherwise."""
-        row_bytes = self.dtype.itemsize * int(np.prod(self.trail, dtype=np.int64))
-        target = 256 * 1024 if self.table.endswith("tokens") else 64 * 1024
-        return max(16, 1 << int(np.log2(max(1, target // row_bytes))))
 
 
 def dataset_layout(schema: RecordSchema) -> dict[str, DatasetSpec]:
@@ -161,16 +166,6 @@ def dataset_layout(schema: RecordSchema) -> dict[str, DatasetSpec]:
 
 def segment_name(index: int) -> str:
     return f"segment-{index:05d}.h5"
-
-
-def list_segments(log_dir: Path) -> list[tuple[int, Path]]:
-    """(index, path) of every segment file in ``log_dir``, in index order."""
-    found = []
-    for p in log_dir.iterdir():
-        m = SEGMENT_RE.match(p.name)
-        if m and p.is_file():
-            found.append((int(m.group(1)), p))
-    return sorted(found)
 
 
 def resolve_log_path(path: str | os.PathLike) -> tuple[Path, str | None]:
@@ -227,23 +222,45 @@ def segment_attrs(schema: RecordSchema, run_id: str, index: int, first_row: int,
 def write_sealed_segment(path: Path, schema: RecordSchema, attrs: dict,
                          data: dict[str, np.ndarray], counts: dict[str, int]) -> None:
     """Write an immutable segment holding ``data[name][:rows of its table]`` for every dataset
-    of the layout: aside as ``*.tmp``, fsync'd, renamed to ``path``, the directory fsync'd."""
+    of the layout, each with its digests (`digests`) and the map of where they lie
+    (`segment_map`): aside as ``*.tmp``, fsync'd, renamed to ``path``, the directory fsync'd.
+    Raises ENOSPC before HDF5 writes anything when the filesystem cannot hold it (HDF5 may crash
+    the process on a failed write); a failure removes the ``*.tmp`` file."""
     import h5py
 
+    from pipeline.rollout_log.digests import write_digests
     from pipeline.rollout_log.journal import fsync_dir
+    from pipeline.rollout_log.segment_map import describe, userblock_size, write_map
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with h5py.File(tmp, "w", libver="latest") as f:
-        for key, value in attrs.items():
-            f.attrs[key] = value
-        for name, spec in dataset_layout(schema).items():
-            f.create_dataset(name, data=data[name][:counts[spec.table]])
-        f.create_dataset("commits", data=np.array([[1, *(counts[t] for t in TABLES)]], np.int64))
-    fd = os.open(tmp, os.O_RDONLY)
+    layout = dataset_layout(schema)
+    userblock = userblock_size(2 * len(layout) + 2)
+    need = userblock + (1 << 20) + sum(
+        int(data[name][:counts[spec.table]].nbytes) * 102 // 100 for name, spec in layout.items())
+    st = os.statvfs(path.parent)
+    if st.f_bavail * st.f_frsize < need:  # HDF5 may crash on a write that fails: never let it
+        raise OSError(errno.ENOSPC, f"No space left: the segment needs ~{need} bytes, "
+                      f"{st.f_bavail * st.f_frsize} are free", str(path))
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
+        with h5py.File(tmp, "w", libver="latest", userblock_size=userblock) as f:
+            for key, value in attrs.items():
+                f.attrs[key] = value
+            for name, spec in layout.items():
+                f.create_dataset(name, data=data[name][:counts[spec.table]])
+                write_digests(f, name, data[name][:counts[spec.table]])
+            commits = np.array([[1, *(counts[t] for t in TABLES)]], np.int64)
+            f.create_dataset("commits", data=commits)
+            write_digests(f, "commits", commits)
+            places = describe(f)
+        write_map(tmp, places, userblock)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # nothing half-written stays (a disk full, a bad array)
+        raise
     fsync_dir(path.parent)
 
 
@@ -290,6 +307,9 @@ def check_log_filesystem(log_dir: Path, mounts_text: str | None = None) -> str:
             probe.unlink(missing_ok=True)
         except OSError:
             pass
+        if e.errno in FULL_ERRNOS:
+            raise LogFullError(f"{log_dir} ({fstype}): no space left ({step} failed: {e}); free "
+                               "space there, then start again: the run resumes") from e
         raise UnsupportedFilesystemError(
             f"{log_dir} ({fstype}) cannot hold the rollout log: {step} failed ({e}); the log "
             "acknowledges results only once they are durable (see docs/rollout-log.md)") from e

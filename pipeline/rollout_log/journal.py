@@ -4,26 +4,39 @@ A journal file ``LOG_DIR/journal-GGGGGGGG.tfj`` belongs to one *generation* ``G`
 generation is claimed by creating its file exclusively (``O_EXCL``: two writers can never own the
 same generation, on a local disk or on NFS, Lustre, GPFS or sshfs). An entry on disk is::
 
-    b"TFJ1" | n (uint32 LE) | n frame lengths (uint64 LE) | frame 0 | ... | frame n-1
+    b"TFJ2" | n (uint32 LE) | n frame lengths (uint64 LE) | crc32 of the above (uint32 LE)
+    | frame 0 | ... | frame n-1
 
 and its frames are one `pipeline.protocol.wire` message (msgpack header + raw array frames) whose GMAC,
-computed with the fixed public key `JOURNAL_KEY`, serves as a 128-bit checksum of the lengths,
-header and arrays (here it detects torn and damaged writes; it authenticates nothing).
+computed with the fixed public key `JOURNAL_KEY`, serves as a 128-bit checksum of the header and
+arrays (here it detects torn and damaged writes; it authenticates nothing). The crc32 makes the
+lengths trustworthy on their own, so a reader can skip a damaged entry and resynchronise on the
+next ``TFJ2`` marker whose lengths and payload check out. Journals written before (``TFJ1``: no
+length checksum) are still read, up to their first bad entry.
 
 Invariants:
 
 - the first entry of a journal is its header (kind ``journal``: generation, writer id, the sealed
-  segments the log holds, the next sequence number and row); later entries are flushes (kind
-  ``flush``, meta ``seq`` = header's ``start_seq``, +1, +2, ...) holding the new rows of every
-  dataset of the log layout;
+  segments and carried journals the log holds, the next sequence number and row, what damage has
+  cost so far), written twice (entry 1 is its copy, so one damaged header loses nothing); later
+  entries are flushes (kind ``flush``, meta ``seq`` = header's ``start_seq``, +1, +2, ...) holding
+  the new rows of every dataset of the log layout and where they start (``row``, ``prompt_at``,
+  ``completion_at``: the first global row and the generation's token offsets; ``steps_at``: the step
+  records before them in this generation);
 - `append` returns only after ``fdatasync``: an entry it wrote survives ``kill -9`` of the writer
   and a crash of its node; a failed append (disk full) truncates the file back to its previous end,
   so the entry can be retried and nothing after a torn entry is ever written;
-- `read_entries` returns the *valid prefix*: entries up to (not including) the first one that is cut
-  short, fails its checksum or breaks the sequence.
+- `read_entries` returns the valid entries: a bad entry (damaged marker, lengths or payload, or a
+  sequence number out of order) followed by valid entries is *damage* (``damage``, the missing
+  sequence numbers counted in ``lost_seqs``): reading goes on at the next valid entry; a bad entry
+  with nothing valid after it is a *torn tail* (``cut``; a write in progress or a killed writer)
+  when the file ends inside it or only zeros follow (a node crash's unwritten blocks), else a
+  *damaged tail* (``damaged_tail``: a whole entry was there, it may have been acknowledged).
 
 Worked example: a journal with header (start_seq 41) and entries seq 41, 42, 43 where the writer was
-killed while writing 43 reads as [header, 41, 42]; ``valid_end`` is the offset where 43 starts.
+killed while writing 43 reads as [header, 41, 42]; ``valid_end`` is the offset where 43 starts. Had
+a bit flipped in entry 42 instead, it reads as [header, 41, 43], ``damage`` names 42's bytes and
+``lost_seqs`` is 1.
 """
 from __future__ import annotations
 
@@ -32,7 +45,8 @@ import hashlib
 import os
 import re
 import struct
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -41,7 +55,11 @@ import numpy as np
 from pipeline.protocol import wire
 
 JOURNAL_RE = re.compile(r"^journal-(\d{8,})\.tfj$")
-MAGIC = b"TFJ1"
+MAGIC = b"TFJ2"
+MAGIC_V1 = b"TFJ1"
+"""Entries of journals written before entries had a length checksum (read, never written)."""
+#: A header's copy must start within this many bytes of the file's start.
+_HEADER_AREA = 1 << 20
 #: Fixed, public: the GMAC under this key is a checksum, not an authenticator.
 JOURNAL_KEY = hashlib.sha256(b"tokenflow rollout log journal checksum v1").digest()
 _MAX_ENTRY_BYTES = 1 << 40
@@ -66,63 +84,120 @@ def encode_entry(kind: str, meta: Mapping[str, Any],
     """The byte parts of one entry (written with one ``writev``; arrays are not copied)."""
     frames = wire.encode(JOURNAL_KEY, kind, meta, arrays)
     lens = [memoryview(f).nbytes for f in frames]
-    return [MAGIC + struct.pack(f"<I{len(lens)}Q", len(lens), *lens), *frames]
+    prefix = MAGIC + struct.pack(f"<I{len(lens)}Q", len(lens), *lens)
+    return [prefix + struct.pack("<I", zlib.crc32(prefix)), *frames]
 
 
 @dataclass
 class JournalRead:
     entries: list[wire.Message]
-    """Valid entries, header first (empty if even the header is torn)."""
+    """Valid entries, header first (empty if even the header is torn); the header's copy left out."""
     valid_end: int
-    """Byte offset where the valid prefix ends."""
+    """Byte offset where the valid entries end."""
     size: int
     """Bytes in the file when read."""
     cut: str | None
-    """Why reading stopped before ``size`` (None when the whole file is valid)."""
+    """Why reading stopped before ``size`` (None when the whole file is valid): a torn tail."""
+    damage: list[str] = field(default_factory=list)
+    """Damaged byte ranges followed by valid entries (kept), one sentence each."""
+    lost_seqs: int = 0
+    """Flush entries missing between valid ones (their sequence numbers are skipped)."""
+    damaged_tail: bool = False
+    """The bytes after the last valid entry are damage, not a torn write: an entry that was
+    whole on disk (so maybe acknowledged, holding anything) is lost."""
+
+
+def _entry_at(view: memoryview, pos: int) -> tuple[str, wire.Message | None, int, str]:
+    """Parse the entry at ``pos``: ("ok", message, end, ""), ("cut", None, -1, why) when it runs
+    past the end of the file, or ("bad", None, end or -1, why)."""
+    size = view.nbytes
+    if size - pos < 8:
+        return "cut", None, -1, f"entry at byte {pos} is cut short"
+    magic = bytes(view[pos:pos + 4])
+    if magic not in (MAGIC, MAGIC_V1):
+        return "bad", None, -1, f"no entry marker at byte {pos}"
+    (n,) = struct.unpack_from("<I", view, pos + 4)
+    if not 2 <= n <= wire.MAX_FRAMES + 2:
+        return "bad", None, -1, f"entry at byte {pos} declares {n} frames"
+    body = pos + 8 + 8 * n + (4 if magic == MAGIC else 0)
+    if body > size:
+        return "cut", None, -1, f"entry at byte {pos} is cut short"
+    if magic == MAGIC:
+        (crc,) = struct.unpack_from("<I", view, body - 4)
+        if zlib.crc32(view[pos:body - 4]) != crc:
+            return "bad", None, -1, f"entry at byte {pos} fails its length checksum"
+    lens = struct.unpack_from(f"<{n}Q", view, pos + 8)
+    end = body + sum(lens)
+    if end > size:
+        return "cut", None, -1, f"entry at byte {pos} is cut short"
+    frames, at = [], body
+    for ln in lens:
+        frames.append(view[at:at + ln])
+        at += ln
+    try:
+        return "ok", wire.decode(JOURNAL_KEY, frames, _MAX_ENTRY_BYTES), end, ""
+    except wire.FrameError as e:
+        return "bad", None, end, f"entry at byte {pos} fails its checksum ({e})"
 
 
 def read_entries(data: bytes | memoryview, first_seq: int | None = None) -> JournalRead:
-    """Parse a journal file's bytes into its valid prefix (see module invariants). Entry arrays
+    """Parse a journal file's bytes into its valid entries (see module invariants). Entry arrays
     are read-only views of ``data``. ``first_seq`` (default: the header's ``start_seq``) is the
     sequence number the first flush entry must carry."""
     view = memoryview(data)
+    raw = data if isinstance(data, (bytes, bytearray)) else bytes(view)
     out: list[wire.Message] = []
-    pos, size = 0, view.nbytes
+    pos, size, damage, lost, expect, resynced = 0, view.nbytes, [], 0, first_seq, False
+    resync = raw[:4] == MAGIC  # layout-1 journals (TFJ1) are read up to their first bad entry
     while pos < size:
-        if size - pos < 8:
-            return JournalRead(out, pos, size, f"entry at byte {pos} is cut short")
-        if bytes(view[pos:pos + 4]) != MAGIC:
-            return JournalRead(out, pos, size, f"no entry marker at byte {pos}")
-        (n,) = struct.unpack_from("<I", view, pos + 4)
-        if not 2 <= n <= wire.MAX_FRAMES + 2:
-            return JournalRead(out, pos, size, f"entry at byte {pos} declares {n} frames")
-        body = pos + 8 + 8 * n
-        if body > size:
-            return JournalRead(out, pos, size, f"entry at byte {pos} is cut short")
-        lens = struct.unpack_from(f"<{n}Q", view, pos + 8)
-        end = body + sum(lens)
-        if end > size:
-            return JournalRead(out, pos, size, f"entry at byte {pos} is cut short")
-        frames, at = [], body
-        for ln in lens:
-            frames.append(view[at:at + ln])
-            at += ln
-        try:
-            msg = wire.decode(JOURNAL_KEY, frames, _MAX_ENTRY_BYTES)
-        except wire.FrameError as e:
-            return JournalRead(out, pos, size, f"entry at byte {pos} fails its checksum ({e})")
-        if not out:
-            if msg.kind != "journal":
-                return JournalRead(out, pos, size, "the first entry is not a journal header")
-            expect = int(msg.meta["start_seq"]) if first_seq is None else first_seq
-        elif msg.kind != "flush" or msg.meta.get("seq") != expect:
-            return JournalRead(out, pos, size, f"entry at byte {pos} is {msg.kind} "
-                               f"seq {msg.meta.get('seq')}, expected flush seq {expect}")
-        else:
-            expect += 1
-        out.append(msg)
-        pos = end
-    return JournalRead(out, pos, size, None)
+        state, msg, end, why = _entry_at(view, pos)
+        if state == "ok":
+            if msg.kind == "journal":
+                if out:  # the header's copy (entry 1), or a header where a flush belongs
+                    if len(out) == 1 and end <= _HEADER_AREA:
+                        pos = end
+                        continue
+                    state, why = "bad", f"entry at byte {pos} is a second journal header"
+                else:
+                    expect = int(msg.meta["start_seq"]) if expect is None else expect
+            elif not out:
+                state, why = "bad", f"entry at byte {pos} is {msg.kind}, not the journal header"
+            elif msg.kind != "flush" or not isinstance(msg.meta.get("seq"), int) or (
+                    msg.meta["seq"] != expect and not (resynced and msg.meta["seq"] > expect)):
+                state, why = "bad", (f"entry at byte {pos} is {msg.kind} seq {msg.meta.get('seq')}, "
+                                     f"expected flush seq {expect}")
+            else:
+                lost += msg.meta["seq"] - expect
+                expect = msg.meta["seq"] + 1
+        if state == "ok":
+            out.append(msg)
+            pos, resynced = end, False
+            continue
+        nxt = _next_valid(raw, view, pos + 1, expect, bool(out)) if resync else None
+        if nxt is None:
+            if not resync or state == "cut" or not any(raw[pos:]):  # killed mid-write, or a
+                return JournalRead(out, pos, size, why, damage, lost)  # crash's zero-filled end
+            damage.append(f"bytes {pos}..{size} (the end) damaged ({why}): a whole entry that "
+                          "fails its checks, not a torn write")
+            return JournalRead(out, pos, size, None, damage, lost, damaged_tail=True)
+        damage.append(f"bytes {pos}..{nxt} damaged ({why}); the entries after them are kept")
+        pos, resynced = nxt, True
+    return JournalRead(out, pos, size, None, damage, lost)
+
+
+def _next_valid(raw: bytes, view: memoryview, start: int, expect: int | None,
+                have_header: bool) -> int | None:
+    """Offset of the next whole, valid entry at or after ``start`` that may follow (a flush
+    beyond ``expect`` once a header was read, else a header): where reading resynchronises."""
+    at = raw.find(MAGIC, start)
+    while at >= 0:
+        state, msg, _, _ = _entry_at(view, at)
+        if state == "ok" and ((msg.kind == "journal" and not have_header) or (
+                have_header and msg.kind == "flush" and isinstance(msg.meta.get("seq"), int)
+                and msg.meta["seq"] >= expect)):
+            return at
+        at = raw.find(MAGIC, at + 1)
+    return None
 
 
 def read_journal(path: Path) -> JournalRead:

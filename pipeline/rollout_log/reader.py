@@ -65,6 +65,14 @@ class ResumeState:
     last_trainer_version: int
     """trainer_version of the latest record of ``last_step``; -1 if none."""
     problems: list[str] = field(default_factory=list)
+    damaged_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    """Rows below ``num_samples`` that cannot be read (lost to damage): never buffered."""
+    withheld_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    """Intact rows no intact step record names that a lost step record may have consumed (below
+    the damage's ``withhold_below``): never buffered, so no row is trained twice."""
+    lost: dict[str, int] = field(default_factory=dict)
+    """What damage cost: lost_entries, lost_segments, lost_rows, lost_step_records,
+    damaged_blocks, withheld_rows (see `LogLoss`)."""
 
 
 class RolloutLog:
@@ -77,6 +85,7 @@ class RolloutLog:
         self.note = note
         self.scan = scan
         """What the last read of the files found (journal, valid prefix, newest entry time)."""
+        self._verified_damage: list[str] = []
         if segments:
             first = segments[0]
             self.schema: RecordSchema = first.schema
@@ -112,7 +121,8 @@ class RolloutLog:
     @classmethod
     def _from_scan(cls, scan: LogScan, note: str | None) -> "RolloutLog":
         warn_damaged(scan.problems)
-        segments = scan.segments + ([scan.tail] if scan.tail is not None else [])
+        segments = sorted(scan.segments + scan.carried + ([scan.tail] if scan.tail is not None else []),
+                          key=lambda s: s.first_row)
         log = cls(segments, list(scan.problems), note, scan)
         return log
 
@@ -156,8 +166,17 @@ class RolloutLog:
                        "cache_timeout; 0 on a local disk)")
 
     @property
-    def num_readable(self) -> int:
-        return sum(s.num_rows for s in self.segments)
+    def damage(self) -> list[str]:
+        """Damage found so far, one sentence each: when the files were read (journal entries,
+        segments lost whole) and by `verify`."""
+        return (self.scan.damage if self.scan is not None else []) + self._verified_damage
+
+    def verify(self) -> list[str]:
+        """Check every block of every segment against its digest (reads the whole log); returns
+        the damage found (also added to `damage`)."""
+        found = [d for s in self.segments for d in s.verify()]
+        self._verified_damage = found
+        return found
 
     def refresh(self) -> None:
         """Read the log again: shows what a live writer acknowledged (and sealed) since."""
@@ -233,53 +252,98 @@ class RolloutLog:
                 if len(batch):
                     yield batch
 
-    def column(self, name: str) -> np.ndarray:
-        """One committed column over all readable segments, e.g. ``samples/reward`` (row order)."""
+    def column(self, name: str, intact_only: bool = False) -> np.ndarray:
+        """One committed column over all readable segments, e.g. ``samples/reward`` (row order);
+        ``intact_only``: without the rows of its table in damaged blocks (`Segment.damaged_rows`),
+        else damage raises `CorruptSegmentError`."""
         if not self.segments:
             spec = dataset_layout(self.schema)[name]
             return np.zeros((0, *spec.trail), spec.dtype)
-        return np.concatenate([s.read_column(name) for s in self.segments])
+        return np.concatenate([s.intact_column(name) if intact_only else s.read_column(name)
+                               for s in self.segments])
 
-    def rows(self) -> np.ndarray:
+    def rows(self, intact_only: bool = False) -> np.ndarray:
         """Global row id of every readable sample, in the order of `column('samples/...')`."""
         return np.concatenate([np.zeros(0, np.int64)] + [
-            np.arange(s.first_row, s.first_row + s.num_rows, dtype=np.int64) for s in self.segments])
+            np.arange(s.first_row, s.first_row + s.num_rows, dtype=np.int64)[
+                ~s.damaged_rows()["samples"] if intact_only else slice(None)]
+            for s in self.segments])
 
     def min_versions(self) -> np.ndarray:
         """Oldest token version of every readable sample (row order)."""
         return np.concatenate([np.zeros(0, np.int32)] + [s.min_versions() for s in self.segments])
 
     # -- tables --------------------------------------------------------------------------------
-    def groups(self) -> dict[str, np.ndarray]:
-        return {c: self.column(f"groups/{c}") for c in GROUP_COLUMNS}
+    def groups(self, intact_only: bool = False) -> dict[str, np.ndarray]:
+        return {c: self.column(f"groups/{c}", intact_only) for c in GROUP_COLUMNS}
 
-    def steps(self) -> dict[str, np.ndarray]:
-        return {c: self.column(f"steps/{c}") for c in STEP_COLUMNS}
+    def steps(self, intact_only: bool = False) -> dict[str, np.ndarray]:
+        return {c: self.column(f"steps/{c}", intact_only) for c in STEP_COLUMNS}
 
     def step_meta(self) -> dict[str, np.ndarray]:
         return {c: self.column(f"step_meta/{c}") for c in STEP_META_COLUMNS}
 
-    def step_records(self) -> list[tuple[int, int, np.ndarray]]:
-        """(step, trainer_version, rows) of every step record, in log order."""
+    def step_records(self, intact_only: bool = False) -> list[tuple[int, int, np.ndarray]]:
+        """(step, trainer_version, rows) of every step record, in log order. ``intact_only``:
+        leave out the records of a segment whose step tables are damaged, and records that do not
+        match the rows they name (their count, their tokens); `resume_state` counts them."""
         out = []
+        self.steps_lost_in: list[Segment] = []
+        """Segments whose step records (some or all) `step_records(intact_only=True)` left out."""
         for seg in self.segments:
-            meta = seg.read_table("step_meta", ("step", "trainer_version", "n_samples"))
+            if intact_only and (seg.damaged_rows()["steps"].any()
+                                or seg.damaged_rows()["step_meta"].any()):
+                self.steps_lost_in.append(seg)
+                continue
+            meta = seg.read_table("step_meta", ("step", "trainer_version", "n_samples", "n_tokens"))
             rows = seg.read_column("steps/row")
             ends = np.cumsum(meta["n_samples"], dtype=np.int64)
             if len(ends) and ends[-1] != len(rows):
+                if intact_only:
+                    self.steps_lost_in.append(seg)
+                    continue
                 raise CorruptSegmentError(f"{seg.path}: step_meta counts {int(ends[-1])} step rows "
                                           f"but steps holds {len(rows)}")
             starts = ends - meta["n_samples"]
-            for s, v, a, b in zip(meta["step"], meta["trainer_version"], starts, ends):
+            for s, v, a, b, t in zip(meta["step"], meta["trainer_version"], starts, ends,
+                                     meta["n_tokens"]):
+                if intact_only and not self._names_its_rows(rows[a:b], int(t)):
+                    self.steps_lost_in.append(seg)
+                    continue
                 out.append((int(s), int(v), rows[a:b]))
         return out
+
+    def _names_its_rows(self, rows: np.ndarray, n_tokens: int) -> bool:
+        """A step record is valid when its rows exist and their tokens sum to its ``n_tokens``
+        (rows lost to damage cannot be checked and are taken as named)."""
+        if len(rows) and (rows.min() < 0 or rows.max() >= self.num_samples):
+            return False
+        tokens = self._row_tokens()
+        known = rows[np.isin(rows, tokens[0])]
+        if len(known) < len(rows):
+            return True
+        idx = np.searchsorted(tokens[0], known)
+        return int(tokens[1][idx].sum()) == n_tokens
+
+    def _row_tokens(self) -> tuple[np.ndarray, np.ndarray]:
+        """(intact global rows, their prompt + completion tokens), computed once."""
+        if getattr(self, "_tokens_cache", None) is None:
+            rows = self.rows(intact_only=True)
+            n = (self.column("samples/prompt_len", intact_only=True).astype(np.int64)
+                 + self.column("samples/completion_len", intact_only=True))
+            self._tokens_cache = (rows, n)
+        return self._tokens_cache
 
     def step_rows(self) -> dict[int, np.ndarray]:
         """Step -> global rows it consumed, from the latest record of each step."""
         return {step: rows for step, _, rows in self.step_records()}
 
-    def resume_state(self) -> ResumeState:
-        g = self.groups()
+    def resume_state(self, verify: bool = True) -> ResumeState:
+        """What a resuming orchestrator needs; damage is tolerated (the log is verified first):
+        damaged rows and the rows a lost step record may have consumed are never buffered.
+        ``verify=False`` (a summary of a log taken as intact) raises on damage instead."""
+        found = self.verify() if verify else []
+        g = self.groups(intact_only=verify)
         resolving = g["group_id"][~np.isin(g["outcome"], RELEASE_OUTCOMES)]
         duplicates = len(resolving) - len(np.unique(resolving))
         stored_mask = g["outcome"] == GroupOutcome.STORED
@@ -288,21 +352,34 @@ class RolloutLog:
         stored = {c: g[c][stored_idx] for c in ("group_id", "attempt", "first_row", "n_samples",
                                                 "min_version")}
         resolved = {o: np.unique(g["group_id"][g["outcome"] == o]) for o in GroupOutcome}
-        sample_groups = self.column("samples/group_id")
+        sample_groups = self.column("samples/group_id", intact_only=verify)
         max_gid = max([-1] + [int(a.max()) for a in (g["group_id"], sample_groups) if len(a)])
+        records = self.step_records(intact_only=verify)
         step_rows: dict[int, np.ndarray] = {}
         versions: dict[int, int] = {}
-        for step, version, rows in self.step_records():
+        for step, version, rows in records:
             step_rows[step], versions[step] = rows, version
         consumed = (np.unique(np.concatenate(list(step_rows.values()))) if step_rows
                     else np.zeros(0, np.int64))
         last = max(step_rows, default=-1)
+        intact = self.rows(intact_only=verify)
+        damaged = np.setdiff1d(np.arange(self.num_samples, dtype=np.int64), intact)
+        loss = self.scan.lost if self.scan is not None else None
+        below = loss.withhold_below if loss is not None else 0
+        for seg in self.steps_lost_in:  # step records left out: they may name any row before
+            below = max(below, seg.first_row + seg.num_rows)
+        withheld = np.setdiff1d(intact[intact < below], consumed)
+        lost = loss.as_dict() if loss is not None else {}
+        lost.update(damaged_blocks=len(found), withheld_rows=len(withheld),
+                    doubtful_step_segments=len(set(id(x) for x in self.steps_lost_in)),
+                    unreadable_rows=len(damaged))
         return ResumeState(
             num_samples=self.num_samples, stored=stored, resolved=resolved,
             counts={o.name.lower(): int((g["outcome"] == o).sum()) for o in GroupOutcome},
             max_group_id=max_gid, duplicate_groups=int(duplicates), step_rows=step_rows,
             consumed_rows=consumed, last_step=last, last_trainer_version=versions.get(last, -1),
-            problems=list(self.problems))
+            problems=list(self.problems) + found, damaged_rows=damaged, withheld_rows=withheld,
+            lost=lost)
 
 
 def warn_damaged(errors: list) -> None:

@@ -43,7 +43,8 @@ from typing import Sequence
 import numpy as np
 
 from pipeline.rollout_log.format import (
-    GROUP_COLUMNS, SCHEMA_VERSION, STEP_COLUMNS, STEP_META_COLUMNS, TABLES, GroupOutcome, LogError,
+    GROUP_COLUMNS, SCHEMA_VERSION, STEP_COLUMNS, STEP_META_COLUMNS, TABLES, CorruptSegmentError,
+    FULL_ERRNOS, GroupOutcome, LogError, LogFullError,
     LogDamageWarning, LogFencedError, SchemaMismatchError, check_log_filesystem, dataset_layout,
     segment_attrs, segment_name, write_sealed_segment)
 from pipeline.rollout_log.journal import JournalFile, encode_entry, fsync_dir, journal_name, list_journals
@@ -70,12 +71,17 @@ class RolloutLogWriter:
         self.log_dir, self.schema, self.run_id = Path(log_dir), schema, run_id
         self.meta, self.seal_interval_s, self.seal_bytes = meta or {}, seal_interval_s, seal_bytes
         self.fstype = check_log_filesystem(self.log_dir)
+        self._full: LogFullError | None = None
         self.writer_id = uuid.uuid4().hex[:16]
         scan = scan_log(self.log_dir)
         self._sealed: list[Segment] = list(scan.segments)
         self._journal: JournalFile | None = None
+        self._carried_segs: list[Segment] = list(scan.carried)
+        self._lost_listed = [(f["segment_index"], f["first_row"], f["rows"],
+                              f["tokenflow_schema_version"]) for f in scan.lost_segments]
+        self._carried: list[dict] = list(scan.header.get("carried", [])) if scan.header else []
         try:
-            old = scan.segments + ([scan.tail] if scan.tail is not None else [])
+            old = scan.segments + scan.carried + ([scan.tail] if scan.tail is not None else [])
             for seg in old:
                 _check_matches(seg, schema, run_id)
             self.problems = list(scan.problems)
@@ -94,13 +100,13 @@ class RolloutLogWriter:
             self.seq = scan.next_seq
             self._row_tokens = np.zeros(max(1024, 2 * self.first_row), dtype=np.int64)
             for seg in old:  # prompt + completion tokens of every row, for step records' n_tokens
-                lens = (seg.read_column("samples/prompt_len").astype(np.int64)
-                        + seg.read_column("samples/completion_len"))
-                self._row_tokens[seg.first_row:seg.first_row + len(lens)] = lens
+                self._row_tokens[seg.first_row:seg.first_row + seg.num_rows] = _row_tokens(seg)
             predecessor = None if scan.header is None else {
                 "gen": int(scan.header["gen"]), "writer": scan.header["writer"],
                 "valid_end": scan.valid_end, "last_seq": scan.next_seq - 1, "torn": scan.torn}
             tail = scan.tail
+            if scan.damaged:
+                self._carried.append(_quarantine(scan))
             self._rotate(scan.max_index + 1, tail.file.arrays if tail else {},
                          tail.counts if tail else dict.fromkeys(TABLES, 0),
                          tail.first_row if tail else self.first_row,
@@ -113,11 +119,11 @@ class RolloutLogWriter:
             raise
         if scan.tail is not None:
             scan.tail.close()
-        self._log = RolloutLog(self._sealed + [self._live], self.problems)
+        self._log = RolloutLog(self._sealed + self._carried_segs + [self._live], self.problems)
         self._closed = False
 
     def _release(self, tail: Segment | None) -> None:
-        for seg in self._sealed + ([tail] if tail is not None else []):
+        for seg in self._sealed + self._carried_segs + ([tail] if tail is not None else []):
             seg.close()
         if self._journal is not None:
             self._journal.close()
@@ -134,29 +140,48 @@ class RolloutLogWriter:
         segment, write its journal header, then drop older journals (module invariants)."""
         try:
             journal = JournalFile(self.log_dir / journal_name(gen))
-        except FileExistsError:
+        except OSError as e:
+            if not isinstance(e, FileExistsError) and _disk_full(e):
+                raise self._stop_full(f"claiming generation {gen}", e) from e
+            if not isinstance(e, FileExistsError):
+                raise
             if self._journal is None:
                 raise
             raise LogFencedError(
                 f"{self.log_dir}: another writer took over this rollout log (it claimed "
                 f"{journal_name(gen)}); this writer's flushes since sequence {first_seq} are not "
                 "part of the log")
+        sealed = None
         try:
             if any(counts.values()):
                 path = self.log_dir / segment_name(gen)
                 write_sealed_segment(path, self.schema, segment_attrs(
                     self.schema, self.run_id, gen, first_row, self.meta, first_seq, self.seq - 1,
                     self.writer_id), data, counts)
+                sealed = path
                 self._sealed.append(Segment.open(path))
             head = {"layout": SCHEMA_VERSION, "run_id": self.run_id, "gen": gen,
                     "record_schema": self.schema.to_dict(), "writer": self.writer_id,
                     "start_seq": self.seq, "start_row": first_row + counts["samples"],
-                    "meta": self.meta, "created": time.time(), "predecessor": predecessor}
-            journal.append(encode_entry("journal", head, {"segments": np.array(
-                [s.index for s in self._sealed], dtype=np.int64)}))
+                    "meta": self.meta, "created": time.time(), "predecessor": predecessor,
+                    "carried": self._carried}
+            listed = sorted([(s.index, s.first_row, s.num_rows, s.version) for s in self._sealed]
+                            + self._lost_listed)
+            header = encode_entry("journal", head, {
+                name: np.array([entry[k] for entry in listed], np.int64).reshape(-1)
+                for k, name in enumerate(("segments", "segment_first_rows", "segment_rows",
+                                          "segment_layouts"))})
+            journal.append(header + header)  # and its copy (see `journal`)
             fsync_dir(self.log_dir)
-        except BaseException:
+        except BaseException as e:  # withdraw the claim: nothing of this generation is acknowledged
             journal.close()
+            journal.path.unlink(missing_ok=True)  # (what it would seal is still in the old journal)
+            if sealed is not None:
+                if self._sealed and self._sealed[-1].path == sealed:
+                    self._sealed.pop().close()
+                sealed.unlink(missing_ok=True)
+            if _disk_full(e):
+                raise self._stop_full(f"sealing generation {gen}", e) from e
             raise
         if self._journal is not None:
             self._journal.close()
@@ -164,8 +189,8 @@ class RolloutLogWriter:
         for old_gen, old in list_journals(self.log_dir):
             if old_gen < gen:
                 old.unlink(missing_ok=True)  # sealed, or a fenced writer's: no reader needs it
-        for tmp in self.log_dir.glob(".segment-*.tmp"):
-            tmp.unlink(missing_ok=True)  # a killed (or fenced) writer's unfinished seal
+        for tmp in self.log_dir.glob(".*.tmp"):
+            tmp.unlink(missing_ok=True)  # a killed (or fenced) writer's unfinished seal or copy
         self._gen_first_row, self._gen_first_seq = head["start_row"], self.seq
         self._journal_bytes = 0
         self._sealed_at = self._fence_checked_at = time.monotonic()
@@ -177,7 +202,7 @@ class RolloutLogWriter:
             self.schema, self.run_id, gen, head["start_row"], self.meta)), journal.path,
             counts=self._written)
         if hasattr(self, "_log"):
-            self._log.segments = self._sealed + [self._live]
+            self._log.segments = self._sealed + self._carried_segs + [self._live]
 
     # -- appends (buffered) -------------------------------------------------------------------
     def append_samples(self, batch: SampleBatch) -> np.ndarray:
@@ -266,8 +291,17 @@ class RolloutLogWriter:
                 entry[name] = np.asarray(chunk, dtype=spec.dtype)
             else:
                 entry[name] = np.zeros((0, *spec.trail), spec.dtype)
-        parts = encode_entry("flush", {"seq": self.seq, "t": time.time()}, entry)
-        self._journal.append(parts)  # raises before anything below: the flush can be retried
+        parts = encode_entry("flush", {
+            "seq": self.seq, "t": time.time(), "row": self._gen_first_row + self._written["samples"],
+            "prompt_at": self._written["prompt_tokens"],
+            "completion_at": self._written["completion_tokens"],
+            "steps_at": self._written["step_meta"]}, entry)
+        try:
+            self._journal.append(parts)  # raises before anything below: nothing half-written
+        except OSError as e:
+            if _disk_full(e):
+                raise self._stop_full(f"flush {self.seq}", e) from e
+            raise
         self.seq += 1
         self._journal_bytes += sum(memoryview(p).nbytes for p in parts)
         for name, chunk in entry.items():
@@ -282,6 +316,14 @@ class RolloutLogWriter:
         if (self._journal_bytes >= self.seal_bytes
                 or time.monotonic() - self._sealed_at >= self.seal_interval_s):
             self._seal()
+
+    def _stop_full(self, what: str, e: BaseException) -> LogFullError:
+        """Stop this writer: its filesystem is full (`LogFullError`, naming what is durable)."""
+        self._full = LogFullError(
+            f"{self.log_dir}: no space left on the rollout log's filesystem ({what} failed: {e}); "
+            f"this writer stopped. Everything acknowledged (flushes up to sequence {self.seq - 1}) "
+            "is durable and nothing is half-written: free space, then start again to resume")
+        return self._full
 
     def _check_not_fenced(self) -> None:
         """A newer writer removes this writer's journal once its own header is durable: then
@@ -337,11 +379,13 @@ class RolloutLogWriter:
         return self._arrays
 
     def close(self) -> None:
-        """Flush, seal what the journal holds, close every file."""
+        """Flush, seal what the journal holds, close every file (after a `LogFullError`: only
+        close; the next start seals what the journal holds)."""
         if self._closed:
             return
         try:
-            self.seal()
+            if self._full is None:
+                self.seal()
         finally:
             self._closed = True
             self._release(None)
@@ -353,8 +397,62 @@ class RolloutLogWriter:
         self.close()
 
     def _check_open(self) -> None:
+        if self._full is not None:
+            raise self._full
         if self._closed:
             raise LogError(f"the rollout log writer of {self.log_dir} is closed")
+
+
+def _disk_full(e: BaseException | None) -> bool:
+    """Whether ``e`` (or what caused it: h5py wraps OS errors) is ENOSPC / EDQUOT."""
+    while e is not None:
+        if isinstance(e, OSError) and (e.errno in FULL_ERRNOS or "errno = 28" in str(e)
+                                       or "No space left" in str(e)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _row_tokens(seg: Segment) -> np.ndarray:
+    """Prompt + completion tokens of each row of ``seg`` (0 for rows lost to damage)."""
+    try:
+        return (seg.read_column("samples/prompt_len").astype(np.int64)
+                + seg.read_column("samples/completion_len"))
+    except CorruptSegmentError:
+        out = np.zeros(seg.num_rows, np.int64)
+        good = ~seg.damaged_rows()["samples"]
+        out[good] = (seg.intact_column("samples/prompt_len").astype(np.int64)
+                     + seg.intact_column("samples/completion_len"))
+        return out
+
+
+def _quarantine(scan) -> dict:
+    """Copy the governing journal, damaged, aside (``*.tfj.damaged``: never removed, carried by
+    every later header so its intact entries stay in the log); what the header records of it."""
+    src = scan.journal
+    dst = src.with_name(src.name + ".damaged")
+    tmp = src.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    with open(src, "rb") as fh:
+        data = fh.read()
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view.nbytes:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, dst)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if _disk_full(e):
+            raise LogFullError(f"{src.parent}: no space left to copy the damaged {src.name} aside "
+                               f"({e}); free space, then start again") from e
+        raise
+    fsync_dir(dst.parent)
+    return {"file": dst.name, "gen": int(scan.header["gen"]), "valid_end": scan.valid_end,
+            **scan.governing_lost.as_dict()}
 
 
 def _cast(name: str, value: np.ndarray, dtype: np.dtype) -> np.ndarray:

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from pipeline.apps.inspect_log import main
-from pipeline.rollout_log.format import GroupOutcome, list_segments
+from pipeline.rollout_log.format import GroupOutcome
 from pipeline.protocol.record import FINISH_REASONS, RecordSchema, SampleBatch
 from pipeline.rollout_log.writer import RolloutLogWriter
+from support.log_places import list_segments
 from support.rollout_data import make_batch
 
 SCHEMA = RecordSchema()
@@ -39,8 +40,8 @@ def known_log(tmp_path):
     return tmp_path / "run", SampleBatch.concat(parts)
 
 
-def _run_json(capsys, *argv):
-    assert main([*map(str, argv), "--json"]) == 0
+def _run_json(capsys, *argv, code=0):
+    assert main([*map(str, argv), "--json"]) == code
     out = capsys.readouterr().out
     assert out.count("\n") == 1  # one JSON object, the only line on stdout
     return json.loads(out)
@@ -96,8 +97,8 @@ def test_damaged_segment_is_reported_and_the_rest_summarised(known_log, capsys):
     run_dir, data = known_log
     seg1 = list_segments(run_dir / "rollouts")[1][1]
     seg1.write_bytes(seg1.read_bytes()[:1000])
-    s = _run_json(capsys, run_dir)
-    assert s["samples"] == 16 and s["lost_rows"] == 4 and len(s["problems"]) == 1  # the header knows
+    s = _run_json(capsys, run_dir, code=1)  # damage: reported, exit 1
+    assert s["samples"] == 16 and s["lost_rows"] == 4 and len(s["problems"]) == 2  # the header knows
     assert seg1.name in capsys.readouterr().err or seg1.name in s["problems"][0]
 
 
@@ -112,6 +113,8 @@ def test_bad_paths_exit_2_naming_the_problem(tmp_path, capsys):
         w.append_samples(make_batch(SCHEMA, 0, 2))
     with h5py.File(list_segments(newer / "rollouts")[0][1], "r+") as f:
         f.attrs["tokenflow_schema_version"] = 5
+    for journal in (newer / "rollouts").glob("*.tfj"):  # segments only: their attributes decide
+        journal.unlink()
     for path, problem in ((tmp_path / "nope", "no such file"), (junk, "not an HDF5 file"),
                           (foreign, "not a Tokenflow rollout log"), (newer, "version 5"),
                           (tmp_path, "no rollout log here")):

@@ -33,7 +33,7 @@ SCORER_ROLE_KEYS = {"samples", "errors", "remote_samples_per_s", "in_process_sam
 
 REPORT_KEYS = {
     "ingest": {"benchmark", "mode", "quick", "local", "netfs_measured", "target_cpu_s_per_1M_tokens",
-               "target_efficiency", "meets_targets"},
+               "target_efficiency", "meets_targets", "digest_cpu_s_per_1M_tokens"},
     "scorers": {"benchmark", "groups", "group_size", "completion_tokens", "roles"},
     "generator": {"bench", "model", "groups", "group_size", "max_tokens", "rounds", "enforce_eager",
                   "engine_start_s", "vllm_tok_s", "driver_tok_s", "ratio", "target"},

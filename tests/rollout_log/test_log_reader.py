@@ -7,10 +7,12 @@ import pytest
 
 from pipeline.rollout_log.format import (
     CorruptSegmentError, ForeignFileError, LogDamageWarning, LogError, LogNotFoundError,
-    NewerSchemaError, NotHDF5Error, list_segments)
+    NewerSchemaError, NotHDF5Error)
 from pipeline.rollout_log.reader import RolloutLog
+from pipeline.rollout_log.scan import recorded_damage
 from pipeline.protocol.record import RecordSchema, SampleBatch
 from pipeline.rollout_log.writer import RolloutLogWriter
+from support.log_places import list_segments, readable_rows
 from support.rollout_data import assert_batches_equal, make_batch
 
 SCHEMA = RecordSchema(routed_experts=(2, 2))
@@ -97,6 +99,10 @@ def test_errors_name_the_problem(tmp_path):
     seg1 = _segment(tmp_path / "run" / "rollouts", 1)
     with h5py.File(seg1, "r+") as f:
         f.attrs["tokenflow_schema_version"] = 7
+    with RolloutLog.open(tmp_path / "run") as log:  # the header lists it as layout 3: a damaged attribute
+        assert_batches_equal(log.read(np.arange(8)), SampleBatch.concat(batches))
+    for journal in (tmp_path / "run" / "rollouts").glob("*.tfj"):  # segments only: they decide
+        journal.unlink()
     with pytest.raises(NewerSchemaError, match="version 7"):
         RolloutLog.open(tmp_path / "run")
     with pytest.raises(NewerSchemaError):
@@ -119,8 +125,9 @@ def test_damaged_segment_is_skipped_and_the_rest_stays_readable(tmp_path, damage
     with pytest.warns(LogDamageWarning, match=seg1.name):
         log = RolloutLog.open(log_dir)
     with log:
-        assert len(log.problems) == 1 and seg1.name in log.problems[0]
-        assert log.num_samples == 48 and log.num_readable == 8
+        assert len(log.problems) == 2 and seg1.name in log.problems[0]
+        assert "1 segment(s): 40 rows" in log.problems[1]  # counted from the journal header
+        assert log.num_samples == 48 and readable_rows(log) == 8
         assert_batches_equal(log.read(np.arange(5)), batches[0])
         assert_batches_equal(log.read(np.arange(45, 48)), batches[2])  # rows keep their numbers
         with pytest.raises(LogError, match="not in the readable log"):
@@ -135,8 +142,8 @@ def test_damaged_segment_is_skipped_and_the_rest_stays_readable(tmp_path, damage
         RolloutLog.open(single)
 
 
-@pytest.mark.parametrize("damage", ["cut", "flipped_byte", "garbage_appended"])
-def test_journal_is_read_up_to_its_first_bad_entry(tmp_path, damage):
+@pytest.mark.parametrize("damage", ["cut", "zeros_appended"])
+def test_journal_is_read_up_to_its_torn_tail(tmp_path, damage):
     log_dir = tmp_path / "rollouts"
     w = RolloutLogWriter(log_dir, SCHEMA, "r", {}, seal_interval_s=3600)
     batches = [make_batch(SCHEMA, i, 4, first_group=10 * i) for i in range(3)]
@@ -149,12 +156,10 @@ def test_journal_is_read_up_to_its_first_bad_entry(tmp_path, damage):
     data = bytearray(journal.read_bytes())
     if damage == "cut":  # a writer killed while writing its third entry
         data = data[:ends[1] + (ends[2] - ends[1]) // 2]
-    elif damage == "flipped_byte":  # the second entry damaged on disk: the third is cut too
-        data[ends[0] + (ends[1] - ends[0]) * 3 // 4] ^= 0x40
-    else:
-        data += np.random.default_rng(0).bytes(1000)
+    else:  # a node crash: the file's size grew, its last blocks were never written
+        data += bytes(4096)
     journal.write_bytes(bytes(data))
-    good = {"cut": 2, "flipped_byte": 1, "garbage_appended": 3}[damage]
+    good = {"cut": 2, "zeros_appended": 3}[damage]
     with RolloutLog.open(log_dir) as log:
         assert log.num_samples == 4 * good and not log.problems
         assert_batches_equal(log.read(np.arange(4 * good)), SampleBatch.concat(batches[:good]))
@@ -167,3 +172,79 @@ def test_journal_is_read_up_to_its_first_bad_entry(tmp_path, damage):
     with RolloutLog.open(log_dir) as log:
         assert log.scan.header["predecessor"]["valid_end"] == ends[good - 1]
         assert_batches_equal(log.read(np.arange(4 * good)), SampleBatch.concat(batches[:good]))
+
+
+@pytest.mark.parametrize("where", ["payload", "lengths", "marker", "header", "last_entry"])
+def test_damaged_journal_entry_is_reported_the_rest_kept_and_the_file_quarantined(tmp_path, where):
+    """A bad entry followed by valid ones is damage, not a torn tail: the entries after it are
+    read, the damage is named, and the next writer copies the journal aside (never deleted) and
+    carries its intact rows; only the damaged entry's rows are lost."""
+    log_dir = tmp_path / "rollouts"
+    w = RolloutLogWriter(log_dir, SCHEMA, "r", {}, seal_interval_s=3600)
+    batches = [make_batch(SCHEMA, i, 4, first_group=10 * i) for i in range(3)]
+    ends = [w.path.stat().st_size]
+    for i, b in enumerate(batches):
+        w.append_samples(b)
+        w.append_steps(i, [4 * i], 0, i, 0.0)
+        w.flush()
+        ends.append(w.path.stat().st_size)
+    journal = w.path
+    original = journal.read_bytes()
+    data = bytearray(original)
+    hit = {"payload": (ends[1] + ends[2]) // 2, "lengths": ends[1] + 9, "marker": ends[1] + 1,
+           "header": 40, "last_entry": ends[3] - 100}[where]
+    data[hit] ^= 0x08
+    journal.write_bytes(bytes(data))
+    lost = 0 if where == "header" else 1  # the header is written twice: its copy stands in
+    kept = {"header": [0, 1, 2], "last_entry": [0, 1]}.get(where, [0, 2])
+    rows = np.concatenate([4 * k + np.arange(4) for k in kept])
+    end = 8 if where == "last_entry" else 12  # a lost last entry: its rows' numbers are free
+    with RolloutLog.open(log_dir) as log:
+        assert any("damaged" in p for p in log.problems)
+        assert log.num_samples == end
+        assert_batches_equal(log.read(rows), SampleBatch.concat([batches[k] for k in kept]))
+        if lost:
+            with pytest.raises(LogError, match="not in the readable log"):
+                log.read([8 if where == "last_entry" else 4])
+        assert log.scan.lost.entries == lost
+        if where != "last_entry":  # what a lost last entry held is unknown: every row is withheld
+            assert log.scan.lost.rows == 4 * lost and log.scan.lost.step_records == lost
+        assert log.scan.lost.withhold_below == (8 if lost else 0)
+    w._journal.close()  # the writer is gone (as if killed)
+    with pytest.warns(LogDamageWarning, match="damaged"):
+        w2 = RolloutLogWriter(log_dir, SCHEMA, "r", {})
+    with w2:
+        assert w2.first_row == end
+        w2.append_samples(make_batch(SCHEMA, 9, 2, first_group=90))
+    quarantined = log_dir / (journal.name + ".damaged")
+    assert quarantined.read_bytes() == bytes(data)  # the evidence, byte for byte
+    rows_lost = {"header": 0, "last_entry": 0}.get(where, 4)  # (a lost last entry's: unknown)
+    assert recorded_damage(log_dir) == [  # what `tokenflow status` shows
+        f"{quarantined.name} quarantined: {lost} journal entries, {rows_lost} rows, "
+        f"{0 if where == 'last_entry' else lost} step records lost"]
+    with RolloutLog.open(log_dir) as log:  # after two more generations the rows are still there
+        assert log.num_samples == end + 2 and log.scan.lost.entries == lost
+        assert_batches_equal(log.read(rows), SampleBatch.concat([batches[k] for k in kept]))
+        assert sorted(s for s, _, _ in log.step_records()) == kept
+
+
+def test_a_log_written_before_entry_checksums_and_renamed_columns_still_reads(tmp_path):
+    """tests/support/golden/log_tfj1: written by the previous release (TFJ1 journal entries, step_meta's
+    ``trainer_version`` column); a sealed segment of 12 rows, then a journal of 12 more. Read,
+    then continued by today's writer."""
+    import shutil
+    from pathlib import Path
+    log_dir = tmp_path / "rollouts"
+    shutil.copytree(Path(__file__).parents[1] / "support" / "golden" / "log_tfj1", log_dir)
+    want = SampleBatch.concat([make_batch(SCHEMA, 100 + i, 6, first_group=10 * i) for i in range(4)])
+    with RolloutLog.open(log_dir) as log:
+        assert not log.problems and log.num_samples == 24
+        assert_batches_equal(log.read(np.arange(24)), want)
+        assert [(s, v, r.tolist()) for s, v, r in log.step_records()] == [
+            (0, 1, [0, 1]), (1, 2, [6, 7]), (2, 3, [12]), (3, 4, [18])]
+    with RolloutLogWriter(log_dir, SCHEMA, "old-run", {}) as w:
+        assert w.first_row == 24
+        w.append_samples(make_batch(SCHEMA, 7, 2, first_group=70))
+    with RolloutLog.open(log_dir) as log:
+        assert log.num_samples == 26 and not log.problems
+        assert_batches_equal(log.read(np.arange(24)), want)

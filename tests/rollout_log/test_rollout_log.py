@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from support.log_places import place  # noqa: F401  (fixture)
+from support.log_places import list_segments, place, readable_rows  # noqa: F401  (place: a fixture)
 from pipeline.rollout_log.format import (
     GroupOutcome, LogError, NewerSchemaError, SchemaMismatchError, UnsupportedFilesystemError,
-    check_log_filesystem, filesystem_type, list_segments)
+    check_log_filesystem, filesystem_type)
 from pipeline.rollout_log.reader import RolloutLog
 from pipeline.protocol.record import RecordSchema, SampleBatch
 from pipeline.rollout_log.writer import RolloutLogWriter
@@ -177,7 +177,7 @@ def test_kill9_at_any_point_loses_nothing_acknowledged(tmp_path, place, crash):
                      8 if crash.startswith("seal") and life == 0 else 10)
         acked.append(n)
     with RolloutLog.open(rdir / "run") as log:  # another node's view of the live-then-killed log
-        assert log.num_samples == log.num_readable
+        assert log.num_samples == readable_rows(log)
         got = log.read(np.arange(log.num_samples))
         life0 = int((got.columns["group_id"] < bases[1]).sum()) // 8
         present = [life0, log.num_samples // 8 - life0]  # flushes of each life in the log
@@ -280,6 +280,8 @@ def test_refusals_leave_the_existing_log_untouched(tmp_path):
             w.append_steps(0, [5], 0, 0, 0.0)  # row 5 does not exist (5 rows: 0..4)
     with h5py.File(list_segments(log_dir)[-1][1], "r+") as f:  # a future Tokenflow's segment
         f.attrs["tokenflow_schema_version"] = 99
+    for journal in log_dir.glob("*.tfj"):  # segments only: their attributes decide
+        journal.unlink()
     before = _digest(log_dir)
     with pytest.raises(NewerSchemaError, match="version 99"):
         RolloutLogWriter(log_dir, SCHEMA, "run-a", {})
@@ -299,7 +301,8 @@ def test_damaged_last_segment_is_tolerated_and_reported(tmp_path):
         w = RolloutLogWriter(log_dir, SCHEMA, "r", {})
     with w:
         assert w.first_row == 13  # the header knows the lost rows: later rows keep their numbers
-        assert len(w.problems) == 1 and "truncated" in w.problems[0]
+        assert len(w.problems) == 2 and "truncated" in w.problems[0]
+        assert "1 segment(s): 7 rows" in w.problems[1]
         w.append_samples(make_batch(SCHEMA, 3, 2))
         assert_batches_equal(w.read_samples([0, 13]), SampleBatch.concat(
             [make_batch(SCHEMA, 1, 6).take([0]), make_batch(SCHEMA, 3, 2).take([0])]))

@@ -45,3 +45,15 @@ def place(request, tmp_path):
         yield mounts[0] / name, mounts[1] / name
     finally:
         shutil.rmtree(mounts[0] / name, ignore_errors=True)
+
+
+def list_segments(log_dir: Path) -> list[tuple[int, Path]]:
+    """(index, path) of every segment file in ``log_dir``, in index order."""
+    from pipeline.rollout_log.format import SEGMENT_RE
+    return sorted((int(m.group(1)), p) for p in log_dir.iterdir()
+                  if (m := SEGMENT_RE.match(p.name)) and p.is_file())
+
+
+def readable_rows(log) -> int:
+    """Rows a `RolloutLog` can read (its segments' rows; rows lost to damage excluded)."""
+    return sum(s.num_rows for s in log.segments)

@@ -146,7 +146,16 @@ def run_status(run_dir: Path) -> Dict[str, Any]:
         **mismatch_points(latest_by_step(list(read_metrics(run_dir, "train_step")))),
         "last_error": last_error(run_dir),
         "generator_jobs": _generator_jobs(run_dir),
+        "log_damage": _log_damage(run_dir),
     }
+
+
+def _log_damage(run_dir: Path) -> List[str]:
+    """Damage the rollout log records (`pipeline.rollout_log.scan.recorded_damage`)."""
+    from pipeline.rollout_log.scan import recorded_damage
+    from pipeline.run_files import ROLLOUTS_DIR
+    log_dir = Path(run_dir) / ROLLOUTS_DIR
+    return recorded_damage(log_dir) if log_dir.is_dir() else []
 
 
 def _generator_jobs(run_dir: Path) -> List[Dict[str, Any]]:
@@ -190,6 +199,7 @@ def format_status(s: Dict[str, Any]) -> str:
         lines.append(f"mismatch   step {s['mismatch_first_step']}: {s['mismatch_first']:.2e}{last} "
                      "(mean |train - generator| logprob)")
     lines.append(f"error      {s['last_error'] or 'none'}")
+    lines += [f"log damage {d}" for d in s.get("log_damage") or []]
     from pipeline.launch.generator_jobs import format_jobs
     lines += format_jobs(s.get("generator_jobs") or [])
     return "\n".join(lines)
