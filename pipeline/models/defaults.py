@@ -7,7 +7,7 @@ Rules (a field the user set is kept; each rule reads only the model's config and
 - the model must be a supported family with supported options (pipeline.trainer.families): an
   unsupported checkpoint is refused here, naming the config field, before any process starts;
 - model.warmstart_steps: 120 for the built-in tiny models (the demo), 0 for a checkpoint;
-- generator.max_tokens: the task's completion budget (task.max_tokens; built-in sort/addition 32, jsonl 1024);
+- generator.max_tokens: the task's completion budget (task.max_tokens; built-in sort/addition 32, dataset 1024);
 - generator.max_num_seqs: 64 for the tiny models, 256 for a checkpoint;
 - generator.enforce_eager: on for the tiny models (start-up dominates a 2-minute demo), off for a checkpoint
   (vLLM captures CUDA graphs on GPU, compiles on CPU);
