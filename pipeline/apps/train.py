@@ -13,7 +13,7 @@ Invariants:
 - nothing starts before the config is validated and, on resume, checked against the config the
   run directory started with (`pipeline.config.check_resume_compatible`);
 - the launcher process never trains: it starts the roles (local processes or one Slurm
-  heterogeneous job), shows progress, mirrors metrics to TensorBoard and draws the final plot;
+  heterogeneous job), shows progress, mirrors metrics to TensorBoard and the chosen trackers (`logger`) and draws the final plot;
 - a failed role stops the run (the launcher stops the others) and its log tail is shown; a plan the
   cluster cannot run (partition, CPUs, memory, GPUs, nodes) or that sbatch refuses is reported
   before anything starts (exit status 2).
@@ -126,10 +126,13 @@ def train(cfg: TokenflowConfig) -> int:
               f"{run_dir}`, logs in {run_dir / 'logs'}", flush=True)
         return 0
     progress = ProgressDisplay(run_dir, cfg.run.steps) if cfg.run.progress else None
-    mirror = None
-    if cfg.run.tensorboard:
+    mirror = trackers = None
+    if "tensorboard" in cfg.logger:
         from pipeline.observe.tensorboard import TensorBoardMirror
         mirror = TensorBoardMirror(run_dir)
+    if set(cfg.logger) - {"tensorboard"}:
+        from pipeline.observe.trackers import TrackerMirror
+        trackers = TrackerMirror(run_dir, list(cfg.logger), cfg.tracking)
     state, submitted = None, time.monotonic()
     try:
         while not run.done():
@@ -142,6 +145,8 @@ def train(cfg: TokenflowConfig) -> int:
                 progress.update()
             if mirror:
                 mirror.update()
+            if trackers:
+                trackers.update()
     except KeyboardInterrupt:
         print("\ntokenflow: interrupted; stopping the run (the same command resumes it)", file=sys.stderr)
         run.cancel()
@@ -152,6 +157,8 @@ def train(cfg: TokenflowConfig) -> int:
         if mirror:
             from pipeline.apps.ops.summary import run_hparams
             mirror.close(hparams=run_hparams(run_dir))
+        if trackers:
+            trackers.close()
     state = run.state()
     trainer_result = (run.read_results().get("trainer") or [None])[0]
     if state != "COMPLETED" or not trainer_result or not trainer_result["ok"] or trainer_result.get("stopped"):

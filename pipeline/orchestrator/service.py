@@ -57,7 +57,7 @@ from pipeline.orchestrator.steps import StepDesk
 from pipeline.orchestrator.trainer_side import TrainerSide
 from pipeline.protocol.record import RecordError, RecordSchema, SampleBatch
 from pipeline.rollout_log.writer import GroupOutcome, RolloutLogWriter
-from pipeline.run_files import ROLLOUTS_DIR
+from pipeline.run_files import EVAL_ANSWERS_FILE, ROLLOUTS_DIR
 from pipeline.protocol.wire import Message
 
 log = logging.getLogger(__name__)
@@ -70,10 +70,10 @@ class Orchestrator(TrainerSide):
     def __init__(self, run_dir: Path, cfg: OrchestratorConfig, prompts: PromptSource,
                  scorer: Scorer, schema: RecordSchema, run_id: str = "run",
                  eval_prompts: PromptSource | None = None, replay_source: Path | None = None,
-                 scoring=None):
+                 scoring=None, eval_samples: int = 0):
         """``scoring``: where groups are scored (default: ``AsyncScoring(scorer)`` in this process;
         `pipeline.scorers.pool.RemoteScoring` for scorer roles, which fill the fields of ``schema``
-        generators do not send)."""
+        generators do not send). ``eval_samples``: sampled answers per held-out prompt (``eval.samples``)."""
         cfg.validate()
         self.run_dir, self.cfg, self.prompts, self.schema = Path(run_dir), cfg, prompts, schema
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -99,7 +99,8 @@ class Orchestrator(TrainerSide):
         # What generators send: the stored record less the fields scorer roles fill.
         self.result_schema = replace(schema, token_rewards=False, teacher_logprobs=False) \
             if scoring is not None else schema
-        self.evaluator = Evaluator(eval_prompts, scorer, self.result_schema) if eval_prompts else None
+        self.evaluator = Evaluator(eval_prompts, scorer, self.result_schema, samples=eval_samples,
+                                   answers_path=self.run_dir / EVAL_ANSWERS_FILE) if eval_prompts else None
         self.feeder = LogFeeder(replay_source, set(state.resolved)) if replay_source else None
         self.server = bind_server(self.run_dir, cfg.transport)
         self.epoch = uuid.uuid4().hex[:12]

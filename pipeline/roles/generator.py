@@ -326,24 +326,33 @@ class GeneratorRole:
         self.link.send_result(item, SampleBatch.from_samples(samples, self.schema))
 
     async def _eval(self, item: EvalItem) -> None:
+        """A held-out prompt's greedy answer (sample 0) and `eval.samples` sampled ones (1..k), sent together."""
+        from pipeline.generator.config import request_seed
+
         max_tokens = self.cfg.run.eval_max_tokens or self.cfg.generator.max_tokens
+        k, ids = self.cfg.eval.samples, item.prompt_ids.tolist()
         self._busy(+1)
         try:
-            (c,) = await self.gen.evaluate([item.prompt_ids.tolist()], max_tokens)
+            (greedy,) = await self.gen.evaluate([ids], max_tokens)
+            sampled = await self.gen.evaluate_sampled(
+                ids, k, self.cfg.eval.temperature, lambda j, seg: request_seed(
+                    self.cfg.orchestrator.seed, -1 - item.index, j, item.step, seg), max_tokens) if k else []
         finally:
             self._busy(-1)
-        if not c.token_ids:  # nothing generated: record the prompt's answer as one pad token
-            c.token_ids, c.versions = [0], [self.gen.version]
-        n = len(c.token_ids)
-        sample = RolloutSample(
-            group_id=0, sample_index=0, prompt_id=item.index, attempt=0, prompt_ids=item.prompt_ids,
-            completion_ids=np.asarray(c.token_ids, np.int32), logprobs=np.zeros(n, np.float32),
-            versions=np.asarray(c.versions, np.int32), finish_reason=c.finish_reason,
-            generator_id=self.rank, schema=self.schema,
-            model_mask=np.asarray(c.model_mask or [1] * n, np.uint8) if self.schema.model_mask else None,
-            **unrecorded_fields(self.schema, len(item.prompt_ids), n))
-        self.link.send_eval_result(item.step, np.array([item.index]),
-                                   SampleBatch.from_samples([sample], self.schema))
+        samples = []
+        for j, c in enumerate([greedy, *sampled]):
+            if not c.token_ids:  # nothing generated: record the prompt's answer as one pad token
+                c.token_ids, c.versions = [0], [self.gen.version]
+            n = len(c.token_ids)
+            samples.append(RolloutSample(
+                group_id=0, sample_index=j, prompt_id=item.index, attempt=0, prompt_ids=item.prompt_ids,
+                completion_ids=np.asarray(c.token_ids, np.int32), logprobs=np.zeros(n, np.float32),
+                versions=np.asarray(c.versions, np.int32), finish_reason=c.finish_reason,
+                generator_id=self.rank, schema=self.schema,
+                model_mask=np.asarray(c.model_mask or [1] * n, np.uint8) if self.schema.model_mask else None,
+                **unrecorded_fields(self.schema, len(item.prompt_ids), n)))
+        self.link.send_eval_result(item.step, np.full(len(samples), item.index),
+                                   SampleBatch.from_samples(samples, self.schema))
 
     def _log_metrics(self, elapsed: float) -> None:
         busy = self.busy_s + (time.monotonic() - self.busy_since if self.busy_since else 0.0)

@@ -52,4 +52,4 @@ def build_orchestrator(run_dir: Path, cfg: TokenflowConfig) -> Orchestrator:
     return Orchestrator(run_dir, cfg.orchestrator, train, scorer, schema,
                         run_id=cfg.run.name, eval_prompts=evals,
                         replay_source=Path(cfg.replay.source) if cfg.replay.source else None,
-                        scoring=scoring)
+                        scoring=scoring, eval_samples=cfg.eval.samples)

@@ -145,6 +145,8 @@ def run_status(run_dir: Path) -> Dict[str, Any]:
     generators: Dict[str, int] = {}
     for rec in read_metrics(run_dir, "generator"):
         generators[rec["role"]] = rec.get("version")
+    trackers = {rec["tracker"]: {"failures": rec["failures"], "error": rec.get("error")}
+                for rec in read_metrics(run_dir, "tracker")}  # pipeline.observe.trackers
     cfg_steps = None
     if (run_dir / CONFIG_FILE).exists():
         from omegaconf import OmegaConf
@@ -162,6 +164,7 @@ def run_status(run_dir: Path) -> Dict[str, Any]:
         "staleness_max": step.get("staleness_max") if step else None,
         "last_eval": {k: ev.get(k) for k in ("step", "version", "accuracy", "n")} if ev else None,
         "last_error": last_error(run_dir),
+        "tracker_failures": trackers,
         "generator_jobs": _generator_jobs(run_dir),
     }
 
@@ -200,6 +203,8 @@ def format_status(s: Dict[str, Any]) -> str:
     ev = s["last_eval"]
     lines.append("eval       " + (f"step {ev['step']}: accuracy {ev['accuracy']:.3f} (n={ev['n']})" if ev else "none yet"))
     lines.append(f"error      {s['last_error'] or 'none'}")
+    for name, t in sorted((s.get("tracker_failures") or {}).items()):
+        lines.append(f"tracker    {name}: {t['failures']} failure(s), last {t['error']} (the run goes on)")
     from pipeline.launch.generator_jobs import format_jobs
     lines += format_jobs(s.get("generator_jobs") or [])
     return "\n".join(lines)
