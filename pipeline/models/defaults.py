@@ -19,11 +19,14 @@ Rules (a field the user set is kept; each rule reads only the model's config and
   its sampling suggestions (temperature, top_p, top_k) are reported, not adopted: the loss needs samples
   from the policy's full distribution at trainer.temperature (set generator.temperature and
   trainer.temperature together to change it);
-- task.epochs, when set, must cover run.steps x orchestrator.groups_per_step prompts.
+- task.epochs, when set, must cover run.steps x orchestrator.groups_per_step prompts;
+- task.max_tokens and task.max_prompt_tokens, both left unset while the task's own budgets (dataset:
+  1024 + 1024) exceed the model's positions: a quarter of the positions for the completion, the rest
+  for the prompt (the tiny models' 1024 positions: 256 + 768).
 
 Worked example: tiny-moe on the sort task: warm-start 120 steps, max_tokens 32, max_num_seqs 64, eager,
 max_model_len min(1024, 32 + 32) = 64, KV cache 2 layers x 2 KV heads x 64 dims x 2 (K, V) x 4 bytes =
-2 KiB per token x 64 x 64 = 8 MiB -> 1 GiB. A Qwen3 checkpoint (40960 positions) on a JSONL task:
+2 KiB per token x 64 x 64 = 8 MiB -> 1 GiB. A Qwen3 checkpoint (40960 positions) on a dataset task:
 no warm-start, max_tokens 1024, 256 sequences, CUDA graphs, max_model_len 2048.
 """
 from __future__ import annotations
@@ -88,7 +91,13 @@ def resolve_defaults(cfg) -> None:
             setattr(g, key, value)
     if cfg.task.name != "synthetic":
         task = make_task(cfg.task)  # reads and validates the task's data here, before anything starts
-        cfg.task.max_tokens, cfg.task.max_prompt_tokens = task.max_tokens, task.max_prompt_tokens
+        positions = int(hf.max_position_embeddings)
+        if (cfg.task.max_tokens is None and cfg.task.max_prompt_tokens is None
+                and task.max_tokens + task.max_prompt_tokens > positions):
+            cfg.task.max_tokens = positions // 4
+            cfg.task.max_prompt_tokens = positions - cfg.task.max_tokens
+        cfg.task.max_tokens = cfg.task.max_tokens or task.max_tokens
+        cfg.task.max_prompt_tokens = cfg.task.max_prompt_tokens or task.max_prompt_tokens
         if cfg.task.epochs is not None:
             needed = cfg.run.steps * cfg.orchestrator.groups_per_step
             if cfg.task.epochs < 1 or needed > cfg.task.epochs * task.train_size:
