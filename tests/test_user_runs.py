@@ -7,7 +7,7 @@
 - verl's GSM8K Parquet layout with nothing but ``task.path`` (no warm-start: the tiny model answers
   badly, the point is that the data trains and is evaluated by held-out set and data source).
 
-Cost: two runs of 2 steps, ~40 s each on 2 cores (the demo's warm-start is cached).
+Cost: the demo run ~60 s on 2 cores (its warm-start is cached); the Parquet run (slow-marked) ~60 s.
 """
 from __future__ import annotations
 
@@ -102,7 +102,10 @@ def test_trackers_and_compare_show_every_step(demo, monkeypatch):
     assert (demo / "training.png").exists()
 
 
+@pytest.mark.slow
 def test_verl_parquet_trains_with_nothing_but_its_path(tmp_path):
+    """~60 s (one 2-step run without warm-start); the formats themselves are checked without engines
+    in tests/test_user_datasets.py."""
     from test_user_datasets import write_gsm8k_parquet
 
     data = write_gsm8k_parquet(tmp_path / "gsm8k.parquet")
@@ -113,5 +116,8 @@ def test_verl_parquet_trains_with_nothing_but_its_path(tmp_path):
     evals = list(read_metrics(run, "eval"))
     assert [e["n"] for e in evals] == [40, 40]
     assert all(e["n/heldout"] == 40 and e["n/source/openai/gsm8k"] == 40 for e in evals)
+    by_source = [r["reward_mean/source/openai/gsm8k"] for r in read_metrics(run, "orchestrator")
+                 if "reward_mean/source/openai/gsm8k" in r]
+    assert by_source and all(0.0 <= r <= 1.0 for r in by_source)
     (dataset,) = read_metrics(run, "dataset")
     assert (dataset["train_rows"], dataset["eval_prompts"], dataset["bad_rows"]) == (160, 40, 0)

@@ -21,6 +21,8 @@ Invariants (`docs/architecture.md`, "Staleness, admission and the policy clock",
 - generators come and go while the run goes on (`pipeline.orchestrator.members`): a ``hello`` is a
   join (or a restart), a ``leave`` returns the leaver's leases at once, a silent one is lost; each
   is one ``membership`` record in the metrics stream, and so is each weight regroup;
+- a dataset's rows with a ``data_source`` are reported by source: each ``orchestrator`` record has
+  ``reward_mean/source/<data_source>``, the mean reward of that source's groups scored since the last;
 - restarting on the same run directory rebuilds everything from the log: resolved groups, the
   cursor, kept counts, the buffer (stored and not consumed), the step record. Groups leased but
   not stored before the crash are re-issued; nothing stored is stored again.
@@ -33,7 +35,7 @@ import resource
 import signal
 import time
 import uuid
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -79,6 +81,8 @@ class Orchestrator(TrainerSide):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.group_filter = GROUP_FILTERS[cfg.group_filter]
         self.counts: Counter[str] = Counter()
+        self.source_rewards: defaultdict[str, np.ndarray] = defaultdict(lambda: np.zeros(2))
+        """data_source -> (reward sum, samples) of the groups scored since the last metrics record."""
         log_dir = self.run_dir / ROLLOUTS_DIR
         # The writer first: its start fences any stale writer, so the restore reads a final log.
         self.writer = RolloutLogWriter(log_dir, schema, run_id,
@@ -328,6 +332,9 @@ class Orchestrator(TrainerSide):
                 self.to_ack.append((peer, gid, attempt, "rolled_back"))
                 continue
             group = with_rewards(group, rewards)
+            source = getattr(self.prompts.for_group(gid).answer, "data_source", "")  # a dataset row's source
+            if source:
+                self.source_rewards[source] += np.array([rewards.sum(), len(rewards)])
             if not self.group_filter(rewards):
                 self._resolve(gid, attempt, GroupOutcome.FILTERED, group, peer, "filtered")
             elif self.clock.is_stale(int(group.min_versions().min())):
@@ -401,7 +408,9 @@ class Orchestrator(TrainerSide):
             ingest_tokens_per_s=self._ingested_tokens / max(dt, 1e-9),
             **{f"count_{k}": v for k, v in self.counts.items()},
             **{f"frames_dropped_{k}": v for k, v in self.server.dropped.items()},
-            **(self.scoring.metrics() if hasattr(self.scoring, "metrics") else {}))
+            **(self.scoring.metrics() if hasattr(self.scoring, "metrics") else {}),
+            **{f"reward_mean/source/{k}": total / n for k, (total, n) in self.source_rewards.items()})
+        self.source_rewards.clear()
         self._ingested_tokens = 0
         self._last_metrics = now
 
