@@ -1,4 +1,4 @@
-"""Users' data end to end without engines: the indexed JSONL task (no cap, epochs, shuffling, split),
+"""Users' data end to end without engines: the dataset task on JSONL (no cap, epochs, shuffling, split),
 Python verifiers, prompt formats, the orchestrator's prompt sources and the model/task defaults."""
 from __future__ import annotations
 

@@ -82,6 +82,8 @@ def resolve_defaults(cfg) -> None:
     """Fill cfg's None fields from the model and the task (see the module rules); idempotent."""
     from pipeline.tasks import make_task
 
+    # The task's data first: a bad row is reported in seconds, before the model's libraries load.
+    task = make_task(cfg.task) if cfg.task.name != "synthetic" else None
     tiny = cfg.model.name in TINY_MODELS
     hf = model_config(cfg.model.name)
     cfg.model.warmstart_steps = cfg.model.warmstart_steps_or_default()
@@ -89,8 +91,7 @@ def resolve_defaults(cfg) -> None:
     for key, value in (TINY_GENERATOR if tiny else CHECKPOINT_GENERATOR).items():
         if getattr(g, key) is None:
             setattr(g, key, value)
-    if cfg.task.name != "synthetic":
-        task = make_task(cfg.task)  # reads and validates the task's data here, before anything starts
+    if task is not None:
         positions = int(hf.max_position_embeddings)
         if (cfg.task.max_tokens is None and cfg.task.max_prompt_tokens is None
                 and task.max_tokens + task.max_prompt_tokens > positions):
