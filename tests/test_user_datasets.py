@@ -133,6 +133,19 @@ def test_bad_rows_are_named_or_skipped_and_long_prompts_counted(tmp_path, tokeni
         make_task(TaskConfig(name="dataset", path=str(bad), columns={"answer": "solution"}))
 
 
+def test_dataset_budgets_follow_the_models_positions(formats):
+    """Unset budgets that the model cannot hold (1024 + 1024 in the tiny models' 1024 positions)."""
+    from pipeline.config import TokenflowConfig, validate
+
+    cfg = TokenflowConfig(task=TaskConfig(name="dataset", path=str(formats["parquet"])))
+    validate(cfg)
+    assert (cfg.task.max_tokens, cfg.task.max_prompt_tokens) == (256, 768)
+    assert (cfg.generator.max_tokens, cfg.generator.max_model_len) == (256, 1024)
+    kept = TokenflowConfig(task=TaskConfig(name="dataset", path=str(formats["parquet"]), max_tokens=24))
+    validate(kept)
+    assert (kept.task.max_tokens, kept.task.max_prompt_tokens, kept.generator.max_model_len) == (24, 1024, 1024)
+
+
 def test_a_bad_row_stops_the_train_command_before_anything_starts(tmp_path):
     """The launch validates the data: the command fails naming the row, no role is started."""
     bad = write_gsm8k_parquet(tmp_path / "bad.parquet", bad={42: {"prompt": []}})

@@ -110,7 +110,9 @@ def test_verl_parquet_trains_with_nothing_but_its_path(tmp_path):
 
     data = write_gsm8k_parquet(tmp_path / "gsm8k.parquet")
     run = tmp_path / "gsm8k"
-    train(run, "task=dataset", f"task.path={data}", "model.warmstart_steps=0", "logger=[]")
+    # The budgets only keep the run short (the tiny model would otherwise get 256 + 768: defaults.py).
+    train(run, "task=dataset", f"task.path={data}", "model.warmstart_steps=0", "logger=[]",
+          "task.max_tokens=24", "task.max_prompt_tokens=96")
     steps = list(read_metrics(run, "train_step"))
     assert [s["step"] for s in steps] == [0, 1] and all(np.isfinite(s["reward_mean"]) for s in steps)
     evals = list(read_metrics(run, "eval"))
