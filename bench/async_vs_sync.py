@@ -93,7 +93,7 @@ def write_long_tail_prompts(path: Path, rows: int = 3000) -> dict:
 
 def common_overrides(prompts: Path, steps: int) -> list[str]:
     return [f"run.steps={steps}", "run.eval_every=0", "run.checkpoint_every=100000", "run.progress=false",
-            "run.tensorboard=false", "task=jsonl", f"task.path={prompts}", "task.eval_size=20",
+            "logger=[]", "task=jsonl", f"task.path={prompts}", "task.eval_size=20",
             "generator.max_tokens=64", "cluster.cpu_plan=auto"]
 
 

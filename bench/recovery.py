@@ -44,7 +44,7 @@ def _config(run: Path, generators: int, steps: int):
 
     register()
     overrides = [f"run.dir={run}", "run.name=recovery", f"run.steps={steps}", "run.eval_every=0",
-                 "run.mismatch_every=0", "run.progress=false", "run.tensorboard=false", "run.checkpoint_every=2",
+                 "run.mismatch_every=0", "run.progress=false", "logger=[]", "run.checkpoint_every=2",
                  f"cluster.generators={generators}", "orchestrator.groups_per_step=4", "orchestrator.group_size=4",
                  "model.warmstart_steps=0", "generator.max_tokens=16", "generator.weight_timeout_s=30",
                  "run.timeout_s=300"]

@@ -21,6 +21,7 @@ from typing import Any
 from pipeline.envs.base import EpisodeConfig
 from pipeline.generator.config import GeneratorConfig
 from pipeline.launch.plan import ComponentSpec
+from pipeline.observe.trackers import TrackingConfig, check_loggers
 from pipeline.orchestrator.config import OrchestratorConfig
 from pipeline.protocol.record import RecordSchema
 from pipeline.scorers.config import ScorersConfig
@@ -53,11 +54,19 @@ class RunConfig:
     """Longest any role waits for another (a batch, a rendezvous, a weight broadcast)."""
     progress: bool = True
     """Show the live progress line while the run goes."""
-    tensorboard: bool = True
-    """Mirror the metrics stream into RUN/tensorboard."""
     detach: bool = False
     """Submit (cluster=slurm) or start the run and return at once, printing how to follow it
     (``tokenflow status RUN_DIR``); sweeps with ``-m`` then submit every point without waiting."""
+
+
+@dataclass
+class EvalConfig:
+    """What each held-out evaluation (every `run.eval_every` steps) measures besides greedy pass@1."""
+
+    samples: int = 0
+    """k of pass@k: answers sampled per held-out prompt besides the greedy one (0: greedy only)."""
+    temperature: float = 1.0
+    """Temperature of those samples (no top-k / top-p truncation)."""
 
 
 @dataclass
@@ -150,12 +159,17 @@ class TokenflowConfig:
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     episode: EpisodeConfig = field(default_factory=EpisodeConfig)
     scorers: ScorersConfig = field(default_factory=ScorersConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logger: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Mirrors of the metrics stream while `tokenflow train` follows the run, any of tensorboard
+    (RUN/tensorboard), wandb and mlflow (settings: `tracking`; pipeline.observe.trackers); [] none."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
 #: Fields whose change on resume would make the stored log mean something else.
 SCHEMA_FIELDS = ("model.name", "task.name", "task.path", "orchestrator.group_size",
                  "orchestrator.seed", "generator.temperature", "generator.logprobs_mode",
-                 "task.eval_path", "task.eval_size", "task.eval_fraction", "task.split_seed", "task.shuffle",
+                 "task.eval_sets", "task.split", "task.columns", "task.on_bad_row", "task.eval_size", "task.eval_fraction", "task.split_seed", "task.shuffle",
                  "task.prompt_format", "task.system_prompt", "task.chat_template_kwargs",
                  "generator.sampling_mask_width", "generator.record_routing", "episode.step_rewards",
                  "episode.environment")
@@ -255,9 +269,16 @@ def validate(cfg: TokenflowConfig) -> None:
     checks.append((cfg.cluster.trainer_ranks % (p.tp * p.ep) == 0,
                    f"cluster.trainer_ranks ({cfg.cluster.trainer_ranks}) must be a multiple of "
                    f"trainer.parallel.tp * ep ({p.tp * p.ep}); model-parallel size {model_parallel}"))
+    checks.append((cfg.eval.samples >= 0 and cfg.eval.temperature > 0,
+                   f"eval.samples must be >= 0 and eval.temperature > 0, got {cfg.eval.samples}, "
+                   f"{cfg.eval.temperature}"))
+    checks.append((not cfg.eval.samples or task_environment(cfg.task, cfg.episode.environment) is None,
+                   "eval.samples samples single completions; a task with an environment (episodes) is "
+                   "evaluated greedily only"))
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+    check_loggers(list(cfg.logger), cfg.tracking)
     cfg.orchestrator.validate()
     cfg.episode.validate()
     cfg.scorers.validate()

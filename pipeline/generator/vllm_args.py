@@ -80,14 +80,17 @@ def engine_args(config: GeneratorConfig, seed: int | None = None):
         enable_prefix_caching=plan.prefix_caching, worker_extension_cls=EXTENSION, disable_log_stats=True, **extra)
 
 
-def sampling_params(config: GeneratorConfig, seed: int | None, max_tokens: int, greedy: bool = False):
-    """SamplingParams of one request: logprob of the sampled token only, no detokenization."""
+def sampling_params(config: GeneratorConfig, seed: int | None, max_tokens: int, greedy: bool = False,
+                    temperature: float | None = None):
+    """SamplingParams of one request: logprob of the sampled token only, no detokenization.
+    ``temperature`` (evaluation samples): that temperature with no top-p / top-k truncation."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    plain = greedy or temperature is not None
     return SamplingParams(
-        n=1, temperature=0.0 if greedy else config.temperature, top_p=1.0 if greedy else config.top_p,
-        top_k=0 if greedy else config.top_k, max_tokens=max_tokens, seed=seed,
+        n=1, temperature=0.0 if greedy else temperature if temperature is not None else config.temperature,
+        top_p=1.0 if plain else config.top_p, top_k=0 if plain else config.top_k, max_tokens=max_tokens, seed=seed,
         logprobs=0 if greedy else logprobs_to_request(config.sampling_mask_width), flat_logprobs=True, detokenize=False,
         stop_token_ids=list(config.stop_token_ids), ignore_eos=config.ignore_eos,
         output_kind=RequestOutputKind.FINAL_ONLY)

@@ -8,7 +8,7 @@ Rules (a field the user set is kept; each rule reads only the model's config and
   unsupported checkpoint is refused here, naming the config field, before any process starts;
 - model.warmstart_steps: the task's for the built-in tiny models (sort, the demo: 300; others 120), 0 for
   a checkpoint;
-- generator.max_tokens: the task's completion budget (task.max_tokens; built-in sort/addition 32, jsonl 1024);
+- generator.max_tokens: the task's completion budget (task.max_tokens; built-in sort/addition 32, dataset 1024);
 - generator.max_num_seqs: 64 for the tiny models, 256 for a checkpoint;
 - generator.enforce_eager: on for the tiny models (start-up dominates a 2-minute demo), off for a checkpoint
   (vLLM captures CUDA graphs on GPU, compiles on CPU);
@@ -24,12 +24,15 @@ Rules (a field the user set is kept; each rule reads only the model's config and
   its sampling suggestions (temperature, top_p, top_k) are reported, not adopted: the loss needs samples
   from the policy's full distribution at trainer.temperature (set generator.temperature and
   trainer.temperature together to change it);
-- task.epochs, when set, must cover run.steps x orchestrator.groups_per_step prompts.
+- task.epochs, when set, must cover run.steps x orchestrator.groups_per_step prompts;
+- task.max_tokens and task.max_prompt_tokens, both left unset while the task's own budgets (dataset:
+  1024 + 1024) exceed the model's positions: a quarter of the positions for the completion, the rest
+  for the prompt (the tiny models' 1024 positions: 256 + 768).
 
-Worked example: tiny-moe on the sort task: warm-start 120 steps, max_tokens 32, max_num_seqs 64, eager,
+Worked example: tiny-moe on the sort task: warm-start 300 steps, max_tokens 32, max_num_seqs 64, eager,
 dtype float32 (the checkpoint's), max_model_len min(1024, 32 + 32) = 64, KV cache 2 layers x 2 KV heads
 x 64 dims x 2 (K, V) x 4 bytes = 2 KiB per token x 64 x 64 = 8 MiB -> 1 GiB. A Qwen3 checkpoint (40960
-positions, bfloat16) on a JSONL task: no warm-start, max_tokens 1024, 256 sequences, CUDA graphs, dtype
+positions, bfloat16) on a dataset task: no warm-start, max_tokens 1024, 256 sequences, CUDA graphs, dtype
 bfloat16, max_model_len 2048.
 """
 from __future__ import annotations
@@ -93,10 +96,10 @@ def resolve_defaults(cfg) -> None:
     """Fill cfg's None fields from the model and the task (see the module rules); idempotent."""
     from pipeline.tasks import make_task
 
+    # The task's data first: a bad row is reported in seconds, before the model's libraries load.
+    task = make_task(cfg.task) if cfg.task.name != "synthetic" else None
     tiny = cfg.model.name in TINY_MODELS
     hf = model_config(cfg.model.name)
-    # reads and validates the task's data here, before anything starts
-    task = make_task(cfg.task) if cfg.task.name != "synthetic" else None
     cfg.model.warmstart_steps = cfg.model.warmstart_steps_or_default(task)
     g = cfg.generator
     if g.dtype == "auto":
@@ -105,7 +108,13 @@ def resolve_defaults(cfg) -> None:
         if getattr(g, key) is None:
             setattr(g, key, value)
     if task is not None:
-        cfg.task.max_tokens, cfg.task.max_prompt_tokens = task.max_tokens, task.max_prompt_tokens
+        positions = int(hf.max_position_embeddings)
+        if (cfg.task.max_tokens is None and cfg.task.max_prompt_tokens is None
+                and task.max_tokens + task.max_prompt_tokens > positions):
+            cfg.task.max_tokens = positions // 4
+            cfg.task.max_prompt_tokens = positions - cfg.task.max_tokens
+        cfg.task.max_tokens = cfg.task.max_tokens or task.max_tokens
+        cfg.task.max_prompt_tokens = cfg.task.max_prompt_tokens or task.max_prompt_tokens
         if cfg.task.epochs is not None:
             needed = cfg.run.steps * cfg.orchestrator.groups_per_step
             if cfg.task.epochs < 1 or needed > cfg.task.epochs * task.train_size:

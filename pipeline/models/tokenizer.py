@@ -31,7 +31,7 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
 )
 
-# General math wording so that users' JSONL prompts (pipeline.tasks.jsonl) are not all single bytes.
+# General math wording so that users' dataset prompts (pipeline.tasks.dataset) are not all single bytes.
 _MATH_WORDS = (
     "system user assistant What is the sum of and Compute the value Find the number Solve for x "
     "the answer is Calculate the product difference quotient remainder total how many more less than "

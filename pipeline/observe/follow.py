@@ -1,4 +1,5 @@
-"""Incremental reading of a run's metrics JSONL (the file grows while the run writes it)."""
+"""Incremental reading of a run's metrics JSONL (the file grows while the run writes it), and the
+scalars every mirror (TensorBoard, experiment trackers) takes from one record (`record_scalars`)."""
 from __future__ import annotations
 
 import json
@@ -6,6 +7,23 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.run_files import METRICS_FILE
+
+
+#: Fields of a metrics record that are not scalars of it.
+NOT_SCALARS = {"t", "role", "kind", "step"}
+
+
+def record_scalars(rec: dict[str, Any], latest_step: int) -> tuple[int, int, dict[str, float]]:
+    """(latest step, step, {"<kind>/<field>": value}) of one record: every numeric field; a
+    ``train_step`` or ``eval`` record at its own step (the new latest step when later), any other at
+    `latest_step` (``generator`` records under ``generator<id>``)."""
+    kind, step = rec.get("kind"), rec.get("step")
+    if kind in ("train_step", "eval") and isinstance(step, int):
+        latest_step = max(latest_step, step)
+    at = step if isinstance(step, int) else latest_step
+    prefix = kind if kind != "generator" else f"generator{rec.get('generator_id', '')}"
+    return latest_step, at, {f"{prefix}/{key}": value for key, value in rec.items() if key not in NOT_SCALARS
+                             and isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
 class MetricsFollower:

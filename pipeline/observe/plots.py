@@ -1,5 +1,6 @@
-"""Figures (PNG): one run's reward, held-out accuracy, staleness and train-inference mismatch (log
-scale, its first measured value, step 0's, written on the panel) over optimizer steps (`plot_run`,
+"""Figures (PNG): one run's reward, held-out accuracy (greedy; pass@k with ``eval.samples``; each named
+held-out set when there are several), staleness and train-inference mismatch (log scale, its first
+measured value, step 0's, written on the panel) over optimizer steps (`plot_run`,
 the end-of-run figure); several runs' accuracy and reward curves overlaid (`plot_overlay`, for
 `tokenflow compare` and the end of a sweep)."""
 from __future__ import annotations
@@ -24,8 +25,21 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     ax.plot([s["step"] for s in steps], [s.get("reward_mean") for s in steps], marker=".", lw=1)
     ax.set(title="mean reward of the step's batch", xlabel="optimizer step", ylabel="reward")
     ax = axes[1]
-    ax.plot([e["step"] for e in evals], [100 * e["accuracy"] for e in evals], marker="o", color="C2")
-    ax.set(title="held-out greedy accuracy", xlabel="optimizer step", ylabel="% correct", ylim=(0, 100))
+    ax.plot([e["step"] for e in evals], [100 * e["accuracy"] for e in evals], marker="o", color="C2",
+            label="greedy (pass@1)")
+    with_k = [e for e in evals if e.get("pass_at_k") is not None]
+    if with_k:
+        ax.plot([e["step"] for e in with_k], [100 * e["pass_at_k"] for e in with_k], marker="s", color="C4",
+                ls="--", label=f"pass@{with_k[-1]['k']}")
+    sets = sorted({k.split("/", 1)[1] for e in evals for k in e if k.startswith("accuracy/")
+                   and not k.startswith("accuracy/source/")})
+    for i, name in enumerate(sets if len(sets) > 1 else []):
+        ax.plot([e["step"] for e in evals if f"accuracy/{name}" in e],
+                [100 * e[f"accuracy/{name}"] for e in evals if f"accuracy/{name}" in e], lw=1, ls=":",
+                color=f"C{5 + i % 5}", label=f"greedy {name}")
+    ax.set(title="held-out accuracy", xlabel="optimizer step", ylabel="% correct", ylim=(0, 100))
+    if with_k or len(sets) > 1:
+        ax.legend(loc="lower right", fontsize="small")
     ax = axes[2]
     ax.plot([s["step"] for s in steps], [s.get("staleness_mean") for s in steps], label="mean", color="C1")
     ax.plot([s["step"] for s in steps], [s.get("staleness_max") for s in steps], label="max",
@@ -78,8 +92,12 @@ def plot_overlay(runs: list[tuple[Path, str, str]], out: Path, title: str = "", 
         evals = {e["step"]: e for e in read_metrics(run_dir, "eval") if e.get("accuracy") is not None}
         steps = {s["step"]: s for s in read_metrics(run_dir, "train_step") if s.get("reward_mean") is not None}
         acc_ax.plot(sorted(evals), [100 * evals[k]["accuracy"] for k in sorted(evals)], ms=5, **style)
+        with_k = sorted(k for k in evals if evals[k].get("pass_at_k") is not None)
+        if with_k:  # pass@k: the same colour, dotted, no legend entry of its own
+            acc_ax.plot(with_k, [100 * evals[k]["pass_at_k"] for k in with_k], color=style["color"], ls=":",
+                        lw=1.2, marker=style["marker"], ms=3)
         reward_ax.plot(sorted(steps), [steps[k]["reward_mean"] for k in sorted(steps)], ms=3, **style)
-    acc_ax.set(title="held-out greedy accuracy", xlabel="optimizer step", ylabel="% correct", ylim=(0, 100))
+    acc_ax.set(title="held-out greedy accuracy (dotted: pass@k)", xlabel="optimizer step", ylabel="% correct", ylim=(0, 100))
     reward_ax.set(title="mean reward of the step's batch", xlabel="optimizer step", ylabel="reward")
     for ax in (acc_ax, reward_ax):
         ax.grid(alpha=0.3)

@@ -2,7 +2,7 @@
 
 Every numeric field of a ``train_step`` or ``eval`` record becomes a scalar ``<kind>/<field>`` at
 its step; ``generator`` and ``orchestrator`` records go under their kind at the trainer's latest
-step. The mirror follows the file, so it can run beside the training job or after it.
+step (`pipeline.observe.follow.record_scalars`, shared with the experiment trackers). The mirror follows the file, so it can run beside the training job or after it.
 
 When the mirror closes (the run ended, failed or was interrupted) it writes the run's HParams
 session given by its caller (`pipeline.apps.ops.summary.run_hparams`: the command-line overrides
@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.observe.follow import MetricsFollower
+from pipeline.observe.follow import MetricsFollower, record_scalars
 from pipeline.run_files import TENSORBOARD_DIR
 
-SKIP = {"t", "role", "kind", "step"}
 #: Summary numbers written as HParams metrics (``hparams/<name>``).
 HPARAM_METRICS = ("final_accuracy", "best_accuracy", "reward_last", "steps_done", "tokens_per_s",
                   "trainer_idle_frac", "staleness_mean", "drops", "wall_s")
@@ -34,16 +33,10 @@ class TensorBoardMirror:
     def update(self) -> int:
         n = 0
         for rec in self.follow.poll():
-            kind = rec.get("kind")
-            step = rec.get("step")
-            if kind in ("train_step", "eval") and isinstance(step, int):
-                self.step = max(self.step, step)
-            at = step if isinstance(step, int) else self.step
-            prefix = kind if kind != "generator" else f"generator{rec.get('generator_id', '')}"
-            for key, value in rec.items():
-                if key not in SKIP and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.writer.add_scalar(f"{prefix}/{key}", value, at, walltime=rec.get("t"))
-                    n += 1
+            self.step, at, scalars = record_scalars(rec, self.step)
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, at, walltime=rec.get("t"))
+                n += 1
         self.writer.flush()
         return n
 

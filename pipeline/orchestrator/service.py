@@ -25,6 +25,8 @@ Invariants (`docs/architecture.md`, "Staleness, admission and the policy clock",
   (`pipeline.protocol.roles`), a malformed one, or one whose handler raises is counted
   (``bad_message``) and answered with `Error`; a result's values are checked against what the run
   knows (`pipeline.orchestrator.bounds`) before it is scored or stored;
+- a dataset's rows with a ``data_source`` are reported by source: each ``orchestrator`` record has
+  ``reward_mean/source/<data_source>``, the mean reward of that source's groups scored since the last;
 - restarting on the same run directory rebuilds everything from the log: resolved groups, the
   cursor, kept counts, the buffer (stored and not consumed), the step record. Groups leased but
   not stored before the crash are re-issued; nothing stored is stored again.
@@ -37,7 +39,7 @@ import resource
 import signal
 import time
 import uuid
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -63,7 +65,7 @@ from pipeline.orchestrator.trainer_side import TrainerSide
 from pipeline.protocol.record import RecordError, RecordSchema, SampleBatch
 from pipeline.protocol.roles import may_send
 from pipeline.rollout_log.writer import GroupOutcome, RolloutLogWriter
-from pipeline.run_files import ROLLOUTS_DIR
+from pipeline.run_files import EVAL_ANSWERS_FILE, ROLLOUTS_DIR
 from pipeline.protocol.wire import Message
 
 log = logging.getLogger(__name__)
@@ -76,16 +78,19 @@ class Orchestrator(TrainerSide):
     def __init__(self, run_dir: Path, cfg: OrchestratorConfig, prompts: PromptSource,
                  scorer: Scorer, schema: RecordSchema, bounds: RunBounds, run_id: str = "run",
                  eval_prompts: PromptSource | None = None, replay_source: Path | None = None,
-                 scoring: Scoring | None = None):
+                 scoring: Scoring | None = None, eval_samples: int = 0):
         """``scoring``: where groups are scored (default: ``AsyncScoring(scorer)`` in this process;
         `pipeline.scorers.pool.RemoteScoring` for scorer roles, which fill the fields of ``schema``
-        generators do not send). ``bounds``: the model's vocabulary and experts."""
+        generators do not send). ``bounds``: the model's vocabulary and experts. ``eval_samples``:
+        sampled answers per held-out prompt (``eval.samples``)."""
         cfg.validate()
         self.run_dir, self.cfg, self.prompts, self.schema = Path(run_dir), cfg, prompts, schema
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.group_filter = GROUP_FILTERS[cfg.group_filter]
         self.bounds = bounds
         self.counts: Counter[str] = Counter()
+        self.source_rewards: defaultdict[str, np.ndarray] = defaultdict(lambda: np.zeros(2))
+        """data_source -> (reward sum, samples) of the groups scored since the last metrics record."""
         log_dir = self.run_dir / ROLLOUTS_DIR
         # The writer first: its start fences any stale writer, so the restore reads a final log.
         self.writer = RolloutLogWriter(log_dir, schema, run_id,
@@ -107,7 +112,8 @@ class Orchestrator(TrainerSide):
         # What generators send: the stored record less the fields scorer roles fill.
         self.result_schema = replace(schema, token_rewards=False, teacher_logprobs=False) \
             if scoring is not None else schema
-        self.evaluator = Evaluator(eval_prompts, scorer, self.result_schema) if eval_prompts else None
+        self.evaluator = Evaluator(eval_prompts, scorer, self.result_schema, samples=eval_samples,
+                                   answers_path=self.run_dir / EVAL_ANSWERS_FILE) if eval_prompts else None
         self.feeder = LogFeeder(replay_source, set(state.resolved)) if replay_source else None
         self.server = bind_server(self.run_dir, cfg.transport)
         self.incarnation = uuid.uuid4().hex[:12]
@@ -351,6 +357,9 @@ class Orchestrator(TrainerSide):
                 self.to_ack.append((peer, gid, attempt, "rolled_back"))
                 continue
             group = with_rewards(group, rewards)
+            source = getattr(self.prompts.for_group(gid).answer, "data_source", "")  # a dataset row's source
+            if source:
+                self.source_rewards[source] += np.array([rewards.sum(), len(rewards)])
             if not self.group_filter(rewards):
                 self._resolve(gid, attempt, GroupOutcome.FILTERED, group, peer, "filtered")
             elif self.clock.is_stale(int(group.min_versions().min())):
@@ -423,7 +432,9 @@ class Orchestrator(TrainerSide):
             ingest_tokens_per_s=self._ingested_tokens / max(dt, 1e-9),
             **{f"count_{k}": v for k, v in self.counts.items()},
             **{f"frames_dropped_{k}": v for k, v in self.server.dropped.items()},
-            **self.scoring.metrics())
+            **self.scoring.metrics(),
+            **{f"reward_mean/source/{k}": total / n for k, (total, n) in self.source_rewards.items()})
+        self.source_rewards.clear()
         self._ingested_tokens = 0
         self._last_metrics = now
 

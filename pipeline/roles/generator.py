@@ -340,17 +340,26 @@ class GeneratorRole:
         self.link.send_result(item, SampleBatch.from_samples(samples, self.schema))
 
     async def _eval(self, item: EvalItem) -> None:
+        """A held-out prompt's greedy answer (sample 0) and `eval.samples` sampled ones (1..k), sent together."""
+        from pipeline.generator.config import request_seed
+
         max_tokens = self.cfg.run.eval_max_tokens or self.cfg.generator.max_tokens
+        k, ids = self.cfg.eval.samples, item.prompt_ids.tolist()
         self._busy(+1)
         try:
-            (c,) = await self.gen.evaluate([item.prompt_ids.tolist()], max_tokens)
+            (greedy,) = await self.gen.evaluate([ids], max_tokens)
+            sampled = await self.gen.evaluate_sampled(
+                ids, k, self.cfg.eval.temperature, lambda j, seg: request_seed(
+                    self.cfg.orchestrator.seed, -1 - item.index, j, item.step, seg), max_tokens) if k else []
         finally:
             self._busy(-1)
-        if not c.token_ids:  # nothing generated: record the prompt's answer as one pad token
-            c.token_ids, c.versions = [0], [self.gen.version]
-        sample = eval_sample(c, item.index, item.prompt_ids, self.rank, self.schema)
-        self.link.send_eval_result(item.step, np.array([item.index]),
-                                   SampleBatch.from_samples([sample], self.schema))
+        samples = []
+        for j, c in enumerate([greedy, *sampled]):
+            if not c.token_ids:  # nothing generated: record the prompt's answer as one pad token
+                c.token_ids, c.versions = [0], [self.gen.version]
+            samples.append(eval_sample(c, item.index, item.prompt_ids, self.rank, self.schema, sample_index=j))
+        self.link.send_eval_result(item.step, np.full(len(samples), item.index),
+                                   SampleBatch.from_samples(samples, self.schema))
 
     def _log_metrics(self, elapsed: float) -> None:
         busy = self.busy_s + (time.monotonic() - self.busy_since if self.busy_since else 0.0)

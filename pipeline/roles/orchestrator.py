@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.config import TokenflowConfig, stored_record_schema
+from pipeline.metrics import MetricsWriter
 from pipeline.orchestrator.bounds import RunBounds
 from pipeline.orchestrator.prompts import PromptSource, SyntheticPromptSource
 from pipeline.orchestrator.scoring import Scorer, VerifierScorer, last_token_verifier
@@ -29,7 +30,11 @@ def task_sources(cfg: TokenflowConfig, run_dir: Path) -> tuple[PromptSource, Pro
     from pipeline.tasks.sources import task_prompt_sources
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir(run_dir))
-    train, evals, verify = task_prompt_sources(cfg.task, tokenizer, seed)
+    train, evals, verify, counts = task_prompt_sources(cfg.task, tokenizer, seed)
+    if counts:  # the dataset rows left out: bad rows (task.on_bad_row=skip), prompts over the budget
+        metrics = MetricsWriter(run_dir, "orchestrator")
+        metrics.log("dataset", train_rows=len(train), eval_prompts=len(evals), **counts)
+        metrics.close()
     return train, evals, VerifierScorer(verify)
 
 
@@ -50,4 +55,4 @@ def build_orchestrator(run_dir: Path, cfg: TokenflowConfig) -> Orchestrator:
     return Orchestrator(run_dir, cfg.orchestrator, train, scorer, schema, bounds,
                         run_id=cfg.run.name, eval_prompts=evals,
                         replay_source=Path(cfg.replay.source) if cfg.replay.source else None,
-                        scoring=scoring)
+                        scoring=scoring, eval_samples=cfg.eval.samples)

@@ -5,7 +5,7 @@ Invariants every task keeps:
   `prompt_by_id(s, prompt_id(s, i))`, a pure function of (s, i) in any process, on any machine; so a
   resumed or re-issued group gets exactly the prompt it had. `train_prompts(seed)` walks it from 0.
   Generated tasks draw a fresh prompt per position (prompt id = position); dataset tasks map positions
-  to row ids (epochs, shuffling: pipeline.tasks.jsonl).
+  to row ids (epochs, shuffling: pipeline.tasks.dataset).
 - `eval_prompts()` is fixed (it does not depend on any seed the caller passes) and no eval prompt's text
   ever appears in a training stream.
 - `score(prompt, completion_text)` is a pure function returning a reward in [0, 1].
@@ -31,14 +31,22 @@ END_OF_TURN = "<|im_end|>"
 class Prompt:
     """One task prompt.
 
-    uid: stable identifier, unique within the task (e.g. "add:37+48" or "file.jsonl:12").
+    uid: stable identifier, unique within the task (e.g. "add:37+48" or "data.parquet:12").
     text: the user message.
     answer: the reference answer the verifier compares against.
+    messages: a dataset's chat-list prompt as (role, content) turns (None: one user turn of `text`).
+    data_source: the dataset row's source (picks its verifier; metrics by source); "" if none.
+    extra_info: the dataset row's extra_info as JSON (passed to verl-style reward functions), or None.
+    eval_set: the held-out set the prompt belongs to ("" for a training prompt).
     """
 
     uid: str
     text: str
     answer: str
+    messages: tuple[tuple[str, str], ...] | None = None
+    data_source: str = ""
+    extra_info: str | None = None
+    eval_set: str = ""
 
 
 def strip_completion(completion_text: str) -> str:

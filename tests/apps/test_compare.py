@@ -239,7 +239,7 @@ def test_a_local_sweep_ends_with_its_points_compared(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-SLURM_TINY = ["cluster=slurm", "run.timeout_s=300", "run.progress=false", "run.tensorboard=false",
+SLURM_TINY = ["cluster=slurm", "run.timeout_s=300", "run.progress=false", "logger=[]",
               "orchestrator.groups_per_step=4", "orchestrator.group_size=8", "cluster.generators=1",
               "cluster.generator.nodes=1", "cluster.trainer.mem_gb=3", "cluster.generator.mem_gb=3.5",
               "cluster.trainer.cpus_per_task=2", "cluster.generator.cpus_per_task=2", "cluster.trainer.time_min=30",

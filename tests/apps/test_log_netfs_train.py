@@ -26,7 +26,7 @@ from pipeline.metrics import read_metrics
 pytestmark = pytest.mark.engine
 
 ARGS = ["run.steps=4", "run.eval_every=0", "run.checkpoint_every=1", "run.timeout_s=300",
-        "run.progress=false", "run.tensorboard=false", "orchestrator.groups_per_step=4",
+        "run.progress=false", "logger=[]", "orchestrator.groups_per_step=4",
         "orchestrator.group_size=8"]
 
 

@@ -24,7 +24,7 @@ BUDGET_S = 12 * 60
 def test_demo_learns_with_lora(tmp_path):
     run = tmp_path / "lora"
     cmd = [sys.executable, "-m", "pipeline.cli", "train", "run.name=lora", f"hydra.run.dir={run}",
-           "run.progress=false", "run.tensorboard=false", "run.eval_every=10", *LORA]
+           "run.progress=false", "logger=[]", "run.eval_every=10", *LORA]
     t0 = time.monotonic()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=BUDGET_S + 300,
                          env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -26,7 +26,7 @@ from support.run_report import stuck_run_report
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 8
 COMMON = [f"run.steps={STEPS}", "run.eval_every=8", "run.checkpoint_every=4", "run.mismatch_every=2",
-          "run.timeout_s=300", "run.progress=false", "run.tensorboard=false", "orchestrator.groups_per_step=4",
+          "run.timeout_s=300", "run.progress=false", "logger=[]", "orchestrator.groups_per_step=4",
           "orchestrator.group_size=8", "trainer.micro_batch_tokens=1024"]
 
 
@@ -114,7 +114,7 @@ def test_slurm_tp2ep2_het_job_over_three_nodes_learns(tmp_path):
     exported = run / "export" / f"step-{STEPS}"
     tokenflow("replay", str(run), f"model.name={exported}", "run.steps=2", f"hydra.run.dir={replay}",
               "run.name=replay", "cluster=local", "cluster.trainer_ranks=1", "trainer.parallel.tp=1",
-              "trainer.parallel.ep=1", "run.progress=false", "run.tensorboard=false", "trainer.export=never",
+              "trainer.parallel.ep=1", "run.progress=false", "logger=[]", "trainer.export=never",
               timeout=300, run=replay)
     assert len(list(read_metrics(replay, "train_step"))) == 2
     assert json.loads((replay / "model.json").read_text())["path"] == str(exported)

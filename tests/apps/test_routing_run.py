@@ -34,7 +34,7 @@ def test_a_live_run_records_prompt_and_completion_routing_and_replays_it(tmp_pat
     run = tmp_path / "rr"
     cmd = [sys.executable, "-m", "pipeline.cli", "train", "run.name=rr", f"hydra.run.dir={run}", "algo=sync",
            "run.steps=2", "run.eval_every=0", "run.mismatch_every=1", "run.timeout_s=300", "run.progress=false",
-           "run.tensorboard=false", "orchestrator.groups_per_step=2", "orchestrator.group_size=4",
+           "logger=[]", "orchestrator.groups_per_step=2", "orchestrator.group_size=4",
            "trainer.routing_replay=true", "generator.record_routing=true", "generator.dtype=float32",
            "trainer.export=never"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900,

@@ -27,7 +27,7 @@ from support.leftovers import leftovers
 
 pytestmark = pytest.mark.engine
 REPO = Path(__file__).resolve().parents[2]
-TINY = ["run.eval_every=0", "run.mismatch_every=0", "run.progress=false", "run.tensorboard=false",
+TINY = ["run.eval_every=0", "run.mismatch_every=0", "run.progress=false", "logger=[]",
         "orchestrator.groups_per_step=2", "orchestrator.group_size=4", "model.warmstart_steps=0",
         "generator.max_tokens=16"]
 

@@ -23,7 +23,7 @@ def test_lagged_self_distillation_run_keeps_the_teacher_in_its_window(tmp_path):
     run = tmp_path / "sd"
     cmd = [sys.executable, "-m", "pipeline.cli", "train", "run.name=sd", f"hydra.run.dir={run}",
            f"run.steps={STEPS}", f"run.checkpoint_every={EVERY}", "run.eval_every=0", "run.progress=false",
-           "run.tensorboard=false", "run.timeout_s=300", "orchestrator.groups_per_step=4",
+           "logger=[]", "run.timeout_s=300", "orchestrator.groups_per_step=4",
            "orchestrator.group_size=8", "scorers.teacher=lagged", f"scorers.teacher_lag={LAG}",
            "trainer.loss.distill_coef=0.5"]
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},

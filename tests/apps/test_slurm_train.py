@@ -28,7 +28,7 @@ from support.child_env import child_env
 
 pytestmark = [pytest.mark.slurm, pytest.mark.engine]
 REPO = Path(__file__).resolve().parents[2]
-TINY = ["cluster=slurm", "run.eval_every=3", "run.timeout_s=300", "run.progress=false", "run.tensorboard=false",
+TINY = ["cluster=slurm", "run.eval_every=3", "run.timeout_s=300", "run.progress=false", "logger=[]",
         "orchestrator.groups_per_step=4", "orchestrator.group_size=8", "model.warmstart_steps=120",
         "cluster.generators=1", "cluster.generator.nodes=1", "cluster.trainer.mem_gb=3", "cluster.generator.mem_gb=3.5",
         "cluster.trainer.cpus_per_task=2", "cluster.generator.cpus_per_task=2", "cluster.trainer.time_min=30",

@@ -33,7 +33,7 @@ def test_toolcalc_learns_by_30_points_through_an_orchestrator_kill(tmp_path):
 
     run = tmp_path / "tool"
     cfg = compose(run, "run.name=tool", "task=toolcalc", f"run.steps={STEPS}", "run.eval_every=10",
-                  "run.progress=false", "run.tensorboard=false", "run.checkpoint_every=10",
+                  "run.progress=false", "logger=[]", "run.checkpoint_every=10",
                   "orchestrator.groups_per_step=8", "orchestrator.group_size=8", "run.timeout_s=300")
     prepare_run_dir(cfg)
     chaos = Chaos(run, ["orchestrator"], first=3, spread=4)
@@ -67,7 +67,7 @@ def test_toolcalc_learns_by_30_points_through_an_orchestrator_kill(tmp_path):
     assert episodes["tool_calls"] > 0 and episodes["env_tokens_masked"] > 0
     assert any(t["role"] == "env" and "tool" in t["text"] for ex in episodes["examples"] for t in ex["turns"])
     rep = subprocess.run([sys.executable, "-m", "pipeline.cli", "replay", str(run), "run.steps=2",
-                          f"hydra.run.dir={tmp_path / 'replay'}", "run.progress=false", "run.tensorboard=false",
+                          f"hydra.run.dir={tmp_path / 'replay'}", "run.progress=false", "logger=[]",
                           "orchestrator.groups_per_step=4", "run.eval_every=0"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert rep.returncode == 0, rep.stderr[-4000:]

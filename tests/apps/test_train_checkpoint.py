@@ -41,7 +41,7 @@ def test_train_on_a_checkpoint_and_jsonl_data_uses_the_task_settings(tmp_path):
            f"task.eval_path={tmp_path / 'eval.jsonl'}", "task.shuffle=false", f"task.system_prompt={SYSTEM}",
            "run.steps=2", "run.eval_every=0", "run.checkpoint_every=2", "run.mismatch_every=0",
            f"orchestrator.groups_per_step={GROUPS}", f"orchestrator.group_size={GROUP_SIZE}",
-           "generator.enforce_eager=true", "run.timeout_s=300", "run.progress=false", "run.tensorboard=false"]
+           "generator.enforce_eager=true", "run.timeout_s=300", "run.progress=false", "logger=[]"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert out.returncode == 0, f"train failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
 

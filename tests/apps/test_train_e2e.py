@@ -23,7 +23,7 @@ from pipeline.metrics import read_metrics
 pytestmark = pytest.mark.engine
 
 COMMON = ["run.eval_every=3", "run.checkpoint_every=2", "run.mismatch_every=1", "run.timeout_s=300", "run.progress=false",
-          "run.tensorboard=false", "orchestrator.groups_per_step=4", "orchestrator.group_size=8"]
+          "logger=[]", "orchestrator.groups_per_step=4", "orchestrator.group_size=8"]
 
 
 def train(run_root: Path, name: str, *overrides: str) -> subprocess.CompletedProcess:
@@ -98,7 +98,7 @@ def test_replay_trains_from_the_recorded_log_without_generators(async_run, tmp_p
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     out = subprocess.run([sys.executable, "-m", "pipeline.cli", "replay", str(async_run), "run.steps=3",
                           f"hydra.run.dir={tmp_path / 'replay'}", "run.progress=false",
-                          "run.tensorboard=false", "orchestrator.groups_per_step=4"],
+                          "logger=[]", "orchestrator.groups_per_step=4"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     run = tmp_path / "replay"

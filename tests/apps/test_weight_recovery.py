@@ -51,7 +51,7 @@ def test_kill_9_of_each_process_mid_run_and_the_run_completes(tmp_path):
 
     run = tmp_path / "run"
     cfg = compose(run, "run.name=chaos", f"run.steps={STEPS}", "run.eval_every=0", "run.progress=false",
-                  "run.tensorboard=false", "run.checkpoint_every=2", "cluster.generators=1",
+                  "logger=[]", "run.checkpoint_every=2", "cluster.generators=1",
                   "orchestrator.groups_per_step=4", "generator.weight_timeout_s=30",
                   "orchestrator.generator_dead_after_s=5", "run.timeout_s=300")
     prepare_run_dir(cfg)

@@ -194,7 +194,7 @@ def test_a_generator_job_joins_gets_leases_and_leaves_mid_run(tmp_path):
 
     run = tmp_path / "run"
     cfg = compose(run, "run.name=genjobs", f"run.steps={STEPS}", "run.eval_every=0", "run.mismatch_every=0",
-                  "run.progress=false", "run.tensorboard=false", "run.checkpoint_every=100",
+                  "run.progress=false", "logger=[]", "run.checkpoint_every=100",
                   "cluster.generators=1", f"orchestrator.groups_per_step={GROUPS_PER_STEP}", "orchestrator.group_size=8",
                   "run.timeout_s=300", "generator.weight_timeout_s=60")
     prepare_run_dir(cfg)

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 ARGS = ["run.checkpoint_every=4", "run.eval_every=0", "run.mismatch_every=0", "run.timeout_s=400",
-        "run.progress=false", "run.tensorboard=false", "orchestrator.groups_per_step=4",
+        "run.progress=false", "logger=[]", "orchestrator.groups_per_step=4",
         "orchestrator.group_size=8"]
 
 

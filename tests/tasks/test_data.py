@@ -1,4 +1,4 @@
-"""Users' data end to end without engines: the indexed JSONL task (no cap, epochs, shuffling, split),
+"""Users' data end to end without engines: the dataset task on JSONL (no cap, epochs, shuffling, split),
 Python verifiers, prompt formats, the orchestrator's prompt sources and the model/task defaults."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from pipeline.config import TokenflowConfig, validate
 from pipeline.models.family_checkpoints import build_family_checkpoint
 from pipeline.models.tokenizer import train_tokenizer
-from pipeline.tasks import JsonlTask, SortDigitsTask, TaskConfig, make_task
+from pipeline.tasks import DatasetTask, SortDigitsTask, TaskConfig, make_task
 from pipeline.tasks.prompting import PromptFormat
 from pipeline.tasks.sources import task_prompt_sources
 
@@ -37,7 +37,7 @@ def big(tmp_path_factory):
 
 
 def test_rows_are_read_back_exactly_by_offset(big):
-    task = JsonlTask(big, eval_size=50)
+    task = DatasetTask(big, eval_size=50)
     reference = {}
     for lineno, line in enumerate(big.read_text().splitlines(), start=1):
         if line.strip():
@@ -50,7 +50,7 @@ def test_rows_are_read_back_exactly_by_offset(big):
 
 
 def test_no_cap_an_epoch_covers_every_training_row_once_then_reshuffles(big):
-    task = JsonlTask(big, eval_size=50)
+    task = DatasetTask(big, eval_size=50)
     n = task.train_size
     epoch0 = [task.prompt_id(5, p) for p in range(n)]
     assert sorted(epoch0) == list(range(n))  # all 29,950 rows, not 20,000
@@ -63,7 +63,7 @@ def test_no_cap_an_epoch_covers_every_training_row_once_then_reshuffles(big):
 
 def test_order_is_a_pure_function_of_seed_and_position(big):
     """What resume relies on: a fresh task object (another process) gives the same prompt anywhere."""
-    a, b = JsonlTask(big, eval_size=50), JsonlTask(big, eval_size=50)
+    a, b = DatasetTask(big, eval_size=50), DatasetTask(big, eval_size=50)
     for position in (0, 1, 777, 29_949, 29_950, 61_000):
         assert a.prompt_by_id(3, a.prompt_id(3, position)) == b.prompt_by_id(3, b.prompt_id(3, position))
     assert [p.uid for p in itertools.islice(a.train_prompts(3), 100)] == \
@@ -72,15 +72,15 @@ def test_order_is_a_pure_function_of_seed_and_position(big):
 
 def test_unshuffled_order_is_file_order_and_split_fields_apply(tmp_path):
     rows = [{"prompt": f"q{i}", "answer": i} for i in range(40)]
-    task = JsonlTask(_write(tmp_path / "d.jsonl", rows), shuffle=False, eval_fraction=0.1, split_seed=99)
+    task = DatasetTask(_write(tmp_path / "d.jsonl", rows), shuffle=False, eval_fraction=0.1, split_seed=99)
     held = {p.text for p in task.eval_prompts()}
     assert len(held) == 4
     expected = [r["prompt"] for r in rows if r["prompt"] not in held]
     assert [task.prompt_by_id(0, task.prompt_id(0, i)).text for i in range(72)] == expected * 2
-    other = JsonlTask(tmp_path / "d.jsonl", shuffle=False, eval_fraction=0.1, split_seed=100)
+    other = DatasetTask(tmp_path / "d.jsonl", shuffle=False, eval_fraction=0.1, split_seed=100)
     assert {p.text for p in other.eval_prompts()} != held
     with pytest.raises(ValueError, match="eval_fraction"):
-        JsonlTask(tmp_path / "d.jsonl", eval_fraction=1.5)
+        DatasetTask(tmp_path / "d.jsonl", eval_fraction=1.5)
 
 
 def test_python_verifier_named_in_config(tmp_path, monkeypatch):
@@ -101,7 +101,7 @@ def test_python_verifier_named_in_config(tmp_path, monkeypatch):
                           ("no_such_module:f", "cannot be loaded")):
         with pytest.raises(ValueError, match=f"task.verifier.*{message}"):
             make_task(TaskConfig(name="jsonl", path=str(path), verifier=spec))
-    with pytest.raises(ValueError, match="task=jsonl only"):
+    with pytest.raises(ValueError, match="task=dataset only"):
         make_task(TaskConfig(name="sort", verifier="my_verifier:score"))
 
 
@@ -139,8 +139,9 @@ def test_system_prompt_template_kwargs_and_raw_prompts(tokenizer):
 
 def test_orchestrator_sources_serve_every_group_with_the_recorded_format(big, tokenizer):
     cfg = TaskConfig(name="jsonl", path=str(big), eval_size=50, system_prompt="Answer with a number.")
-    train, evals, verify = task_prompt_sources(cfg, tokenizer, seed=4)
-    task = JsonlTask(big, eval_size=50)
+    train, evals, verify, counts = task_prompt_sources(cfg, tokenizer, seed=4)
+    assert counts == {"bad_rows": 0, "too_long_train": 0, "too_long_eval": 0}
+    task = DatasetTask(big, eval_size=50)
     fmt = PromptFormat.of(cfg, task)
     for group in (0, 19_999, 20_000, 29_950, 45_678):  # past the old 20,000 cap and into epoch 1
         item = train.for_group(group)
@@ -152,8 +153,8 @@ def test_orchestrator_sources_serve_every_group_with_the_recorded_format(big, to
     assert len(train) == task.train_size and len(evals) == 50
     right = tokenizer.encode(f"so \\boxed{{{item.answer.answer}}}", add_special_tokens=False)
     assert verify(item, np.array(right)) == 1.0 and verify(item, np.array(right[:-2])) == 0.0
-    sort_train, _, _ = task_prompt_sources(TaskConfig(), tokenizer, seed=4)
-    again, _, _ = task_prompt_sources(TaskConfig(), tokenizer, seed=4)
+    sort_train, _, _, _ = task_prompt_sources(TaskConfig(), tokenizer, seed=4)
+    again, _, _, _ = task_prompt_sources(TaskConfig(), tokenizer, seed=4)
     assert [sort_train.for_group(g).answer for g in (0, 50_000)] == [again.for_group(g).answer for g in (0, 50_000)]
     with pytest.raises(TypeError, match="no length"):
         len(sort_train)

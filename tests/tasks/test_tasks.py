@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.tasks import AdditionTask, JsonlTask, Prompt, SortDigitsTask, TaskConfig, make_task
+from pipeline.tasks import AdditionTask, DatasetTask, Prompt, SortDigitsTask, TaskConfig, make_task
 from pipeline.tasks.math_answer import answers_match, extract_answer, parse_number
 
 # ---------------------------------------------------------------- built-in tasks
@@ -145,17 +145,17 @@ def _write(path, lines):
 def test_jsonl_bad_rows_name_file_and_line(tmp_path, line, message):
     path = _write(tmp_path / "data.jsonl", ['{"prompt": "1+1?", "answer": 2}', "", line])
     with pytest.raises(ValueError) as err:
-        JsonlTask(path)
+        DatasetTask(path)
     assert f"data.jsonl:3: {message}" in str(err.value)
 
 
 def test_jsonl_missing_or_empty_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
-        JsonlTask(tmp_path / "nope.jsonl")
-    with pytest.raises(ValueError, match="no rows"):
-        JsonlTask(_write(tmp_path / "empty.jsonl", [""]))
+        DatasetTask(tmp_path / "nope.jsonl")
+    with pytest.raises(ValueError, match="no valid rows"):
+        DatasetTask(_write(tmp_path / "empty.jsonl", [""]))
     with pytest.raises(ValueError, match="too few"):
-        JsonlTask(_write(tmp_path / "few.jsonl", ['{"prompt": "a", "answer": 1}'] * 3))
+        DatasetTask(_write(tmp_path / "few.jsonl", ['{"prompt": "a", "answer": 1}'] * 3))
 
 
 def _rows(n):
@@ -164,13 +164,13 @@ def _rows(n):
 
 def test_jsonl_split_is_fixed_and_disjoint(tmp_path):
     path = _write(tmp_path / "d.jsonl", _rows(50))
-    task = JsonlTask(path)
+    task = DatasetTask(path)
     evals = task.eval_prompts()
-    assert len(evals) == 10 and evals == JsonlTask(path).eval_prompts()
+    assert len(evals) == 10 and evals == DatasetTask(path).eval_prompts()
     train = list(itertools.islice(task.train_prompts(0), 80))
     assert {p.text for p in train}.isdisjoint({p.text for p in evals})
     assert len({p.text for p in train[:40]}) == 40  # one full epoch before repeating
-    assert [p.uid for p in train] == [p.uid for p in itertools.islice(JsonlTask(path).train_prompts(0), 80)]
+    assert [p.uid for p in train] == [p.uid for p in itertools.islice(DatasetTask(path).train_prompts(0), 80)]
     p = evals[0]
     assert task.score(p, task.reference_completion(p)) == 1.0
     assert task.score(p, f"I think it is {p.answer}.") == 1.0
@@ -181,7 +181,8 @@ def test_jsonl_split_is_fixed_and_disjoint(tmp_path):
 def test_jsonl_separate_eval_file_removes_overlap(tmp_path):
     train_path = _write(tmp_path / "train.jsonl", _rows(30))
     eval_path = _write(tmp_path / "eval.jsonl", _rows(5))
-    task = make_task(TaskConfig(name="jsonl", path=str(train_path), eval_path=str(eval_path)))
+    task = make_task(TaskConfig(name="jsonl", path=str(train_path), eval_sets={"mine": str(eval_path)}))
+    assert {p.eval_set for p in task.eval_prompts()} == {"mine"}
     assert [p.text for p in task.eval_prompts()] == [f"What is {i} times 3?" for i in range(5)]
     seen = {p.text for p in itertools.islice(task.train_prompts(1), 25)}
     assert len(seen) == 25 and not seen & {p.text for p in task.eval_prompts()}

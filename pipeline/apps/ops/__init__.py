@@ -127,6 +127,8 @@ def run_status(run_dir: Path) -> Dict[str, Any]:
     generators: Dict[str, int] = {}
     for rec in read_metrics(run_dir, "generator"):
         generators[rec["role"]] = rec.get("version")
+    trackers = {rec["tracker"]: {"failures": rec["failures"], "error": rec.get("error")}
+                for rec in read_metrics(run_dir, "tracker")}  # pipeline.observe.trackers
     cfg_steps = None
     if (run_dir / CONFIG_FILE).exists():
         from omegaconf import OmegaConf
@@ -145,6 +147,7 @@ def run_status(run_dir: Path) -> Dict[str, Any]:
         "last_eval": {k: ev.get(k) for k in ("step", "version", "accuracy", "n")} if ev else None,
         **mismatch_points(latest_by_step(list(read_metrics(run_dir, "train_step")))),
         "last_error": last_error(run_dir),
+        "tracker_failures": trackers,
         "generator_jobs": _generator_jobs(run_dir),
         "log_damage": _log_damage(run_dir),
     }
@@ -200,6 +203,8 @@ def format_status(s: Dict[str, Any]) -> str:
                      "(mean |train - generator| logprob)")
     lines.append(f"error      {s['last_error'] or 'none'}")
     lines += [f"log damage {d}" for d in s.get("log_damage") or []]
+    for name, t in sorted((s.get("tracker_failures") or {}).items()):
+        lines.append(f"tracker    {name}: {t['failures']} failure(s), last {t['error']} (the run goes on)")
     from pipeline.launch.generator_jobs import format_jobs
     lines += format_jobs(s.get("generator_jobs") or [])
     return "\n".join(lines)

@@ -3,7 +3,9 @@
 PATH is a sweep directory (all its points), run directories, or glob patterns of either. One row
 per run: the config keys whose values differ between the runs (keys of ``task`` and ``model``
 first, marked ``!``: runs that differ there train or measure different things, so their
-accuracies are not comparable), then final and best held-out accuracy (with the step of the best),
+accuracies are not comparable), then final and best held-out accuracy (greedy pass@1, with the step
+of the best), the final pass@k (a column only when a run has it, ``eval.samples`` = k > 0: "0.812 k=8"), the final greedy accuracy
+of each named held-out set when a run has several (``acc <set>``),
 mean batch reward of the last steps, steps done, trained tokens/s and trainer idle fraction of the
 training loop (see `pipeline.apps.ops.summary`), mean staleness, dropped groups, wall time, and state
 (running, pending, finished, or failed with its error). Runs still going are shown as they stand. ``--plot`` overlays every run's held-out accuracy
@@ -39,7 +41,8 @@ from pipeline.apps.ops.sweep import align, differing_keys, find_runs, format_swe
 INCOMPARABLE = ("task.", "model.")
 PLOT_FILE = "compare.png"
 #: Numeric columns of --csv (and the JSON), in table order.
-NUMBERS = ("final_accuracy", "final_accuracy_step", "best_accuracy", "best_accuracy_step", "reward_last",
+NUMBERS = ("final_accuracy", "final_accuracy_step", "best_accuracy", "best_accuracy_step", "final_pass_at_k", "eval_k",
+           "reward_last",
            "steps_done", "steps", "tokens_per_s", "trainer_idle_frac", "staleness_mean", "drops", "wall_s")
 
 
@@ -96,16 +99,30 @@ def _rate(x: Optional[float]) -> str:
     return "-" if x is None else (f"{x / 1000:.1f}k" if x >= 1000 else f"{x:.0f}")
 
 
+def _sets(result: Dict[str, Any]) -> List[str]:
+    """Held-out sets to show one by one: those of runs evaluated on several (data sources aside)."""
+    names: List[str] = []
+    for r in result["runs"]:
+        own = [k for k in r["final_by_set"] if not k.startswith("source/")]
+        names += [k for k in own if len(own) > 1 and k not in names]
+    return names
+
+
 def format_table(result: Dict[str, Any]) -> str:
     marked = [k + ("!" if k in result["incomparable"] else "") for k in result["columns"]]
-    header = ["run", *marked, "final acc", "best acc@step", f"reward(last {result['last_steps']})", "steps",
-              "tok/s", "idle", "stale", "drops", "wall", "state"]
+    sets = _sets(result)
+    with_k = any(r["final_pass_at_k"] is not None for r in result["runs"])
+    header = ["run", *marked, "final acc", "best acc@step", *(["pass@k"] if with_k else []), *[f"acc {s}" for s in sets],
+              f"reward(last {result['last_steps']})", "steps", "tok/s", "idle", "stale", "drops", "wall", "state"]
     rows = [header]
     for r in result["runs"]:
         best = "-" if r["best_accuracy"] is None else f"{r['best_accuracy']:.3f}@{r['best_accuracy_step']}"
+        passk = "-" if r["final_pass_at_k"] is None else f"{r['final_pass_at_k']:.3f} k={r['eval_k']}"
         state = r["state"] + (f": {r['error']}" if r["error"] else "")
         rows.append([r["run"], *[_value(r["overrides"][k]) for k in result["columns"]],
-                     _num(r["final_accuracy"], ".3f"), best, _num(r["reward_last"], ".2f"),
+                     _num(r["final_accuracy"], ".3f"), best, *([passk] if with_k else []),
+                     *[_num(r["final_by_set"].get(s, {}).get("accuracy"), ".3f") for s in sets],
+                     _num(r["reward_last"], ".2f"),
                      f"{r['steps_done']}/{_value(r['steps'])}", _rate(r["tokens_per_s"]),
                      _num(None if r["trainer_idle_frac"] is None else 100 * r["trainer_idle_frac"], ".0f")
                      + ("%" if r["trainer_idle_frac"] is not None else ""),

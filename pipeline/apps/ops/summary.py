@@ -94,6 +94,9 @@ def metric_summary(run_dir: Path, running: bool = False, last_steps: int = LAST_
     drops = {k: v for k, v in _restart_safe_totals(orchestrator, DROP_PREFIX).items() if v}
     return {
         "final_accuracy": final.get("accuracy") if final else None,
+        "final_pass_at_k": final.get("pass_at_k") if final else None,
+        "eval_k": final.get("k") if final else None,
+        "final_by_set": eval_sets(final) if final else {},
         "final_accuracy_step": final["step"] if final else None,
         "best_accuracy": best.get("accuracy") if best else None,
         "best_accuracy_step": best["step"] if best else None,
@@ -108,6 +111,17 @@ def metric_summary(run_dir: Path, running: bool = False, last_steps: int = LAST_
         "wall_s": wall_seconds(launch_times(run_dir), [r["t"] for r in records if "t" in r], running),
         **mismatch_points(steps),
     }
+
+
+def eval_sets(record: Dict[str, Any]) -> Dict[str, Dict[str, float]]:
+    """{held-out set or "source/<data_source>": {accuracy, pass_at_k, n}} of an ``eval`` record
+    (pipeline.orchestrator.evaluation: keys ``<metric>/<label>``)."""
+    out: Dict[str, Dict[str, float]] = {}
+    for key, value in record.items():
+        metric, _, label = key.partition("/")
+        if label and metric in ("accuracy", "pass_at_k", "n", "sampled_accuracy"):
+            out.setdefault(label, {})[metric] = value
+    return out
 
 
 def _trainer_result(run_dir: Path) -> Optional[Dict[str, Any]]:

@@ -33,7 +33,7 @@ CURVE = GOLDEN / "curve.json"
 STEPS, GROUPS_PER_STEP = 3, 2
 REPLAY_OVERRIDES = [f"run.steps={STEPS}", f"orchestrator.groups_per_step={GROUPS_PER_STEP}",
                     "model.warmstart_steps=0", "run.checkpoint_every=1000", "run.progress=false",
-                    "run.tensorboard=false", "run.mismatch_every=0", "run.timeout_s=300", "trainer.lr=2e-4"]
+                    "logger=[]", "run.mismatch_every=0", "run.timeout_s=300", "trainer.lr=2e-4"]
 """What the golden replay runs with (the test passes the same); the learning rate is the one the curve
 was recorded with (the `grpo` group's default then), pinned so a retuned demo leaves the curve as is."""
 
