@@ -169,3 +169,12 @@ def test_architecture_names_every_package():
     packages = sorted(p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "pipeline").rglob("__init__.py"))
     missing = [p for p in packages if f"{p}/" not in text and p.replace("/", ".") not in text]
     assert not missing, f"docs/architecture.md does not name these packages: {missing}"
+
+
+def test_the_readme_is_a_first_page_and_no_doc_line_is_a_wall():
+    """README.md at most 170 lines; no line of it or of docs/ over 400 characters (a table cell that
+    long is a page of its own: link it)."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 170
+    walls = [(doc.relative_to(ROOT).as_posix(), n, len(line)) for doc in DOCS
+             for n, line in enumerate(doc.read_text().splitlines(), 1) if len(line) > 400]
+    assert not walls, f"lines over 400 characters (doc, line, length): {walls}"
