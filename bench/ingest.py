@@ -66,7 +66,7 @@ def run_orchestrator(groups: int, producers: int, root: Path) -> dict:
     run = Path(tempfile.mkdtemp(prefix="tf-ingest-", dir=root))
     from pipeline.config import RunConfig, TokenflowConfig
     from pipeline.orchestrator.config import OrchestratorConfig
-    from pipeline.roles.common import save_run_config
+    from pipeline.run_dir import save_run_config
     from pipeline.tasks import TaskConfig
     save_run_config(run, TokenflowConfig(
         run=RunConfig(name="bench", dir=str(run)), task=TaskConfig(name="synthetic"),

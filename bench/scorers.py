@@ -50,7 +50,7 @@ def measure(role: str, scfg, groups: list, run: Path) -> dict:
     from pipeline.config import RunConfig, TokenflowConfig, stored_record_schema
     from pipeline.orchestrator.prompts import PromptItem
     from pipeline.orchestrator.scoring import VerifierScorer
-    from pipeline.roles.common import save_run_config
+    from pipeline.run_dir import save_run_config
     from pipeline.scorers.pool import RemoteScoring
     from pipeline.scorers.role import build_scorer
     from pipeline.protocol.record import SampleBatch

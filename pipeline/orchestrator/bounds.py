@@ -8,7 +8,8 @@ stored:
 
 - token ids (prompt, completion, sampling-mask entries; -1 pads a mask row) below the
   vocabulary;
-- expert ids (``routed_experts``, ``prompt_routed_experts``) below the model's expert count;
+- expert ids (``routed_experts``, ``prompt_routed_experts``) below the model's expert count; -1
+  fills a row of a position never fed to the model (the last completion token: `pipeline.protocol.record`);
 - token versions at most the newest version a generator can hold: the trainer's latest announced
   or reported version, or the step it asked a batch for plus one (after an orchestrator restart
   only the step is known, and the trainer announces the version of step s only after training it),
@@ -64,7 +65,7 @@ class RunBounds:
             a = c.get(name)
             if a is None or not a.size:
                 continue
-            if self.num_experts is None or int(a.max()) >= self.num_experts or int(a.min()) < 0:
+            if self.num_experts is None or int(a.max()) >= self.num_experts or int(a.min()) < -1:
                 raise RecordError(f"{name} holds expert ids {int(a.min())}..{int(a.max())}, the model has "
                                   f"{self.num_experts or 'no'} experts")
         newest = self.newest_seen = max(self.newest_seen, newest_version(clock))

@@ -46,7 +46,7 @@ def demo(tmp_path_factory) -> Path:
 def test_pass_at_k_equals_a_count_of_the_recorded_answers(demo):
     from transformers import AutoTokenizer
 
-    from pipeline.roles.common import model_dir
+    from pipeline.run_dir import model_dir
     from pipeline.tasks import TaskConfig, make_task
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir(demo))

@@ -90,8 +90,11 @@ def test_run_bounds_refuse_expert_and_sampling_mask_ids_the_model_cannot_have():
     group = synthetic_group(item, 0, schema, 4, 6)
     clock = PolicyClock(max_staleness=1, trainer_step=2)
     RunBounds(1000, 8).check(group, clock)  # versions 3 = step 2 + 1: the newest weights
+    never_fed = {k: np.array(v) for k, v in group.columns.items()}
+    never_fed["routed_experts"][-1] = -1  # the last completion token's row: never fed, all -1 (record)
+    RunBounds(1000, 8).check(SampleBatch(never_fed, schema, validate=False), clock)
     for name, value, problem in [("routed_experts", 8, "expert ids 0..8, the model has 8"),
-                                 ("prompt_routed_experts", -1, "expert ids -1..0"),
+                                 ("prompt_routed_experts", -2, "expert ids -2..0"),
                                  ("sampling_mask", 1000, "token id 1000"),
                                  ("sampling_mask", -2, "below -1"),
                                  ("versions", 4, "newer than any weights"),
