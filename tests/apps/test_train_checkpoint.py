@@ -38,7 +38,7 @@ def test_train_on_a_checkpoint_and_jsonl_data_uses_the_task_settings(tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "pipeline.cli", "train", "task=jsonl", f"task.path={tmp_path / 'data.jsonl'}",
            f"model.name={ckpt}", f"hydra.run.dir={run}", "run.name=ckpt", f"task.max_tokens={MAX_TOKENS}",
-           f"task.eval_path={tmp_path / 'eval.jsonl'}", "task.shuffle=false", f"task.system_prompt={SYSTEM}",
+           f"+task.eval_sets.held_out={tmp_path / 'eval.jsonl'}", "task.shuffle=false", f"task.system_prompt={SYSTEM}",
            "run.steps=2", "run.eval_every=0", "run.checkpoint_every=2", "run.mismatch_every=0",
            f"orchestrator.groups_per_step={GROUPS}", f"orchestrator.group_size={GROUP_SIZE}",
            "generator.enforce_eager=true", "run.timeout_s=300", "run.progress=false", "logger=[]"]
