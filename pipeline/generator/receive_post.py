@@ -17,7 +17,7 @@ Invariants (imports neither vLLM nor torch):
   permissions: any local user could trigger a receive); the directory is removed at exit (a
   killed worker leaves an empty one in the temp directory);
 - a request is a `ReceivePost` record, the answer a `ReceivePostAnswer`
-  (`pipeline.protocol.weight_stream`: msgpack, no pickle); a malformed request gets an error
+  (`pipeline.protocol.weight_stream`, packed by `pipeline.protocol.codec`: no pickle); a malformed request gets an error
   answer;
 - the driver waits at most ``timeout_s`` for each answer (`ReceivePoster.post`), raising
   `TimeoutError` naming the worker; its socket is then replaced, so a late answer is never read as
@@ -34,7 +34,8 @@ import tempfile
 import threading
 from typing import Callable
 
-from pipeline.protocol.weight_stream import ReceivePost, ReceivePostAnswer, pack, unpack
+from pipeline.protocol.codec import pack, unpack
+from pipeline.protocol.weight_stream import ReceivePost, ReceivePostAnswer
 
 
 class ReceivePostListener:

@@ -6,7 +6,10 @@ dataclass with ``KIND`` (and ``ARRAYS`` when it carries raw frames). `encode` tu
 the wire's ``(kind, meta, arrays)`` (`pipeline.protocol.wire`: msgpack header, raw array frames,
 GMAC over everything); ``CHANNEL.decode`` turns a received `wire.Message` back into its record,
 checking every field's type and every required array frame, or raises `MessageError` naming the
-kind and the problem. Nothing past ``decode`` indexes a metadata dict.
+kind and the problem. Nothing past ``decode`` indexes a metadata dict. A record that travels as
+plain bytes instead (a store value, a broadcast tensor, a REQ/REP answer:
+no array frames) is `pack`'d into one msgpack document ``{"kind": KIND, field: value, ...}`` and
+`unpack`'d by its class with the same checks.
 
 Invariants:
 - within a channel a kind names exactly one record class (``CHANNEL.kinds``); the same kind may
@@ -18,12 +21,13 @@ Invariants:
   sender from building it), a missing frame all become one clear error;
 - ``encode(decode(m))`` reproduces ``m``'s kind, meta and arrays.
 
-Fields may be ``int``, ``float``, ``str``, ``bool``, ``X | None``, ``list[X]``, ``dict[str, X]``,
+Fields may be ``int``, ``float``, ``str``, ``bool``, ``bytes``, ``X | None``, ``list[X]``, ``dict[str, X]``,
 ``Any`` (a plain msgpack value, checked by the receiver) or another record.
 
 Worked example: on a channel with ``@C.message class Ping: KIND = "ping"; n: int``,
 ``encode(Ping(3))`` is ``("ping", {"n": 3}, None)`` and a ``ping`` whose ``n`` is ``"3"`` decodes to
-``MessageError("ping: n: expected int, got str")``.
+``MessageError("ping: n: expected int, got str")``; ``pack(Ping(3))`` is the msgpack of
+``{"kind": "ping", "n": 3}``.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ import typing
 from dataclasses import field
 from typing import Any, Union
 
+import msgpack
 import numpy as np
 
 from pipeline.protocol.wire import Message
@@ -100,6 +105,32 @@ def encode(msg: Any) -> tuple[str, dict, dict[str, np.ndarray] | None]:
     return msg.KIND, meta, (dict(arrays) if arrays else None)
 
 
+def pack(record: Any) -> bytes:
+    """``record`` (no array frames) as one msgpack document: kind and fields (module docstring)."""
+    kind, meta, arrays = encode(record)
+    if arrays:
+        raise ValueError(f"{kind}: a record with array frames travels as a wire message, not packed")
+    return msgpack.packb({"kind": kind, **meta}, use_bin_type=True)
+
+
+R = typing.TypeVar("R")
+
+
+def unpack(cls: type[R], raw: bytes | memoryview) -> R:
+    """The record of class ``cls`` that `pack` wrote into ``raw``, or `MessageError`."""
+    try:
+        doc = msgpack.unpackb(raw, raw=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise MessageError(cls.KIND, f"not msgpack ({type(exc).__name__}, {len(raw)} bytes)") from None
+    if not isinstance(doc, dict) or doc.get("kind") != cls.KIND:
+        got = doc.get("kind") if isinstance(doc, dict) else type(doc).__name__
+        raise MessageError(cls.KIND, f"got {str(got)[:80]} instead")
+    try:
+        return cls(**_record(cls, {k: v for k, v in doc.items() if k != "kind"}, ""))
+    except (_Bad, ValueError) as exc:  # ValueError: a record's own value checks
+        raise MessageError(cls.KIND, str(exc)) from None
+
+
 class _Bad(Exception):
     pass
 
@@ -152,7 +183,7 @@ def _check(tp: Any, value: Any, where: str) -> Any:
         return value
     elif tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    elif tp in (str, bool) and type(value) is tp:
+    elif tp in (str, bool, bytes) and type(value) is tp:
         return value
     raise _Bad(f"{where}: expected {_name(tp)}, got {type(value).__name__}")
 

@@ -4,7 +4,7 @@ When a trainer rank and a generator share one GPU, the trainer packs the new wei
 buckets (`pipeline.weights.buckets.pack`) and exports each bucket's memory as a CUDA IPC handle;
 the generator opens the handles and reads the buckets in place, without a copy through the host.
 
-A handle is an `IpcHandle` record (`pipeline.protocol.weight_stream`, msgpack, no pickle): the
+A handle is an `IpcHandle` record (`pipeline.protocol.weight_stream`, packed by `codec`: no pickle): the
 fields of ``UntypedStorage._share_cuda_()`` (device, IPC handle bytes, sizes, offsets, ref-counter
 and event handles) plus the view's offset and length. The receiver rebuilds each storage with
 ``UntypedStorage._new_shared_cuda(...)``.
@@ -37,6 +37,7 @@ import datetime
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
+from pipeline.protocol import codec
 from pipeline.protocol import weight_stream as records
 from pipeline.weights.buckets import Assembly, BucketPlan, BufferRing, pack, unpack
 from pipeline.weights.group import (ReceivedWeights, Release, WeightChannel, WeightSyncError, WireBytes, cuda_device,
@@ -90,16 +91,16 @@ def export_buckets(version: int, plan: BucketPlan, buckets: Iterable["torch.Tens
         hold.append(bucket)
     if len(shared) != len(plan.sizes):
         raise WeightSyncError(f"{len(shared)} buckets given for a plan of {len(plan.sizes)}")
-    doc = records.pack(records.IpcExport(int(version), plan.to_wire(), [records.pack(h) for h in shared]))
+    doc = codec.pack(records.IpcExport(int(version), plan.to_wire(), [codec.pack(h) for h in shared]))
     return CudaIpcExport(doc, hold)
 
 
 def import_buckets(document: bytes) -> tuple[int, BucketPlan, Iterator[tuple[str, "torch.Tensor"]]]:
     """Open an export on this process's GPU: (version, plan, iterator of (name, tensor view))."""
     try:
-        doc = records.unpack(records.IpcExport, document)
+        doc = codec.unpack(records.IpcExport, document)
         version, plan = doc.version, BucketPlan.from_wire(doc.plan)
-        entries = [records.unpack(records.IpcHandle, raw) for raw in doc.buckets]
+        entries = [codec.unpack(records.IpcHandle, raw) for raw in doc.buckets]
     except (ValueError, KeyError, TypeError) as exc:
         raise WeightSyncError(f"malformed CUDA IPC document: {exc}") from exc
     if [e.numel for e in entries] != list(plan.sizes):
@@ -157,11 +158,11 @@ class CudaIpcChannel(WeightChannel):
             raise WeightSyncError("rank 1 of a CUDA IPC channel receives; it cannot send")
         n = self._updates
         self._updates += 1
-        self._set(f"u{n}/meta", records.pack(records.UpdateHeader(int(version), plan.to_wire())))
+        self._set(f"u{n}/meta", codec.pack(records.UpdateHeader(int(version), plan.to_wire())))
         count = 0
         for k, bucket in enumerate(pack(plan, named, self.device, self.buffers)):
             torch.cuda.current_stream(self.device).synchronize()  # written before it is read elsewhere
-            self._set(f"u{n}/b{k}", records.pack(_share(bucket, f"bucket {k}")))
+            self._set(f"u{n}/b{k}", codec.pack(_share(bucket, f"bucket {k}")))
             self.wire.sent += bucket.numel()
             count = k + 1
             if k >= 1:  # the next bucket goes into this one's predecessor's buffer
@@ -175,9 +176,9 @@ class CudaIpcChannel(WeightChannel):
         n = self._updates
         self._updates += 1
         try:
-            header = records.unpack(records.UpdateHeader, self._get(f"u{n}/meta", "the plan of the next update"))
+            header = codec.unpack(records.UpdateHeader, self._get(f"u{n}/meta", "the plan of the next update"))
             version, plan = header.version, BucketPlan.from_wire(header.plan)
-        except ValueError as e:  # WeightRecordError, or a plan that does not parse
+        except ValueError as e:  # MessageError, or a plan that does not parse
             raise WeightSyncError(f"malformed CUDA IPC plan: {e}") from e
         update = ReceivedWeights(version, plan, iter(()))
         update._buckets = self._buckets(n, update, stage, release)
@@ -196,7 +197,7 @@ class CudaIpcChannel(WeightChannel):
                 self._acknowledge(n, k - 2)
             try:
                 raw = self._get(f"u{n}/b{k}", f"bucket {k}/{count} of version {version}")
-                entry = records.unpack(records.IpcHandle, raw)
+                entry = codec.unpack(records.IpcHandle, raw)
             except ValueError as e:
                 raise WeightSyncError(f"malformed CUDA IPC handle of bucket {k} of version {version}: {e}") from e
             if entry.numel != size:

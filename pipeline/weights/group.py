@@ -61,6 +61,7 @@ import datetime
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
+from pipeline.protocol import codec
 from pipeline.protocol import weight_stream as records
 from pipeline.weights.buckets import Assembly, BucketPlan, BufferRing, lone, pack, segments, unpack
 
@@ -278,7 +279,7 @@ class TorchDistChannel(WeightChannel):
         if self.rank >= self.senders:
             raise WeightSyncError(f"rank {self.rank} is a receiver; senders are ranks 0..{self.senders - 1}")
         if self.rank == 0:
-            meta = records.pack(records.UpdateHeader(int(version), plan.to_wire()))
+            meta = codec.pack(records.UpdateHeader(int(version), plan.to_wire()))
             self._broadcast(torch.tensor([len(meta)], dtype=torch.int64, device=self.device), "metadata length")
             self._broadcast(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device), "metadata")
         mine = plan.of_source(self.rank)
@@ -309,9 +310,9 @@ class TorchDistChannel(WeightChannel):
         raw = torch.empty(n, dtype=torch.uint8, device=self.device)
         self._broadcast(raw, "metadata")
         try:
-            header = records.unpack(records.UpdateHeader, raw.cpu().numpy().tobytes())
+            header = codec.unpack(records.UpdateHeader, raw.cpu().numpy().tobytes())
             version, plan = header.version, BucketPlan.from_wire(header.plan)
-        except ValueError as e:  # WeightRecordError, or a plan that does not parse
+        except ValueError as e:  # MessageError, or a plan that does not parse
             raise WeightSyncError(f"malformed weight metadata: {e}") from e
         if any(not 0 <= s < self.senders for s in plan.sources):
             raise WeightSyncError(f"the plan of version {version} names senders {sorted(set(plan.sources))} "

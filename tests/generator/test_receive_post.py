@@ -63,7 +63,7 @@ def test_a_malformed_request_gets_an_error_answer_and_starts_nothing():
         assert answer["ok"] is False and "not msgpack" in answer["error"], answer
         sock.send(msgpack.packb([1, 2]))
         answer = msgpack.unpackb(sock.recv())
-        assert answer["ok"] is False and "receive_post: got [1, 2]" in answer["error"], answer
+        assert answer["ok"] is False and "receive_post: got list instead" in answer["error"], answer
         assert started == []
     finally:
         sock.close()

@@ -181,10 +181,10 @@ def _planned_wire_bytes(version: int, plan) -> dict[str, int]:
     """What the plan says an update puts on the wire: the metadata (int64 length + the
     `UpdateHeader` record, `pipeline.weights.group`) and each bucket's `segments` (tensors and the
     padding inside packed runs); ``tensor_bytes``: the tensors' own bytes."""
-    from pipeline.protocol import weight_stream
+    from pipeline.protocol import codec, weight_stream
     from pipeline.weights.buckets import segments
 
-    meta = len(weight_stream.pack(weight_stream.UpdateHeader(int(version), plan.to_wire())))
+    meta = len(codec.pack(weight_stream.UpdateHeader(int(version), plan.to_wire())))
     payload = sum(end - start for slots, size in zip(plan.buckets, plan.sizes)
                   for start, end, _ in segments(slots, size))
     tensor_bytes = sum(slot.nbytes for slots in plan.buckets for slot in slots)

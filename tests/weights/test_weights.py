@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from pipeline.protocol import weight_stream
+from pipeline.protocol import codec, weight_stream
 from pipeline.launch.rendezvous import free_port
 from pipeline.weights.buckets import ALIGN, Assembly, BucketError, BucketPlan, pack, unpack
 from pipeline.weights.group import TorchDistChannel, WeightSyncError
@@ -272,7 +272,7 @@ def test_a_tensor_of_two_and_a_half_buckets_round_trips_within_two_buckets_of_bu
             assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
             # counted at the receiver: the tensors' bytes (no padding falls inside a packed run
             # here) and the metadata (its length, int64, then the `UpdateHeader` record)
-            meta = weight_stream.pack(weight_stream.UpdateHeader(version, update.plan.to_wire()))
+            meta = codec.pack(weight_stream.UpdateHeader(version, update.plan.to_wire()))
             counted = ch.wire.since(before)
             assert counted.received == 8 + len(meta) + sum(t.numel() * t.element_size() for t in want.values())
             assert counted.sent == 0
