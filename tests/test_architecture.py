@@ -24,13 +24,6 @@ from support import import_graph
 #: Known cases, listed so that any other one fails; the lead resolves them at merge.
 MSGPACK_PENDING: set[str] = set()
 
-#: Modules that still read journal entries' metadata dicts on this branch: the journal's flush
-#: records move into pipeline/protocol/ with the rollout-log engineer's part of issue #26.
-#: Known cases, listed so that any other one fails; the lead resolves them at merge.
-META_READS_PENDING = {
-    "pipeline.rollout_log.journal",  # issue #26 (rollout log): the journal's records
-    "pipeline.rollout_log.scan",  # issue #26 (rollout log): the journal's records
-}
 
 #: Modules that talk to other processes directly (a socket or a serialiser): a control path.
 TRANSPORT_MODULES = ("zmq", "msgpack", "pipeline.protocol.wire", "pipeline.protocol.transport")
@@ -78,8 +71,8 @@ def _meta_reads(mod: import_graph.Module, talks: bool) -> list[str]:
 def test_no_control_path_reads_a_message_metadata_dict(modules):
     found = []
     for mod in modules.values():
-        if mod.name.startswith("pipeline.protocol.") or mod.name in META_READS_PENDING:
-            continue  # the codec itself; the known cases above
+        if mod.name.startswith("pipeline.protocol."):
+            continue  # the codec itself
         talks = any(i.target == t or i.target.startswith(t + ".") for i in mod.imports for t in TRANSPORT_MODULES)
         found += _meta_reads(mod, talks)
     assert found == []

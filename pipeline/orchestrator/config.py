@@ -15,7 +15,7 @@ class OrchestratorConfig:
     max_async: int = 1
     """How many steps generation may run ahead of training (0 = synchronous)."""
     max_staleness: int | None = None
-    """Drop a group when trainer_version - its oldest token version exceeds this; None = max_async."""
+    """Drop a group when trainer_step - its oldest token version exceeds this; None = max_async."""
     lease_timeout_s: float = 300.0
     """A group not returned within this many seconds is re-issued."""
     generator_dead_after_s: float = 20.0

@@ -29,7 +29,7 @@ class RestoredState:
     attempts: dict[int, int] = field(default_factory=dict)
     buffered: list[BufferedGroup] = field(default_factory=list)
     step_rows: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
-    last_trainer_version: int = 0
+    last_trainer_step: int = 0
     kept: int = 0
     """Groups stored and not released since (see the module invariants)."""
     outcome_counts: dict[str, int] = field(default_factory=dict)
@@ -73,5 +73,5 @@ def restore_from_log(log_dir: Path) -> RestoredState:
         rank_of = dict(zip(steps["row"].tolist(), steps["dp_rank"].tolist()))
         for step, rows in rs.step_rows.items():
             state.step_rows[step] = (rows, np.array([rank_of[int(r)] for r in rows], np.int16))
-        state.last_trainer_version = max(0, rs.last_trainer_version)
+        state.last_trainer_step = max(0, rs.last_trainer_step)
         return state

@@ -98,7 +98,7 @@ class Orchestrator(TrainerSide):
                                        seal_interval_s=cfg.log_seal_interval_s,
                                        seal_bytes=cfg.log_seal_bytes)
         state = restore_from_log(log_dir)
-        self.clock = PolicyClock(cfg.staleness_limit(), trainer_step=state.last_trainer_version)
+        self.clock = PolicyClock(cfg.staleness_limit(), trainer_step=state.last_trainer_step)
         self.admission = Admission(cfg.groups_per_step, cfg.max_async, cfg.lease_timeout_s, self.clock)
         self.buffer = RolloutBuffer(cfg.memory_token_budget, self.writer.read_samples)
         self.admission.restore(state.resolved, state.kept, state.attempts)
@@ -425,7 +425,7 @@ class Orchestrator(TrainerSide):
         self.metrics.log(
             "orchestrator", generators=len(self.generators), admitted=a.next_group_id, kept=a.kept, in_flight=a.in_flight,
             bound=a.bound, version=c.reported, admission_version=c.admission_version,
-            trainer_version=c.trainer_step, rollback_epoch=c.rollback_epoch,
+            trainer_step=c.trainer_step, rollback_epoch=c.rollback_epoch,
             buffer_groups=len(self.buffer), buffer_spilled=self.buffer.spilled,
             buffer_memory_tokens=self.buffer.memory_tokens, leases=len(a.leases),
             reissued=a.reissued_total, cpu_s=_cpu_seconds(), ingested_tokens=self._ingested_total,

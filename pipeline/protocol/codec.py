@@ -138,6 +138,8 @@ class _Bad(Exception):
 def _plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
         return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):  # list[Record]
+        return [_plain(v) for v in value]
     return value
 
 

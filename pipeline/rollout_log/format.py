@@ -44,9 +44,13 @@ import numpy as np
 from pipeline.protocol.record import PROMPT_COLUMN, RecordSchema
 from pipeline.run_files import ROLLOUTS_DIR
 
-#: Version of this file layout; readers refuse files of a newer version (and read versions 1, 2).
+#: Version of this file layout; readers refuse files of a newer version (and read versions 1-3).
 #: 3: sealed segments carry per-block digests (`digests`), journal entries a length checksum.
-SCHEMA_VERSION = 3
+#: 4: ``step_meta/trainer_version`` is named ``step_meta/trainer_step`` (`RENAMED_DATASETS`).
+SCHEMA_VERSION = 4
+
+#: Datasets renamed since layout 1: name -> (its name in older layouts, the last such layout).
+RENAMED_DATASETS = {"step_meta/trainer_step": ("step_meta/trainer_version", 3)}
 
 SEGMENT_RE = re.compile(r"^segment-(\d{5,})\.h5$")
 
@@ -84,7 +88,7 @@ GROUP_COLUMNS = {"group_id": np.dtype(np.int64), "attempt": np.dtype(np.int32),
                  "n_samples": np.dtype(np.int32), "min_version": np.dtype(np.int32),
                  "t": np.dtype(np.float64)}
 STEP_COLUMNS = {"step": np.dtype(np.int32), "row": np.dtype(np.int64), "dp_rank": np.dtype(np.int16)}
-STEP_META_COLUMNS = {"step": np.dtype(np.int32), "trainer_version": np.dtype(np.int32),
+STEP_META_COLUMNS = {"step": np.dtype(np.int32), "trainer_step": np.dtype(np.int32),
                      "n_samples": np.dtype(np.int32), "n_tokens": np.dtype(np.int64),
                      "t": np.dtype(np.float64)}
 OFFSET_COLUMNS = ("prompt_offset", "completion_offset")
@@ -162,6 +166,16 @@ def dataset_layout(schema: RecordSchema) -> dict[str, DatasetSpec]:
                         ("step_meta", STEP_META_COLUMNS)):
         out.update({f"{table}/{n}": DatasetSpec(table, d, ()) for n, d in cols.items()})
     return out
+
+
+def stored_name(name: str, layout: int) -> str:
+    """The name dataset ``name`` (or its digests, ``digests/<name>``) has in a file of log layout
+    ``layout``: e.g. ``step_meta/trainer_step`` is ``step_meta/trainer_version`` up to layout 3."""
+    base = name.removeprefix("digests/")
+    old = RENAMED_DATASETS.get(base)
+    if old is None or layout > old[1]:
+        return name
+    return name[:len(name) - len(base)] + old[0]
 
 
 def segment_name(index: int) -> str:

@@ -16,10 +16,12 @@ length checksum) are still read, up to their first bad entry.
 
 Invariants:
 
-- the first entry of a journal is its header (kind ``journal``: generation, writer id, the sealed
+- entries are typed records (`pipeline.protocol.journal_entries`): one whose fields do not decode
+  is a bad entry like one that fails its checksum;
+- the first entry of a journal is its header (`JournalHeader`: generation, writer id, the sealed
   segments and carried journals the log holds, the next sequence number and row, what damage has
   cost so far), written twice (entry 1 is its copy, so one damaged header loses nothing); later
-  entries are flushes (kind ``flush``, meta ``seq`` = header's ``start_seq``, +1, +2, ...) holding
+  entries are flushes (`FlushEntry`, ``seq`` = header's ``start_seq``, +1, +2, ...) holding
   the new rows of every dataset of the log layout and where they start (``row``, ``prompt_at``,
   ``completion_at``: the first global row and the generation's token offsets; ``steps_at``: the step
   records before them in this generation);
@@ -48,11 +50,11 @@ import struct
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
 
-import numpy as np
+from pipeline.protocol import codec, wire
+from pipeline.protocol.journal_entries import JOURNAL, FlushEntry, JournalHeader
 
-from pipeline.protocol import wire
+Entry = JournalHeader | FlushEntry
 
 JOURNAL_RE = re.compile(r"^journal-(\d{8,})\.tfj$")
 MAGIC = b"TFJ2"
@@ -79,10 +81,9 @@ def list_journals(log_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def encode_entry(kind: str, meta: Mapping[str, Any],
-                 arrays: Mapping[str, np.ndarray] | None = None) -> list[bytes | memoryview]:
+def encode_entry(entry: Entry) -> list[bytes | memoryview]:
     """The byte parts of one entry (written with one ``writev``; arrays are not copied)."""
-    frames = wire.encode(JOURNAL_KEY, kind, meta, arrays)
+    frames = wire.encode(JOURNAL_KEY, *codec.encode(entry))
     lens = [memoryview(f).nbytes for f in frames]
     prefix = MAGIC + struct.pack(f"<I{len(lens)}Q", len(lens), *lens)
     return [prefix + struct.pack("<I", zlib.crc32(prefix)), *frames]
@@ -90,7 +91,7 @@ def encode_entry(kind: str, meta: Mapping[str, Any],
 
 @dataclass
 class JournalRead:
-    entries: list[wire.Message]
+    entries: list[Entry]
     """Valid entries, header first (empty if even the header is torn); the header's copy left out."""
     valid_end: int
     """Byte offset where the valid entries end."""
@@ -107,7 +108,7 @@ class JournalRead:
     whole on disk (so maybe acknowledged, holding anything) is lost."""
 
 
-def _entry_at(view: memoryview, pos: int) -> tuple[str, wire.Message | None, int, str]:
+def _entry_at(view: memoryview, pos: int) -> tuple[str, Entry | None, int, str]:
     """Parse the entry at ``pos``: ("ok", message, end, ""), ("cut", None, -1, why) when it runs
     past the end of the file, or ("bad", None, end or -1, why)."""
     size = view.nbytes
@@ -135,9 +136,13 @@ def _entry_at(view: memoryview, pos: int) -> tuple[str, wire.Message | None, int
         frames.append(view[at:at + ln])
         at += ln
     try:
-        return "ok", wire.decode(JOURNAL_KEY, frames, _MAX_ENTRY_BYTES), end, ""
+        msg = wire.decode(JOURNAL_KEY, frames, _MAX_ENTRY_BYTES)
     except wire.FrameError as e:
         return "bad", None, end, f"entry at byte {pos} fails its checksum ({e})"
+    try:
+        return "ok", JOURNAL.decode(msg), end, ""
+    except codec.MessageError as e:
+        return "bad", None, end, f"entry at byte {pos} is not a journal entry ({e})"
 
 
 def read_entries(data: bytes | memoryview, first_seq: int | None = None) -> JournalRead:
@@ -146,29 +151,27 @@ def read_entries(data: bytes | memoryview, first_seq: int | None = None) -> Jour
     sequence number the first flush entry must carry."""
     view = memoryview(data)
     raw = data if isinstance(data, (bytes, bytearray)) else bytes(view)
-    out: list[wire.Message] = []
+    out: list[Entry] = []
     pos, size, damage, lost, expect, resynced = 0, view.nbytes, [], 0, first_seq, False
     resync = raw[:4] == MAGIC  # layout-1 journals (TFJ1) are read up to their first bad entry
     while pos < size:
         state, msg, end, why = _entry_at(view, pos)
         if state == "ok":
-            if msg.kind == "journal":
+            if isinstance(msg, JournalHeader):
                 if out:  # the header's copy (entry 1), or a header where a flush belongs
                     if len(out) == 1 and end <= _HEADER_AREA:
                         pos = end
                         continue
                     state, why = "bad", f"entry at byte {pos} is a second journal header"
                 else:
-                    expect = int(msg.meta["start_seq"]) if expect is None else expect
+                    expect = msg.start_seq if expect is None else expect
             elif not out:
-                state, why = "bad", f"entry at byte {pos} is {msg.kind}, not the journal header"
-            elif msg.kind != "flush" or not isinstance(msg.meta.get("seq"), int) or (
-                    msg.meta["seq"] != expect and not (resynced and msg.meta["seq"] > expect)):
-                state, why = "bad", (f"entry at byte {pos} is {msg.kind} seq {msg.meta.get('seq')}, "
-                                     f"expected flush seq {expect}")
+                state, why = "bad", f"entry at byte {pos} is {msg.KIND}, not the journal header"
+            elif msg.seq != expect and not (resynced and msg.seq > expect):
+                state, why = "bad", f"entry at byte {pos} is flush seq {msg.seq}, expected flush seq {expect}"
             else:
-                lost += msg.meta["seq"] - expect
-                expect = msg.meta["seq"] + 1
+                lost += msg.seq - expect
+                expect = msg.seq + 1
         if state == "ok":
             out.append(msg)
             pos, resynced = end, False
@@ -192,9 +195,8 @@ def _next_valid(raw: bytes, view: memoryview, start: int, expect: int | None,
     at = raw.find(MAGIC, start)
     while at >= 0:
         state, msg, _, _ = _entry_at(view, at)
-        if state == "ok" and ((msg.kind == "journal" and not have_header) or (
-                have_header and msg.kind == "flush" and isinstance(msg.meta.get("seq"), int)
-                and msg.meta["seq"] >= expect)):
+        if state == "ok" and ((isinstance(msg, JournalHeader) and not have_header) or (
+                have_header and isinstance(msg, FlushEntry) and msg.seq >= expect)):
             return at
         at = raw.find(MAGIC, at + 1)
     return None

@@ -62,8 +62,8 @@ class ResumeState:
     """Sorted unique rows consumed by the steps of ``step_rows``."""
     last_step: int
     """Largest recorded step; -1 if none."""
-    last_trainer_version: int
-    """trainer_version of the latest record of ``last_step``; -1 if none."""
+    last_trainer_step: int
+    """``trainer_step`` of the latest record of ``last_step``; -1 if none."""
     problems: list[str] = field(default_factory=list)
     damaged_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     """Rows below ``num_samples`` that cannot be read (lost to damage): never buffered."""
@@ -92,8 +92,8 @@ class RolloutLog:
             self.run_id: str = first.run_id
             self._meta = first.meta
         else:  # only a journal header so far
-            self.schema = RecordSchema.from_dict(scan.header["record_schema"])
-            self.run_id, self._meta = scan.header["run_id"], scan.header["meta"]
+            self.schema = RecordSchema.from_dict(scan.header.record_schema)
+            self.run_id, self._meta = scan.header.run_id, scan.header.meta
         for s in segments[1:]:
             _check_same_run(first, s)
 
@@ -140,7 +140,7 @@ class RolloutLog:
     def meta(self) -> dict:
         """The ``meta`` given by the latest writer."""
         if self.scan is not None and self.scan.header is not None:
-            return self.scan.header["meta"]
+            return self.scan.header.meta
         return self.segments[-1].meta if self.segments else self._meta
 
     @property
@@ -284,7 +284,7 @@ class RolloutLog:
         return {c: self.column(f"step_meta/{c}") for c in STEP_META_COLUMNS}
 
     def step_records(self, intact_only: bool = False) -> list[tuple[int, int, np.ndarray]]:
-        """(step, trainer_version, rows) of every step record, in log order. ``intact_only``:
+        """(step, trainer_step, rows) of every step record, in log order. ``intact_only``:
         leave out the records of a segment whose step tables are damaged, and records that do not
         match the rows they name (their count, their tokens); `resume_state` counts them."""
         out = []
@@ -295,7 +295,7 @@ class RolloutLog:
                                 or seg.damaged_rows()["step_meta"].any()):
                 self.steps_lost_in.append(seg)
                 continue
-            meta = seg.read_table("step_meta", ("step", "trainer_version", "n_samples", "n_tokens"))
+            meta = seg.read_table("step_meta", ("step", "trainer_step", "n_samples", "n_tokens"))
             rows = seg.read_column("steps/row")
             ends = np.cumsum(meta["n_samples"], dtype=np.int64)
             if len(ends) and ends[-1] != len(rows):
@@ -305,7 +305,7 @@ class RolloutLog:
                 raise CorruptSegmentError(f"{seg.path}: step_meta counts {int(ends[-1])} step rows "
                                           f"but steps holds {len(rows)}")
             starts = ends - meta["n_samples"]
-            for s, v, a, b, t in zip(meta["step"], meta["trainer_version"], starts, ends,
+            for s, v, a, b, t in zip(meta["step"], meta["trainer_step"], starts, ends,
                                      meta["n_tokens"]):
                 if intact_only and not self._names_its_rows(rows[a:b], int(t)):
                     self.steps_lost_in.append(seg)
@@ -356,9 +356,9 @@ class RolloutLog:
         max_gid = max([-1] + [int(a.max()) for a in (g["group_id"], sample_groups) if len(a)])
         records = self.step_records(intact_only=verify)
         step_rows: dict[int, np.ndarray] = {}
-        versions: dict[int, int] = {}
-        for step, version, rows in records:
-            step_rows[step], versions[step] = rows, version
+        trainer_steps: dict[int, int] = {}
+        for step, trainer_step, rows in records:
+            step_rows[step], trainer_steps[step] = rows, trainer_step
         consumed = (np.unique(np.concatenate(list(step_rows.values()))) if step_rows
                     else np.zeros(0, np.int64))
         last = max(step_rows, default=-1)
@@ -377,7 +377,7 @@ class RolloutLog:
             num_samples=self.num_samples, stored=stored, resolved=resolved,
             counts={o.name.lower(): int((g["outcome"] == o).sum()) for o in GroupOutcome},
             max_group_id=max_gid, duplicate_groups=int(duplicates), step_rows=step_rows,
-            consumed_rows=consumed, last_step=last, last_trainer_version=versions.get(last, -1),
+            consumed_rows=consumed, last_step=last, last_trainer_step=trainer_steps.get(last, -1),
             problems=list(self.problems) + found, damaged_rows=damaged, withheld_rows=withheld,
             lost=lost)
 

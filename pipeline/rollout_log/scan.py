@@ -31,9 +31,10 @@ import numpy as np
 
 from pipeline.rollout_log.format import (
     SCHEMA_VERSION, SEGMENT_RE, TABLES, CorruptSegmentError, ForeignFileError, LogError,
-    NewerSchemaError, NotHDF5Error, dataset_layout, segment_attrs, segment_name)
+    NewerSchemaError, NotHDF5Error, dataset_layout, segment_attrs, segment_name, stored_name)
 from pipeline.rollout_log.journal import JOURNAL_RE, JournalRead, read_entries, read_journal
 from pipeline.rollout_log.segment import ArrayFile, Segment
+from pipeline.protocol.journal_entries import CarriedJournal, FlushEntry, JournalHeader
 from pipeline.protocol.record import RecordSchema
 
 _ATTEMPTS = 5
@@ -47,8 +48,8 @@ class LogScan:
     """The governing journal's valid flush entries (None if it holds none or is damaged)."""
     problems: list[str]
     """Damage and ignored files, one sentence each."""
-    header: dict | None = None
-    """Meta of the governing journal's header (None for a layout-1 log)."""
+    header: JournalHeader | None = None
+    """The governing journal's header (None for a layout-1 log)."""
     journal: Path | None = None
     max_index: int = -1
     """Largest generation among journal and segment names (the next writer claims one above)."""
@@ -163,12 +164,12 @@ def _scan(log_dir: Path, strict: bool) -> LogScan:
         return LogScan(segs, None, problems + [str(e) for e in errors], max_index=max_index,
                        next_row=max((s.first_row + s.num_rows for s in segs), default=0),
                        errors=errors)
-    head = jr.entries[0].meta
-    if int(head.get("layout", 0)) > SCHEMA_VERSION:
-        raise NewerSchemaError(f"{path}: written with log layout version {head['layout']}; this "
+    head = jr.entries[0]
+    if head.layout > SCHEMA_VERSION:
+        raise NewerSchemaError(f"{path}: written with log layout version {head.layout}; this "
                                f"Tokenflow reads versions <= {SCHEMA_VERSION} (upgrade it)")
-    listed = [int(i) for i in jr.entries[0].arrays["segments"]]
-    known = _listed_facts(head, jr.entries[0].arrays)
+    listed = [int(i) for i in head.arrays["segments"]]
+    known = _listed_facts(head)
     missing = [CorruptSegmentError(f"{log_dir / segment_name(i)}: listed by {path.name} but "
                                    "missing") for i in listed if i not in seg_index]
     if missing and strict:
@@ -187,16 +188,16 @@ def _scan(log_dir: Path, strict: bool) -> LogScan:
                  for i in sorted(set(seg_index) - set(listed))]
     flushes = jr.entries[1:]
     scan = LogScan(segs, None, problems, header=head, journal=path, max_index=max_index,
-                   next_seq=int(flushes[-1].meta["seq"]) + 1 if flushes else int(head["start_seq"]),
+                   next_seq=flushes[-1].seq + 1 if flushes else head.start_seq,
                    valid_end=jr.valid_end, torn=jr.cut,
-                   last_entry_t=float(jr.entries[-1].meta.get("t", head["created"])),
+                   last_entry_t=_entry_time(jr.entries[-1], head),
                    errors=missing + errors)
     try:
-        for c in head.get("carried", []):
-            cpath = log_dir / c["file"]
+        for c in head.carried:
+            cpath = log_dir / c.file
             try:
                 with open(cpath, "rb") as fh:
-                    cjr = read_entries(fh.read(int(c["valid_end"])))
+                    cjr = read_entries(fh.read(c.valid_end))
             except FileNotFoundError:
                 if strict:
                     raise CorruptSegmentError(f"{cpath}: listed by {path.name} but missing")
@@ -207,9 +208,9 @@ def _scan(log_dir: Path, strict: bool) -> LogScan:
             loss = LogLoss()
             if cjr.entries:
                 scan.carried += journal_runs(cpath, cjr, strict, problems, loss)
-            if "lost_entries" in c:  # what its quarantine recorded (a damaged tail included)
-                loss = LogLoss(c["lost_entries"], c["lost_rows"], c["lost_step_records"],
-                               c["withhold_below"], c["lost_segments"])
+            if c.lost_entries is not None:  # what its quarantine recorded (a damaged tail included)
+                loss = LogLoss(c.lost_entries, c.lost_rows, c.lost_step_records, c.withhold_below,
+                               c.lost_segments)
                 problems.append(f"{cpath.name} (quarantined): damage lost {loss.entries} entries")
             scan.lost.add(loss)
         scan.damaged = bool(jr.damage)
@@ -228,7 +229,7 @@ def _scan(log_dir: Path, strict: bool) -> LogScan:
         scan.lost.segments += 1
         scan.lost.rows += facts["rows"]
         scan.lost.withhold_below = max(scan.lost.withhold_below, facts["first_row"] + facts["rows"])
-    scan.next_row = max([int(head["start_row"])] + [s.first_row + s.num_rows for s in runs])
+    scan.next_row = max([head.start_row] + [s.first_row + s.num_rows for s in runs])
     if scan.lost.entries or scan.lost.segments:
         loss = scan.lost
         problems.append(f"damage cost {loss.entries} journal entries and {loss.segments} "
@@ -240,14 +241,21 @@ def _scan(log_dir: Path, strict: bool) -> LogScan:
     return scan
 
 
-def _listed_facts(head: dict, arrays: dict) -> list[dict] | None:
+def _entry_time(entry: JournalHeader | FlushEntry, head: JournalHeader) -> float:
+    """The writer's wall-clock time of a journal entry (a flush that did not record it: the header's)."""
+    t = entry.created if isinstance(entry, JournalHeader) else entry.t
+    return head.created if t is None else t
+
+
+def _listed_facts(head: JournalHeader) -> list[dict] | None:
     """What a header says of each segment it lists (`Segment`); None for headers written before
     headers said it."""
+    arrays = head.arrays
     if "segment_first_rows" not in arrays:
         return None
-    schema = json.dumps(head["record_schema"], sort_keys=True)
+    schema = json.dumps(head.record_schema, sort_keys=True)
     return [{"first_row": int(r), "rows": int(n), "tokenflow_schema_version": int(v),
-             "run_id": head["run_id"], "record_schema": schema, "segment_index": int(i)}
+             "run_id": head.run_id, "record_schema": schema, "segment_index": int(i)}
             for i, r, n, v in zip(arrays["segments"], arrays["segment_first_rows"],
                                   arrays["segment_rows"], arrays["segment_layouts"])]
 
@@ -256,25 +264,26 @@ def journal_runs(path: Path, jr: JournalRead, strict: bool, problems: list[str],
                  lost: LogLoss) -> list[Segment]:
     """A journal's valid flush entries as in-memory segments, one per run of consecutive sequence
     numbers; what the entries missing between runs held is added to ``lost``."""
-    head = jr.entries[0].meta
-    runs: list[list] = []
+    head = jr.entries[0]
+    runs: list[list[FlushEntry]] = []
     for f in jr.entries[1:]:
-        if runs and f.meta["seq"] == runs[-1][-1].meta["seq"] + 1:
+        if runs and f.seq == runs[-1][-1].seq + 1:
             runs[-1].append(f)
         else:
             runs.append([f])
     out: list[Segment] = []
-    row_end, steps_end, seq_end = int(head["start_row"]), 0, int(head["start_seq"])
+    row_end, steps_end, seq_end = head.start_row, 0, head.start_seq
     for run in runs:
-        m = run[0].meta
-        first_row, steps_at = int(m.get("row", row_end)), int(m.get("steps_at", steps_end))
-        if m["seq"] > seq_end:  # entries lost to damage before this run
-            gap = LogLoss(m["seq"] - seq_end, first_row - row_end, steps_at - steps_end)
+        m = run[0]
+        first_row = row_end if m.row is None else m.row
+        steps_at = steps_end if m.steps_at is None else m.steps_at
+        if m.seq > seq_end:  # entries lost to damage before this run
+            gap = LogLoss(m.seq - seq_end, first_row - row_end, steps_at - steps_end)
             gap.withhold_below = first_row if gap.step_records else 0
             lost.add(gap)
         seg = _run_segment(path, head, run, first_row, strict, problems)
         n_rows = sum(len(f.arrays["samples/prompt_len"]) for f in run)
-        row_end, seq_end = first_row + n_rows, int(run[-1].meta["seq"]) + 1
+        row_end, seq_end = first_row + n_rows, run[-1].seq + 1
         steps_end = steps_at + sum(len(f.arrays["step_meta/step"]) for f in run)
         if seg is not None:
             out.append(seg)
@@ -283,22 +292,23 @@ def journal_runs(path: Path, jr: JournalRead, strict: bool, problems: list[str],
     return out
 
 
-def _run_segment(path: Path, head: dict, flushes: list, first_row: int, strict: bool,
-                 problems: list[str]) -> Segment | None:
-    """Consecutive flush entries' rows as one in-memory segment."""
-    schema = RecordSchema.from_dict(head["record_schema"])
+def _run_segment(path: Path, head: JournalHeader, flushes: list[FlushEntry], first_row: int,
+                 strict: bool, problems: list[str]) -> Segment | None:
+    """Consecutive flush entries' rows as one in-memory segment (under today's dataset names)."""
+    schema = RecordSchema.from_dict(head.record_schema)
     layout = dataset_layout(schema)
-    arrays = {name: np.concatenate([f.arrays[name] for f in flushes]) for name in layout}
-    for kind in ("prompt", "completion"):  # token offsets count from the run's first entry
-        arrays[f"samples/{kind}_offset"] = (arrays[f"samples/{kind}_offset"]
-                                            - int(flushes[0].meta.get(f"{kind}_at", 0)))
-    counts = dict.fromkeys(TABLES, 0)
+    arrays = {name: np.concatenate([f.arrays[stored_name(name, head.layout)] for f in flushes])
+              for name in layout}
+    first = flushes[0]
+    arrays["samples/prompt_offset"] = arrays["samples/prompt_offset"] - first.prompt_at
+    arrays["samples/completion_offset"] = arrays["samples/completion_offset"] - first.completion_at
+    counts = dict.fromkeys(TABLES, 0)  # (token offsets count from the run's first entry)
     for name, spec in layout.items():
         counts[spec.table] = len(arrays[name])
-    attrs = segment_attrs(schema, head["run_id"], int(head["gen"]), first_row, head["meta"],
-                          int(flushes[0].meta["seq"]), int(flushes[-1].meta["seq"]), head["writer"])
-    attrs["tokenflow_schema_version"] = int(head["layout"])
-    attrs["meta"] = json.dumps(head["meta"], sort_keys=True)
+    attrs = segment_attrs(schema, head.run_id, head.gen, first_row, head.meta, first.seq,
+                          flushes[-1].seq, head.writer)
+    attrs["tokenflow_schema_version"] = head.layout
+    attrs["meta"] = json.dumps(head.meta, sort_keys=True)
     seg = Segment(ArrayFile(arrays, attrs), path, counts=counts)
     try:
         bad = [n for n, s in layout.items() if len(arrays[n]) != counts[s.table]]
@@ -322,7 +332,12 @@ def recorded_damage(log_dir: Path) -> list[str]:
         with open(path, "rb") as fh:
             jr = read_entries(fh.read(1 << 20))
         if jr.entries:
-            return [f"{c['file']} quarantined: {c.get('lost_entries', '?')} journal entries, "
-                    f"{c.get('lost_rows', '?')} rows, {c.get('lost_step_records', '?')} step "
-                    "records lost" for c in jr.entries[0].meta.get("carried", [])]
+            return [_quarantine_note(c) for c in jr.entries[0].carried]
     return []
+
+
+def _quarantine_note(c: CarriedJournal) -> str:
+    if c.lost_entries is None:  # a quarantine that recorded no loss
+        return f"{c.file} quarantined: ? journal entries, ? rows, ? step records lost"
+    return (f"{c.file} quarantined: {c.lost_entries} journal entries, {c.lost_rows} rows, "
+            f"{c.lost_step_records} step records lost")

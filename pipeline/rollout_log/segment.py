@@ -27,7 +27,7 @@ from pipeline.rollout_log.digests import BlockDamage, damaged_blocks, verified
 from pipeline.rollout_log.segment_map import MappedFile, hdf5_damage
 from pipeline.rollout_log.format import (
     SCHEMA_VERSION, TABLES, CorruptSegmentError, ForeignFileError, LogError, NewerSchemaError,
-    NotHDF5Error, dataset_layout)
+    NotHDF5Error, dataset_layout, stored_name)
 from pipeline.protocol.record import PROMPT_COLUMN, RecordError, RecordSchema, SampleBatch
 
 _COMMIT_LOOKBACK = 8  # how many trailing commit rows to try when the last one is torn
@@ -163,7 +163,7 @@ class Segment:
     def _table_lengths(self) -> dict[str, int]:
         lengths = {t: np.iinfo(np.int64).max for t in TABLES}
         for name, spec in self.layout.items():
-            lengths[spec.table] = min(lengths[spec.table], self.file[name].shape[0])
+            lengths[spec.table] = min(lengths[spec.table], self.file[self._stored(name)].shape[0])
         return lengths
 
     def _committed_counts(self) -> dict[str, int]:
@@ -200,9 +200,9 @@ class Segment:
     def _read(self, name: str, a: int, b: int) -> np.ndarray:
         """Rows ``a:b`` of a dataset, checked against its digests when the segment has them."""
         if not self.digested:
-            return self.file[name][a:b]
+            return self.file[self._stored(name)][a:b]
         try:
-            out = verified(self.file, name, a, b)
+            out = verified(self.file, self._stored(name), a, b)
             spec = self.layout.get(name)
             if spec is not None and (out.dtype != spec.dtype or out.shape[1:] != spec.trail):
                 raise BlockDamage(name, a, b, f"read as {out.dtype}{list(out.shape[1:])}")
@@ -222,8 +222,8 @@ class Segment:
         found = []
         for name, spec in [*self.layout.items(), ("commits", None)]:
             try:
-                blocks = damaged_blocks(self.file, name)
-                ds = self.file[name]
+                blocks = damaged_blocks(self.file, self._stored(name))
+                ds = self.file[self._stored(name)]
                 if spec is not None and (ds.dtype != spec.dtype or ds.shape[1:] != spec.trail):
                     raise ValueError(f"stored as {ds.dtype}{list(ds.shape[1:])}")
             except Exception as e:
@@ -261,6 +261,11 @@ class Segment:
     @property
     def num_rows(self) -> int:
         return self.counts["samples"]
+
+    def _stored(self, name: str) -> str:
+        """Dataset ``name``'s name in this segment's file (`format.stored_name`; rows in memory
+        carry today's names)."""
+        return name if isinstance(self.file, ArrayFile) else stored_name(name, self.version)
 
     # -- reads ---------------------------------------------------------------------------------
     def read_range(self, a: int, b: int) -> SampleBatch:
@@ -305,7 +310,7 @@ class Segment:
         bad = self.damaged_rows()[spec.table]
         if not bad.any():
             return self.read_column(name)
-        return self.file[name][:self.counts[spec.table]][~bad]
+        return self.file[self._stored(name)][:self.counts[spec.table]][~bad]
 
     def read_table(self, table: str, columns) -> dict[str, np.ndarray]:
         return {c: self.read_column(f"{table}/{c}") for c in columns}

@@ -51,6 +51,7 @@ from pipeline.rollout_log.journal import JournalFile, encode_entry, fsync_dir, j
 from pipeline.rollout_log.reader import RolloutLog
 from pipeline.rollout_log.scan import scan_log
 from pipeline.rollout_log.segment import ArrayFile, Segment
+from pipeline.protocol.journal_entries import CarriedJournal, FlushEntry, JournalHeader, Predecessor
 from pipeline.protocol.record import PROMPT_COLUMN, RecordSchema, SampleBatch
 
 
@@ -79,7 +80,7 @@ class RolloutLogWriter:
         self._carried_segs: list[Segment] = list(scan.carried)
         self._lost_listed = [(f["segment_index"], f["first_row"], f["rows"],
                               f["tokenflow_schema_version"]) for f in scan.lost_segments]
-        self._carried: list[dict] = list(scan.header.get("carried", [])) if scan.header else []
+        self._carried: list[CarriedJournal] = list(scan.header.carried) if scan.header else []
         try:
             old = scan.segments + scan.carried + ([scan.tail] if scan.tail is not None else [])
             for seg in old:
@@ -101,16 +102,15 @@ class RolloutLogWriter:
             self._row_tokens = np.zeros(max(1024, 2 * self.first_row), dtype=np.int64)
             for seg in old:  # prompt + completion tokens of every row, for step records' n_tokens
                 self._row_tokens[seg.first_row:seg.first_row + seg.num_rows] = _row_tokens(seg)
-            predecessor = None if scan.header is None else {
-                "gen": int(scan.header["gen"]), "writer": scan.header["writer"],
-                "valid_end": scan.valid_end, "last_seq": scan.next_seq - 1, "torn": scan.torn}
+            predecessor = None if scan.header is None else Predecessor(
+                scan.header.gen, scan.header.writer, scan.valid_end, scan.next_seq - 1, scan.torn)
             tail = scan.tail
             if scan.damaged:
                 self._carried.append(_quarantine(scan))
             self._rotate(scan.max_index + 1, tail.file.arrays if tail else {},
                          tail.counts if tail else dict.fromkeys(TABLES, 0),
                          tail.first_row if tail else self.first_row,
-                         int(scan.header["start_seq"]) if tail else self.seq, predecessor)
+                         scan.header.start_seq if tail else self.seq, predecessor)
         except FileExistsError:
             self._release(scan.tail)
             raise LogError(f"{self.log_dir}: another rollout log writer is starting on this log")
@@ -135,7 +135,7 @@ class RolloutLogWriter:
 
     # -- generations --------------------------------------------------------------------------
     def _rotate(self, gen: int, data: dict, counts: dict[str, int], first_row: int,
-                first_seq: int, predecessor: dict | None = None) -> None:
+                first_seq: int, predecessor: Predecessor | None = None) -> None:
         """Claim generation ``gen``, seal ``data`` (flushed rows not yet in a segment) into its
         segment, write its journal header, then drop older journals (module invariants)."""
         try:
@@ -160,17 +160,15 @@ class RolloutLogWriter:
                     self.writer_id), data, counts)
                 sealed = path
                 self._sealed.append(Segment.open(path))
-            head = {"layout": SCHEMA_VERSION, "run_id": self.run_id, "gen": gen,
-                    "record_schema": self.schema.to_dict(), "writer": self.writer_id,
-                    "start_seq": self.seq, "start_row": first_row + counts["samples"],
-                    "meta": self.meta, "created": time.time(), "predecessor": predecessor,
-                    "carried": self._carried}
             listed = sorted([(s.index, s.first_row, s.num_rows, s.version) for s in self._sealed]
                             + self._lost_listed)
-            header = encode_entry("journal", head, {
-                name: np.array([entry[k] for entry in listed], np.int64).reshape(-1)
-                for k, name in enumerate(("segments", "segment_first_rows", "segment_rows",
-                                          "segment_layouts"))})
+            head = JournalHeader(
+                SCHEMA_VERSION, self.run_id, gen, self.schema.to_dict(), self.writer_id, self.seq,
+                first_row + counts["samples"], self.meta, time.time(), predecessor, self._carried, {
+                    name: np.array([entry[k] for entry in listed], np.int64).reshape(-1)
+                    for k, name in enumerate(("segments", "segment_first_rows", "segment_rows",
+                                              "segment_layouts"))})
+            header = encode_entry(head)
             journal.append(header + header)  # and its copy (see `journal`)
             fsync_dir(self.log_dir)
         except BaseException as e:  # withdraw the claim: nothing of this generation is acknowledged
@@ -191,7 +189,7 @@ class RolloutLogWriter:
                 old.unlink(missing_ok=True)  # sealed, or a fenced writer's: no reader needs it
         for tmp in self.log_dir.glob(".*.tmp"):
             tmp.unlink(missing_ok=True)  # a killed (or fenced) writer's unfinished seal or copy
-        self._gen_first_row, self._gen_first_seq = head["start_row"], self.seq
+        self._gen_first_row, self._gen_first_seq = head.start_row, self.seq
         self._journal_bytes = 0
         self._sealed_at = self._fence_checked_at = time.monotonic()
         self._written.update(dict.fromkeys(TABLES, 0))
@@ -199,7 +197,7 @@ class RolloutLogWriter:
             self._chunks[name] = []
             self._arrays[name] = np.zeros((0, *spec.trail), spec.dtype)
         self._live = Segment(ArrayFile(self._arrays, segment_attrs(
-            self.schema, self.run_id, gen, head["start_row"], self.meta)), journal.path,
+            self.schema, self.run_id, gen, head.start_row, self.meta)), journal.path,
             counts=self._written)
         if hasattr(self, "_log"):
             self._log.segments = self._sealed + self._carried_segs + [self._live]
@@ -253,10 +251,11 @@ class RolloutLogWriter:
             raise LogError(f"groups.first_row {fr.tolist()} outside -1..{self.num_rows - 1}")
         self._push("groups", cols)
 
-    def append_steps(self, step: int, rows: ArrayLike, dp_ranks: ArrayLike, trainer_version: int,
+    def append_steps(self, step: int, rows: ArrayLike, dp_ranks: ArrayLike, trainer_step: int,
                      t: float) -> None:
-        """Buffer one step record: the global ``rows`` step ``step`` consumed and the data-parallel
-        rank each went to (``dp_ranks``: one per row, or a scalar)."""
+        """Buffer one step record: the global ``rows`` step ``step`` consumed, the data-parallel
+        rank each went to (``dp_ranks``: one per row, or a scalar) and the trainer's step when
+        it was served (`PolicyClock.trainer_step`)."""
         self._check_open()
         rows = _cast("steps.row", np.atleast_1d(rows), STEP_COLUMNS["row"])
         if rows.ndim != 1 or (len(rows) and (rows.min() < 0 or rows.max() >= self.num_rows)):
@@ -266,7 +265,7 @@ class RolloutLogWriter:
                              "dp_rank": ranks})
         self._push("step_meta", {
             "step": np.array([step], STEP_META_COLUMNS["step"]),
-            "trainer_version": np.array([trainer_version], STEP_META_COLUMNS["trainer_version"]),
+            "trainer_step": np.array([trainer_step], STEP_META_COLUMNS["trainer_step"]),
             "n_samples": np.array([len(rows)], STEP_META_COLUMNS["n_samples"]),
             "n_tokens": np.array([self._row_tokens[rows].sum()], STEP_META_COLUMNS["n_tokens"]),
             "t": np.array([t], STEP_META_COLUMNS["t"])})
@@ -291,11 +290,10 @@ class RolloutLogWriter:
                 entry[name] = np.asarray(chunk, dtype=spec.dtype)
             else:
                 entry[name] = np.zeros((0, *spec.trail), spec.dtype)
-        parts = encode_entry("flush", {
-            "seq": self.seq, "t": time.time(), "row": self._gen_first_row + self._written["samples"],
-            "prompt_at": self._written["prompt_tokens"],
-            "completion_at": self._written["completion_tokens"],
-            "steps_at": self._written["step_meta"]}, entry)
+        parts = encode_entry(FlushEntry(
+            self.seq, time.time(), self._gen_first_row + self._written["samples"],
+            self._written["prompt_tokens"], self._written["completion_tokens"],
+            self._written["step_meta"], entry))
         try:
             self._journal.append(parts)  # raises before anything below: nothing half-written
         except OSError as e:
@@ -426,7 +424,7 @@ def _row_tokens(seg: Segment) -> np.ndarray:
         return out
 
 
-def _quarantine(scan) -> dict:
+def _quarantine(scan) -> CarriedJournal:
     """Copy the governing journal, damaged, aside (``*.tfj.damaged``: never removed, carried by
     every later header so its intact entries stay in the log); what the header records of it."""
     src = scan.journal
@@ -451,8 +449,7 @@ def _quarantine(scan) -> dict:
                                f"({e}); free space, then start again") from e
         raise
     fsync_dir(dst.parent)
-    return {"file": dst.name, "gen": int(scan.header["gen"]), "valid_end": scan.valid_end,
-            **scan.governing_lost.as_dict()}
+    return CarriedJournal(dst.name, scan.header.gen, scan.valid_end, **scan.governing_lost.as_dict())
 
 
 def _cast(name: str, value: np.ndarray, dtype: np.dtype) -> np.ndarray:

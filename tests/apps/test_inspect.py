@@ -31,12 +31,12 @@ def known_log(tmp_path):
             w.append_samples(b)
         w.append_groups(np.arange(4), 0, GroupOutcome.STORED, np.arange(4) * 4, 4, [0, 0, 1, 1], 1.0)
         w.append_groups([10, 11], 0, GroupOutcome.FILTERED, -1, 0, 0, 1.0)
-        w.append_steps(0, np.arange(8), 0, trainer_version=1, t=2.0)
+        w.append_steps(0, np.arange(8), 0, trainer_step=1, t=2.0)
     with RolloutLogWriter(log_dir, SCHEMA, "known", {"group_size": 4}) as w:  # a second segment
         w.append_samples(parts[2])
         w.append_groups([4, 12], 0, [GroupOutcome.STORED, GroupOutcome.DROPPED_STALE], [16, -1],
                         [4, 0], [2, 0], 3.0)
-        w.append_steps(1, np.arange(8, 12), [0, 1, 0, 1], trainer_version=2, t=4.0)
+        w.append_steps(1, np.arange(8, 12), [0, 1, 0, 1], trainer_step=2, t=4.0)
     return tmp_path / "run", SampleBatch.concat(parts)
 
 
@@ -129,7 +129,7 @@ def test_unconsumed_staleness_uses_the_newest_known_version(tmp_path, capsys):
     with RolloutLogWriter(log_dir, SCHEMA, "n", {}) as w:
         w.append_samples(make_batch(SCHEMA, 0, 2, version=0))
         w.append_samples(make_batch(SCHEMA, 1, 2, version=3))  # generated after the last step
-        w.append_steps(0, [0], 0, trainer_version=1, t=0.0)
+        w.append_steps(0, [0], 0, trainer_step=1, t=0.0)
     st = _run_json(capsys, log_dir)["staleness"]
     assert st["reference_version"] == 3 and st["consumed"] == {"1": 1}
     assert st["unconsumed"] == {"0": 2, "3": 1} and st["all"] == {"0": 2, "1": 1, "3": 1}

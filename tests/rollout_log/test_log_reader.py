@@ -7,7 +7,7 @@ import pytest
 
 from pipeline.rollout_log.format import (
     CorruptSegmentError, ForeignFileError, LogDamageWarning, LogError, LogNotFoundError,
-    NewerSchemaError, NotHDF5Error)
+    SCHEMA_VERSION, NewerSchemaError, NotHDF5Error)
 from pipeline.rollout_log.reader import RolloutLog
 from pipeline.rollout_log.scan import recorded_damage
 from pipeline.protocol.record import RecordSchema, SampleBatch
@@ -99,7 +99,7 @@ def test_errors_name_the_problem(tmp_path):
     seg1 = _segment(tmp_path / "run" / "rollouts", 1)
     with h5py.File(seg1, "r+") as f:
         f.attrs["tokenflow_schema_version"] = 7
-    with RolloutLog.open(tmp_path / "run") as log:  # the header lists it as layout 3: a damaged attribute
+    with RolloutLog.open(tmp_path / "run") as log:  # the header lists its layout: a damaged attribute
         assert_batches_equal(log.read(np.arange(8)), SampleBatch.concat(batches))
     for journal in (tmp_path / "run" / "rollouts").glob("*.tfj"):  # segments only: they decide
         journal.unlink()
@@ -108,7 +108,7 @@ def test_errors_name_the_problem(tmp_path):
     with pytest.raises(NewerSchemaError):
         RolloutLog.open(seg1)
     with h5py.File(seg1, "r+") as f:
-        f.attrs["tokenflow_schema_version"] = 1
+        f.attrs["tokenflow_schema_version"] = SCHEMA_VERSION
     with RolloutLog.open(tmp_path / "run") as log:  # the same log, version restored: readable
         assert_batches_equal(log.read(np.arange(8)), SampleBatch.concat(batches))
 
@@ -170,7 +170,7 @@ def test_journal_is_read_up_to_its_torn_tail(tmp_path, damage):
     with w2:
         assert w2.first_row == 4 * good
     with RolloutLog.open(log_dir) as log:
-        assert log.scan.header["predecessor"]["valid_end"] == ends[good - 1]
+        assert log.scan.header.predecessor.valid_end == ends[good - 1]
         assert_batches_equal(log.read(np.arange(4 * good)), SampleBatch.concat(batches[:good]))
 
 
@@ -230,8 +230,8 @@ def test_damaged_journal_entry_is_reported_the_rest_kept_and_the_file_quarantine
 
 def test_a_log_written_before_entry_checksums_and_renamed_columns_still_reads(tmp_path):
     """tests/support/golden/log_tfj1: written by the previous release (TFJ1 journal entries, step_meta's
-    ``trainer_version`` column); a sealed segment of 12 rows, then a journal of 12 more. Read,
-    then continued by today's writer."""
+    ``trainer_version`` column, now ``trainer_step``); a sealed segment of 12 rows, then a journal of
+    12 more. Read, then continued by today's writer, whose records read alongside the old ones."""
     import shutil
     from pathlib import Path
     log_dir = tmp_path / "rollouts"
@@ -245,6 +245,14 @@ def test_a_log_written_before_entry_checksums_and_renamed_columns_still_reads(tm
     with RolloutLogWriter(log_dir, SCHEMA, "old-run", {}) as w:
         assert w.first_row == 24
         w.append_samples(make_batch(SCHEMA, 7, 2, first_group=70))
+        w.append_steps(4, [24, 25], 0, trainer_step=5, t=9.0)
     with RolloutLog.open(log_dir) as log:
         assert log.num_samples == 26 and not log.problems
         assert_batches_equal(log.read(np.arange(24)), want)
+        assert [(s, v) for s, v, _ in log.step_records()] == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
+        assert log.step_meta()["trainer_step"].tolist() == [1, 2, 3, 4, 5]
+        state = log.resume_state()
+        assert state.last_step == 4 and state.last_trainer_step == 5
+    newest = max(log_dir.glob("segment-*.h5"))  # sealed by today's writer: today's layout and names
+    with h5py.File(newest, "r") as f:
+        assert f.attrs["tokenflow_schema_version"] == SCHEMA_VERSION and "trainer_step" in f["step_meta"]

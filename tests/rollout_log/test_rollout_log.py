@@ -246,7 +246,7 @@ def test_stale_writer_is_fenced_by_the_next_one(tmp_path, place):
             b.append_samples(mine)
             b.flush()
             with RolloutLog.open(wdir / "rollouts") as log:
-                assert log.scan.header["predecessor"]["valid_end"] == a_end
+                assert log.scan.header.predecessor.valid_end == a_end
                 assert log.num_samples == 29
                 want = SampleBatch.concat([_batch(0, k) for k in range(3)] + [mine])
                 assert_batches_equal(log.read(np.arange(29)), want)
@@ -316,10 +316,10 @@ def test_groups_steps_and_resume_state(tmp_path):
         w.append_groups([0, 1, 2, 3], [0, 1, 0, 2],
                         [GroupOutcome.STORED, GroupOutcome.STORED, GroupOutcome.FILTERED,
                          GroupOutcome.DROPPED_STALE], [0, 4, -1, -1], [4, 4, 0, 0], 0, 1.5)
-        w.append_steps(0, rows[:4], [0, 0, 1, 1], trainer_version=0, t=2.0)
-        w.append_steps(1, rows[4:6], 1, trainer_version=1, t=3.0)
+        w.append_steps(0, rows[:4], [0, 0, 1, 1], trainer_step=0, t=2.0)
+        w.append_steps(1, rows[4:6], 1, trainer_step=1, t=3.0)
     with RolloutLogWriter(log_dir, SCHEMA, "r", {}) as w:  # a resume re-runs step 1
-        w.append_steps(1, [4, 5, 6], [0, 1, 0], trainer_version=1, t=4.0)
+        w.append_steps(1, [4, 5, 6], [0, 1, 0], trainer_step=1, t=4.0)
         w.append_groups(7, 0, GroupOutcome.DROPPED_INVALID, -1, 0, 0, 5.0)
     with RolloutLog.open(log_dir) as log:
         st = log.resume_state()
@@ -333,7 +333,7 @@ def test_groups_steps_and_resume_state(tmp_path):
         assert st.max_group_id == 7 and st.duplicate_groups == 0
         assert {k: v.tolist() for k, v in st.step_rows.items()} == {0: [0, 1, 2, 3], 1: [4, 5, 6]}
         assert st.consumed_rows.tolist() == [0, 1, 2, 3, 4, 5, 6]
-        assert st.last_step == 1 and st.last_trainer_version == 1
+        assert st.last_step == 1 and st.last_trainer_step == 1
         meta = log.step_meta()
         assert meta["n_samples"].tolist() == [4, 2, 3]
         lens = b.columns["prompt_len"].astype(int) + b.columns["completion_len"]

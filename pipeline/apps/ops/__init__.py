@@ -139,7 +139,7 @@ def run_status(run_dir: Path) -> Dict[str, Any]:
         "complete": (run_dir / "COMPLETE").exists(),
         "components": components,
         "steps_done": step["step"] + 1 if step else 0, "steps": cfg_steps,
-        "trainer_version": step["version"] if step else None,
+        "version": step["version"] if step else None,
         "generator_versions": generators,
         "buffer_groups": orch.get("buffer_groups") if orch else None,
         "in_flight_groups": orch.get("in_flight") if orch else None,
@@ -189,7 +189,7 @@ def format_status(s: Dict[str, Any]) -> str:
         lines.append(f"{c['role']:<10} {c['state'] + extra:<24} {c['nodes'] or '-':<12} {c['tasks']} task(s)"
                      f"   log {c['logs'][0]}")
     gens = ", ".join(f"{k} at {v}" for k, v in sorted(s["generator_versions"].items())) or "none reported"
-    lines.append(f"step       {s['steps_done']}/{s['steps']}  policy version {s['trainer_version']} ({gens})  "
+    lines.append(f"step       {s['steps_done']}/{s['steps']}  policy version {s['version']} ({gens})  "
                  f"buffer {s['buffer_groups']} groups, {s['in_flight_groups']} in flight  "
                  f"staleness max {s['staleness_max']}")
     ev = s["last_eval"]
