@@ -187,7 +187,7 @@ def bandwidth_sender(host: str, port: int, big_layers: int, big_vocab: int, reps
     from pipeline.weights.group import TorchDistChannel
 
     torch.set_num_threads(1)
-    channel = TorchDistChannel(host, port, rank=0, world_size=2, timeout_s=TIMEOUT_S)
+    channel = TorchDistChannel(host, port, rank=0, world_size=2, timeout_s=TIMEOUT_S, secret=bytes(32))
     try:
         for _, build in weight_sets(big_layers, big_vocab):
             named, flat = build()
@@ -225,7 +225,7 @@ def bandwidth(big_layers: int, big_vocab: int, reps: int) -> dict:
                                "--big-vocab", str(big_vocab)])
     results: dict = {}
     try:
-        channel = TorchDistChannel("127.0.0.1", port, rank=1, world_size=2, timeout_s=TIMEOUT_S)
+        channel = TorchDistChannel("127.0.0.1", port, rank=1, world_size=2, timeout_s=TIMEOUT_S, secret=bytes(32))
         for name, _ in weight_sets(big_layers, big_vocab):
             times: dict[str, list[float]] = {m: [] for m in MODES}
             total = tensors = buckets = 0
@@ -299,7 +299,7 @@ def stall_sender(host: str, port: int, store_port: int, model: str, updates: int
     named = model_weights(model)
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
                           timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    channel = TorchDistChannel(host, port, rank=0, world_size=2, timeout_s=TIMEOUT_S)
+    channel = TorchDistChannel(host, port, rank=0, world_size=2, timeout_s=TIMEOUT_S, secret=bytes(32))
     try:
         for k in range(1, updates + 1):
             store.wait([f"take/{k}"])
@@ -385,7 +385,7 @@ async def stall(args) -> dict:
         sender = subprocess.Popen([sys.executable, __file__, "--_sender", "stall", "--_port", str(port),
                                    "--_store-port", str(store_port), "--updates", str(updates),
                                    "--model", args.model])
-        await gen.join_weight_group("127.0.0.1", port, 1, 2)
+        await gen.join_weight_group("127.0.0.1", port, 1, 2, secret=bytes(32))
         load = Load(gen, args.batch, args.gen_tokens)
         tasks = load.start()
         await asyncio.sleep(args.warmup)

@@ -134,7 +134,7 @@ import json, sys
 sys.path.insert(0, %(repo)r)
 import torch
 from pipeline.weights.cuda_ipc import CudaIpcChannel
-ch = CudaIpcChannel("127.0.0.1", %(port)d, rank=1, timeout_s=120, device=torch.device("cuda", 0))
+ch = CudaIpcChannel("127.0.0.1", %(port)d, rank=1, timeout_s=120, device=torch.device("cuda", 0), secret=bytes(32))
 out = []
 for _ in range(%(versions)d):
     update = ch.receive()
@@ -160,7 +160,7 @@ def section_cuda_ipc(work: Path) -> dict:
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     sent = []
     try:
-        ch = CudaIpcChannel("127.0.0.1", port, rank=0, timeout_s=120, device=torch.device("cuda", 0))
+        ch = CudaIpcChannel("127.0.0.1", port, rank=0, timeout_s=120, device=torch.device("cuda", 0), secret=bytes(32))
         gen = torch.Generator(device="cuda").manual_seed(0)
         start = time.perf_counter()
         for v in range(IPC_VERSIONS):

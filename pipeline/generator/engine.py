@@ -292,20 +292,21 @@ class Generator:
 
     # -- weights ------------------------------------------------------------------------------
     async def join_weight_group(self, host: str, port: int, first_rank: int, world_size: int,
-                                backend: str = "gloo", epoch: int = 0, senders: int = 1) -> list[int]:
+                                backend: str = "gloo", epoch: int = 0, senders: int = 1, *, secret: bytes) -> list[int]:
         """Each engine worker joins the weight group (``senders`` trainer ranks send; the channel
-        is ``config.weight_channel``); returns their ranks."""
+        is ``config.weight_channel``; ``secret``: the run's, signs the group's store); returns their ranks."""
         return await self.engine.collective_rpc(
-            "join_weight_group", args=(host, port, first_rank, world_size, self.config.weight_timeout_s,
+            "join_weight_group", args=(host, port, first_rank, world_size, self.config.weight_timeout_s, secret,
                                        backend, epoch, senders, self.config.weight_channel))
 
     async def start_joining_weight_group(self, host: str, port: int, first_rank: int, world_size: int,
-                                         backend: str = "gloo", epoch: int = 0, senders: int = 1) -> list[int]:
+                                         backend: str = "gloo", epoch: int = 0, senders: int = 1, *,
+                                         secret: bytes) -> list[int]:
         """Like `join_weight_group`, but returns at once: each worker forms the group on a background
         thread and stays in the group in use until `use_weight_group` (epoch)."""
         return await self.engine.collective_rpc(
             "start_joining_weight_group", args=(host, port, first_rank, world_size, self.config.weight_timeout_s,
-                                                backend, epoch, senders, self.config.weight_channel))
+                                                secret, backend, epoch, senders, self.config.weight_channel))
 
     async def use_weight_group(self, epoch: int) -> None:
         """Switch every worker to weight group ``epoch`` (waits until it formed)."""

@@ -187,20 +187,21 @@ class WeightSyncExtension:
         return self.load_hf_weights(tensors())
 
     def join_weight_group(self, host: str, port: int, first_rank: int, world_size: int,
-                          timeout_s: float, backend: str = "gloo", epoch: int = 0, senders: int = 1,
+                          timeout_s: float, secret: bytes, backend: str = "gloo", epoch: int = 0, senders: int = 1,
                           channel: str = "broadcast") -> int:
         """Join the trainer's weight group as rank ``first_rank + self.rank``; returns that rank.
-        ``channel``: 'broadcast' (`TorchDistChannel`) or 'cuda_ipc' (`CudaIpcChannel`, same GPU)."""
+        ``channel``: 'broadcast' (`TorchDistChannel`) or 'cuda_ipc' (`CudaIpcChannel`, same GPU);
+        ``secret``: the run's (signs the group's store)."""
         self.leave_weight_group()
         rank = first_rank + int(self.rank)
         self._step_clock()
         self._tf_channel = _open_channel(host, port, rank, world_size, timeout_s, backend, epoch, senders, channel,
-                                         self.device)
+                                         self.device, secret)
         return rank
 
     def start_joining_weight_group(self, host: str, port: int, first_rank: int, world_size: int,
-                                   timeout_s: float, backend: str = "gloo", epoch: int = 0, senders: int = 1,
-                                   channel: str = "broadcast") -> int:
+                                   timeout_s: float, secret: bytes, backend: str = "gloo", epoch: int = 0,
+                                   senders: int = 1, channel: str = "broadcast") -> int:
         """Start joining weight group ``epoch`` on a background thread (`GroupBuild`), staying in the
         group in use until `use_weight_group` switches; returns this worker's rank in it."""
         from pipeline.weights.group_build import GroupBuild
@@ -211,7 +212,8 @@ class WeightSyncExtension:
             joins.pop(epoch).abandon()
         device = self.device  # this worker's GPU, read on its own thread (vLLM sets it per thread)
         joins[epoch] = GroupBuild(epoch, None, lambda: _open_channel(host, port, rank, world_size, timeout_s,
-                                                                      backend, epoch, senders, channel, device))
+                                                                      backend, epoch, senders, channel, device,
+                                                                      secret))
         self._tf_join_timeout = timeout_s
         return rank
 
@@ -409,13 +411,13 @@ ignore_stop_signals()  # ... and leave the stop signals to the owner while it li
 
 
 def _open_channel(host: str, port: int, rank: int, world_size: int, timeout_s: float, backend: str, epoch: int,
-                  senders: int, channel: str, device):
+                  senders: int, channel: str, device, secret: bytes):
     """This worker's end of a weight group on ``device`` (the worker's own): 'broadcast'
-    (`TorchDistChannel`) or 'cuda_ipc'."""
+    (`TorchDistChannel`) or 'cuda_ipc'; ``secret``: the run's (signs the group's store)."""
     if channel == "cuda_ipc":
         from pipeline.weights.cuda_ipc import CudaIpcChannel
 
-        return CudaIpcChannel(host, port, rank, world_size, timeout_s, epoch, senders, device)
+        return CudaIpcChannel(host, port, rank, world_size, timeout_s, epoch, senders, device, secret=secret)
     from pipeline.weights.group import TorchDistChannel
 
-    return TorchDistChannel(host, port, rank, world_size, timeout_s, backend, epoch, senders, device)
+    return TorchDistChannel(host, port, rank, world_size, timeout_s, backend, epoch, senders, device, secret=secret)

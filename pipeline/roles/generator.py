@@ -296,7 +296,7 @@ class GeneratorRole:
             return
         t0 = time.monotonic()
         await self.gen.start_joining_weight_group(w["host"], w["port"], me, w["world_size"], backend=w["backend"],
-                                                  epoch=epoch, senders=w.get("senders", 1))
+                                                  epoch=epoch, senders=w.get("senders", 1), secret=self.link.key)
         self.joins.add(epoch)
         log.info("joining weight group epoch %d as rank %d of %d at %s:%d (the rpc starting it %.3fs)",
                  epoch, me, w["world_size"], w["host"], w["port"], time.monotonic() - t0)

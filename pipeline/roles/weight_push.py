@@ -257,11 +257,12 @@ class WeightPusher:
                 from pipeline.weights.cuda_ipc import CudaIpcChannel
 
                 return CudaIpcChannel(self.host, port, rank=0, world_size=world, timeout_s=timeout, epoch=epoch,
-                                      device=self.trainer.device)
+                                      device=self.trainer.device, secret=self.link.key)
             from pipeline.weights.group import TorchDistChannel
 
             return TorchDistChannel(self.host, port, rank=0, world_size=world, timeout_s=timeout,
-                                    backend=backend, epoch=epoch, senders=senders, device=self.trainer.device)
+                                    backend=backend, epoch=epoch, senders=senders, device=self.trainer.device,
+                                    secret=self.link.key)
 
         log.info("weight group epoch %d forming at %s:%d: %s (%d sender(s), world %d)", epoch, self.host, port,
                  sorted(members), senders, world)
@@ -300,7 +301,8 @@ class WeightPusher:
         w = self.rdv.wait(f"weights-{epoch}", self.cfg.run.timeout_s)
         self.channel = TorchDistChannel(w["host"], w["port"], rank=source, world_size=w["world_size"],
                                         timeout_s=self.cfg.generator.weight_timeout_s, backend=w["backend"],
-                                        epoch=epoch, senders=w["senders"], device=self.trainer.device)
+                                        epoch=epoch, senders=w["senders"], device=self.trainer.device,
+                                        secret=self.link.key)
         self.epoch = epoch
 
     def _wait_for_membership_change(self) -> None:

@@ -51,10 +51,12 @@ class WeightFollower:
     """Receives every weight update in its own thread and keeps the snapshots a lagged teacher
     will need (see the module docstring)."""
 
-    def __init__(self, identity: str, rendezvous: "Rendezvous", lag: int, every: int, timeout_s: float):
+    def __init__(self, identity: str, rendezvous: "Rendezvous", lag: int, every: int, timeout_s: float,
+                 secret: bytes):
         """``identity``: this teacher's member name in the weight group (``teacher-<rank>``);
-        ``lag``, ``every``: K and M; ``timeout_s``: of every join and receive."""
-        self.identity, self.rendezvous = identity, rendezvous
+        ``lag``, ``every``: K and M; ``timeout_s``: of every join and receive; ``secret``: the
+        run's (signs the weight group's store)."""
+        self.identity, self.rendezvous, self.secret = identity, rendezvous, secret
         self.lag, self.every, self.timeout_s = lag, every, timeout_s
         self.channel = None
         self.epoch = 0  # newest group followed: the channel's, or one that left this teacher out
@@ -139,7 +141,7 @@ class WeightFollower:
         device = _current_gpu() if w["backend"] == "nccl" else None  # read here, not on the build's thread
         self.joins[epoch] = GroupBuild(epoch, None, lambda: TorchDistChannel(
             w["host"], w["port"], me, w["world_size"], self.timeout_s, w["backend"], epoch, w.get("senders", 1),
-            device))
+            device, secret=self.secret))
         log.info("joining weight group epoch %d as rank %d of %d", epoch, me, w["world_size"])
 
     def _switch(self, epoch: int) -> None:

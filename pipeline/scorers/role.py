@@ -77,14 +77,14 @@ def _address(run_dir: Path, timeout_s: float) -> str:
             time.sleep(0.1)
 
 
-def weight_follower(run_cfg, rank: int, rendezvous):
-    """A lagged teacher's `WeightFollower` (None for any other service)."""
+def weight_follower(run_cfg, rank: int, rendezvous, secret: bytes):
+    """A lagged teacher's `WeightFollower` (None for any other service); ``secret``: the run's."""
     if run_cfg.scorers.teacher != "lagged":
         return None
     from pipeline.scorers.lagged import WeightFollower
 
     return WeightFollower(f"teacher-{rank}", rendezvous, run_cfg.scorers.teacher_lag,
-                          run_cfg.run.checkpoint_every, run_cfg.generator.weight_timeout_s)
+                          run_cfg.run.checkpoint_every, run_cfg.generator.weight_timeout_s, secret)
 
 
 def serve(run_dir: Path, cfg: ScorersConfig, service: str, rank: int,
@@ -220,7 +220,8 @@ def main(task) -> dict:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {task.role} %(levelname)s %(message)s")
     cfg = load_run_config(task.run_dir)
     service = ROLE_SERVICES[task.role]
-    follower = weight_follower(cfg, task.rank, task.rendezvous) if service == "teacher" else None
+    follower = (weight_follower(cfg, task.rank, task.rendezvous, load_or_create_secret(task.run_dir))
+                if service == "teacher" else None)
     return serve(task.run_dir, cfg.scorers, service, task.rank, task.stop_requested, follower=follower)
 
 
@@ -240,7 +241,8 @@ def cli(argv: list[str] | None = None) -> int:
     if args.service == "teacher" and cfg.scorers.teacher == "lagged":  # only it joins the run's weight group
         from pipeline.launch.rendezvous import Rendezvous, running_attempt
 
-        follower = weight_follower(cfg, args.rank, Rendezvous(args.run_dir, running_attempt(args.run_dir, 300.0)))
+        follower = weight_follower(cfg, args.rank, Rendezvous(args.run_dir, running_attempt(args.run_dir, 300.0)),
+                                   load_or_create_secret(args.run_dir))
     serve(args.run_dir, cfg.scorers, args.service, args.rank, follower=follower)
     return 0
 

@@ -13,7 +13,8 @@ Two forms:
 - `export_buckets` / `import_buckets`: one document for a whole set of buckets (a check script);
 - `CudaIpcChannel`: a `WeightChannel` (``generator.weight_channel = "cuda_ipc"``) that streams one
   bucket at a time through the sender's two `BufferRing` buffers, with a TCP store (listening on
-  the given address only, `open_store`) carrying the records and the receiver's acknowledgements:
+  the given address only, `open_store`; every value signed with the run secret, `SignedStore`)
+  carrying the records and the receiver's acknowledgements:
   update n's `UpdateHeader` under ``u{n}/meta``, bucket k's `IpcHandle` under ``u{n}/b{k}``; the
   receiver acknowledges bucket k (``u{n}/ack{k}``) when it asks for bucket k + 2, and the sender packs bucket k + 2 into bucket k's buffer only after that
   acknowledgement. So at most two buckets of GPU memory are used, on the sender only, and a
@@ -118,9 +119,12 @@ class CudaIpcChannel(WeightChannel):
     """Rank 0 (a trainer rank) streams to rank 1 (a generator worker on the same GPU)."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int = 2, timeout_s: float = 60.0,
-                 epoch: int = 0, senders: int = 1, device: "torch.device | None" = None):
+                 epoch: int = 0, senders: int = 1, device: "torch.device | None" = None, *, secret: bytes):
+        """``secret``: the run secret, which signs every value of the channel's store (`SignedStore`)."""
         import torch
         import torch.distributed as dist
+
+        from pipeline.weights.signed_store import SignedStore
 
         if world_size != 2 or senders != 1 or rank not in (0, 1):
             raise ValueError(f"a CUDA IPC channel joins one sender and one receiver on one GPU; got rank "
@@ -135,7 +139,8 @@ class CudaIpcChannel(WeightChannel):
         except (RuntimeError, OSError) as e:
             raise WeightSyncError(f"rank {rank} could not reach the CUDA IPC channel at {host}:{port} "
                                   f"within {timeout_s:.0f} s: {e}") from e
-        self._store = dist.PrefixStore(f"tokenflow/ipc/epoch{epoch}", store)
+        self._signed = SignedStore(store, secret)  # held: torch calls it through this Python object
+        self._store = dist.PrefixStore(f"tokenflow/ipc/epoch{epoch}", self._signed)
         self._updates = 0
 
     def _get(self, key: str, what: str) -> bytes:
@@ -144,6 +149,8 @@ class CudaIpcChannel(WeightChannel):
         except RuntimeError as e:  # DistStoreError (timeout, peer gone) is a RuntimeError
             raise WeightSyncError(f"rank {self.rank}: {what} did not arrive within "
                                   f"{self.timeout.total_seconds():.0f} s (did the peer die?): {e}") from e
+        except ValueError as e:  # StoreSignatureError: not written by the run's own processes
+            raise WeightSyncError(f"rank {self.rank}: {what} is not signed by this run: {e}") from e
         self.wire.received += len(value)
         return value
 

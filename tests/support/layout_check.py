@@ -100,7 +100,7 @@ def _trainer_rank(rank: int, a: dict) -> dict:
     channel = None
     if shards.source is not None:
         channel = TorchDistChannel("127.0.0.1", a["weight_port"], shards.source, shards.senders + a["receivers"],
-                                   a["timeout_s"], senders=shards.senders)
+                                   a["timeout_s"], senders=shards.senders, secret=bytes(32))
     sent: list[str] = []
     times, wire = [], []
     for version in range(1, a["reps"] + 1):
@@ -151,7 +151,7 @@ def _receiver(index: int, a: dict) -> dict:
     expected = set(where) if merger is None else {  # LoRA with every target: each projection
         n for n in where if re.search(r"(q|k|v|o|gate|up|down)_proj\.weight$", n)}
     channel = TorchDistChannel("127.0.0.1", a["weight_port"], senders + index, senders + a["receivers"],
-                               a["timeout_s"], senders=senders)
+                               a["timeout_s"], senders=senders, secret=bytes(32))
     versions, times, mismatched, names, wire, planned = [], [], [], [], [], []
     for _ in range(a["reps"]):
         t0 = time.perf_counter()

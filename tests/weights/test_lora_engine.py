@@ -36,7 +36,7 @@ SENDER = textwrap.dedent("""
     from safetensors import safe_open
     from pipeline.weights.group import TorchDistChannel
     port, updates = int(sys.argv[1]), json.loads(sys.argv[2])
-    ch = TorchDistChannel("127.0.0.1", port, 0, 2, timeout_s=60)
+    ch = TorchDistChannel("127.0.0.1", port, 0, 2, timeout_s=60, secret=bytes(32))
     for version, path in updates:
         with safe_open(path, "pt") as f:
             names = ["lora.scaling"] + sorted(k for k in f.keys() if k != "lora.scaling")
@@ -128,7 +128,7 @@ def test_adapter_sync_equals_a_fresh_engine_on_merged_weights(kind, loop, tmp_pa
     try:
         base_state = _state(loop, gen)
         assert base_state[0] != fresh_x[0], "the adapters X do not change the greedy outputs"
-        assert loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 2)) == [1]
+        assert loop.run_until_complete(gen.join_weight_group("127.0.0.1", port, 1, 2, secret=bytes(32))) == [1]
         states = {}
         for version, _ in updates:
             report = loop.run_until_complete(gen.update_weights(version))

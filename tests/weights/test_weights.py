@@ -158,7 +158,7 @@ SENDER = textwrap.dedent("""
     from pipeline.weights.group import TorchDistChannel
     from pipeline.weights.buckets import BucketPlan, pack
     port, die_after = int(sys.argv[1]), int(sys.argv[2])
-    ch = TorchDistChannel("127.0.0.1", port, 0, 2, timeout_s=60)
+    ch = TorchDistChannel("127.0.0.1", port, 0, 2, timeout_s=60, secret=bytes(32))
     gen = torch.Generator().manual_seed(7)
     named = [("big", torch.randn(5000, generator=gen)), ("bf", torch.randn(33, 7, generator=gen).bfloat16()),
              ("i", torch.arange(10))]
@@ -186,7 +186,7 @@ def test_gloo_channel_carries_versions_between_processes():
     port = free_port("127.0.0.1")
     proc = _start_sender(port, -1)
     try:
-        ch = TorchDistChannel("127.0.0.1", port, 1, 2, timeout_s=60)
+        ch = TorchDistChannel("127.0.0.1", port, 1, 2, timeout_s=60, secret=bytes(32))
         gen = torch.Generator().manual_seed(7)
         expected = {"big": torch.randn(5000, generator=gen), "bf": torch.randn(33, 7, generator=gen).bfloat16(),
                     "i": torch.arange(10)}
@@ -209,7 +209,7 @@ def test_sender_dying_mid_broadcast_raises_within_timeout():
     port = free_port("127.0.0.1")
     proc = _start_sender(port, 1)  # sends metadata and the buckets of "big", dies packing bucket 5
     try:
-        ch = TorchDistChannel("127.0.0.1", port, 1, 2, timeout_s=30)
+        ch = TorchDistChannel("127.0.0.1", port, 1, 2, timeout_s=30, secret=bytes(32))
         update = ch.receive()
         # No hang: the error arrives (peer reset, or at the latest the 30 s timeout) and names the step.
         # bucket 4 was in flight (streamed: packing bucket 5 overlaps it) when the sender died
@@ -229,7 +229,7 @@ SPLIT_SENDER = textwrap.dedent("""
     from pipeline.weights.group import TorchDistChannel
     port, bucket = int(sys.argv[1]), int(sys.argv[2])
     buckets.ALONE_BYTES = 4096  # the embedding's pieces travel from its own memory, the rest packed
-    ch = TorchDistChannel("127.0.0.1", port, 0, 2, timeout_s=60)
+    ch = TorchDistChannel("127.0.0.1", port, 0, 2, timeout_s=60, secret=bytes(32))
     gen = torch.Generator().manual_seed(11)
     big = torch.randn(5 * bucket // 8, generator=gen)  # float32: 2.5 buckets
     named = [("small", torch.arange(7)), ("embed", big), ("tail", torch.randn(3, generator=gen).bfloat16())]
@@ -253,7 +253,7 @@ def test_a_tensor_of_two_and_a_half_buckets_round_trips_within_two_buckets_of_bu
     proc = subprocess.Popen([sys.executable, "-c", SPLIT_SENDER, str(port), str(bucket)],
                             stdout=subprocess.PIPE, text=True)
     try:
-        ch = TorchDistChannel("127.0.0.1", port, 1, 2, timeout_s=60)
+        ch = TorchDistChannel("127.0.0.1", port, 1, 2, timeout_s=60, secret=bytes(32))
         gen = torch.Generator().manual_seed(11)
         big = torch.randn(5 * bucket // 8, generator=gen)
         want = {"small": torch.arange(7), "embed": big, "tail": torch.randn(3, generator=gen).bfloat16()}
@@ -292,7 +292,7 @@ def test_a_tensor_of_two_and_a_half_buckets_round_trips_within_two_buckets_of_bu
 
 def test_joining_a_group_nobody_hosts_fails_clearly():
     with pytest.raises(WeightSyncError, match="could not join the weight group"):
-        TorchDistChannel("127.0.0.1", free_port("127.0.0.1"), 1, 2, timeout_s=2)
+        TorchDistChannel("127.0.0.1", free_port("127.0.0.1"), 1, 2, timeout_s=2, secret=bytes(32))
 
 
 @pytest.mark.gpu
@@ -336,7 +336,7 @@ MULTI_SENDER = textwrap.dedent("""
     port, source = int(sys.argv[1]), int(sys.argv[2])
     specs = [(f"t{i}", "float32", (256 * (1 + i % 3),), (i // 4) % 2) for i in range(16)]
     plan = BucketPlan.from_specs(specs, 2048)
-    ch = TorchDistChannel("127.0.0.1", port, source, 4, timeout_s=30, senders=2)
+    ch = TorchDistChannel("127.0.0.1", port, source, 4, timeout_s=30, senders=2, secret=bytes(32))
     for version in (1, 2):
         named = [(n, torch.full(shape, float(version * 100 + i))) for i, (n, _, shape, src) in enumerate(specs)
                  if src == source]
@@ -354,13 +354,13 @@ def test_two_senders_stream_their_own_buckets_to_every_receiver():
     other = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import sys
         from pipeline.weights.group import TorchDistChannel
-        ch = TorchDistChannel("127.0.0.1", int(sys.argv[1]), 3, 4, timeout_s=30, senders=2)
+        ch = TorchDistChannel("127.0.0.1", int(sys.argv[1]), 3, 4, timeout_s=30, senders=2, secret=bytes(32))
         for _ in (1, 2):
             assert sum(1 for _ in ch.receive()) == 16
         ch.close()
     """), str(port)])
     try:
-        ch = TorchDistChannel("127.0.0.1", port, 2, 4, timeout_s=30, senders=2)
+        ch = TorchDistChannel("127.0.0.1", port, 2, 4, timeout_s=30, senders=2, secret=bytes(32))
         for version in (1, 2):
             update = ch.receive()
             assert update.version == version and set(update.plan.sources) == {0, 1}
@@ -377,7 +377,7 @@ def test_two_senders_stream_their_own_buckets_to_every_receiver():
 STREAM_SENDER = textwrap.dedent("""
     import sys, torch
     from pipeline.weights.group import TorchDistChannel
-    ch = TorchDistChannel("127.0.0.1", int(sys.argv[1]), 0, 2, timeout_s=30)
+    ch = TorchDistChannel("127.0.0.1", int(sys.argv[1]), 0, 2, timeout_s=30, secret=bytes(32))
     ch.send_tensors(1, [(f"w{i}", torch.full((1024,), float(i))) for i in range(8)], bucket_bytes=4096)
     ch.close()
 """)
@@ -406,7 +406,7 @@ def test_a_streamed_receive_copies_what_its_consumer_still_holds_before_reusing_
     port = free_port("127.0.0.1")
     proc = subprocess.Popen([sys.executable, "-c", STREAM_SENDER, str(port)])
     try:
-        ch = TorchDistChannel("127.0.0.1", port, 1, 2, timeout_s=30)
+        ch = TorchDistChannel("127.0.0.1", port, 1, 2, timeout_s=30, secret=bytes(32))
         update = ch.receive(release=release)
         count = len(update.plan.sizes)
         assert count == 8, "one 4 kB tensor per 4 kB bucket"
@@ -434,7 +434,7 @@ def test_a_streamed_receive_copies_what_its_consumer_still_holds_before_reusing_
 IPC_SENDER = textwrap.dedent("""
     import sys, torch
     from pipeline.weights.cuda_ipc import CudaIpcChannel
-    ch = CudaIpcChannel("127.0.0.1", int(sys.argv[1]), 0, timeout_s=60, device=torch.device("cuda", 0))
+    ch = CudaIpcChannel("127.0.0.1", int(sys.argv[1]), 0, timeout_s=60, device=torch.device("cuda", 0), secret=bytes(32))
     for version in (1, 2, 3):
         gen = torch.Generator(device="cuda").manual_seed(version)
         named = [(f"w{i}", torch.randn(3000 + 700 * i, device="cuda", generator=gen).to(
@@ -456,7 +456,7 @@ def test_cuda_ipc_channel_streams_buckets_to_a_process_on_the_same_gpu(stage):
     port = free_port("127.0.0.1")
     proc = subprocess.Popen([sys.executable, "-c", IPC_SENDER, str(port)], stdout=subprocess.PIPE, text=True)
     try:
-        ch = CudaIpcChannel("127.0.0.1", port, 1, timeout_s=60, device=torch.device("cuda", 0))
+        ch = CudaIpcChannel("127.0.0.1", port, 1, timeout_s=60, device=torch.device("cuda", 0), secret=bytes(32))
         payload = 0
         for version in (1, 2, 3):
             gen = torch.Generator(device="cuda").manual_seed(version)
