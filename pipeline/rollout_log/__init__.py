@@ -6,7 +6,8 @@ Public surface (everything else is the package's own):
 - `scan_log` (what a directory holds, damage included) in `scan`;
 - the layout, outcomes and errors in `format`; the journal's entries in `journal`; a sealed
   segment's block digests in `digests` and its map (rows readable without HDF5 metadata) in
-  `segment_map`; damage and what it cost in `scan` (`LogLoss`) and `reader.ResumeState`.
+  `segment_map`; damage and what it cost in `scan` (`LogLoss`) and `reader.ResumeState`; what a
+  writer refuses in `write_checks`; a segment file's HDF5 superblock in `hdf5_superblock`.
 """
 from pipeline.rollout_log.format import GroupOutcome, LogError
 from pipeline.rollout_log.reader import RolloutLog

@@ -256,3 +256,28 @@ def fsync_dir(path: Path) -> None:
             raise  # some filesystems (FUSE) cannot sync a directory: their namespace is synchronous
     finally:
         os.close(fd)
+
+
+def copy_aside(src: Path) -> Path:
+    """Copy journal ``src`` durably to ``src.damaged`` (written aside as a hidden ``*.tmp``,
+    fsync'd, renamed, the directory fsync'd); returns the copy's path. A failure (disk full)
+    leaves no ``*.tmp`` behind and raises the OSError."""
+    dst = src.with_name(src.name + ".damaged")
+    tmp = src.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    with open(src, "rb") as fh:
+        data = fh.read()
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view.nbytes:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, dst)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(dst.parent)
+    return dst

@@ -18,12 +18,12 @@ Row numbers here are *local* (0 = the segment's first sample); ``first_row`` map
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
 from pipeline.rollout_log.digests import BlockDamage, damaged_blocks, verified
+from pipeline.rollout_log.hdf5_superblock import marked_open_for_write, shortfall as superblock_shortfall
 from pipeline.rollout_log.segment_map import MappedFile, hdf5_damage
 from pipeline.rollout_log.format import (
     SCHEMA_VERSION, TABLES, CorruptSegmentError, ForeignFileError, LogError, NewerSchemaError,
@@ -115,13 +115,13 @@ class Segment:
         import h5py
         if not h5py.is_hdf5(path):
             raise NotHDF5Error(f"{path}: not an HDF5 file (no HDF5 signature)")
-        shortfall = _shortfall(path)
+        shortfall = superblock_shortfall(path)
         truncated = CorruptSegmentError(f"{path}: truncated (the file ends {shortfall} bytes "
                                         "before the end its HDF5 superblock records)")
         try:  # a closed segment opens plainly: damage then fails fast instead of SWMR's retries
             f = h5py.File(path, "r")
         except Exception as plain_error:  # OSError, and others on damaged metadata
-            live = _marked_open_for_write(path)
+            live = marked_open_for_write(path)
             if shortfall > (_SWMR_SLACK if live else 0):
                 raise truncated
             if not live:
@@ -262,6 +262,18 @@ class Segment:
     def num_rows(self) -> int:
         return self.counts["samples"]
 
+    def row_tokens(self) -> np.ndarray:
+        """Prompt + completion tokens of each row (0 for rows lost to damage)."""
+        try:
+            return (self.read_column("samples/prompt_len").astype(np.int64)
+                    + self.read_column("samples/completion_len"))
+        except CorruptSegmentError:
+            out = np.zeros(self.num_rows, np.int64)
+            good = ~self.damaged_rows()["samples"]
+            out[good] = (self.intact_column("samples/prompt_len").astype(np.int64)
+                         + self.intact_column("samples/completion_len"))
+            return out
+
     def _stored(self, name: str) -> str:
         """Dataset ``name``'s name in this segment's file (`format.stored_name`; rows in memory
         carry today's names)."""
@@ -355,48 +367,3 @@ class _Attrs:
             if self.known and key in ("created", "meta", "segment_index"):
                 return {"created": 0.0, "meta": "{}", "segment_index": -1}[key]
             raise
-
-
-_SIGNATURE = b"\x89HDF\r\n\x1a\n"
-
-
-def _superblock(path: Path) -> tuple[int, bytes] | None:
-    """(file offset, first 64 bytes) of the HDF5 superblock: at 0, or after a user block (512,
-    1024, 2048, ... bytes; sealed segments keep their map there); None if not found."""
-    with open(path, "rb") as fh:
-        for at in [0] + [512 << k for k in range(12)]:
-            fh.seek(at)
-            head = fh.read(64)
-            if head[:8] == _SIGNATURE:
-                return at, head
-            if len(head) < 64:
-                return None
-    return None
-
-
-def _superblock_eof(path: Path) -> int | None:
-    """End of the file as its HDF5 superblock records it (None if unknown)."""
-    found = _superblock(path)
-    if found is None:
-        return None
-    head = found[1]
-    version = head[8]
-    size_of_offsets = head[13] if version < 2 else head[9]
-    at = {0: 24, 1: 28}.get(version, 12) + 2 * size_of_offsets
-    if size_of_offsets not in (4, 8) or at + size_of_offsets > len(head):
-        return None
-    return int.from_bytes(head[at:at + size_of_offsets], "little")  # (counts the user block)
-
-
-def _marked_open_for_write(path: Path) -> bool:
-    """Whether the superblock (version >= 2) says a writer still has the file open: a layout-1
-    SWMR segment whose writer was killed. Sealed segments are closed before they are named."""
-    found = _superblock(path)
-    head = found[1] if found else b""
-    return len(head) >= 12 and head[8] >= 2 and bool(head[11] & 0x05)
-
-
-def _shortfall(path: Path) -> int:
-    """Bytes missing between the file's size and the end its superblock records (0 if none)."""
-    eof = _superblock_eof(path)
-    return max(0, eof - os.path.getsize(path)) if eof is not None else 0

@@ -43,14 +43,16 @@ from typing import Sequence
 import numpy as np
 
 from pipeline.rollout_log.format import (
-    GROUP_COLUMNS, SCHEMA_VERSION, STEP_COLUMNS, STEP_META_COLUMNS, TABLES, CorruptSegmentError,
-    FULL_ERRNOS, GroupOutcome, LogError, LogFullError,
+    GROUP_COLUMNS, SCHEMA_VERSION, STEP_COLUMNS, STEP_META_COLUMNS, TABLES,
+    GroupOutcome, LogError, LogFullError,
     LogDamageWarning, LogFencedError, SchemaMismatchError, check_log_filesystem, dataset_layout,
     segment_attrs, segment_name, write_sealed_segment)
-from pipeline.rollout_log.journal import JournalFile, encode_entry, fsync_dir, journal_name, list_journals
+from pipeline.rollout_log.journal import (
+    JournalFile, copy_aside, encode_entry, fsync_dir, journal_name, list_journals)
 from pipeline.rollout_log.reader import RolloutLog
 from pipeline.rollout_log.scan import scan_log
 from pipeline.rollout_log.segment import ArrayFile, Segment
+from pipeline.rollout_log.write_checks import cast_column, check_matches, disk_full
 from pipeline.protocol.journal_entries import CarriedJournal, FlushEntry, JournalHeader, Predecessor
 from pipeline.protocol.record import PROMPT_COLUMN, RecordSchema, SampleBatch
 
@@ -84,7 +86,7 @@ class RolloutLogWriter:
         try:
             old = scan.segments + scan.carried + ([scan.tail] if scan.tail is not None else [])
             for seg in old:
-                _check_matches(seg, schema, run_id)
+                check_matches(seg, schema, run_id)
             self.problems = list(scan.problems)
             if scan.torn and scan.valid_end:
                 self.problems.append(f"{scan.journal.name}: ignored after byte {scan.valid_end} "
@@ -101,7 +103,7 @@ class RolloutLogWriter:
             self.seq = scan.next_seq
             self._row_tokens = np.zeros(max(1024, 2 * self.first_row), dtype=np.int64)
             for seg in old:  # prompt + completion tokens of every row, for step records' n_tokens
-                self._row_tokens[seg.first_row:seg.first_row + seg.num_rows] = _row_tokens(seg)
+                self._row_tokens[seg.first_row:seg.first_row + seg.num_rows] = seg.row_tokens()
             predecessor = None if scan.header is None else Predecessor(
                 scan.header.gen, scan.header.writer, scan.valid_end, scan.next_seq - 1, scan.torn)
             tail = scan.tail
@@ -141,7 +143,7 @@ class RolloutLogWriter:
         try:
             journal = JournalFile(self.log_dir / journal_name(gen))
         except OSError as e:
-            if not isinstance(e, FileExistsError) and _disk_full(e):
+            if not isinstance(e, FileExistsError) and disk_full(e):
                 raise self._stop_full(f"claiming generation {gen}", e) from e
             if not isinstance(e, FileExistsError):
                 raise
@@ -178,7 +180,7 @@ class RolloutLogWriter:
                 if self._sealed and self._sealed[-1].path == sealed:
                     self._sealed.pop().close()
                 sealed.unlink(missing_ok=True)
-            if _disk_full(e):
+            if disk_full(e):
                 raise self._stop_full(f"sealing generation {gen}", e) from e
             raise
         if self._journal is not None:
@@ -243,7 +245,7 @@ class RolloutLogWriter:
         self._check_open()
         values = dict(zip(GROUP_COLUMNS, np.broadcast_arrays(
             *map(np.atleast_1d, (group_id, attempt, outcome, first_row, n_samples, min_version, t)))))
-        cols = {k: _cast(f"groups.{k}", values[k], d) for k, d in GROUP_COLUMNS.items()}
+        cols = {k: cast_column(f"groups.{k}", values[k], d) for k, d in GROUP_COLUMNS.items()}
         if not np.isin(cols["outcome"], [int(o) for o in GroupOutcome]).all():
             raise LogError(f"groups.outcome holds codes outside GroupOutcome: {values['outcome']}")
         fr = cols["first_row"]
@@ -257,10 +259,10 @@ class RolloutLogWriter:
         rank each went to (``dp_ranks``: one per row, or a scalar) and the trainer's step when
         it was served (`PolicyClock.trainer_step`)."""
         self._check_open()
-        rows = _cast("steps.row", np.atleast_1d(rows), STEP_COLUMNS["row"])
+        rows = cast_column("steps.row", np.atleast_1d(rows), STEP_COLUMNS["row"])
         if rows.ndim != 1 or (len(rows) and (rows.min() < 0 or rows.max() >= self.num_rows)):
             raise LogError(f"step {step}: rows must be 1-d within 0..{self.num_rows - 1}")
-        ranks = _cast("steps.dp_rank", np.broadcast_to(dp_ranks, rows.shape), STEP_COLUMNS["dp_rank"])
+        ranks = cast_column("steps.dp_rank", np.broadcast_to(dp_ranks, rows.shape), STEP_COLUMNS["dp_rank"])
         self._push("steps", {"step": np.full(len(rows), step, STEP_COLUMNS["step"]), "row": rows,
                              "dp_rank": ranks})
         self._push("step_meta", {
@@ -297,7 +299,7 @@ class RolloutLogWriter:
         try:
             self._journal.append(parts)  # raises before anything below: nothing half-written
         except OSError as e:
-            if _disk_full(e):
+            if disk_full(e):
                 raise self._stop_full(f"flush {self.seq}", e) from e
             raise
         self.seq += 1
@@ -401,76 +403,14 @@ class RolloutLogWriter:
             raise LogError(f"the rollout log writer of {self.log_dir} is closed")
 
 
-def _disk_full(e: BaseException | None) -> bool:
-    """Whether ``e`` (or what caused it: h5py wraps OS errors) is ENOSPC / EDQUOT."""
-    while e is not None:
-        if isinstance(e, OSError) and (e.errno in FULL_ERRNOS or "errno = 28" in str(e)
-                                       or "No space left" in str(e)):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-def _row_tokens(seg: Segment) -> np.ndarray:
-    """Prompt + completion tokens of each row of ``seg`` (0 for rows lost to damage)."""
-    try:
-        return (seg.read_column("samples/prompt_len").astype(np.int64)
-                + seg.read_column("samples/completion_len"))
-    except CorruptSegmentError:
-        out = np.zeros(seg.num_rows, np.int64)
-        good = ~seg.damaged_rows()["samples"]
-        out[good] = (seg.intact_column("samples/prompt_len").astype(np.int64)
-                     + seg.intact_column("samples/completion_len"))
-        return out
-
-
 def _quarantine(scan) -> CarriedJournal:
-    """Copy the governing journal, damaged, aside (``*.tfj.damaged``: never removed, carried by
+    """Copy the governing journal, damaged, aside (`journal.copy_aside`: never removed, carried by
     every later header so its intact entries stay in the log); what the header records of it."""
-    src = scan.journal
-    dst = src.with_name(src.name + ".damaged")
-    tmp = src.with_name(f".{dst.name}.{os.getpid()}.tmp")
-    with open(src, "rb") as fh:
-        data = fh.read()
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            view = memoryview(data)
-            while view.nbytes:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, dst)
+        dst = copy_aside(scan.journal)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
-        if _disk_full(e):
-            raise LogFullError(f"{src.parent}: no space left to copy the damaged {src.name} aside "
-                               f"({e}); free space, then start again") from e
+        if disk_full(e):
+            raise LogFullError(f"{scan.journal.parent}: no space left to copy the damaged "
+                               f"{scan.journal.name} aside ({e}); free space, then start again") from e
         raise
-    fsync_dir(dst.parent)
     return CarriedJournal(dst.name, scan.header.gen, scan.valid_end, **scan.governing_lost.as_dict())
-
-
-def _cast(name: str, value: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    arr = np.asarray(value)
-    if arr.dtype != dtype and arr.size:
-        if arr.dtype.kind in "iub" and dtype.kind in "iu":
-            info = np.iinfo(dtype)
-            if arr.min() < info.min or arr.max() > info.max:
-                raise LogError(f"{name}: values outside the range of {dtype}")
-        elif not np.can_cast(arr.dtype, dtype, casting="same_kind"):
-            raise LogError(f"{name}: dtype {arr.dtype} cannot be stored as {dtype}")
-    if arr.dtype != dtype:
-        arr = arr.astype(dtype)
-    return np.ascontiguousarray(arr)
-
-
-def _check_matches(seg: Segment, schema: RecordSchema, run_id: str) -> None:
-    if seg.run_id != run_id:
-        raise SchemaMismatchError(f"refusing to write: {seg.path} belongs to run {seg.run_id!r}, "
-                                  f"not {run_id!r}")
-    if seg.schema != schema:
-        raise SchemaMismatchError(
-            f"refusing to write: {seg.path} has record schema {seg.schema}, this run's config "
-            f"gives {schema}; a config change that changes the file schema needs a new run")
