@@ -5,9 +5,9 @@ buckets is one of the records below, packed by `pipeline.protocol.codec` (``code
 ``codec.unpack(cls, raw)``: msgpack, no pickle, every field's type checked, `MessageError` naming
 the record and the field):
 
-- `UpdateHeader` (leader -> receivers, first of every update: broadcast by `TorchDistChannel`,
-  signed with `signed` under the name ``update_header``; under ``u<n>/meta`` in `CudaIpcChannel`'s
-  store): the version and the `BucketPlan` wire form;
+- `UpdateHeader` (leader -> receivers, first of every update: broadcast by `TorchDistChannel`
+  among the group's members, whose addresses come from the signed store; under ``u<n>/meta`` in
+  `CudaIpcChannel`'s store): the version and the `BucketPlan` wire form;
 - `IpcHandle` (`CudaIpcChannel`, under ``u<n>/b<k>``): the fields of
   ``UntypedStorage._share_cuda_()`` and the view's offset and length;
 - `IpcExport` (`pipeline.weights.cuda_ipc.export_buckets`): a whole update's plan and handles in
