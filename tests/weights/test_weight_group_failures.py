@@ -119,3 +119,72 @@ def test_a_peer_that_never_joins_dies_or_hangs_ends_in_a_regroup_of_the_survivor
 def _state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
+
+
+BOUND_RECEIVER = textwrap.dedent("""
+    import sys
+    from pipeline.weights.group import TorchDistChannel
+    ch = TorchDistChannel("127.0.0.2", int(sys.argv[1]), 1, 2, timeout_s=60, epoch=1)
+    print(sum(float(t.sum()) for _, t in ch.receive()), flush=True)
+    ch.close()
+""")
+
+
+def test_the_store_and_the_gloo_groups_listen_on_the_chosen_address(monkeypatch):
+    """``cluster.network.address`` (here a second loopback address) reaches the channel as
+    TOKENFLOW_NETWORK_ADDRESS: the store and both ends' gloo groups listen there and nowhere else
+    (read from /proc/net/tcp, the sockets of each process)."""
+    from pipeline.launch.network import NetworkConfig, listen_address, network_env
+
+    net = NetworkConfig(address="127.0.0.2")
+    env = network_env(net)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    host = listen_address(net, "127.0.0.1")
+    listener = listen_on(host)
+    port = listener.getsockname()[1]
+    receiver = subprocess.Popen([sys.executable, "-c", BOUND_RECEIVER, str(port)], stdout=subprocess.PIPE,
+                                text=True, env={**os.environ, **env})
+    try:
+        channel = TorchDistChannel(host, port, 0, 2, timeout_s=60, epoch=1, listener=listener)
+        mine, theirs = _listening(os.getpid()), _listening(receiver.pid)
+        channel.send_tensors(1, [("w", torch.ones(10))], 4096)
+        assert receiver.stdout.readline().strip() == "10.0"
+        channel.close()
+        assert receiver.wait(timeout=60) == 0
+    finally:
+        receiver.kill()
+        receiver.wait(timeout=30)
+    assert ("127.0.0.2", port) in mine, "the store"
+    assert len(mine) >= 2 and len(theirs) >= 1, (mine, theirs)  # the store and a gloo device each
+    assert {a for a, _ in mine | theirs} == {"127.0.0.2"}, (mine, theirs)
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of the IPv4/IPv6 TCP sockets process ``pid`` listens on."""
+    import ipaddress
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
+                    continue
+                hexaddr, hexport = cols[1].split(":")
+                raw = bytes.fromhex(hexaddr)
+                if table == "tcp":
+                    address = str(ipaddress.IPv4Address(raw[::-1]))
+                else:  # four little-endian 32-bit words
+                    address = str(ipaddress.IPv6Address(b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))))
+                    address = address.removeprefix("::ffff:")
+                found.add((address, int(hexport, 16)))
+    return found
