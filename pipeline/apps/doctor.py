@@ -63,7 +63,7 @@ def probe_network(cfg) -> int:
             for r in reports:
                 bad = {peer: why for peer, why in r["reach"].items() if why != "ok"}
                 failed += len(bad)
-                print(f"[probe] {r['role']}.{r['rank']} on {r['node']}: reaches "
+                print(f"[probe] {r['role']}.{r['rank']} on {r['node']} listening on {r['listened']}: reaches "
                       f"{', '.join(p for p in r['reach'] if p not in bad) or 'nobody'}"
                       + "".join(f"\nrefused: [probe] {r['role']}.{r['rank']} on {r['node']} cannot reach "
                                 f"{peer}: {why}" for peer, why in bad.items()))

@@ -20,8 +20,8 @@ Point any component's `entry` at "pipeline.launch.probe:probe" to check a cluste
                        starts (for supervision tests: restarts in place, nothing left behind)
     reach: dict        a `NetworkConfig` as a dict (`tokenflow doctor --probe`): every task listens on
                        its node's chosen address (`pipeline.launch.network.listen_address`), publishes
-                       it, then connects to every task's; the report's "reach" maps each peer
-                       ("role.rank") to "ok" or the error (a node that cannot reach another's address)
+                       it, then connects to every task's; the report's "listened" is its address,
+                       "reach" maps each peer ("role.rank") to "ok" or the error
     timeout_s: float   rendezvous timeout (default 60)
 Each task writes its report to RUN/probe/<role>.<rank>.attempt-<n>.json and returns it, e.g.
     {"role": "generator", "rank": 1, "node": "node3", "attempt": 0, "peers": {"trainer": {...}}, ...}
@@ -61,7 +61,7 @@ def probe(task: TaskInfo) -> Dict[str, Any]:
             task.rendezvous.publish(task.role, {"role": task.role, "node": task.node, "port": free_port()})
         report["peers"] = {role: task.rendezvous.wait(role, timeout_s) for role in task.roles}
     if options.get("reach") is not None:
-        report["reach"] = _reach_every_task(task, options["reach"], timeout_s)
+        report["listened"], report["reach"] = _reach_every_task(task, options["reach"], timeout_s)
     if options.get("mpi"):
         if DIST_ENV not in os.environ:
             raise RuntimeError("probe.mpi is set but the supervisor got nothing from MPI (not launched under PMIx?)")
@@ -82,8 +82,9 @@ def probe(task: TaskInfo) -> Dict[str, Any]:
     return report
 
 
-def _reach_every_task(task: TaskInfo, network: Dict[str, Any], timeout_s: float) -> Dict[str, str]:
-    """Listen on this node's chosen address, publish it, connect to every task's (see the docstring)."""
+def _reach_every_task(task: TaskInfo, network: Dict[str, Any], timeout_s: float) -> tuple[str, Dict[str, str]]:
+    """Listen on this node's chosen address, publish it, connect to every task's (see the docstring);
+    the address listened on, and peer -> "ok" or the error."""
     from pipeline.launch.network import NetworkConfig, listen_address
     from pipeline.launch.rendezvous import listen_on
 
@@ -104,7 +105,7 @@ def _reach_every_task(task: TaskInfo, network: Dict[str, Any], timeout_s: float)
                 outcome[f"{role}.{rank}"] = f"{peer['address']}:{peer['port']}: {exc}"
     accepted.join(timeout_s)  # every task connected to this one (or the time is up): close it
     listener.close()
-    return outcome
+    return address, outcome
 
 
 def _accept_all(listener: socket.socket, count: int, timeout_s: float) -> None:
