@@ -86,19 +86,22 @@ class GuardedGroups:
         self._watchdog = threading.Thread(target=self._watch, daemon=True, name="tokenflow-weight-watchdog")
         self._watchdog.start()
         try:
-            self._form(connect, members, prefix)
-            self._handshake(members, handshake)
+            self._form(connect, members, prefix, handshake)
         except BaseException:
             self.close()
             raise
 
     # -- forming ---------------------------------------------------------------------------------
-    def _form(self, connect: Callable[[], Any], members: dict[int, tuple[int, int]], prefix: str) -> None:
-        """Connect the store and build (NCCL: and connect) every group on a thread of its own,
-        waiting for it until the deadline: a call blocked in C++ (a store client retrying its
-        connection, gloo waiting for its peers' addresses and then for each connection, each up to
-        its own timeout) cannot hold the channel past it. Groups built after the channel failed
-        are aborted by that thread."""
+    def _form(self, connect: Callable[[], Any], members: dict[int, tuple[int, int]], prefix: str,
+              handshake: int) -> None:
+        """Connect the store, then build (NCCL: and connect) each group and carry its handshake, in
+        sender order, on a thread of its own, waiting for it until the deadline: a call blocked in
+        C++ (a store client retrying its connection, gloo waiting for its peers' addresses and then
+        for each connection, each up to its own timeout) cannot hold the channel past it. Groups
+        built after the channel failed are aborted by that thread. Each group's handshake comes
+        right after it formed, before the next group: a receiver's group of sender 1 forms only once
+        sender 1 joins, which it does after the leader's channel (group 0 and its handshake) formed
+        (`pipeline.roles.weight_push`)."""
         import torch.distributed as dist
 
         outcome: dict[str, BaseException] = {}
@@ -117,6 +120,7 @@ class GuardedGroups:
                         return
                     if self.backend == "nccl":  # connect now, abortable by the watchdog (gloo connected already)
                         group.eager_connect_single_device(self.device)
+                    self._handshake(s, rank, handshake)
             except BaseException as e:  # handed to the waiting thread
                 outcome["error"] = e
 
@@ -145,19 +149,16 @@ class GuardedGroups:
         with _environment("TORCH_NCCL_ASYNC_ERROR_HANDLING", NCCL_ERROR_HANDLING):
             return dist.ProcessGroupNCCL(store, rank, size, opts)
 
-    def _handshake(self, members: dict[int, tuple[int, int]], value: int) -> None:
-        """One broadcast per group, from its sender: every member connected and moved data."""
+    def _handshake(self, source: int, rank: int, value: int) -> None:
+        """One broadcast on sender ``source``'s group, from it: every member connected and moved data."""
         import torch
 
-        tensors = {s: torch.full((1,), value if local == 0 else -1, dtype=torch.int64, device=self.device)
-                   for s, (local, _) in members.items()}
-        works = [(self.start(s, t, f"the handshake of sender {s}'s group"), s) for s, t in tensors.items()]
-        for work, s in works:
-            self.wait(work)
-            got = int(tensors[s].item())
-            if got != value:
-                raise WeightSyncError(f"the handshake of sender {s}'s group carried {got}, expected {value}: "
-                                      f"another group's member at this address?")
+        tensor = torch.full((1,), value if rank == 0 else -1, dtype=torch.int64, device=self.device)
+        self.wait(self.start(source, tensor, f"the handshake of sender {source}'s group"))
+        got = int(tensor.item())
+        if got != value:
+            raise WeightSyncError(f"the handshake of sender {source}'s group carried {got}, expected {value}: "
+                                  f"another group's member at this address?")
 
     # -- collectives -----------------------------------------------------------------------------
     def start(self, source: int, tensor: "torch.Tensor", what: str) -> tuple[int, Any]:

@@ -102,3 +102,32 @@ def _listening(pid: int) -> set[tuple[str, int]]:
                     address = address.removeprefix("::ffff:")
                 found.add((address, int(hexport, 16)))
     return found
+
+
+LATE_SENDER_RECEIVER = textwrap.dedent("""
+    import sys
+    from pipeline.weights.group import TorchDistChannel
+    ch = TorchDistChannel("127.0.0.1", int(sys.argv[1]), 2, 3, timeout_s=30, epoch=1, senders=2)
+    print("formed", flush=True)
+    ch.close()
+""")
+
+
+def test_a_second_sender_joining_after_the_leaders_group_formed_completes_the_group():
+    """With expert parallelism the leader's group forms first and sender 1 joins only after it
+    (`WeightPusher._join_as_sender`, once the ranks agreed the epoch): each group's handshake comes
+    right after that group formed, so the receiver's first group never waits for the second."""
+    listener = listen_on("127.0.0.1")
+    port = listener.getsockname()[1]
+    receiver = subprocess.Popen([sys.executable, "-c", LATE_SENDER_RECEIVER, str(port)], stdout=subprocess.PIPE,
+                                text=True)
+    try:
+        leader = TorchDistChannel("127.0.0.1", port, 0, 3, timeout_s=30, epoch=1, senders=2, listener=listener)
+        second = TorchDistChannel("127.0.0.1", port, 1, 3, timeout_s=30, epoch=1, senders=2)
+        assert receiver.stdout.readline().strip() == "formed"
+        assert receiver.wait(timeout=60) == 0
+        leader.close()
+        second.close()
+    finally:
+        receiver.kill()
+        receiver.wait(timeout=30)
