@@ -108,6 +108,9 @@ class GuardedGroups:
 
         def build() -> None:
             try:
+                if self.backend == "nccl":  # a new thread's current device is GPU 0 (see `group.cuda_device`)
+                    import torch
+                    torch.cuda.set_device(self.device)
                 self.store = connect()
                 for s, (rank, size) in members.items():
                     group = self._new_group(dist.PrefixStore(f"{prefix}/src{s}", self.store), rank, size)
