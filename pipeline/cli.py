@@ -1,7 +1,8 @@
 """The ``tokenflow`` console command: one subcommand per user action, each imported on demand.
 
     tokenflow train [OVERRIDES...]                      train (no arguments: the built-in demo)
-    tokenflow doctor [OVERRIDES...]                     what that run would use; its contradictions
+    tokenflow doctor [--probe] [OVERRIDES...]           what that run would use; its contradictions
+                                                        (--probe: every task reaches every other)
     tokenflow replay LOG [OVERRIDES...]                 train from a recorded rollout log
     tokenflow inspect PATH [--plot OUT.png] [--json]   summarise (and plot) a rollout log
     tokenflow compare PATH... [--json|--csv] [--plot OUT.png]   runs / a sweep side by side

@@ -20,6 +20,7 @@ from typing import Any
 
 from pipeline.envs.base import EpisodeConfig
 from pipeline.generator.config import GeneratorConfig
+from pipeline.launch.network import NetworkConfig, problems as network_problems
 from pipeline.launch.plan import ComponentSpec
 from pipeline.observe.trackers import TrackingConfig, check_loggers
 from pipeline.orchestrator.config import OrchestratorConfig
@@ -130,6 +131,9 @@ class ClusterConfig:
     teacher: ComponentSpec = field(default_factory=lambda: ComponentSpec(
         entry="pipeline.scorers.role:main", cpus_per_task=1, mem_gb=8.0, max_restarts=3))
     """Teacher processes (with scorers.teacher != none; count: scorers.teachers)."""
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    """The interface or address the tasks reach each other on, and NCCL/gloo settings exported to
+    every task (`pipeline.launch.network`)."""
     max_requeues: int = 3
     """Requeues after preemption or time limit (Slurm)."""
     mpi: str | None = None
@@ -237,6 +241,7 @@ def validate(cfg: TokenflowConfig) -> None:
         (cfg.cluster.cpu_plan in ("auto", "none"), f"cluster.cpu_plan must be auto or none, got {cfg.cluster.cpu_plan!r}"),
         (0 <= cfg.cluster.joined_generator_nice <= 19,
          f"cluster.joined_generator_nice must be 0-19, got {cfg.cluster.joined_generator_nice}"),
+        *[(False, problem) for problem in network_problems(cfg.cluster.network)],
         (abs(cfg.trainer.temperature - cfg.generator.temperature) < 1e-9,
          f"trainer.temperature ({cfg.trainer.temperature}) must equal generator.temperature "
          f"({cfg.generator.temperature}): logprobs would be of different distributions"),

@@ -15,6 +15,10 @@ Sections (each merges ``{NAME: {...}}`` into FILE at once, so a later timeout ke
                  sender overwrites each buffer right after its acknowledgement (the next bucket
                  goes into it; the last two are filled with 0xAB): received checksums must equal
                  the sent ones (fails without the stream synchronisation before each ack);
+  nccl_channel   the weight channel's failure scenario over NCCL (tests/support/weight_group_faults.py:
+                 a member that never joins, one killed and one stopped mid-broadcast; each must end in
+                 WeightSyncError on the survivors and a regroup, never a process teardown); needs 4
+                 GPUs, says "skipped" with fewer (not in gpu_check.sh's 5-minute run: call it alone);
   throughput     a ~1B-parameter Qwen3 model built locally, bf16, 4k-token sequences: trainer
                  tokens/s and model-FLOPs utilisation (6 N + 6 L d S FLOPs per token against
                  989 TFLOP/s bf16 dense for H100/H200), peak GPU memory.
@@ -242,8 +246,27 @@ def section_throughput(work: Path) -> dict:
             "mfu": tokens_per_s * flops_per_token / peak if peak else None, "ok": tokens_per_s > 0}
 
 
+def section_nccl_channel(work: Path) -> dict:
+    import shutil
+
+    import torch
+
+    from support import weight_group_faults
+
+    if torch.cuda.device_count() < 4:  # NCCL refuses two ranks of one communicator on one GPU
+        return {"ok": True, "skipped": f"needs 4 GPUs (one per member), this machine has "
+                                       f"{torch.cuda.device_count()}"}
+    where = work / "nccl_channel"
+    shutil.rmtree(where, ignore_errors=True)
+    where.mkdir(parents=True)
+    deadline = 20.0
+    outcome = weight_group_faults.run(where, "nccl", deadline)
+    wrong = weight_group_faults.check(outcome, deadline)
+    return {"errors": outcome["errors"], "wrong": wrong, "ok": not wrong}
+
+
 SECTIONS = {"megatron_bf16": section_megatron_bf16, "checkpoint": section_checkpoint,
-            "cuda_ipc": section_cuda_ipc, "throughput": section_throughput}
+            "cuda_ipc": section_cuda_ipc, "throughput": section_throughput, "nccl_channel": section_nccl_channel}
 
 
 def record(path: Path, name: str, value: dict) -> None:

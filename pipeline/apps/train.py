@@ -68,6 +68,7 @@ class StopSignals:
 def job_plan(cfg: TokenflowConfig, run_dir: Path):
     from dataclasses import replace
 
+    from pipeline.launch.network import network_env
     from pipeline.launch.plan import JobPlan, scorer_components
 
     c = cfg.cluster
@@ -88,7 +89,7 @@ def job_plan(cfg: TokenflowConfig, run_dir: Path):
     components.update(scorer_components(cfg))
     plan = JobPlan(name=f"tokenflow-{cfg.run.name}", components=components,
                    config={"run_dir": str(run_dir)}, max_requeues=c.max_requeues,
-                   mpi=c.mpi if c.launcher == "slurm" else None)
+                   mpi=c.mpi if c.launcher == "slurm" else None, env=network_env(c.network))
     if c.launcher == "local":  # one node: disjoint GPU ranges per component
         from pipeline.launch.gpus import colocated_roles, local_gpu_layout
         local_gpu_layout(plan, colocated_roles(cfg))

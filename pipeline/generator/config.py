@@ -92,7 +92,9 @@ class GeneratorConfig:
     generating, one extra copy of the weights; pause only to load; a broken transfer leaves the
     old weights serving), 'streamed' (generation paused while buckets are received and loaded one
     by one, two buckets of extra memory; a broken transfer leaves the engine paused until a
-    complete version arrives) or 'auto' (staged when the checkpoint is at most staged_max_gb)."""
+    complete version arrives) or 'auto' (streamed on a GPU engine fed by broadcast, NCCL; else
+    staged when the checkpoint is at most staged_max_gb). 'staged' with NCCL and TP > 1 is refused
+    (docs/weight-sync.md, "No communicator deadlock")."""
     staged_max_gb: float = 8.0
     """Largest checkpoint (GB of safetensors) weight_sync='auto' stages; larger ones are streamed."""
     weight_channel: str = "broadcast"

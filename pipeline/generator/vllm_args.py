@@ -11,8 +11,9 @@ Invariants:
   sampling mask needs the top-k ids); `sampled_logprobs` returns exactly one float per completion
   token, in order.
 - ``dtype: auto`` is the checkpoint's dtype, passed to vLLM by name (`engine_dtype`).
-- ``weight_sync: auto`` is staged for a checkpoint of at most ``staged_max_gb`` (e.g. 3 GB of
-  safetensors with the default 8: staged) and streamed above it.
+- ``weight_sync: auto`` is streamed on a GPU engine fed by broadcast (NCCL), else staged for a
+  checkpoint of at most ``staged_max_gb`` (e.g. 3 GB of safetensors with the default 8: staged) and
+  streamed above it.
 """
 from __future__ import annotations
 
@@ -27,10 +28,19 @@ EXTENSION = "pipeline.generator.worker_extension.WeightSyncExtension"
 _CPU_BATCHED_TOKENS = 4096  # tokens per engine step on CPU (prefills are never chunked there)
 
 
-def resolve_weight_sync(config: GeneratorConfig) -> str:
-    """'staged' or 'streamed': the configured mode, or for 'auto' by the checkpoint's size."""
+def resolve_weight_sync(config: GeneratorConfig, platform: str | None = None) -> str:
+    """'staged' or 'streamed': the configured mode; for 'auto', streamed on a GPU engine fed by
+    broadcast (NCCL: a staged receive runs its NCCL broadcasts on a thread of the worker while vLLM's
+    own TP collectives run on the same GPUs, two communicators whose kernels nothing orders, which
+    can deadlock; docs/weight-sync.md, "No communicator deadlock"), else by the checkpoint's size.
+    ``platform``: 'cpu' or 'cuda' (None: vLLM's current platform)."""
     if config.weight_sync != "auto":
         return config.weight_sync
+    if platform is None:
+        from vllm.platforms import current_platform
+        platform = "cpu" if current_platform.is_cpu() else "cuda"
+    if platform == "cuda" and config.weight_channel == "broadcast":
+        return "streamed"
     from pathlib import Path
 
     size = sum(f.stat().st_size for f in Path(config.model).glob("*.safetensors")) if config.model else 0

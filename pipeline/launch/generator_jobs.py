@@ -63,6 +63,7 @@ def job_plan(cfg, run_dir: Path, count: int, first_rank: int, index: int, run_la
              requeue: bool = False):
     """The plan of generator job ``index``: one component, generator, ranks first_rank.. ; requeued
     at its time limit only with ``requeue``."""
+    from pipeline.launch.network import network_env
     from pipeline.launch.plan import JobPlan
 
     c = cfg.cluster
@@ -76,7 +77,7 @@ def job_plan(cfg, run_dir: Path, count: int, first_rank: int, index: int, run_la
         spec = replace(spec, nodes=count // spec.tasks_per_node)
     name = f"genjob-{index}"
     return JobPlan(name=f"tokenflow-{cfg.run.name}-{name}", components={"generator": spec},
-                   env={PLAN_ENV: GENERATOR_JOB_PLAN.format(index=index), JOB_ENV: name},
+                   env={**network_env(c.network), PLAN_ENV: GENERATOR_JOB_PLAN.format(index=index), JOB_ENV: name},
                    config={"run_dir": str(run_dir), JOINS_RUN: True, "timeout_s": cfg.run.timeout_s,
                            "run_launcher": run_launch.get("launcher"), "run_job_id": run_launch.get("job_id"),
                            "run_pids": run_launch.get("pids"), REQUEUES: requeue},

@@ -18,6 +18,10 @@ Point any component's `entry` at "pipeline.launch.probe:probe" to check a cluste
                        process (standing in for a vLLM engine; its pid is in the report as
                        "child_pid"), then kills itself with SIGKILL, on its first crash_times
                        starts (for supervision tests: restarts in place, nothing left behind)
+    reach: dict        a `NetworkConfig` as a dict (`tokenflow doctor --probe`): every task listens on
+                       its node's chosen address (`pipeline.launch.network.listen_address`), publishes
+                       it, then connects to every task's; the report's "listened" is its address,
+                       "reach" maps each peer ("role.rank") to "ok" or the error
     timeout_s: float   rendezvous timeout (default 60)
 Each task writes its report to RUN/probe/<role>.<rank>.attempt-<n>.json and returns it, e.g.
     {"role": "generator", "rank": 1, "node": "node3", "attempt": 0, "peers": {"trainer": {...}}, ...}
@@ -30,6 +34,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Dict
 
@@ -55,6 +60,8 @@ def probe(task: TaskInfo) -> Dict[str, Any]:
         if task.rank == 0:
             task.rendezvous.publish(task.role, {"role": task.role, "node": task.node, "port": free_port()})
         report["peers"] = {role: task.rendezvous.wait(role, timeout_s) for role in task.roles}
+    if options.get("reach") is not None:
+        report["listened"], report["reach"] = _reach_every_task(task, options["reach"], timeout_s)
     if options.get("mpi"):
         if DIST_ENV not in os.environ:
             raise RuntimeError("probe.mpi is set but the supervisor got nothing from MPI (not launched under PMIx?)")
@@ -73,6 +80,41 @@ def probe(task: TaskInfo) -> Dict[str, Any]:
         report["stop_requested"] = True  # a real role would checkpoint here, then return
         out.write_text(json.dumps(report))
     return report
+
+
+def _reach_every_task(task: TaskInfo, network: Dict[str, Any], timeout_s: float) -> tuple[str, Dict[str, str]]:
+    """Listen on this node's chosen address, publish it, connect to every task's (see the docstring);
+    the address listened on, and peer -> "ok" or the error."""
+    from pipeline.launch.network import NetworkConfig, listen_address
+    from pipeline.launch.rendezvous import listen_on
+
+    address = listen_address(NetworkConfig(**network), socket.gethostname())
+    listener = listen_on(address)
+    me = f"{task.role}.{task.rank}"
+    task.rendezvous.publish(f"reach-{me}", {"address": address, "port": listener.getsockname()[1]})
+    accepted = threading.Thread(target=_accept_all, args=(listener, task.world_size, timeout_s), daemon=True)
+    accepted.start()
+    outcome = {}
+    for role, count in task.roles.items():
+        for rank in range(count):
+            peer = task.rendezvous.wait(f"reach-{role}.{rank}", timeout_s)
+            try:
+                with socket.create_connection((peer["address"], peer["port"]), timeout=timeout_s):
+                    outcome[f"{role}.{rank}"] = "ok"
+            except OSError as exc:
+                outcome[f"{role}.{rank}"] = f"{peer['address']}:{peer['port']}: {exc}"
+    accepted.join(timeout_s)  # every task connected to this one (or the time is up): close it
+    listener.close()
+    return address, outcome
+
+
+def _accept_all(listener: socket.socket, count: int, timeout_s: float) -> None:
+    listener.settimeout(timeout_s)
+    for _ in range(count):
+        try:
+            listener.accept()[0].close()
+        except OSError:
+            return
 
 
 def _allreduce_rank(dist: Dict[str, Any], timeout_s: float) -> int:

@@ -103,8 +103,25 @@ def running_attempt(run_dir: os.PathLike | str, timeout_s: float = 0.0) -> int:
         time.sleep(0.5)
 
 
+def listen_on(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket listening on ``host``'s address only (port 0: one the kernel picks), for a
+    server to take over (a TCPStore's ``master_listen_fd``). Bound before its port is published,
+    so no other process can take the port in between (`free_port`'s race)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(1024)
+    except OSError as exc:
+        listener.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc}") from exc
+    return listener
+
+
 def free_port(host: str = "") -> int:
-    """A TCP port that was free a moment ago on this host (for a role to bind and publish)."""
+    """A TCP port that was free a moment ago on this host. Racy (another process may bind it
+    before the caller does): a server that can take a bound socket uses `listen_on` instead."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -40,7 +40,11 @@ def task_sources(cfg: TokenflowConfig, run_dir: Path) -> tuple[PromptSource, Pro
 
 def build_orchestrator(run_dir: Path, cfg: TokenflowConfig) -> Orchestrator:
     t = cfg.orchestrator.transport
-    if cfg.cluster.launcher == "slurm" and t.interface is None and t.host == "127.0.0.1":
+    net = cfg.cluster.network
+    if t.interface is None and t.host == "127.0.0.1" and (net.address or net.interface):
+        from pipeline.launch.network import listen_address
+        t.host = listen_address(net, t.host)  # the run's chosen network (pipeline.launch.network)
+    elif cfg.cluster.launcher == "slurm" and t.interface is None and t.host == "127.0.0.1":
         t.host = "0.0.0.0"  # generators run on other nodes: listen on every interface
     train, evals, scorer = task_sources(cfg, run_dir)
     schema = stored_record_schema(cfg)

@@ -177,8 +177,11 @@ class TrainerRole:
         return self.rdv.wait("trainer_dist", timeout)
 
     def _host(self) -> str:
-        """Address other roles reach this process at: loopback locally, the node name on Slurm."""
-        return "127.0.0.1" if self.cfg.cluster.launcher == "local" else self.task.node
+        """Address other roles reach this process at: ``cluster.network``'s, else loopback locally
+        and the node name on Slurm (`pipeline.launch.network.listen_address`)."""
+        from pipeline.launch.network import listen_address
+        return listen_address(self.cfg.cluster.network,
+                              "127.0.0.1" if self.cfg.cluster.launcher == "local" else self.task.node)
 
     def run(self) -> dict:
         from pipeline.trainer.layout import train_samples

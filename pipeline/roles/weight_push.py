@@ -231,7 +231,7 @@ class WeightPusher:
 
     def _start_group(self, members: dict[str, int], senders: int):
         """Publish the next group of `members` and start forming it in the background (leader)."""
-        from pipeline.launch.rendezvous import free_port
+        from pipeline.launch.rendezvous import listen_on
         from pipeline.weights.group_build import GroupBuild
 
         cfg = self.cfg
@@ -240,12 +240,13 @@ class WeightPusher:
         tp = cfg.generator.tensor_parallel_size
         ranks = {ident: senders + i * tp for i, ident in enumerate(sorted(members))}
         world = senders + len(members) * tp
-        port = free_port()
         backend = "nccl" if self.trainer.cuda else "gloo"
         if kind == "cuda_ipc" and (world != 2 or not self.trainer.cuda):
             raise ValueError(f"generator.weight_channel=cuda_ipc needs one trainer sender and one "
                              f"TP-1 generator on its GPU; this run has {senders} sender(s) and "
                              f"{world - senders} generator worker(s){'' if self.trainer.cuda else ', no GPU'}")
+        listener = listen_on(self.host)  # bound before its port is published: the store takes it over
+        port = listener.getsockname()[1]
         self.rdv.publish(f"weights-{epoch}", {"host": self.host, "port": port, "world_size": world,
                                               "epoch": epoch, "ranks": ranks, "backend": backend,
                                               "senders": senders})
@@ -257,12 +258,12 @@ class WeightPusher:
                 from pipeline.weights.cuda_ipc import CudaIpcChannel
 
                 return CudaIpcChannel(self.host, port, rank=0, world_size=world, timeout_s=timeout, epoch=epoch,
-                                      device=self.trainer.device, secret=self.link.key)
+                                      device=self.trainer.device, listener=listener, secret=self.link.key)
             from pipeline.weights.group import TorchDistChannel
 
             return TorchDistChannel(self.host, port, rank=0, world_size=world, timeout_s=timeout,
                                     backend=backend, epoch=epoch, senders=senders, device=self.trainer.device,
-                                    secret=self.link.key)
+                                    listener=listener, secret=self.link.key)
 
         log.info("weight group epoch %d forming at %s:%d: %s (%d sender(s), world %d)", epoch, self.host, port,
                  sorted(members), senders, world)

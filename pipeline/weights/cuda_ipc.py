@@ -119,7 +119,8 @@ class CudaIpcChannel(WeightChannel):
     """Rank 0 (a trainer rank) streams to rank 1 (a generator worker on the same GPU)."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int = 2, timeout_s: float = 60.0,
-                 epoch: int = 0, senders: int = 1, device: "torch.device | None" = None, *, secret: bytes):
+                 epoch: int = 0, senders: int = 1, device: "torch.device | None" = None, listener=None,
+                 *, secret: bytes):
         """``secret``: the run secret, which signs every value of the channel's store (`SignedStore`)."""
         import torch
         import torch.distributed as dist
@@ -135,7 +136,7 @@ class CudaIpcChannel(WeightChannel):
         self.buffers = BufferRing(self.device)
         self.wire = WireBytes()
         try:
-            store = open_store(host, port, 2, rank == 0, self.timeout)
+            store = open_store(host, port, 2, rank == 0, self.timeout, listener)
         except (RuntimeError, OSError) as e:
             raise WeightSyncError(f"rank {rank} could not reach the CUDA IPC channel at {host}:{port} "
                                   f"within {timeout_s:.0f} s: {e}") from e

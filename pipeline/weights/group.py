@@ -46,8 +46,12 @@ broadcast it starts, as the root (``sent``) or a receiver (``received``): the me
 length, then the msgpack document) and each bucket's segments. So an update's counted bytes are
 the tensors' bytes, plus the alignment padding inside packed runs, plus the metadata; every
 receiver counts what the senders together counted (tests/test_weights.py, test_weight_layouts.py).
-Every call waits at most ``timeout_s``; a peer that dies mid-update makes the survivors raise
-`WeightSyncError` (naming the step that failed) within that time instead of hanging.
+Failures (`pipeline.weights.guarded_groups`, the same code for gloo and NCCL): a group is formed
+only once every member connected and one handshake broadcast went through; every broadcast is
+bounded by ``timeout_s`` from its start by a watchdog thread; a peer that never joins, dies or hangs
+makes the survivors raise `WeightSyncError` (naming the step that failed) within that time, the
+groups are aborted (never ``shutdown()``, never a teardown of the process), and the caller forms
+the next group of the survivors.
 
 The rendezvous store (`open_store`) listens only on ``host``'s address (torch's TCPStore given
 127.0.0.1 listens on every interface; here rank 0 binds the socket itself and hands it over as
@@ -64,9 +68,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from pipeline.protocol import codec
 from pipeline.protocol import weight_stream as records
+from pipeline.weights.guarded_groups import GuardedGroups, WeightSyncError
 from pipeline.weights.buckets import Assembly, BucketPlan, BufferRing, lone, pack, segments, unpack
 
 if TYPE_CHECKING:
+    import socket
+
     import torch
 
 
@@ -92,10 +99,6 @@ class WireBytes:
     def reading(self) -> "WireBytes":
         """A copy of the counts now."""
         return WireBytes(self.sent, self.received)
-
-
-class WeightSyncError(RuntimeError):
-    """A weight update could not be sent or received (peer died, timeout, malformed metadata)."""
 
 
 @dataclass
@@ -172,21 +175,21 @@ class WeightChannel(abc.ABC):
         return plan
 
 
-def open_store(host: str, port: int, world_size: int, is_master: bool, timeout: datetime.timedelta):
-    """The weight group's TCPStore; rank 0 (``is_master``) listens on ``host``'s address only."""
-    import socket
-
+def open_store(host: str, port: int, world_size: int, is_master: bool, timeout: datetime.timedelta,
+               listener: "socket.socket | None" = None):
+    """The weight group's TCPStore. Rank 0 (``is_master``) serves it on ``listener``, a socket it
+    bound and published before (`pipeline.launch.rendezvous.listen_on`: no port race), or else
+    on a socket bound to ``host:port`` here; either way on ``host``'s address only."""
     import torch.distributed as dist
 
     if not is_master:
         return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    listener = socket.socket(family, kind, proto)
+    if listener is None:
+        from pipeline.launch.rendezvous import listen_on
+
+        listener = listen_on(host, port)
     try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(address)
-        listener.listen(1024)
-        store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout,
+        store = dist.TCPStore(host, listener.getsockname()[1], world_size, is_master=True, timeout=timeout,
                               wait_for_workers=False, master_listen_fd=listener.fileno())
     except BaseException:
         listener.close()
@@ -200,10 +203,9 @@ class TorchDistChannel(WeightChannel):
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 60.0,
                  backend: str = "gloo", epoch: int = 0, senders: int = 1, device: "torch.device | None" = None,
-                 *, secret: bytes):
+                 listener: "socket.socket | None" = None, *, secret: bytes):
         """``secret``: the run secret, which signs every value of the group's store (`SignedStore`)."""
         import torch
-        import torch.distributed as dist
 
         from pipeline.weights.signed_store import SignedStore
 
@@ -218,39 +220,27 @@ class TorchDistChannel(WeightChannel):
         self.wire = WireBytes()
         receivers = world_size - senders
         mine = [rank] if rank < senders else range(senders)
-        self._pgs: dict[int, Any] = {}
+        # rank in sender s's group: 0 for s, 1 + i for receiver i
+        members = {s: (0 if rank == s else rank - senders + 1, receivers + 1) for s in mine}
         try:
-            store = SignedStore(open_store(host, port, world_size, rank == 0, self.timeout), secret)
-            for s in mine:  # rank in sender s's group: 0 for s, 1 + i for receiver i
-                sub = dist.PrefixStore(f"tokenflow/weights/epoch{epoch}/src{s}", store)
-                local = 0 if rank == s else rank - senders + 1
-                if backend == "gloo":
-                    self._pgs[s] = dist.ProcessGroupGloo(sub, local, receivers + 1, self.timeout)
-                else:
-                    opts = dist.ProcessGroupNCCL.Options()
-                    opts._timeout = self.timeout
-                    self._pgs[s] = dist.ProcessGroupNCCL(sub, local, receivers + 1, opts)
-        except (RuntimeError, OSError, ValueError) as e:  # ValueError: a store value not signed by the run
+            self._groups = GuardedGroups(lambda: SignedStore(open_store(host, port, world_size, rank == 0, self.timeout,
+                                                                        listener), secret),
+                                         members, f"tokenflow/weights/epoch{epoch}", backend, self.device,
+                                         timeout_s, handshake=epoch)
+        except (RuntimeError, OSError, ValueError) as e:  # WeightSyncError included; ValueError: an unsigned store value
+            if listener is not None:
+                listener.close()  # a no-op once the store took it over
             raise WeightSyncError(f"rank {rank} could not join the weight group at {host}:{port} "
                                   f"(world {world_size}, {senders} sender(s), epoch {epoch}) within "
                                   f"{timeout_s:.0f} s: {e}") from e
-        self._store = store
         self._assembled: dict[str, "torch.Tensor"] = {}  # split tensors' memory, reused by streamed receives
         self._closed = False
 
     # -- collectives ----------------------------------------------------------------------------
     def _start(self, tensor: "torch.Tensor", source: int, what: str):
-        import torch.distributed as dist
-
         if self._closed:
             raise WeightSyncError("the weight channel is closed")
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        opts.timeout = self.timeout
-        try:
-            work = self._pgs[source].broadcast([tensor], opts)
-        except RuntimeError as e:
-            raise WeightSyncError(f"rank {self.rank}: broadcast of {what} failed to start: {e}") from e
+        work = self._groups.start(source, tensor, f"rank {self.rank}: {what}")
         nbytes = tensor.numel() * tensor.element_size()
         if self.rank == source:  # the root of its own group
             self.wire.sent += nbytes
@@ -258,19 +248,12 @@ class TorchDistChannel(WeightChannel):
             self.wire.received += nbytes
         return work
 
-    def _wait(self, work, what: str) -> None:
-        try:
-            work.wait(self.timeout)
-        except RuntimeError as e:
-            raise WeightSyncError(f"rank {self.rank}: broadcast of {what} failed (timeout "
-                                  f"{self.timeout.total_seconds():.0f} s; did a peer die?): {e}") from e
-
     def _wait_all(self, works: list, what: str) -> None:
         for work in works:
-            self._wait(work, what)
+            self._groups.wait(work)
 
     def _broadcast(self, tensor: "torch.Tensor", what: str, source: int = 0) -> None:
-        self._wait(self._start(tensor, source, what), what)
+        self._groups.wait(self._start(tensor, source, what))
 
     # -- sending -------------------------------------------------------------------------------
     def send_stream(self, version: int, plan: BucketPlan, named: Iterable[tuple[str, "torch.Tensor"]]) -> None:
@@ -366,15 +349,9 @@ class TorchDistChannel(WeightChannel):
             pending = following
 
     def close(self) -> None:
+        """Abort the groups (`GuardedGroups.close`: never a ``shutdown`` waiting for a dead peer)."""
         if not self._closed:
             self._closed = True
-            for pg in self._pgs.values():
-                shutdown = getattr(pg, "shutdown", None)
-                if shutdown is not None:
-                    try:
-                        shutdown()
-                    except RuntimeError:
-                        pass  # a group whose peer already died may refuse a clean shutdown
-            self._pgs = {}
+            self._groups.close()
             self.buffers.release()
             self._assembled.clear()
