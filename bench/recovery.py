@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "support"))  # chaos.py: finding a run's processes, waiting, recovery
+sys.path.append(str(REPO / "tests" / "support"))  # chaos.py (appended: bench/leftovers.py, not support/leftovers.py)
 
 ROLES = ("orchestrator", "engine", "generator", "trainer")
 

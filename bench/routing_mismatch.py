@@ -2,7 +2,8 @@
 
 A bf16 vLLM engine samples completions and records their routing (``generator.record_routing``);
 the fp32 megatron-core trainer then scores the same tokens twice: routing by itself, and replaying
-the engine's routing (``trainer.routing_replay``). Reported: mean |trainer - behaviour| logprob over
+the engine's routing (``trainer.routing_replay``); the trainer process starts beside the engine
+and gets the samples once they exist (no figure here is a time). Reported: mean |trainer - behaviour| logprob over
 completion tokens for each (and their ratio); beside each, the fraction of (token, layer) pairs
 and of tokens (prompt and completion positions) where the trainer's own router chooses another
 expert set than the engine recorded - the ``routing_differ_frac`` / ``routing_differ_token_frac``
@@ -36,11 +37,11 @@ from pipeline.trainer.config import TrainerConfig
 from pipeline.trainer.engine import Trainer
 from pipeline.trainer.layout import TrainSample
 torch.set_num_threads(1)
-model_dir, data, out = sys.argv[1:4]
-d = np.load(data)
+model_dir, out = sys.argv[1:3]
+trainer = Trainer(TrainerConfig(model_dir=model_dir, routing_replay=True, micro_batch_tokens=512))
+d = np.load(sys.stdin.readline().strip())  # the samples' file, once the engine has made them
 n = int(d["n"])
 samples = [TrainSample(d[f"p{i}"], d[f"c{i}"], d[f"lp{i}"], routed_experts=d[f"r{i}"]) for i in range(n)]
-trainer = Trainer(TrainerConfig(model_dir=model_dir, routing_replay=True, micro_batch_tokens=512))
 replayed = trainer.logprobs(samples, count_routing=True)
 differ = {"replayed": trainer.routing_differences()}
 trainer.replayer.apply = False  # the same samples, the trainer routing by itself
@@ -110,17 +111,27 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model_dir = sharpened_checkpoint("moe", tmp / "model")
-        pairs = asyncio.run(_generate(model_dir, args))
-        data = {"n": len(pairs)}
-        for i, (p, c) in enumerate(pairs):
-            data.update({f"p{i}": np.array(p), f"c{i}": np.array(c.token_ids), f"lp{i}": np.array(c.logprobs),
-                         f"r{i}": c.routed_experts})
-        np.savez(tmp / "samples.npz", **data)
         port = free_port("127.0.0.1")
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
                    OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
-        subprocess.run([sys.executable, "-c", TRAINER, str(model_dir), str(tmp / "samples.npz"),
-                        str(tmp / "out.npz")], env=env, cwd=REPO, check=True, timeout=600)
+        # the trainer starts (imports, builds the model) while the engine starts and generates, then
+        # reads the samples' path from its stdin
+        trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(model_dir), str(tmp / "out.npz")],
+                                   env=env, cwd=REPO, stdin=subprocess.PIPE, text=True)
+        try:
+            pairs = asyncio.run(_generate(model_dir, args))
+            data = {"n": len(pairs)}
+            for i, (p, c) in enumerate(pairs):
+                data.update({f"p{i}": np.array(p), f"c{i}": np.array(c.token_ids), f"lp{i}": np.array(c.logprobs),
+                             f"r{i}": c.routed_experts})
+            np.savez(tmp / "samples.npz", **data)
+            trainer.communicate(f"{tmp / 'samples.npz'}\n", timeout=600)
+        finally:
+            if trainer.poll() is None:
+                trainer.kill()
+                trainer.wait()
+        if trainer.returncode != 0:
+            raise RuntimeError(f"the trainer exited {trainer.returncode}")
         out = np.load(tmp / "out.npz")
         behaviour = np.concatenate([c.logprobs for _, c in pairs])
         own = np.abs(np.concatenate([out[f"own{i}"] for i in range(len(pairs))]) - behaviour).mean()

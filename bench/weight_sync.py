@@ -49,13 +49,14 @@ windows without updates (this also counts recomputation after the resume, which 
 not); and the generator's streaming-buffer bytes after the streamed updates.
 
 (c) Layouts. `tests/support/layout_check.py` syncs the tiny MoE model from megatron-core trainer
-ranks at TP1 and at TP2 x EP2 (two senders, one per expert-parallel rank) to one receiver, which
+ranks at TP2 x EP2 (two senders, one per expert-parallel rank) and at TP1 to one receiver, which
 checks every tensor against the checkpoint; reported: median sync time of each and their ratio.
 
 (d) LoRA. The same tool syncs the tiny MoE model from one trainer rank with full weights and with
 LoRA adapters only (rank 8 on every attention, expert projection; ``pipeline/weights/adapters.py``):
 reported: bytes per sync, trainer sync time and receive (+ merge into the base) time of each, and
-the ratios adapters / full.
+the ratios adapters / full. The full sync is (c)'s TP1 run (the same command: one run serves
+both, run right before the adapters').
 
     python bench/weight_sync.py --quick                  # < 1 minute on an idle 2-core machine
     python bench/weight_sync.py --quick --part bandwidth # (a) only
@@ -477,42 +478,43 @@ async def take_step_gaps(gen, updated: list[str], gaps: dict[str, list[float]]) 
 
 
 # -- (c) layouts -----------------------------------------------------------------------------------
-def layouts(reps: int) -> dict:
-    """Sync time of the tiny MoE model from TP1 and from TP2 x EP2 trainer ranks (one receiver)."""
+def layout_run(done: dict, reps: int, tp: int = 1, ep: int = 1, lora: int = 0) -> dict:
+    """`support.layout_check.run` of the tiny MoE model to one receiver, once per (tp, ep, lora) in
+    ``done``: the TP1 full-weight sync serves as layout (c)'s tp1 and as LoRA (d)'s full."""
     from pipeline.models.tiny import resolve_model
     from support.layout_check import run
 
-    model = str(resolve_model("tiny-moe"))
-    out: dict = {"model": "tiny-moe"}
-    for name, tp, ep in (("tp1", 1, 1), ("tp2xep2", 2, 2)):
-        r = run(model, tp=tp, ep=ep, receivers=1, reps=reps + 1)
+    if (tp, ep, lora) not in done:
+        r = run(str(resolve_model("tiny-moe")), tp=tp, ep=ep, receivers=1, reps=reps + 1, lora_rank=lora)
         recv = r["receivers"][0]
         if recv["mismatched_count"] or recv["missing"]:
-            raise RuntimeError(f"{name}: the receiver got wrong or missing tensors: {recv}")
-        lead = r["trainer"][0]
-        out[name] = {"sync_median_s": statistics.median(lead["sync_s"][1:]),
-                     "senders": sum(1 for t in r["trainer"] if t["source"] is not None),
-                     "bytes": lead["plan_bytes"], "buckets": lead["plan_buckets"]}
+            raise RuntimeError(f"tp={tp} ep={ep} lora={lora}: the receiver got wrong or missing tensors: {recv}")
+        done[tp, ep, lora] = r
+    return done[tp, ep, lora]
+
+
+def layouts(reps: int, done: dict) -> dict:
+    """Sync time of the tiny MoE model from TP2 x EP2 and from TP1 trainer ranks (one receiver)."""
+    out: dict = {"model": "tiny-moe"}
+    for name, tp, ep in (("tp2xep2", 2, 2), ("tp1", 1, 1)):
+        lead = layout_run(done, reps, tp, ep)["trainer"]
+        out[name] = {"sync_median_s": statistics.median(lead[0]["sync_s"][1:]),
+                     "senders": sum(1 for t in lead if t["source"] is not None),
+                     "bytes": lead[0]["plan_bytes"], "buckets": lead[0]["plan_buckets"]}
         print(f"{name}: sync median {out[name]['sync_median_s'] * 1e3:.1f} ms from "
-              f"{out[name]['senders']} sender(s), {lead['plan_bytes'] / 2**20:.1f} MiB", flush=True)
+              f"{out[name]['senders']} sender(s), {lead[0]['plan_bytes'] / 2**20:.1f} MiB", flush=True)
     out["ratio_tp2xep2_over_tp1"] = out["tp2xep2"]["sync_median_s"] / out["tp1"]["sync_median_s"]
     return out
 
 
 # -- (d) LoRA: adapter-only sync against full sync ----------------------------------------------
-def lora_sync(reps: int, rank: int = 8) -> dict:
+def lora_sync(reps: int, done: dict, rank: int = 8) -> dict:
     """Full-weight sync against adapter-only sync (LoRA rank ``rank``, every target) of the tiny
     MoE model from one trainer rank; the receiver of the adapter sync merges them into the base."""
-    from pipeline.models.tiny import resolve_model
-    from support.layout_check import run
-
-    model = str(resolve_model("tiny-moe"))
     out: dict = {"model": "tiny-moe", "lora_rank": rank}
     for name, lora in (("full", 0), ("adapters", rank)):
-        r = run(model, receivers=1, reps=reps + 1, lora_rank=lora)
+        r = layout_run(done, reps, lora=lora)
         recv, lead = r["receivers"][0], r["trainer"][0]
-        if recv["mismatched_count"] or recv["missing"]:
-            raise RuntimeError(f"{name}: the receiver got wrong or missing weights: {recv}")
         out[name] = {"sync_median_s": statistics.median(lead["sync_s"][1:]),
                      "receive_median_s": statistics.median(recv["receive_s"][1:]),
                      "bytes": lead["plan_bytes"], "tensors": recv["tensors"]}
@@ -575,10 +577,11 @@ def main() -> dict:
         out["stall_target"] = "median stall (pause to resume) <= 1 decode step on CPU, default mode"
         out["stall_met"] = out["stall"][out["stall"]["default"]]["stall_decode_steps"] <= 1.0
         out["engine_gap_met"] = out["stall"][out["stall"]["default"]]["engine_gap_decode_steps"] <= 1.0
+    done: dict = {}  # layout_check runs, by (tp, ep, lora)
     if args.part in ("all", "layouts"):
-        out["layouts"] = layouts(args.reps)
+        out["layouts"] = layouts(args.reps, done)
     if args.part in ("all", "lora"):
-        out["lora"] = lora_sync(args.reps)
+        out["lora"] = lora_sync(args.reps, done)
     out["machine_load_1min"] = os.getloadavg()[0]
     out["wall_s"] = time.monotonic() - t0
     return out

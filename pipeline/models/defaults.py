@@ -6,8 +6,8 @@ the run directory's config.yaml then stores the resolved values, so every role (
 Rules (a field the user set is kept; each rule reads only the model's config and the task):
 - the model must be a supported family with supported options (pipeline.trainer.families): an
   unsupported checkpoint is refused here, naming the config field, before any process starts;
-- model.warmstart_steps: the task's for the built-in tiny models (sort, the demo: 300; others 120), 0 for
-  a checkpoint;
+- model.warmstart_steps: the task's for the built-in tiny models (sort, the demo: 300; dataset 0; others
+  120), 0 for a checkpoint;
 - generator.max_tokens: the task's completion budget (task.max_tokens; built-in sort/addition 32, dataset 1024);
 - generator.max_num_seqs: 64 for the tiny models, 256 for a checkpoint;
 - generator.enforce_eager: on for the tiny models (start-up dominates a 2-minute demo), off for a checkpoint

@@ -239,6 +239,7 @@ class DatasetTask(Task):
     """Prompts and ground truths from a user's dataset (see the module invariants)."""
 
     name = "dataset"
+    warmstart_steps = 0  # a user's data trains the model as given, the tiny ones too (a 120-step warm-start: minutes)
 
     def __init__(self, path: str | Path, *, columns: dict[str, str] | None = None, eval_sets: dict[str, str] | None = None,
                  eval_size: int = 200, eval_fraction: float = 0.2, split_seed: int = SPLIT_SEED,

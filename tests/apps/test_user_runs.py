@@ -4,10 +4,11 @@
   W&B's offline run file and MLflow's file store hold every step's reward; pass@k and greedy
   accuracy equal a count made here from the per-prompt answers (completion ids decoded and scored by
   the task, not by the orchestrator); `tokenflow compare` and TensorBoard show them;
-- verl's GSM8K Parquet layout with nothing but ``task.path`` (no warm-start: the tiny model answers
-  badly, the point is that the data trains and is evaluated by held-out set and data source).
+- verl's GSM8K Parquet layout, a `datasets` directory and JSONL, each with nothing but ``task.path``
+  (the tiny model's defaults; it answers badly, the point is that the data trains and is evaluated
+  by held-out set and data source).
 
-Cost: the demo run ~60 s on 2 cores (its warm-start is cached); the Parquet run (slow-marked) ~60 s.
+Cost on 2 cores: the demo run ~40 s (its warm-start cached); the three format runs ~120 s at once.
 """
 from __future__ import annotations
 
@@ -28,12 +29,27 @@ COMMON = ["run.steps=2", "run.eval_every=2", "run.checkpoint_every=2", "run.mism
           "run.progress=false", "orchestrator.groups_per_step=2", "orchestrator.group_size=4"]
 
 
-def train(run_dir: Path, *overrides: str) -> None:
+def start_train(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    """`tokenflow train` of a short run in ``run_dir`` (its output in ``run_dir``.out)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "pipeline.cli", "train", f"run.name={run_dir.name}", f"hydra.run.dir={run_dir}",
            *COMMON, *overrides]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    assert out.returncode == 0, f"train failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+    with open(run_dir.with_suffix(".out"), "w") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def finish_train(run_dir: Path, proc: subprocess.Popen) -> None:
+    try:
+        rc = proc.wait(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc == 0, f"train {run_dir.name} failed:\n{run_dir.with_suffix('.out').read_text()[-6000:]}"
+
+
+def train(run_dir: Path, *overrides: str) -> None:
+    finish_train(run_dir, start_train(run_dir, *overrides))
 
 
 @pytest.fixture(scope="module")
@@ -102,24 +118,47 @@ def test_trackers_and_compare_show_every_step(demo, monkeypatch):
     assert (demo / "training.png").exists()
 
 
-@pytest.mark.slow
-def test_verl_parquet_trains_with_nothing_but_its_path(tmp_path):
-    """~60 s (one 2-step run without warm-start); the formats themselves are checked without engines
-    in tests/tasks/test_user_datasets.py."""
-    from test_user_datasets import write_gsm8k_parquet
+@pytest.fixture(scope="module")
+def format_runs(tmp_path_factory) -> dict[str, Path]:
+    """The same 200 problems as verl's GSM8K Parquet, a `datasets` directory and JSONL, each trained
+    (2 steps, no tracker) with nothing but ``task=dataset task.path=...``: the tiny model's budgets,
+    warm-start and engine are the defaults'. The three runs go at once, placed by the OS."""
+    import datasets
 
-    data = write_gsm8k_parquet(tmp_path / "gsm8k.parquet")
-    run = tmp_path / "gsm8k"
-    # The budgets only keep the run short (the tiny model would otherwise get 256 + 768: defaults.py).
-    train(run, "task=dataset", f"task.path={data}", "model.warmstart_steps=0", "logger=[]",
-          "task.max_tokens=24", "task.max_prompt_tokens=96")
+    from test_user_datasets import gsm8k_rows, write_gsm8k_parquet
+
+    root = tmp_path_factory.mktemp("formats")
+    parquet = write_gsm8k_parquet(root / "gsm8k.parquet")
+    saved = root / "saved"
+    datasets.Dataset.from_parquet(str(parquet)).save_to_disk(str(saved))
+    jsonl = root / "flat.jsonl"
+    jsonl.write_text("".join(json.dumps({"prompt": r["prompt"][0]["content"],
+                                         "answer": r["reward_model"]["ground_truth"]}) + "\n" for r in gsm8k_rows(200)))
+    paths = {"parquet": parquet, "saved": saved, "jsonl": jsonl}
+    # no core plan: with one, the three runs' generators (three processes importing vLLM each) would share core 0;
+    # the held-out evaluation in the Parquet run only (by held-out set and data source)
+    started = {fmt: start_train(root / fmt, "task=dataset", f"task.path={path}", "logger=[]", "cluster.cpu_plan=none",
+                                *([] if fmt == "parquet" else ["run.eval_every=0"])) for fmt, path in paths.items()}
+    for run, proc in started.items():
+        finish_train(root / run, proc)
+    return {fmt: root / fmt for fmt in paths}
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "saved", "jsonl"])
+def test_every_format_trains_with_nothing_but_its_path(format_runs, fmt):
+    """~120 s for the three runs at once on 2 cores (module fixture); the formats themselves are
+    checked without engines in tests/tasks/test_user_datasets.py."""
+    run = format_runs[fmt]
     steps = list(read_metrics(run, "train_step"))
     assert [s["step"] for s in steps] == [0, 1] and all(np.isfinite(s["reward_mean"]) for s in steps)
-    evals = list(read_metrics(run, "eval"))
-    assert [e["n"] for e in evals] == [40, 40]
-    assert all(e["n/heldout"] == 40 and e["n/source/openai/gsm8k"] == 40 for e in evals)
-    by_source = [r["reward_mean/source/openai/gsm8k"] for r in read_metrics(run, "orchestrator")
-                 if "reward_mean/source/openai/gsm8k" in r]
-    assert by_source and all(0.0 <= r <= 1.0 for r in by_source)
+    assert all(s["samples"] == 8 for s in steps)  # 2 groups of 4
     (dataset,) = read_metrics(run, "dataset")
     assert (dataset["train_rows"], dataset["eval_prompts"], dataset["bad_rows"]) == (160, 40, 0)
+    if fmt == "parquet":
+        evals = list(read_metrics(run, "eval"))
+        assert [e["n"] for e in evals] == [40, 40] and all(e["n/heldout"] == 40 for e in evals)
+        assert all(e["n/source/openai/gsm8k"] == 40 for e in evals)
+    if fmt != "jsonl":  # verl's data_source column came through: rewards by source
+        by_source = [r["reward_mean/source/openai/gsm8k"] for r in read_metrics(run, "orchestrator")
+                     if "reward_mean/source/openai/gsm8k" in r]
+        assert by_source and all(0.0 <= r <= 1.0 for r in by_source)

@@ -134,13 +134,15 @@ def test_bad_rows_are_named_or_skipped_and_long_prompts_counted(tmp_path, tokeni
 
 
 def test_dataset_budgets_follow_the_models_positions(formats):
-    """Unset budgets that the model cannot hold (1024 + 1024 in the tiny models' 1024 positions)."""
+    """Unset budgets that the model cannot hold (1024 + 1024 in the tiny models' 1024 positions); no
+    warm-start on a user's dataset, the tiny models' neither."""
     from pipeline.config import TokenflowConfig, validate
 
     cfg = TokenflowConfig(task=TaskConfig(name="dataset", path=str(formats["parquet"])))
     validate(cfg)
     assert (cfg.task.max_tokens, cfg.task.max_prompt_tokens) == (256, 768)
     assert (cfg.generator.max_tokens, cfg.generator.max_model_len) == (256, 1024)
+    assert cfg.model.warmstart_steps == 0  # the data as given: no minutes-long warm-start on it
     kept = TokenflowConfig(task=TaskConfig(name="dataset", path=str(formats["parquet"]), max_tokens=24))
     validate(kept)
     assert (kept.task.max_tokens, kept.task.max_prompt_tokens, kept.generator.max_model_len) == (24, 1024, 1024)
