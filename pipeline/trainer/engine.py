@@ -27,7 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .layout import PaddedLayout, TrainSample
+from .layout import TrainSample, make_layout
 from .config import TrainerConfig
 from .corrections import check_trainer_config
 from .loss import group_advantages, policy_loss, reward_to_go, token_advantages
@@ -52,7 +52,7 @@ class Trainer:
         self.hf_config = load_hf_config(cfg.model_dir)
         apply_patches("cuda" if self.cuda else "cpu",
                       sequence_parallel=uses_sequence_parallel(self.hf_config, cfg.parallel),
-                      norm=spec_norm(self.hf_config))
+                      norm=spec_norm(self.hf_config), packed=cfg.layout == "packed")
         if not torch.distributed.is_initialized():
             rank = int(os.environ.get("RANK", 0)) if rank is None else rank
             world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
@@ -96,8 +96,8 @@ class Trainer:
             from .routing_stats import RoutingStats
 
             self.routing = RoutingStats(self.model, sp)
-        self.layout = PaddedLayout(cfg.micro_batch_tokens, pad_multiple=p.tp if sp else 1,
-                                   device="cuda" if self.cuda else "cpu")
+        self.layout = make_layout(cfg.layout, cfg.micro_batch_tokens, pad_multiple=p.tp if sp else 1,
+                                  device="cuda" if self.cuda else "cpu")
         self.dp_group = ps.get_data_parallel_group()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.steps = 0
@@ -159,9 +159,10 @@ class Trainer:
         most = int(self._all_reduce([len(micro_batches)], None, torch.distributed.ReduceOp.MAX)[0])
         return micro_batches + [self.layout.dummy() for _ in range(most - len(micro_batches))]
 
-    def _attach(self, samples):
-        """The layout's micro-batches with recorded sampling masks and (routing replay) routing."""
-        mbs = attach_kept_ids(self.layout.micro_batches(samples), samples, self.layout.device)
+    def _attach(self, samples, budget=None):
+        """The layout's micro-batches (of at most ``budget`` tokens) with recorded sampling masks
+        and (routing replay) routing."""
+        mbs = attach_kept_ids(self.layout.micro_batches(samples, budget), samples, self.layout.device)
         return attach_routing(mbs, samples, self.layout.device) if self.replayer is not None else mbs
 
     # ---------------------------------------------------------------- forward
@@ -172,8 +173,7 @@ class Trainer:
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         routed = mb.extras.get("routed_experts") if model is self.model else None
-        real = [st + c if i >= 0 else 0 for i, st, c in zip(mb.sample_index, mb.starts, mb.lengths)]
-        with self.replayer.forward(routed, real if count_routing else None) if routed is not None \
+        with self.replayer.forward(routed, mb.real_lengths if count_routing else None) if routed is not None \
                 else nullcontext():
             logits = model(mb.input_ids, mb.position_ids, mb.attention_mask,
                            packed_seq_params=mb.packed_seq_params)
@@ -209,7 +209,8 @@ class Trainer:
         out: list[np.ndarray | None] = [None] * len(samples)
         model.eval()
         with torch.no_grad():
-            for mb in self._equalised(self._attach(samples)):
+            budget = self.cfg.no_grad_micro_batch_tokens or 4 * self.cfg.micro_batch_tokens
+            for mb in self._equalised(self._attach(samples, budget)):
                 values, _ = self._token_logprobs(model, mb, count_routing=count_routing)
                 real = [i for i in mb.sample_index if i >= 0]
                 for i, arr in zip(real, self.layout.gather(mb, values)):
@@ -299,18 +300,17 @@ class Trainer:
         sums: dict[str, float] = {}
         for mb in micro_batches:
             if self.routing is not None:
-                self.routing.track([st + c if i >= 0 else 0
-                                    for i, st, c in zip(mb.sample_index, mb.starts, mb.lengths)])
+                self.routing.track(mb.real_lengths)
             logp, entropy = self._token_logprobs(self.model, mb, want_entropy=True, count_routing=True)
+            per_sample = self.layout.completions  # [placed samples, completion]: the loss's shape
+            scattered = {k: per_sample(mb, self.layout.scatter(mb, v)) for k, v in extra.items()}
             loss, m = policy_loss(
-                logp, mb.extras["behaviour"],
-                token_advantages(mb.extras["advantage"], self.layout.scatter(mb, extra["token_returns"])
-                                 if "token_returns" in extra else None, cfg.loss.token_reward_coef),
-                mb.loss_mask, normaliser,
-                cfg.loss,
-                proximal_logprobs=self.layout.scatter(mb, extra["proximal"]) if "proximal" in extra else None,
-                ref_logprobs=self.layout.scatter(mb, extra["ref"]) if "ref" in extra else None,
-                teacher_logprobs=self.layout.scatter(mb, extra["teacher"]) if "teacher" in extra else None)
+                per_sample(mb, logp), per_sample(mb, mb.extras["behaviour"]),
+                token_advantages(mb.extras["advantage"], scattered.get("token_returns"),
+                                 cfg.loss.token_reward_coef),
+                per_sample(mb, mb.loss_mask), normaliser, cfg.loss,
+                proximal_logprobs=scattered.get("proximal"), ref_logprobs=scattered.get("ref"),
+                teacher_logprobs=scattered.get("teacher"))
             loss.backward()
             m.update(loss=loss.detach(), entropy=(entropy * mb.loss_mask).sum())
             for k, v in m.items():

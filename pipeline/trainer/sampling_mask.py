@@ -78,7 +78,7 @@ def attach_kept_ids(micro_batches: Sequence, samples: Sequence, device) -> list:
         width = max(m.shape[1] for m in masks if m is not None)
         rows, length = mb.loss_mask.shape
         kept = np.full((rows, length, width), -1, dtype=np.int64)
-        for row, (m, start, c) in enumerate(zip(masks, mb.starts, mb.lengths)):
+        for m, row, start, c in zip(masks, mb.rows, mb.starts, mb.lengths):
             if m is not None:
                 if len(m) != c:
                     raise ValueError(f"sampling_mask has {len(m)} rows for {c} completion tokens")
