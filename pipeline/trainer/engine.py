@@ -30,9 +30,10 @@ import numpy as np
 from .layout import TrainSample, make_layout
 from .config import TrainerConfig
 from .corrections import check_trainer_config
+from .logprobs import hidden_for_output, token_logprobs
 from .loss import group_advantages, policy_loss, reward_to_go, token_advantages
 from .routing_replay import RoutingReplay, attach_routing
-from .sampling_mask import attach_kept_ids, kept_log_mass
+from .sampling_mask import attach_kept_ids
 
 
 class Trainer:
@@ -69,7 +70,10 @@ class Trainer:
             expert_tensor_parallel_size=p.expert_tp,
             distributed_timeout_minutes=max(1, int(cfg.timeout_s // 60)))
         model_parallel_cuda_manual_seed(cfg.seed)
-        model = build_gpt_model(self.hf_config, p, cfg.moe)
+        if cfg.recompute == "full" and cfg.routing_replay:
+            raise ValueError("trainer.recompute=full with trainer.routing_replay: megatron recomputes the "
+                             "routers in backward, after the replayed routing is cleared; use 'selective'")
+        model = build_gpt_model(self.hf_config, p, cfg.moe, cfg.recompute)
         load_hf_weights(model, self.hf_config, cfg.model_dir)
         self.lora = None
         if cfg.lora.rank:
@@ -167,35 +171,19 @@ class Trainer:
 
     # ---------------------------------------------------------------- forward
     def _token_logprobs(self, model, mb, want_entropy=False, count_routing=False):
-        """``[rows, S]`` logprobs of the labels (and entropies, no grad) under ``model``; with
-        ``count_routing`` the recorded-vs-own routing differences are counted."""
-        import torch
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+        """``[rows, S]`` logprobs of the labels (and entropies, no grad) under ``model``, chunked
+        over tokens (`logprobs`); with ``count_routing`` the recorded-vs-own routing differences
+        are counted."""
+        from .conversion import unwrap
 
         routed = mb.extras.get("routed_experts") if model is self.model else None
         with self.replayer.forward(routed, mb.real_lengths if count_routing else None) if routed is not None \
-                else nullcontext():
-            logits = model(mb.input_ids, mb.position_ids, mb.attention_mask,
+                else nullcontext(), hidden_for_output(unwrap(model)) as output:
+            hidden = model(mb.input_ids, mb.position_ids, mb.attention_mask,
                            packed_seq_params=mb.packed_seq_params)
-        logits = logits.float() / self.cfg.temperature
-        entropy = None
-        if want_entropy:
-            with torch.no_grad():
-                entropy = self._vocab_parallel_entropy(logits)
-        kept = mb.extras.get("kept_ids")  # Keep Sampling Mask (before the CE, which works in place)
-        log_mass = kept_log_mass(logits, kept, self.tp_group) if kept is not None else 0.0
-        return -vocab_parallel_cross_entropy(logits, mb.labels) - log_mass, entropy
-
-    def _vocab_parallel_entropy(self, logits):
-        import torch
-
-        top = logits.max(dim=-1, keepdim=True).values
-        torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=self.tp_group)
-        z = logits - top
-        e = z.exp()
-        stats = torch.stack([e.sum(-1), (e * z).sum(-1)])
-        torch.distributed.all_reduce(stats, group=self.tp_group)
-        return stats[0].log() - stats[1] / stats[0]
+        return token_logprobs(hidden, output["weight"], mb.labels, mb.extras.get("kept_ids"),
+                              self.cfg.temperature, self.tp_group, self.cfg.logprob_chunk_tokens,
+                              want_entropy)
 
     def logprobs(self, samples: Sequence[TrainSample], reference: bool = False,
                  count_routing: bool = False) -> list[np.ndarray]:

@@ -26,8 +26,9 @@ Invariants:
   replay experts ``0..k-1`` (their outputs are masked out of the loss). Otherwise the model
   routes by itself, which `RoutingReplay.forward` reports by yielding False.
 - ``moe_router_fusion`` bypasses replay in megatron-core 0.16.1 and is refused.
-- No activation recomputation runs in this trainer, so backward never re-routes and forward
-  replay is enough; indices are cleared after each forward.
+- Backward never re-routes, so forward replay is enough: ``trainer.recompute`` "selective"
+  recomputes core attention only, and "full" (which would re-run the routers after the indices
+  are cleared) is refused with routing replay; indices are cleared after each forward.
 - Agreement is measured with replay on AND off: every router of an MoE policy carries an
   ``ObservingReplay`` (`observing_replay_class`), which also computes the router's own top-k
   (megatron's own function, on the trainer's hidden states) when a target is set. Over the

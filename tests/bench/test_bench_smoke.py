@@ -53,6 +53,7 @@ REPORT_KEYS = {
                       "fill_s", "B", "S_over_B", "target", "met", "trainer_idle_frac_sync",
                       "trainer_idle_frac_async", "shared_prompt_frac", "machine_load_1min", "runs"},
     "recovery": {"bench", "mode", "generators", "two_over_one"},
+    "trainer": {"bench", "mode", "throughput", "packing", "memory", "targets", "met"},
 }
 """Top-level keys of each benchmark's report, in every mode."""
 
@@ -95,6 +96,16 @@ def test_scorers_smoke():
     for role, figures in report["roles"].items():
         assert set(figures) == SCORER_ROLE_KEYS and figures["errors"] == 0, role
         assert figures["samples"] == report["groups"] * report["group_size"]
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_trainer_smoke():
+    """COST s on a loaded 2-core machine (a megatron trainer and transformers in one process)."""
+    report = _smoke("trainer")
+    assert set(report["memory"]["peak_bytes"]) == {"100", "200", "400", "800"}
+    assert all(v > 0 for v in report["memory"]["peak_bytes"].values())
+    assert 0 < report["packing"]["padding_waste"] < 1 and _finite(report["throughput"]["ratio"])
 
 
 @pytest.mark.engine
