@@ -108,6 +108,22 @@ def test_packed_layout_places_every_token_once_within_the_budget():
     assert dummy.sample_index == [-1] and float(dummy.loss_mask.sum()) == 0 and dummy.input_ids.shape[1] == 4
 
 
+def test_layout_and_recompute_settings_are_checked_and_select_the_attention_patch():
+    from types import SimpleNamespace
+
+    from megatron_patches import select_patches
+    from pipeline.trainer.config import ParallelConfig
+    from pipeline.trainer.layout import make_layout
+    from pipeline.trainer.model import transformer_config
+
+    with pytest.raises(ValueError, match="trainer.layout must be one of"):
+        make_layout("thd", 64)
+    with pytest.raises(ValueError, match="trainer.recompute must be one of"):
+        transformer_config(SimpleNamespace(), ParallelConfig(), recompute="some")
+    assert select_patches("cuda", False, packed=True) == ["moe_te_general_gemm", "varlen_attention"]
+    assert "varlen_attention" not in select_patches("cpu", False, packed=False)
+
+
 # ----------------------------------------------------------------------------- rank scenario
 def _samples(hf):
     from support.oracle import make_samples
