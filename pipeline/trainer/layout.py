@@ -13,8 +13,8 @@ Invariants:
 - Every real completion token appears in exactly one micro-batch, exactly once, with mask 1; padding
   and prompt positions have mask 0, and so have environment tokens of an episode (a sample's
   ``model_mask`` 0: observations the policy did not sample, `pipeline.generator.episodes`).
-- ``BatchLayout.gather`` is the inverse of ``scatter``: it returns one array per sample, in the
-  order the samples were given, of length ``len(completion_ids)``.
+- ``BatchLayout.gather`` is the inverse of ``scatter``: it returns one array per real sample of
+  the micro-batch, in placement order (``sample_index``), of length ``len(completion_ids)``.
 - Micro-batches never exceed ``micro_batch_tokens`` padded tokens unless one sample alone does
   (then that sample is a micro-batch of its own).
 
@@ -23,17 +23,19 @@ Invariants:
 logprobs, its routing the rows the trainer feeds (`sequence_routing`), its optional per-token
 columns are taken when the batch carries them.
 
-Two layouts implement ``BatchLayout`` (``trainer.layout``; the interface: ``micro_batches``,
-``dummy``, ``scatter``, ``gather``, and a `MicroBatch`'s placements ``sample_index``/``rows``/
-``offsets``/``starts``/``lengths`` and per-row ``real_lengths``):
+Two layouts implement ``BatchLayout`` (``trainer.layout``; the interface: ``micro_batches`` (with
+a token budget), ``dummy``, ``scatter``, ``gather``, ``completions`` (the ``[samples, completion]``
+view the loss sees), and a `MicroBatch`'s placements ``sample_index``/``rows``/``offsets``/
+``starts``/``lengths`` and per-row ``real_lengths``):
 
 - ``PackedLayout`` (the default) concatenates samples into ONE row ``[1, T]`` (THD): segment
   boundaries go to megatron as ``packed_seq_params`` (``cu_seqlens``), attention runs per segment
   (`pipeline.trainer.attention`), rotary positions restart at 0 in every segment. The row is padded
   at the end to ``pad_multiple`` (the TP size under sequence parallelism) with one padding segment.
   No padding between samples: a micro-batch holds at most ``micro_batch_tokens`` tokens.
-- ``PaddedLayout`` right-pads rows to a common length (megatron-core's own local attention,
-  which builds each row's S x S scores); padding waste is ``1 - real / (rows x width)``.
+- ``PaddedLayout`` right-pads rows to a common length (with ``trainer.layout=padded`` the model
+  keeps megatron-core's own local attention, which builds each row's S x S scores); padding
+  waste is ``1 - real / (rows x width)``.
 
 Worked example (packed, pad_multiple 4): samples of 3 and 2 fed positions (prompt + completion - 1)
 give input_ids ``[a0 a1 a2 b0 b1 0 0 0]``, cu_seqlens ``[0, 3, 5, 8]``, rows ``[0, 0]``, offsets
