@@ -40,6 +40,8 @@ def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 
     backends = ([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION] if q.is_cuda
                 else [SDPBackend.FLASH_ATTENTION])
+    if q.is_cuda and k.shape[1] != q.shape[1]:  # the memory-efficient CUDA kernel takes no GQA
+        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, s, d]
     with sdpa_kernel(backends):
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
