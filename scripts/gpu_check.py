@@ -4,7 +4,7 @@
 
 Sections (each merges ``{NAME: {...}}`` into FILE at once, so a later timeout keeps what ran):
   megatron_bf16  the tiny dense and MoE models as bf16 megatron-core on CUDA (distributed
-                 optimizer, fp32 masters) against transformers' logprobs of the same weights:
+                 optimizer, fp32 masters, the packed layout's varlen attention) against transformers' logprobs of the same weights:
                  megatron's bf16 error (against transformers in fp32) must stay within twice
                  transformers' own bf16 error plus 1e-3;
   checkpoint     save after a step, step, load, step again: weights, fp32 masters and loss exactly
@@ -19,9 +19,10 @@ Sections (each merges ``{NAME: {...}}`` into FILE at once, so a later timeout ke
                  a member that never joins, one killed and one stopped mid-broadcast; each must end in
                  WeightSyncError on the survivors and a regroup, never a process teardown); needs 4
                  GPUs, says "skipped" with fewer (not in gpu_check.sh's 5-minute run: call it alone);
-  throughput     a ~1B-parameter Qwen3 model built locally, bf16, 4k-token sequences: trainer
-                 tokens/s and model-FLOPs utilisation (6 N + 6 L d S FLOPs per token against
-                 989 TFLOP/s bf16 dense for H100/H200), peak GPU memory.
+  throughput     a ~1B-parameter Qwen3 model built locally, bf16, packed layout (torch's
+                 varlen_attn), 4k- and 16k-token sequences: trainer tokens/s, model-FLOPs
+                 utilisation (6 N + 6 L d S FLOPs per token against 989 TFLOP/s bf16 dense for
+                 H100/H200) and peak GPU memory at each length.
 Every section records its peak GPU memory. Without a GPU the script says so and exits 3.
 """
 from __future__ import annotations
@@ -213,37 +214,45 @@ def build_1b(out: Path) -> Path:
 
 
 def section_throughput(work: Path) -> dict:
+    """The packed layout (the default: `pipeline.trainer.attention` through torch's varlen_attn)
+    on a ~1B model at 4k and 16k tokens per sequence: tokens/s, MFU and peak memory of each."""
     import numpy as np
     import torch
 
     from pipeline.trainer.layout import TrainSample
 
     model_dir = build_1b(work / "qwen3-1b")
-    seq = 4096
-    trainer = trainer_for(model_dir, micro_batch_tokens=seq)
-    try:
-        hf = trainer.hf_config
-        params = sum(p.numel() for p in trainer.model.parameters())
-        rng = np.random.default_rng(0)
-        samples = [TrainSample(rng.integers(3, hf.vocab_size, 96), rng.integers(3, hf.vocab_size, seq - 96),
-                               np.full(seq - 96, -6.0, np.float32), reward=float(i % 2), group_id=i // 4)
-                   for i in range(8)]
-        trainer.train_step(samples)  # warm-up
-        torch.cuda.synchronize()
-        start, tokens = time.perf_counter(), 0
-        for _ in range(2):
-            trainer.train_step(samples)
-            tokens += len(samples) * seq
-        torch.cuda.synchronize()
-        tokens_per_s = tokens / (time.perf_counter() - start)
-    finally:
-        trainer.close()
-    flops_per_token = 6 * (params - hf.vocab_size * hf.hidden_size) + 6 * hf.num_hidden_layers * hf.hidden_size * seq
-    name = torch.cuda.get_device_name(0)
-    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
-    return {"params": params, "seq_len": seq, "tokens_per_s": tokens_per_s,
-            "model_flops_per_token": flops_per_token,
-            "mfu": tokens_per_s * flops_per_token / peak if peak else None, "ok": tokens_per_s > 0}
+    out = {}
+    for seq, count in ((4096, 8), (16384, 2)):
+        torch.cuda.reset_peak_memory_stats()
+        trainer = trainer_for(model_dir, micro_batch_tokens=seq)
+        try:
+            hf = trainer.hf_config
+            params = sum(p.numel() for p in trainer.model.parameters())
+            rng = np.random.default_rng(0)
+            samples = [TrainSample(rng.integers(3, hf.vocab_size, 96), rng.integers(3, hf.vocab_size, seq - 96),
+                                   np.full(seq - 96, -6.0, np.float32), reward=float(i % 2), group_id=i // 4)
+                       for i in range(count)]
+            trainer.train_step(samples)  # warm-up
+            torch.cuda.synchronize()
+            start, tokens = time.perf_counter(), 0
+            for _ in range(2):
+                trainer.train_step(samples)
+                tokens += len(samples) * seq
+            torch.cuda.synchronize()
+            tokens_per_s = tokens / (time.perf_counter() - start)
+            layout = trainer.cfg.layout
+        finally:
+            trainer.close()
+        flops_per_token = 6 * (params - hf.vocab_size * hf.hidden_size) + 6 * hf.num_hidden_layers * hf.hidden_size * seq
+        name = torch.cuda.get_device_name(0)
+        peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+        out[str(seq)] = {"params": params, "seq_len": seq, "layout": layout, "tokens_per_s": tokens_per_s,
+                         "model_flops_per_token": flops_per_token,
+                         "mfu": tokens_per_s * flops_per_token / peak if peak else None,
+                         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
+    out["ok"] = all(v["tokens_per_s"] > 0 for v in out.values())
+    return out
 
 
 def section_nccl_channel(work: Path) -> dict:

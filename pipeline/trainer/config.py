@@ -87,7 +87,11 @@ class TrainerConfig:
     adam_betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
     adam_eps: float = 1e-8  # AdamW epsilon
     grad_clip: float = 1.0  # clip the global gradient norm to this (0: off)
-    micro_batch_tokens: int = 4096  # padded tokens per micro-batch
+    micro_batch_tokens: int = 4096  # tokens per training micro-batch (padding included)
+    no_grad_micro_batch_tokens: int | None = None  # tokens per micro-batch of the no-grad passes (old-policy, reference logprobs); None: 4 x micro_batch_tokens
+    logprob_chunk_tokens: int = 1024  # tokens whose fp32 logits exist at once (logprobs and entropy, logprobs.py)
+    recompute: str = "none"  # activation recomputation (megatron's): "none", "selective" (core attention), "full" (every layer; not with routing_replay)
+    layout: str = "packed"  # "packed": sequences concatenated (THD) with per-sequence attention; "padded": rows right-padded (layout.py)
     mini_batches: int = 1  # optimizer steps per train_step (each on a slice of the samples)
     recompute_proximal: bool = False  # decoupled PPO: recompute old-policy logprobs before the update
     routing_replay: bool = False  # Keep Routing: replay samples' recorded MoE routing (routing_replay.py)

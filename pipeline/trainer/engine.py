@@ -27,12 +27,13 @@ from typing import Sequence
 
 import numpy as np
 
-from .layout import PaddedLayout, TrainSample
+from .layout import TrainSample, make_layout
 from .config import TrainerConfig
 from .corrections import check_trainer_config
+from .logprobs import hidden_for_output, token_logprobs
 from .loss import group_advantages, policy_loss, reward_to_go, token_advantages
 from .routing_replay import RoutingReplay, attach_routing
-from .sampling_mask import attach_kept_ids, kept_log_mass
+from .sampling_mask import attach_kept_ids
 
 
 class Trainer:
@@ -52,7 +53,7 @@ class Trainer:
         self.hf_config = load_hf_config(cfg.model_dir)
         apply_patches("cuda" if self.cuda else "cpu",
                       sequence_parallel=uses_sequence_parallel(self.hf_config, cfg.parallel),
-                      norm=spec_norm(self.hf_config))
+                      norm=spec_norm(self.hf_config), packed=cfg.layout == "packed")
         if not torch.distributed.is_initialized():
             rank = int(os.environ.get("RANK", 0)) if rank is None else rank
             world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
@@ -69,7 +70,10 @@ class Trainer:
             expert_tensor_parallel_size=p.expert_tp,
             distributed_timeout_minutes=max(1, int(cfg.timeout_s // 60)))
         model_parallel_cuda_manual_seed(cfg.seed)
-        model = build_gpt_model(self.hf_config, p, cfg.moe)
+        if cfg.recompute == "full" and cfg.routing_replay:
+            raise ValueError("trainer.recompute=full with trainer.routing_replay: megatron recomputes the "
+                             "routers in backward, after the replayed routing is cleared; use 'selective'")
+        model = build_gpt_model(self.hf_config, p, cfg.moe, cfg.recompute)
         load_hf_weights(model, self.hf_config, cfg.model_dir)
         self.lora = None
         if cfg.lora.rank:
@@ -96,8 +100,8 @@ class Trainer:
             from .routing_stats import RoutingStats
 
             self.routing = RoutingStats(self.model, sp)
-        self.layout = PaddedLayout(cfg.micro_batch_tokens, pad_multiple=p.tp if sp else 1,
-                                   device="cuda" if self.cuda else "cpu")
+        self.layout = make_layout(cfg.layout, cfg.micro_batch_tokens, pad_multiple=p.tp if sp else 1,
+                                  device="cuda" if self.cuda else "cpu")
         self.dp_group = ps.get_data_parallel_group()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.steps = 0
@@ -159,43 +163,27 @@ class Trainer:
         most = int(self._all_reduce([len(micro_batches)], None, torch.distributed.ReduceOp.MAX)[0])
         return micro_batches + [self.layout.dummy() for _ in range(most - len(micro_batches))]
 
-    def _attach(self, samples):
-        """The layout's micro-batches with recorded sampling masks and (routing replay) routing."""
-        mbs = attach_kept_ids(self.layout.micro_batches(samples), samples, self.layout.device)
+    def _attach(self, samples, budget=None):
+        """The layout's micro-batches (of at most ``budget`` tokens) with recorded sampling masks
+        and (routing replay) routing."""
+        mbs = attach_kept_ids(self.layout.micro_batches(samples, budget), samples, self.layout.device)
         return attach_routing(mbs, samples, self.layout.device) if self.replayer is not None else mbs
 
     # ---------------------------------------------------------------- forward
     def _token_logprobs(self, model, mb, want_entropy=False, count_routing=False):
-        """``[rows, S]`` logprobs of the labels (and entropies, no grad) under ``model``; with
-        ``count_routing`` the recorded-vs-own routing differences are counted."""
-        import torch
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+        """``[rows, S]`` logprobs of the labels (and entropies, no grad) under ``model``, chunked
+        over tokens (`logprobs`); with ``count_routing`` the recorded-vs-own routing differences
+        are counted."""
+        from .conversion import unwrap
 
         routed = mb.extras.get("routed_experts") if model is self.model else None
-        real = [st + c if i >= 0 else 0 for i, st, c in zip(mb.sample_index, mb.starts, mb.lengths)]
-        with self.replayer.forward(routed, real if count_routing else None) if routed is not None \
-                else nullcontext():
-            logits = model(mb.input_ids, mb.position_ids, mb.attention_mask,
+        with self.replayer.forward(routed, mb.real_lengths if count_routing else None) if routed is not None \
+                else nullcontext(), hidden_for_output(unwrap(model)) as output:
+            hidden = model(mb.input_ids, mb.position_ids, mb.attention_mask,
                            packed_seq_params=mb.packed_seq_params)
-        logits = logits.float() / self.cfg.temperature
-        entropy = None
-        if want_entropy:
-            with torch.no_grad():
-                entropy = self._vocab_parallel_entropy(logits)
-        kept = mb.extras.get("kept_ids")  # Keep Sampling Mask (before the CE, which works in place)
-        log_mass = kept_log_mass(logits, kept, self.tp_group) if kept is not None else 0.0
-        return -vocab_parallel_cross_entropy(logits, mb.labels) - log_mass, entropy
-
-    def _vocab_parallel_entropy(self, logits):
-        import torch
-
-        top = logits.max(dim=-1, keepdim=True).values
-        torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=self.tp_group)
-        z = logits - top
-        e = z.exp()
-        stats = torch.stack([e.sum(-1), (e * z).sum(-1)])
-        torch.distributed.all_reduce(stats, group=self.tp_group)
-        return stats[0].log() - stats[1] / stats[0]
+        return token_logprobs(hidden, output["weight"], mb.labels, mb.extras.get("kept_ids"),
+                              self.cfg.temperature, self.tp_group, self.cfg.logprob_chunk_tokens,
+                              want_entropy)
 
     def logprobs(self, samples: Sequence[TrainSample], reference: bool = False,
                  count_routing: bool = False) -> list[np.ndarray]:
@@ -209,7 +197,8 @@ class Trainer:
         out: list[np.ndarray | None] = [None] * len(samples)
         model.eval()
         with torch.no_grad():
-            for mb in self._equalised(self._attach(samples)):
+            budget = self.cfg.no_grad_micro_batch_tokens or 4 * self.cfg.micro_batch_tokens
+            for mb in self._equalised(self._attach(samples, budget)):
                 values, _ = self._token_logprobs(model, mb, count_routing=count_routing)
                 real = [i for i in mb.sample_index if i >= 0]
                 for i, arr in zip(real, self.layout.gather(mb, values)):
@@ -299,18 +288,17 @@ class Trainer:
         sums: dict[str, float] = {}
         for mb in micro_batches:
             if self.routing is not None:
-                self.routing.track([st + c if i >= 0 else 0
-                                    for i, st, c in zip(mb.sample_index, mb.starts, mb.lengths)])
+                self.routing.track(mb.real_lengths)
             logp, entropy = self._token_logprobs(self.model, mb, want_entropy=True, count_routing=True)
+            per_sample = self.layout.completions  # [placed samples, completion]: the loss's shape
+            scattered = {k: per_sample(mb, self.layout.scatter(mb, v)) for k, v in extra.items()}
             loss, m = policy_loss(
-                logp, mb.extras["behaviour"],
-                token_advantages(mb.extras["advantage"], self.layout.scatter(mb, extra["token_returns"])
-                                 if "token_returns" in extra else None, cfg.loss.token_reward_coef),
-                mb.loss_mask, normaliser,
-                cfg.loss,
-                proximal_logprobs=self.layout.scatter(mb, extra["proximal"]) if "proximal" in extra else None,
-                ref_logprobs=self.layout.scatter(mb, extra["ref"]) if "ref" in extra else None,
-                teacher_logprobs=self.layout.scatter(mb, extra["teacher"]) if "teacher" in extra else None)
+                per_sample(mb, logp), per_sample(mb, mb.extras["behaviour"]),
+                token_advantages(mb.extras["advantage"], scattered.get("token_returns"),
+                                 cfg.loss.token_reward_coef),
+                per_sample(mb, mb.loss_mask), normaliser, cfg.loss,
+                proximal_logprobs=scattered.get("proximal"), ref_logprobs=scattered.get("ref"),
+                teacher_logprobs=scattered.get("teacher"))
             loss.backward()
             m.update(loss=loss.detach(), entropy=(entropy * mb.loss_mask).sum())
             for k, v in m.items():

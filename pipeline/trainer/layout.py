@@ -13,8 +13,8 @@ Invariants:
 - Every real completion token appears in exactly one micro-batch, exactly once, with mask 1; padding
   and prompt positions have mask 0, and so have environment tokens of an episode (a sample's
   ``model_mask`` 0: observations the policy did not sample, `pipeline.generator.episodes`).
-- ``BatchLayout.gather`` is the inverse of ``scatter``: it returns one array per sample, in the
-  order the samples were given, of length ``len(completion_ids)``.
+- ``BatchLayout.gather`` is the inverse of ``scatter``: it returns one array per real sample of
+  the micro-batch, in placement order (``sample_index``), of length ``len(completion_ids)``.
 - Micro-batches never exceed ``micro_batch_tokens`` padded tokens unless one sample alone does
   (then that sample is a micro-batch of its own).
 
@@ -23,9 +23,23 @@ Invariants:
 logprobs, its routing the rows the trainer feeds (`sequence_routing`), its optional per-token
 columns are taken when the batch carries them.
 
-``PaddedLayout`` right-pads rows to a common length (megatron-core's local attention on CPU
-cannot pack sequences); a packed (THD) layout for GPU attention kernels would implement the same
-interface with ``packed_seq_params``.
+Two layouts implement ``BatchLayout`` (``trainer.layout``; the interface: ``micro_batches`` (with
+a token budget), ``dummy``, ``scatter``, ``gather``, ``completions`` (the ``[samples, completion]``
+view the loss sees), and a `MicroBatch`'s placements ``sample_index``/``rows``/``offsets``/
+``starts``/``lengths`` and per-row ``real_lengths``):
+
+- ``PackedLayout`` (the default) concatenates samples into ONE row ``[1, T]`` (THD): segment
+  boundaries go to megatron as ``packed_seq_params`` (``cu_seqlens``), attention runs per segment
+  (`pipeline.trainer.attention`), rotary positions restart at 0 in every segment. The row is padded
+  at the end to ``pad_multiple`` (the TP size under sequence parallelism) with one padding segment.
+  No padding between samples: a micro-batch holds at most ``micro_batch_tokens`` tokens.
+- ``PaddedLayout`` right-pads rows to a common length (with ``trainer.layout=padded`` the model
+  keeps megatron-core's own local attention, which builds each row's S x S scores); padding
+  waste is ``1 - real / (rows x width)``.
+
+Worked example (packed, pad_multiple 4): samples of 3 and 2 fed positions (prompt + completion - 1)
+give input_ids ``[a0 a1 a2 b0 b1 0 0 0]``, cu_seqlens ``[0, 3, 5, 8]``, rows ``[0, 0]``, offsets
+``[0, 3]``, real_lengths ``[5]`` (real tokens always form a prefix of each row).
 """
 from __future__ import annotations
 
@@ -101,11 +115,14 @@ class MicroBatch:
     position_ids: "torch.Tensor"  # [rows, S]
     labels: "torch.Tensor"  # [rows, S]
     loss_mask: "torch.Tensor"  # [rows, S] float 0/1
-    sample_index: list[int]  # which of the rank's samples each row is (-1: dummy row)
-    starts: list[int]  # label position of each row's first completion token
-    lengths: list[int]  # completion length of each row
+    sample_index: list[int]  # per placed sample: which of the rank's samples it is (-1: dummy)
+    rows: list[int]  # per placed sample: the row it sits in
+    offsets: list[int]  # per placed sample: position of its first token in its row
+    starts: list[int]  # per placed sample: label position of its first completion token in its row
+    lengths: list[int]  # per placed sample: completion length
+    real_lengths: list[int]  # per row: positions holding real tokens (always a prefix of the row)
     attention_mask: "torch.Tensor | None" = None  # None: causal
-    packed_seq_params: object | None = None  # THD layouts only
+    packed_seq_params: object | None = None  # THD layouts only (megatron PackedSeqParams)
     extras: dict = field(default_factory=dict)  # scattered per-token arrays, e.g. "behaviour"
 
     @property
@@ -124,21 +141,60 @@ class BatchLayout(ABC):
         self.device = device
 
     @abstractmethod
-    def micro_batches(self, samples: Sequence[TrainSample]) -> list[MicroBatch]:
-        """Micro-batches covering every sample once, with ``extras['behaviour']`` and
-        ``extras['advantage']`` (per row; NaN for a sample whose advantage is still None)."""
+    def micro_batches(self, samples: Sequence[TrainSample], budget: int | None = None) -> list[MicroBatch]:
+        """Micro-batches covering every sample once, each of at most ``budget`` tokens (None:
+        ``micro_batch_tokens``), with ``extras['behaviour']`` (scattered) and
+        ``extras['advantage']`` (per placed sample; NaN for a sample whose advantage is None)."""
 
     @abstractmethod
     def dummy(self) -> MicroBatch:
         """A micro-batch with no trained tokens (keeps collective counts equal across ranks)."""
 
-    @abstractmethod
     def scatter(self, mb: MicroBatch, per_sample: Sequence[np.ndarray]) -> "torch.Tensor":
         """Per-completion-token arrays (indexed like the rank's samples) -> ``[rows, S]``."""
+        import torch
 
-    @abstractmethod
+        out = torch.zeros(mb.loss_mask.shape, dtype=torch.float32)
+        for i, row, start, c in zip(mb.sample_index, mb.rows, mb.starts, mb.lengths):
+            if i >= 0:
+                values = np.asarray(per_sample[i], dtype=np.float32)
+                if len(values) != c:
+                    raise ValueError(f"sample {i}: {len(values)} per-token values for {c} "
+                                     f"completion tokens")
+                out[row, start:start + c] = torch.from_numpy(values)
+        return out.to(self.device)
+
     def gather(self, mb: MicroBatch, values: "torch.Tensor") -> list[np.ndarray]:
-        """``[rows, S]`` per-position values -> one completion-length array per real row."""
+        """``[rows, S]`` per-position values -> one completion-length array per real placed
+        sample, in placement order."""
+        values = values.detach().float().cpu().numpy()
+        return [values[row, start:start + c].copy()
+                for i, row, start, c in zip(mb.sample_index, mb.rows, mb.starts, mb.lengths) if i >= 0]
+
+    def completions(self, mb: MicroBatch, values: "torch.Tensor") -> "torch.Tensor":
+        """``[rows, S]`` per-position values -> ``[placed samples, longest completion]``: row j
+        holds placed sample j's completion positions, zero-filled past its length (differentiable;
+        the loss sees every layout in this one shape, so its per-sequence sums never mix samples)."""
+        import torch
+
+        width = values.shape[1]
+        longest = max(mb.lengths)
+        j = torch.arange(longest)
+        index = torch.stack([row * width + start + j.clamp(max=c - 1)
+                             for row, start, c in zip(mb.rows, mb.starts, mb.lengths)]).to(values.device)
+        inside = (j[None, :] < torch.tensor(mb.lengths)[:, None]).to(values.device)
+        picked = values.reshape(-1)[index]
+        return torch.where(inside, picked, torch.zeros_like(picked))
+
+    def _finish(self, mb: MicroBatch, samples: Sequence[TrainSample]) -> MicroBatch:
+        """Attach ``behaviour`` and ``advantage`` (the extras every micro-batch carries)."""
+        import torch
+
+        mb.extras["behaviour"] = self.scatter(mb, [s.behaviour_logprobs for s in samples])
+        mb.extras["advantage"] = torch.tensor(
+            [np.nan if samples[i].advantage is None else float(samples[i].advantage)
+             for i in mb.sample_index], dtype=torch.float32, device=self.device)
+        return mb
 
 
 class PaddedLayout(BatchLayout):
@@ -149,8 +205,8 @@ class PaddedLayout(BatchLayout):
     def _rows(self, samples, order):
         import torch
 
-        lengths = [len(samples[i].prompt_ids) + len(samples[i].completion_ids) - 1 for i in order]
-        width = -(-max(lengths) // self.pad_multiple) * self.pad_multiple
+        lengths = [fed_length(samples[i]) for i in order]
+        width = _round_up(max(lengths), self.pad_multiple)
         ids = torch.zeros(len(order), width, dtype=torch.long)
         labels = torch.zeros(len(order), width, dtype=torch.long)
         mask = torch.zeros(len(order), width, dtype=torch.float32)
@@ -166,35 +222,24 @@ class PaddedLayout(BatchLayout):
             starts.append(start)
             clens.append(c)
         positions = torch.arange(width, dtype=torch.long).expand(len(order), width).contiguous()
-        mb = MicroBatch(ids.to(self.device), positions.to(self.device), labels.to(self.device),
-                        mask.to(self.device), list(order), starts, clens)
-        return mb
+        return MicroBatch(ids.to(self.device), positions.to(self.device), labels.to(self.device),
+                          mask.to(self.device), list(order), list(range(len(order))), [0] * len(order),
+                          starts, clens, lengths)
 
-    def micro_batches(self, samples):
-        import torch
-
-        order = sorted(range(len(samples)),
-                       key=lambda i: -(len(samples[i].prompt_ids) + len(samples[i].completion_ids)))
+    def micro_batches(self, samples, budget=None):
+        budget = budget or self.micro_batch_tokens
+        order = sorted(range(len(samples)), key=lambda i: -fed_length(samples[i]))
         groups, current, width = [], [], 0
         for i in order:
-            n = len(samples[i].prompt_ids) + len(samples[i].completion_ids) - 1
-            n = -(-n // self.pad_multiple) * self.pad_multiple
-            if current and (len(current) + 1) * max(width, n) > self.micro_batch_tokens:
+            n = _round_up(fed_length(samples[i]), self.pad_multiple)
+            if current and (len(current) + 1) * max(width, n) > budget:
                 groups.append(current)
                 current, width = [], 0
             current.append(i)
             width = max(width, n)
         if current:
             groups.append(current)
-        out = []
-        for group in groups:
-            mb = self._rows(samples, group)
-            mb.extras["behaviour"] = self.scatter(mb, [s.behaviour_logprobs for s in samples])
-            mb.extras["advantage"] = torch.tensor(
-                [np.nan if samples[i].advantage is None else float(samples[i].advantage)
-                 for i in group], dtype=torch.float32, device=self.device)
-            out.append(mb)
-        return out
+        return [self._finish(self._rows(samples, group), samples) for group in groups]
 
     def dummy(self):
         import torch
@@ -204,25 +249,98 @@ class PaddedLayout(BatchLayout):
         mb = self._rows([sample], [0])
         mb.loss_mask.zero_()
         mb.sample_index = [-1]
+        mb.real_lengths = [0]
         mb.extras["behaviour"] = torch.zeros_like(mb.loss_mask)
         mb.extras["advantage"] = torch.zeros(1, device=self.device)
         return mb
 
-    def scatter(self, mb, per_sample):
+
+class PackedLayout(BatchLayout):
+    """Samples concatenated into one row per micro-batch (THD, module docstring); samples are
+    placed longest first into the first micro-batch with room (first-fit decreasing)."""
+
+    def _pack(self, samples, order, dummy_length: int = 0):
+        import torch
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        pieces, labels, masks, positions = [], [], [], []
+        offsets, starts, clens, bounds = [], [], [], [0]
+        for i in order:
+            s = samples[i]
+            tokens = np.concatenate([s.prompt_ids, s.completion_ids])
+            n = len(tokens) - 1
+            offsets.append(bounds[-1])
+            starts.append(bounds[-1] + len(s.prompt_ids) - 1)
+            clens.append(len(s.completion_ids))
+            pieces.append(tokens[:-1])
+            labels.append(tokens[1:])
+            mask = np.zeros(n, np.float32)
+            mask[len(s.prompt_ids) - 1:] = s.trained
+            masks.append(mask)
+            positions.append(np.arange(n))
+            bounds.append(bounds[-1] + n)
+        real = bounds[-1]
+        width = _round_up(max(real, dummy_length, 1), self.pad_multiple)
+        if width > real:  # one padding segment at the end
+            pad = width - real
+            pieces.append(np.zeros(pad, np.int64))
+            labels.append(np.zeros(pad, np.int64))
+            masks.append(np.zeros(pad, np.float32))
+            positions.append(np.arange(pad))
+            bounds.append(width)
+        cu = torch.tensor(bounds, dtype=torch.int32, device=self.device)
+        longest = int(np.diff(bounds).max())
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 max_seqlen_q=longest, max_seqlen_kv=longest)
+
+        def row(parts, dtype):
+            return torch.from_numpy(np.concatenate(parts).astype(dtype))[None].to(self.device)
+
+        return MicroBatch(row(pieces, np.int64), row(positions, np.int64), row(labels, np.int64),
+                          row(masks, np.float32), list(order), [0] * len(order), offsets, starts, clens,
+                          [real], packed_seq_params=params)
+
+    def micro_batches(self, samples, budget=None):
+        budget = budget or self.micro_batch_tokens
+        order = sorted(range(len(samples)), key=lambda i: -fed_length(samples[i]))
+        bins: list[list[int]] = []
+        used: list[int] = []
+        for i in order:
+            n = fed_length(samples[i])
+            fit = next((b for b, u in enumerate(used) if _round_up(u + n, self.pad_multiple) <= budget), None)
+            if fit is None:
+                bins.append([i])
+                used.append(n)
+            else:
+                bins[fit].append(i)
+                used[fit] += n
+        return [self._finish(self._pack(samples, group), samples) for group in bins]
+
+    def dummy(self):
         import torch
 
-        out = torch.zeros(mb.loss_mask.shape, dtype=torch.float32)
-        for row, (i, start, c) in enumerate(zip(mb.sample_index, mb.starts, mb.lengths)):
-            if i >= 0:
-                values = np.asarray(per_sample[i], dtype=np.float32)
-                if len(values) != c:
-                    raise ValueError(f"sample {i}: {len(values)} per-token values for {c} "
-                                     f"completion tokens")
-                out[row, start:start + c] = torch.from_numpy(values)
-        return out.to(self.device)
+        mb = self._pack([], [], dummy_length=self.pad_multiple)
+        width = mb.input_ids.shape[1]
+        mb.sample_index, mb.rows, mb.offsets, mb.starts, mb.lengths = [-1], [0], [0], [0], [width]
+        mb.extras["behaviour"] = torch.zeros_like(mb.loss_mask)
+        mb.extras["advantage"] = torch.zeros(1, device=self.device)
+        return mb
 
-    def gather(self, mb, values):
-        values = values.detach().float().cpu().numpy()
-        return [values[row, start:start + c].copy()
-                for row, (i, start, c) in enumerate(zip(mb.sample_index, mb.starts, mb.lengths))
-                if i >= 0]
+
+LAYOUTS = {"packed": PackedLayout, "padded": PaddedLayout}
+
+
+def make_layout(name: str, micro_batch_tokens: int, pad_multiple: int = 1, device: str = "cpu") -> BatchLayout:
+    """The layout ``trainer.layout`` names."""
+    if name not in LAYOUTS:
+        raise ValueError(f"trainer.layout must be one of {sorted(LAYOUTS)}, got {name!r}")
+    return LAYOUTS[name](micro_batch_tokens, pad_multiple=pad_multiple, device=device)
+
+
+def fed_length(sample: TrainSample) -> int:
+    """Positions the model is fed for ``sample``: prompt + completion - 1."""
+    return len(sample.prompt_ids) + len(sample.completion_ids) - 1
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple

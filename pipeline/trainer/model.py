@@ -34,6 +34,12 @@ from .conversion import all_gather, ep_rank_size, gather_full, lora_state, model
 from .families import check_supported, has_qk_norm, has_qkv_bias, is_moe, rope_inv_freq, rope_parameters
 
 
+#: ``trainer.recompute`` -> megatron ``TransformerConfig`` recomputation fields.
+RECOMPUTE = {"none": {},
+             "selective": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
+             "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}}
+
+
 def load_hf_config(model_dir: str | Path):
     from transformers import AutoConfig
 
@@ -53,12 +59,17 @@ def uses_sequence_parallel(hf_config, parallel: ParallelConfig) -> bool:
     return is_moe(hf_config) and parallel.tp > 1
 
 
-def transformer_config(hf_config, parallel: ParallelConfig, moe_cfg: MoEConfig | None = None):
-    """The megatron ``TransformerConfig`` equivalent to ``hf_config`` (dropout off, no fusions)."""
+def transformer_config(hf_config, parallel: ParallelConfig, moe_cfg: MoEConfig | None = None,
+                       recompute: str = "none"):
+    """The megatron ``TransformerConfig`` equivalent to ``hf_config`` (dropout off, no fusions);
+    ``recompute`` (``trainer.recompute``) as megatron's activation recomputation: "selective"
+    recomputes core attention in backward, "full" every layer (uniform, one layer per unit)."""
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"trainer.recompute must be one of {sorted(RECOMPUTE)}, got {recompute!r}")
     if hf_config.vocab_size % parallel.tp:
         raise ValueError(f"vocab_size {hf_config.vocab_size} is not divisible by tp={parallel.tp}")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[parallel.params_dtype]
@@ -95,6 +106,7 @@ def transformer_config(hf_config, parallel: ParallelConfig, moe_cfg: MoEConfig |
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        **RECOMPUTE[recompute],
     )
     if moe:
         moe_cfg = moe_cfg or MoEConfig()
@@ -154,11 +166,12 @@ def spec_norm(hf_config) -> str:
     return spec.submodules.input_layernorm.__name__
 
 
-def build_gpt_model(hf_config, parallel: ParallelConfig, moe_cfg: MoEConfig | None = None):
+def build_gpt_model(hf_config, parallel: ParallelConfig, moe_cfg: MoEConfig | None = None,
+                    recompute: str = "none"):
     """A randomly initialised megatron ``GPTModel`` matching ``hf_config`` (load weights after)."""
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(hf_config, parallel, moe_cfg)
+    config = transformer_config(hf_config, parallel, moe_cfg, recompute)
     spec = layer_spec(config.num_moe_experts, config.qk_layernorm)
     model = GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=hf_config.vocab_size,

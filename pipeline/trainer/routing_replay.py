@@ -20,12 +20,15 @@ Invariants:
   each tensor-parallel rank routes the contiguous slice ``S / tp * r ... S / tp * (r + 1)`` of the
   sequence and gets that slice. Expert parallelism needs nothing: routing precedes dispatch and
   uses global ids.
-- A micro-batch replays only if every real row carries routing; positions that are padding
+- Samples sit where the batch layout placed them (``rows``/``offsets``: one row per sample when
+  padded, several samples in one row when packed; `pipeline.trainer.layout`).
+- A micro-batch replays only if every real sample carries routing; positions that are padding
   replay experts ``0..k-1`` (their outputs are masked out of the loss). Otherwise the model
   routes by itself, which `RoutingReplay.forward` reports by yielding False.
 - ``moe_router_fusion`` bypasses replay in megatron-core 0.16.1 and is refused.
-- No activation recomputation runs in this trainer, so backward never re-routes and forward
-  replay is enough; indices are cleared after each forward.
+- Backward never re-routes, so forward replay is enough: ``trainer.recompute`` "selective"
+  recomputes core attention only, and "full" (which would re-run the routers after the indices
+  are cleared) is refused with routing replay; indices are cleared after each forward.
 - Agreement is measured with replay on AND off: every router of an MoE policy carries an
   ``ObservingReplay`` (`observing_replay_class`), which also computes the router's own top-k
   (megatron's own function, on the trainer's hidden states) when a target is set. Over the
@@ -104,7 +107,7 @@ def attach_routing(micro_batches: Sequence, samples: Sequence, device) -> list:
         rows, length = mb.input_ids.shape
         layers, k = routed[0].shape[1:]
         out = np.broadcast_to(np.arange(k), (rows, length, layers, k)).copy()
-        for row, i in enumerate(mb.sample_index):
+        for i, row, offset in zip(mb.sample_index, mb.rows, mb.offsets):
             if i >= 0:
                 r = samples[i].routed_experts
                 n = len(samples[i].prompt_ids) + len(samples[i].completion_ids) - 1
@@ -114,7 +117,7 @@ def attach_routing(micro_batches: Sequence, samples: Sequence, device) -> list:
                 if r.min() < 0:
                     raise ValueError(f"sample {i}: routed_experts holds -1 (a position the generator "
                                      "never computed) among the positions the trainer feeds")
-                out[row, :n] = r
+                out[row, offset:offset + n] = r
         mb.extras["routed_experts"] = torch.from_numpy(out).to(device)
     return list(micro_batches)
 

@@ -11,7 +11,7 @@ it left behind (`bench/leftovers.py`) and exits 1 if it finds one.
 The selected ones run `CONCURRENT` at a time (a smoke run is mostly start-ups: one process
 importing vLLM or megatron-core after another, one core each), longest first, each under a
 process marker of its own: started by the module's first test, each test waits for its own. The
-default suite runs five (ingest, scorers, generator, episodes, routing_mismatch); weight_sync
+default suite runs six (ingest, scorers, trainer, generator, episodes, routing_mismatch); weight_sync
 (a vLLM engine and eleven megatron-core or gloo processes) and async_vs_sync and recovery (whole
 `tokenflow train` runs) are slow-marked, their costs in their docstrings.
 Besides, the weight_sync bandwidth part at quick sizes is checked in detail (every mode moved
@@ -63,6 +63,7 @@ REPORT_KEYS = {
                       "fill_s", "B", "S_over_B", "target", "met", "trainer_idle_frac_sync",
                       "trainer_idle_frac_async", "shared_prompt_frac", "machine_load_1min", "runs"},
     "recovery": {"bench", "mode", "generators", "two_over_one"},
+    "trainer": {"bench", "mode", "throughput", "packing", "memory", "targets", "met"},
 }
 """Top-level keys of each benchmark's report, in every mode."""
 
@@ -71,7 +72,7 @@ CONCURRENT = 2
 """Smoke benchmarks running at once (the CI machine has two cores)."""
 
 LONGEST_FIRST = ("async_vs_sync", "weight_sync", "recovery", "routing_mismatch", "episodes", "generator",
-                 "scorers", "ingest")
+                 "trainer", "scorers", "ingest")
 """The order they start in: the longest first, so that the two lanes end together."""
 
 
@@ -145,6 +146,13 @@ def test_scorers_smoke(smoke_runs):
         assert set(figures) == SCORER_ROLE_KEYS and figures["errors"] == 0, role
         assert figures["samples"] == report["groups"] * report["group_size"]
         assert figures["remote_samples_per_s"] > 0 and figures["in_process_samples_per_s"] > 0, role
+
+
+def test_trainer_smoke(smoke_runs):
+    report = _smoke(smoke_runs, "trainer")
+    assert set(report["memory"]["peak_bytes"]) == {"100", "200", "400", "800"}
+    assert all(v > 0 for v in report["memory"]["peak_bytes"].values())
+    assert 0 < report["packing"]["padding_waste"] < 1 and _finite(report["throughput"]["ratio"])
 
 
 def test_generator_smoke(smoke_runs):

@@ -1,4 +1,5 @@
-"""Keep Sampling Mask without an engine: the trainer's renormalised logprobs against a loop
+"""Keep Sampling Mask without an engine: the trainer's renormalised logprobs (the chunked
+`pipeline.trainer.logprobs`, fed given logits through an identity output weight) against a loop
 reference (one rank and a vocabulary split over two gloo ranks), the kept-set reader against
 vLLM's own top-k/top-p filter and FlatLogprobs, and the refusal of biased truncated sampling."""
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from pipeline.launch.rendezvous import free_port
-from pipeline.trainer.sampling_mask import kept_log_mass
+from pipeline.trainer.logprobs import token_logprobs
 
 torch.set_num_threads(1)
 
@@ -38,14 +39,18 @@ def loop_reference(logits, labels, kept):
     return out
 
 
-def full_logprobs(logits, labels):
-    return torch.log_softmax(logits, -1).gather(-1, labels[..., None])[..., 0]
+def kept_logprobs(logits, labels, kept, group=None, shard=None, chunk=4):
+    """``token_logprobs`` of given logits: hidden = the logits, output weight = the identity (rows
+    ``shard`` of it on a vocabulary-split rank), so its gradient in hidden is the logits' own."""
+    vocab = logits.shape[-1]
+    weight = torch.eye(vocab, dtype=logits.dtype)[shard if shard is not None else slice(None)]
+    return token_logprobs(logits, weight, labels, kept, tp_group=group, chunk=chunk)[0]
 
 
 def test_renormalised_logprobs_match_loop_reference_and_masked_softmax_gradient():
     logits, labels, kept = random_case(0)
     x = logits.clone().requires_grad_(True)
-    got = full_logprobs(x, labels) - kept_log_mass(x, kept)
+    got = kept_logprobs(x, labels, kept)
     assert torch.allclose(got, loop_reference(logits, labels, kept), atol=1e-10)
     got.sum().backward()
     # independent gradient: log-softmax with every token outside the set at -inf
@@ -60,9 +65,17 @@ def test_renormalised_logprobs_match_loop_reference_and_masked_softmax_gradient(
 
 def test_worked_example_from_module_docstring():
     logits = torch.tensor([[[2.0, 1.0, 0.0]]], dtype=torch.float64)
-    labels = torch.tensor([[1]])
-    got = full_logprobs(logits, labels) - kept_log_mass(logits, torch.tensor([[[0, 1]]]))
+    got = kept_logprobs(logits, torch.tensor([[1]]), torch.tensor([[[0, 1]]]))
     assert abs(float(got) - (-1.3133)) < 1e-4
+
+
+def test_entropy_and_temperature_match_a_plain_softmax():
+    logits, labels, _ = random_case(2)
+    logp, entropy = token_logprobs(logits, torch.eye(logits.shape[-1], dtype=logits.dtype), labels,
+                                   temperature=0.7, chunk=5, want_entropy=True)
+    ref = torch.log_softmax(logits / 0.7, -1)
+    assert torch.allclose(logp, ref.gather(-1, labels[..., None])[..., 0], atol=1e-10)
+    assert torch.allclose(entropy, -(ref.exp() * ref).sum(-1), atol=1e-10)
 
 
 def _vocab_split_rank(rank, port, out):
@@ -70,19 +83,16 @@ def _vocab_split_rank(rank, port, out):
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                          world_size=2)
     logits, labels, kept = random_case(1, vocab=12)
-    shard = logits[..., rank * 6:(rank + 1) * 6].clone().requires_grad_(True)
-    # full-vocabulary logprobs of the labels from the shards (as vocab_parallel_cross_entropy gives)
-    lse = torch.logsumexp(logits, -1)
-    label_logit = logits.gather(-1, labels[..., None])[..., 0]
-    got = label_logit - lse - kept_log_mass(shard, kept, torch.distributed.group.WORLD)
+    x = logits.clone().requires_grad_(True)
+    got = kept_logprobs(x, labels, kept, torch.distributed.group.WORLD, slice(rank * 6, (rank + 1) * 6))
     got.sum().backward()
-    torch.save({"value": got.detach(), "grad": shard.grad}, f"{out}/rank{rank}.pt")
+    torch.save({"value": got.detach(), "grad": x.grad}, f"{out}/rank{rank}.pt")
     torch.distributed.destroy_process_group()
 
 
 def test_vocab_split_over_two_ranks_matches_loop_reference(tmp_path):
-    """The kept-set mass summed over a vocabulary split across 2 gloo ranks (each rank's share of
-    the gradient: the kept mass's own, the full-vocabulary logprob is a constant input here)."""
+    """Each of 2 gloo ranks holds half the vocabulary: values equal the loop reference on both,
+    and the ranks' gradient parts sum to the one-rank gradient (megatron sums them over TP)."""
     import torch.multiprocessing as mp
 
     port = free_port("127.0.0.1")
@@ -98,12 +108,11 @@ def test_vocab_split_over_two_ranks_matches_loop_reference(tmp_path):
     logits, labels, kept = random_case(1, vocab=12)
     want = loop_reference(logits, labels, kept)
     x = logits.clone().requires_grad_(True)
-    lse = torch.logsumexp(logits, -1)
-    (logits.gather(-1, labels[..., None])[..., 0] - lse - kept_log_mass(x, kept)).sum().backward()
+    kept_logprobs(x, labels, kept).sum().backward()
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for part in parts:
         assert torch.allclose(part["value"], want, atol=1e-10)
-    assert torch.allclose(torch.cat([p["grad"] for p in parts], -1), x.grad, atol=1e-10)
+    assert torch.allclose(parts[0]["grad"] + parts[1]["grad"], x.grad, atol=1e-10)
 
 
 def test_kept_sets_read_from_vllm_processed_logprobs_are_exact_under_ties():
