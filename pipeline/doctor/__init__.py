@@ -2,8 +2,8 @@
 
 A check is a function ``check(run) -> None`` registered in order with ``@check("name")``
 (`pipeline.doctor.registry`)
-(`pipeline.doctor.checks`: placement, engine, trainer, checkpoint; later issues add memory and
-network checks the same way). It reports through the `Run` it is given: ``run.uses(text)`` for
+(`pipeline.doctor.checks`: placement, engine, trainer, checkpoint; `pipeline.doctor.memory`: the
+trainer's planned peak; later issues add network checks the same way). It reports through the `Run` it is given: ``run.uses(text)`` for
 what the run will use (printed), ``run.refuse(text)`` for a contradiction (the run is refused).
 `run_checks` runs every check, each one's failure (an exception) becoming a refusal that names
 it, so the doctor itself never ends in a traceback. `tokenflow train` runs the same checks and
@@ -28,7 +28,7 @@ from pipeline.doctor.registry import CHECKS, Run
 
 def run_checks(cfg, plan) -> Run:
     """Every registered check on ``cfg`` and ``plan``; the findings are in the returned `Run`."""
-    from pipeline.doctor import checks  # noqa: F401  (registers the checks)
+    from pipeline.doctor import checks, memory  # noqa: F401  (registers the checks)
 
     run = Run(cfg, plan)
     for name, fn in CHECKS:
