@@ -5,9 +5,9 @@ GPU's memory (the rest: CUDA context, NCCL buffers, allocator fragmentation). Ca
 pp, cp, ep (etp 1 for MoE, as megatron recommends) whose products divide ``gpus``, recomputation
 none / selective / full, and optimizer offload 0 / 0.5 / 1.
 
-Order (cheapest in step time first): no offload before offload, no full recomputation before full,
-then fewer pipeline stages (bubble), fewer context-parallel ranks, smaller tp, no selective
-recomputation, then the lower peak. Example: Qwen3-30B-A3B on 8 x 80 GB at 8k tokens with packed
+Order (cheapest in step time first): less optimizer offload (a host Adam step), then fewer pipeline
+stages (bubble), fewer context-parallel ranks (exchanges in every attention), no full recomputation
+(a third more compute), smaller tp, no selective recomputation, then the lower peak. Example: Qwen3-30B-A3B on 8 x 80 GB at 8k tokens with packed
 attention and chunked logits: the first fitting layout is printed by ``tokenflow plan`` and kept in
 bench/results/2026-12-06-plan.md.
 """
@@ -45,7 +45,7 @@ def candidates(shape: ModelShape, base: Layout) -> list[Layout]:
 
 def order_key(plan: MemoryPlan) -> tuple:
     L = plan.layout
-    return (L.offload, L.recompute == "full", L.pp, L.cp, L.tp, L.recompute == "selective", plan.peak)
+    return (L.offload, L.pp, L.cp, L.recompute == "full", L.tp, L.recompute == "selective", plan.peak)
 
 
 def fitting(shape: ModelShape, base: Layout, gpu_bytes: float, usable: float = USABLE) -> list[MemoryPlan]:
