@@ -74,7 +74,7 @@ def main() -> None:
     if args.smoke:
         series, batch_n, median_len, longest, reps = [32, 64], 8, 24, 64, 1
     elif args.quick:
-        series, batch_n, median_len, longest, reps = [128, 256, 512, 1024], 24, 96, 1024, args.reps
+        series, batch_n, median_len, longest, reps = [128, 256, 512, 1024], 24, 192, 1024, args.reps
     else:
         series, batch_n, median_len, longest, reps = [128, 256, 512, 1024, 2048], 48, 128, 2048, args.reps
     trainer = make_trainer(max(series[-1], longest) + 8)

@@ -16,6 +16,7 @@ class ParallelConfig:
     sequence_parallel: bool | None = None  # None: on when tp > 1 and the model is MoE
     moe_dispatcher: str = "alltoall"  # megatron token dispatcher; "allgather" only when tp*ep == 1
     params_dtype: str = "float32"  # "float32" or "bfloat16"
+    grouped_experts: bool = True  # MoE: each layer's local experts as grouped matrix products (pipeline/trainer/grouped_experts.py); False: one expert after another
 
     @property
     def expert_tp(self) -> int:
