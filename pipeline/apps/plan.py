@@ -94,14 +94,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     fixed = {k: getattr(args, k) for k in ("tp", "ep", "etp", "pp", "cp", "recompute", "offload")
              if getattr(args, k) is not None}
+    etp = fixed.pop("etp", 1)  # expert TP: 1 unless given (megatron's advice for MoE; dense models have none)
     status = 0
     for tokens in args.tokens:
         base = Layout(world=args.gpus, micro_batch_tokens=tokens * args.rows, seq_len=tokens,
                       micro_batches=args.micro_batches, params_dtype=args.dtype, optimizer=args.optimizer,
                       attention=args.attention, logits=args.logits, reference=args.reference,
-                      etp=1 if shape.is_moe else fixed.get("tp", 1), **fixed)
+                      etp=etp, **fixed)
         head = f"{args.model}: {tokens} tokens x {args.rows} row(s), {args.gpus} x {gpu_bytes / GiB:.0f} GiB"
-        if fixed:
+        if fixed or args.etp is not None:
             try:
                 plan = rank_memory(shape, base)
             except ValueError as exc:

@@ -109,6 +109,10 @@ def test_tokenflow_plan_command_recommends_and_refuses():
     assert ok.returncode == 0, ok.stderr
     best = json.loads(ok.stdout.splitlines()[-1])["layouts"][0]
     assert best["peak_gib"] <= 72.0
+    dense_tp2 = subprocess.run([sys.executable, "-m", "pipeline.cli", "plan", "--model", "tiny-dense", "--gpus", "2",
+                                "--tp", "2", "--tokens", "512", "--json"], capture_output=True, text=True,
+                               timeout=120, cwd=REPO)
+    assert dense_tp2.returncode == 0 and json.loads(dense_tp2.stdout)["fits"], dense_tp2.stderr
     refused = plan("--tokens", "8192", "--ep", "8")
     assert refused.returncode == 2
     assert "activations binds" in json.loads(refused.stdout)["refusal"]
