@@ -3,6 +3,7 @@
     tokenflow train [OVERRIDES...]                      train (no arguments: the built-in demo)
     tokenflow doctor [--probe] [OVERRIDES...]           what that run would use; its contradictions
                                                         (--probe: every task reaches every other)
+    tokenflow plan --model M [--gpus N --gpu-memory 80GB --tokens T...]   trainer memory per rank; layouts that fit
     tokenflow replay LOG [OVERRIDES...]                 train from a recorded rollout log
     tokenflow inspect PATH [--plot OUT.png] [--json]   summarise (and plot) a rollout log
     tokenflow compare PATH... [--json|--csv] [--plot OUT.png]   runs / a sweep side by side
@@ -24,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("pipeline.apps.train", "train a policy (no arguments: the built-in CPU demo); Hydra overrides, -m sweeps"),
     "doctor": ("pipeline.apps.doctor", "what `tokenflow train` with the same overrides would use (GPUs, placement, "
                "engine, megatron, checkpoint); refuses contradictions, starts nothing"),
+    "plan": ("pipeline.apps.plan", "trainer memory per rank (parameters, gradients, optimizer, activations, logits, "
+             "peak) of a layout, or the layouts of N GPUs that fit, best first"),
     "replay": ("pipeline.apps.replay", "train from a recorded rollout log (off-policy, IS-corrected)"),
     "status": ("pipeline.apps.ops.status", "a run's components and Slurm states, step, versions, buffer, last error; --json"),
     "compare": ("pipeline.apps.ops.compare", "runs or a sweep side by side: differing overrides, accuracy, reward, "

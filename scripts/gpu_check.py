@@ -19,6 +19,10 @@ Sections (each merges ``{NAME: {...}}`` into FILE at once, so a later timeout ke
                  a member that never joins, one killed and one stopped mid-broadcast; each must end in
                  WeightSyncError on the survivors and a regroup, never a process teardown); needs 4
                  GPUs, says "skipped" with fewer (not in gpu_check.sh's 5-minute run: call it alone);
+  optimizer_offload  the tiny MoE, bf16, megatron's distributed optimizer with
+                 trainer.optimizer_offload_fraction 1.0 (HybridDeviceOptimizer: state and update on the
+                 host) against 0.0, from the same weights on the same samples: the second step's loss
+                 equal within 1e-3 relative, and the GPU's peak lower with the state on the host;
   throughput     a ~1B-parameter Qwen3 model built locally, bf16, packed layout (torch's
                  varlen_attn), 4k- and 16k-token sequences: trainer tokens/s, model-FLOPs
                  utilisation (6 N + 6 L d S FLOPs per token against 989 TFLOP/s bf16 dense for
@@ -131,6 +135,31 @@ def section_checkpoint(work: Path) -> dict:
     return {"weight_diff": weight_diff, "loss_direct": direct["loss"], "loss_resumed": resumed["loss"],
             "masters_stored": beyond_bf16, "adam_step": meta["adam_step"],
             "ok": weight_diff == 0.0 and direct["loss"] == resumed["loss"] and beyond_bf16 and meta["adam_step"] == 1}
+
+
+def section_optimizer_offload(work: Path) -> dict:
+    import numpy as np
+    import torch
+    from support.oracle import make_samples, sharpened_checkpoint
+
+    ckpt = sharpened_checkpoint("moe", work / "moe-sharp")
+    out = {}
+    for fraction in (0.0, 1.0):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        trainer = trainer_for(ckpt, optimizer_offload_fraction=fraction)
+        try:
+            samples = make_samples(5, 16, trainer.hf_config.vocab_size)
+            for s, lp in zip(samples, trainer.logprobs(samples)):
+                s.behaviour_logprobs = (lp - 0.05).astype(np.float32)
+            losses = [trainer.train_step(samples)["loss"] for _ in range(2)]
+        finally:
+            trainer.close()
+        out[f"offload_{fraction:g}"] = {"losses": losses, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    on, off = out["offload_1"], out["offload_0"]
+    out["ok"] = abs(on["losses"][1] - off["losses"][1]) <= 1e-3 * abs(off["losses"][1]) + 1e-6 \
+        and on["peak_gib"] < off["peak_gib"]
+    return out
 
 
 IPC_VERSIONS, IPC_TENSORS = 3, 40
@@ -275,7 +304,8 @@ def section_nccl_channel(work: Path) -> dict:
 
 
 SECTIONS = {"megatron_bf16": section_megatron_bf16, "checkpoint": section_checkpoint,
-            "cuda_ipc": section_cuda_ipc, "throughput": section_throughput, "nccl_channel": section_nccl_channel}
+            "cuda_ipc": section_cuda_ipc, "optimizer_offload": section_optimizer_offload,
+            "throughput": section_throughput, "nccl_channel": section_nccl_channel}
 
 
 def record(path: Path, name: str, value: dict) -> None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared GPU check: at most 5 minutes on one H100/H200 (Python 3.12, a CUDA torch,
+# The one prepared GPU check: at most 5.5 minutes on one H100/H200 (Python 3.12, a CUDA torch,
 # transformers; no package registry, no vLLM). Runs the sections of scripts/gpu_check.py one
 # process each, each under its own time limit, merging its result into the JSON file as soon as it
 # ends, so a timeout still returns what ran.
@@ -21,8 +21,8 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
 rm -f "$JSON"
 status=0
-# section:seconds (sum 285 s, the scratch models built once in /tmp/tokenflow-gpu-check)
-for entry in environment:20 megatron_bf16:70 checkpoint:50 cuda_ipc:45 throughput:100; do
+# section:seconds (sum 315 s, the scratch models built once in /tmp/tokenflow-gpu-check)
+for entry in environment:20 megatron_bf16:70 checkpoint:50 cuda_ipc:45 optimizer_offload:30 throughput:100; do
   section=${entry%%:*}; limit=${entry##*:}
   echo "[gpu_check] $section (at most ${limit}s)"
   timeout -k 5 "$limit" "$PY" scripts/gpu_check.py --section "$section" --json "$JSON"

@@ -3,7 +3,7 @@
 A check is a function ``check(run) -> None`` registered in order with ``@check("name")``
 (`pipeline.doctor.registry`)
 (`pipeline.doctor.checks`: placement, engine, trainer, checkpoint; `pipeline.doctor.network_checks`:
-weights, network; later issues add memory checks the same way). It reports through the `Run` it is given: ``run.uses(text)`` for
+weights, network; `pipeline.doctor.memory`: the trainer's planned peak). It reports through the `Run` it is given: ``run.uses(text)`` for
 what the run will use (printed), ``run.refuse(text)`` for a contradiction (the run is refused).
 `run_checks` runs every check, each one's failure (an exception) becoming a refusal that names
 it, so the doctor itself never ends in a traceback. `tokenflow train` runs the same checks and
@@ -28,7 +28,7 @@ from pipeline.doctor.registry import CHECKS, Run
 
 def run_checks(cfg, plan) -> Run:
     """Every registered check on ``cfg`` and ``plan``; the findings are in the returned `Run`."""
-    from pipeline.doctor import checks, network_checks  # noqa: F401  (registers the checks, in this order)
+    from pipeline.doctor import checks, memory, network_checks  # noqa: F401  (registers the checks, in this order)
 
     run = Run(cfg, plan)
     for name, fn in CHECKS:

@@ -49,6 +49,7 @@ import numpy as np
 from pipeline.metrics import MetricsWriter
 from pipeline.protocol import messages as m
 from pipeline.orchestrator.admission import Admission
+from pipeline.orchestrator.batching import StepCost
 from pipeline.orchestrator.bounds import RunBounds
 from pipeline.orchestrator.buffer import BufferedGroup, RolloutBuffer
 from pipeline.orchestrator.clock import PolicyClock
@@ -78,11 +79,12 @@ class Orchestrator(TrainerSide):
     def __init__(self, run_dir: Path, cfg: OrchestratorConfig, prompts: PromptSource,
                  scorer: Scorer, schema: RecordSchema, bounds: RunBounds, run_id: str = "run",
                  eval_prompts: PromptSource | None = None, replay_source: Path | None = None,
-                 scoring: Scoring | None = None, eval_samples: int = 0):
+                 scoring: Scoring | None = None, eval_samples: int = 0, step_cost: StepCost = StepCost()):
         """``scoring``: where groups are scored (default: ``AsyncScoring(scorer)`` in this process;
         `pipeline.scorers.pool.RemoteScoring` for scorer roles, which fill the fields of ``schema``
         generators do not send). ``bounds``: the model's vocabulary and experts. ``eval_samples``:
-        sampled answers per held-out prompt (``eval.samples``)."""
+        sampled answers per held-out prompt (``eval.samples``). ``step_cost``: what a sample
+        costs the trainer, balanced over its data-parallel ranks (`pipeline.orchestrator.batching`)."""
         cfg.validate()
         self.run_dir, self.cfg, self.prompts, self.schema = Path(run_dir), cfg, prompts, schema
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -124,7 +126,7 @@ class Orchestrator(TrainerSide):
         self.group_rows: list[tuple] = []  # resolutions waiting for the next flush
         self.weight_epoch: int | None = None  # the trainer's newest weight group
         self.announced_weight_epoch = 0  # the weight group the last announced version went into
-        self.desk = StepDesk(cfg.groups_per_step, self.writer, self.buffer, state.step_rows)
+        self.desk = StepDesk(cfg.groups_per_step, self.writer, self.buffer, state.step_rows, step_cost)
         self._stale_checked_for = -1
         self.stopping = False
         self._last_flush = self._last_metrics = self._last_expiry = time.monotonic()

@@ -22,7 +22,7 @@ from typing import Callable
 
 import numpy as np
 
-from pipeline.orchestrator.batching import split_by_tokens
+from pipeline.orchestrator.batching import StepCost, split_by_cost
 from pipeline.orchestrator.buffer import BufferedGroup, RolloutBuffer
 from pipeline.protocol.links import batch_arrays
 from pipeline.protocol.messages import Batch, GetBatch
@@ -32,8 +32,10 @@ from pipeline.rollout_log.writer import RolloutLogWriter
 
 class StepDesk:
     def __init__(self, groups_per_step: int, writer: RolloutLogWriter, buffer: RolloutBuffer,
-                 step_rows: dict[int, tuple[np.ndarray, np.ndarray]]):
+                 step_rows: dict[int, tuple[np.ndarray, np.ndarray]], cost: StepCost = StepCost()):
         self.groups_per_step, self.writer, self.buffer = groups_per_step, writer, buffer
+        self.cost = cost
+        """What a sample costs the trainer (the data-parallel split balances it)."""
         self.step_rows = step_rows
         """step -> (log rows, DP rank of each row) of every recorded step."""
         self.waiting: dict[bytes, GetBatch] = {}
@@ -70,7 +72,7 @@ class StepDesk:
         batch = SampleBatch.concat([g.batch for g in groups])
         rows = np.concatenate([g.rows for g in groups])
         lengths = batch.columns["prompt_len"] + batch.columns["completion_len"]
-        ranks = split_by_tokens(lengths, req.dp_size)
+        ranks = split_by_cost(lengths, req.dp_size, self.cost)
         self.writer.append_steps(req.step, rows, ranks, trainer_step, time.time())
         self.step_rows[req.step] = (rows, ranks)
         return batch, ranks

@@ -12,10 +12,12 @@ from pathlib import Path
 
 from pipeline.config import TokenflowConfig, stored_record_schema
 from pipeline.metrics import MetricsWriter
+from pipeline.orchestrator.batching import StepCost
 from pipeline.orchestrator.bounds import RunBounds
 from pipeline.orchestrator.prompts import PromptSource, SyntheticPromptSource
 from pipeline.orchestrator.scoring import Scorer, VerifierScorer, last_token_verifier
 from pipeline.orchestrator.service import Orchestrator
+from pipeline.plan.shape import ModelShape
 from pipeline.run_dir import model_dir
 
 def task_sources(cfg: TokenflowConfig, run_dir: Path) -> tuple[PromptSource, PromptSource, Scorer]:
@@ -54,9 +56,10 @@ def build_orchestrator(run_dir: Path, cfg: TokenflowConfig) -> Orchestrator:
         scoring = RemoteScoring(run_dir, cfg.scorers, schema,
                                 scorer if cfg.scorers.reward == "verifier" else None, t,
                                 refresh_every=cfg.run.checkpoint_every)
-    bounds = RunBounds(train.vocab) if isinstance(train, SyntheticPromptSource) \
-        else RunBounds.of_model(model_dir(run_dir))
+    synthetic = isinstance(train, SyntheticPromptSource)
+    bounds = RunBounds(train.vocab) if synthetic else RunBounds.of_model(model_dir(run_dir))
+    step_cost = StepCost() if synthetic else StepCost.of_shape(ModelShape.from_file(model_dir(run_dir)))
     return Orchestrator(run_dir, cfg.orchestrator, train, scorer, schema, bounds,
                         run_id=cfg.run.name, eval_prompts=evals,
                         replay_source=Path(cfg.replay.source) if cfg.replay.source else None,
-                        scoring=scoring, eval_samples=cfg.eval.samples)
+                        scoring=scoring, eval_samples=cfg.eval.samples, step_cost=step_cost)

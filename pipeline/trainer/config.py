@@ -10,10 +10,13 @@ class ParallelConfig:
 
     tp: int = 1  # tensor-parallel size
     ep: int = 1  # expert-parallel size (MoE only; carved out of data parallelism)
+    pp: int = 1  # pipeline-parallel size (stages; megatron's 1F1B schedule)
+    cp: int = 1  # context-parallel size (each sequence split over cp ranks)
     etp: int | None = None  # expert tensor-parallel size (MoE only); None: = tp
     sequence_parallel: bool | None = None  # None: on when tp > 1 and the model is MoE
     moe_dispatcher: str = "alltoall"  # megatron token dispatcher; "allgather" only when tp*ep == 1
     params_dtype: str = "float32"  # "float32" or "bfloat16"
+    grouped_experts: bool = True  # MoE: each layer's local experts as grouped matrix products (pipeline/trainer/grouped_experts.py); False: one expert after another
 
     @property
     def expert_tp(self) -> int:
@@ -98,5 +101,6 @@ class TrainerConfig:
     temperature: float = 1.0  # sampling temperature the generator used (logits are divided by it)
     seed: int = 1234  # seed of model-parallel RNG states
     optimizer: str = "auto"  # "torch" (AdamW, CPU) | "megatron" (distributed, CUDA) | "auto"
+    optimizer_offload_fraction: float = 0.0  # optimizer="megatron": fraction of its state (fp32 masters, Adam moments) and update kept on the host (megatron's HybridDeviceOptimizer; 0: all on the GPU)
     timeout_s: float = 600.0  # timeout of every collective
     export: str = "end"  # Hugging Face export to RUN/export/step-K: "end" (of the run), "checkpoints" (every checkpoint too), "never"

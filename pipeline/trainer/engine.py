@@ -129,6 +129,10 @@ class Trainer:
         import torch
 
         c = self.cfg
+        if not 0.0 <= c.optimizer_offload_fraction <= 1.0:
+            raise ValueError(f"trainer.optimizer_offload_fraction must be in [0, 1], got {c.optimizer_offload_fraction}")
+        if c.optimizer_offload_fraction and self.optimizer_kind != "megatron":
+            raise ValueError("trainer.optimizer_offload_fraction > 0 needs optimizer='megatron' (CUDA)")
         if self.optimizer_kind == "torch":  # bf16 parameters: AdamW on fp32 masters (masters.py)
             from .masters import MasterWeights
 
@@ -145,7 +149,8 @@ class Trainer:
             optimizer="adam", lr=c.lr, weight_decay=c.weight_decay, adam_beta1=c.adam_betas[0],
             adam_beta2=c.adam_betas[1], adam_eps=c.adam_eps, clip_grad=c.grad_clip,
             bf16=c.parallel.params_dtype == "bfloat16", params_dtype=self.model.module.config.params_dtype,
-            use_distributed_optimizer=True)
+            use_distributed_optimizer=True, optimizer_cpu_offload=c.optimizer_offload_fraction > 0,
+            optimizer_offload_fraction=c.optimizer_offload_fraction)
         return get_megatron_optimizer(config, [self.model])
 
     # ---------------------------------------------------------------- collectives

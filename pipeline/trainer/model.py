@@ -18,7 +18,8 @@ Invariants:
   KV groups. Example: 4 query heads, 2 KV heads, head_dim 16, TP 2 -> rank r holds group r:
   rows ``[q(2r), q(2r+1), k(r), v(r)]`` = 64 rows.
 - Experts: EP rank r holds global experts ``r*n_local .. r*n_local+n_local-1`` as
-  ``local_experts.j``; expert TP (ETP) shards them like the dense MLP.
+  ``local_experts.j``; expert TP (ETP) shards them like the dense MLP. With
+  ``trainer.parallel.grouped_experts`` they run as grouped products (`GroupedExperts`, same parameters).
 - HF -> megatron -> HF is the identity, bit for bit (tested).
 - ``iter_hf_weights`` is a collective: every rank must exhaust it; only world rank 0 receives
   items (fresh full HF tensors, never views of live parameters, gathered over TP, ETP and EP).
@@ -152,12 +153,18 @@ def transformer_config(hf_config, parallel: ParallelConfig, moe_cfg: MoEConfig |
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(num_experts: int | None, qk_layernorm: bool):
-    """The layer spec every trainer model is built with: megatron's local spec with RMSNorm."""
+def layer_spec(num_experts: int | None, qk_layernorm: bool, grouped_experts: bool = False):
+    """The layer spec every trainer model is built with: megatron's local spec with RMSNorm; with
+    ``grouped_experts`` an MoE layer's experts are `GroupedExperts` (same parameters)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
                                     qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    if num_experts and grouped_experts:
+        from .grouped_experts import GroupedExperts
+
+        spec.submodules.mlp.submodules.experts.module = GroupedExperts
+    return spec
 
 
 def spec_norm(hf_config) -> str:
@@ -172,7 +179,7 @@ def build_gpt_model(hf_config, parallel: ParallelConfig, moe_cfg: MoEConfig | No
     from megatron.core.models.gpt import GPTModel
 
     config = transformer_config(hf_config, parallel, moe_cfg, recompute)
-    spec = layer_spec(config.num_moe_experts, config.qk_layernorm)
+    spec = layer_spec(config.num_moe_experts, config.qk_layernorm, parallel.grouped_experts)
     model = GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings, pre_process=True,

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from pipeline.orchestrator.admission import Admission, ResolvedSet
-from pipeline.orchestrator.batching import split_by_tokens
+from pipeline.orchestrator.batching import split_by_cost
 from pipeline.orchestrator.clock import PolicyClock
 
 
@@ -76,7 +76,7 @@ def test_resolved_set_compacts_and_answers_membership():
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(1, 500), min_size=1, max_size=60), st.integers(1, 8))
 def test_token_split_assigns_every_sample_once_and_balances(tokens, dp):
-    ranks = split_by_tokens(np.array(tokens), dp)
+    ranks = split_by_cost(np.array(tokens), dp)
     assert len(ranks) == len(tokens) and ranks.min() >= 0 and ranks.max() < dp
     loads = np.bincount(ranks, weights=tokens, minlength=dp)
     assert loads.max() - loads.min() <= max(tokens)

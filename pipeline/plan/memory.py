@@ -1,0 +1,180 @@
+"""Per-rank memory of a trainer layout: what the state holds, what a step adds, the peak.
+
+`rank_memory(shape, layout)` returns a `MemoryPlan`: bytes per component on the worst pipeline
+stage, the peak, and the pipeline bubble. Components (all per rank):
+
+- ``parameters``: dense parameters / tp (embeddings and output layer on the first and last stage),
+  expert parameters / (ep * etp), layers / pp; in ``params_dtype``;
+- ``gradients``: megatron DDP's fp32 buffer (``grad_reduce_in_fp32``), one fp32 value per parameter;
+- ``optimizer``: Adam's two fp32 moments, plus fp32 masters when parameters are bf16. The
+  distributed optimizer (``megatron``) shards dense state over DP = world / (tp * pp * cp) and
+  expert state over expert-DP = world / (ep * etp * pp) (megatron derives expert-DP the same way);
+  ``offload`` moves that fraction of it to host memory. The torch path (CPU) keeps all of it, and
+  with bf16 parameters the masters' fp32 gradients too;
+- ``reference``: the KL reference model, built with the policy's layout (same shards), no grads;
+- ``activations``: tensors saved for backward, ``ACT_PER_TOKEN`` elements per token and layer
+  (from the shape, by layer type) times the layers of a stage, the tokens of a micro-batch and the
+  micro-batches in flight (1F1B: ``pp - stage``); the local attention saves its ``S x S``
+  probabilities per head and layer; ``recompute="full"`` keeps only each layer's input,
+  ``"selective"`` drops the attention probabilities;
+- ``attention``: megatron's local attention's persistent ``[rows*heads/tp, S, S]`` score buffer
+  and causal mask, plus the transient copies of one layer's scores while it runs;
+- ``logits``: the ``[tokens, V/tp]`` fp32 logits and their copies (full), or a chunk's (chunked).
+
+The peak is the state plus the step's largest moment (forward/backward, or the optimizer's
+temporaries). Calibration (`CALIBRATION`) fits three multipliers on measured peaks of real
+megatron steps on CPU (`TensorMemory`); the checks run on other layouts
+(tests/plan/test_planner_peaks.py, bench/results/2026-12-06-plan.md).
+
+Worked example (tiny dense of tests, fp32, tp 1, one 512-token row): 1.44 M parameters, state =
+16 B x 1.44 M = 23.1 MB, score buffer 4 heads x 512^2 x 4 B = 4.2 MB; the step adds the
+activations, the logits and the transient scores: predicted peak ~69 MB (measured 68.6 MB).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.plan.shape import ModelShape
+
+#: Multipliers fitted on measured peaks (tests/support/peak_probe.py): on the analytic count of
+#: saved activations, on the copies of one layer's scores that exist at once, and on the copies
+#: of the full logits (float, temperature, softmax, gradient).
+CALIBRATION = {"activations": 1.0, "score_copies": 2.0, "logit_copies": 4.0}
+GiB = 1024 ** 3
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A trainer layout and what one micro-batch holds."""
+
+    world: int = 1  # ranks (GPUs) of the trainer
+    tp: int = 1  # tensor-parallel size
+    ep: int = 1  # expert-parallel size
+    etp: int = 1  # expert tensor-parallel size
+    pp: int = 1  # pipeline stages
+    cp: int = 1  # context-parallel size
+    micro_batch_tokens: int = 4096  # padded tokens per micro-batch (whole rows of seq_len; at least one)
+    seq_len: int = 4096  # padded length of one row (attention's S)
+    micro_batches: int = 1  # micro-batches per optimizer step (the pipeline's m)
+    params_dtype: str = "bfloat16"  # "float32" or "bfloat16"
+    optimizer: str = "megatron"  # "megatron" (distributed, sharded over DP) or "torch"
+    offload: float = 0.0  # fraction of the optimizer state in host memory (megatron's HybridDeviceOptimizer)
+    recompute: str = "none"  # "none", "selective" (attention) or "full" (every layer)
+    logits: str = "full"  # "full" or "chunked" (vocab-parallel chunks of logits_chunk tokens)
+    logits_chunk: int = 1024  # tokens per logits chunk when chunked
+    attention: str = "local"  # "local" (megatron's S x S scores) or "flash" (no S x S tensor)
+    reference: bool = False  # a KL reference model is held
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp * self.cp)
+
+    @property
+    def expert_dp(self) -> int:
+        return self.world // (self.ep * self.etp * self.pp)
+
+    def check(self, shape: ModelShape) -> None:
+        """Raise ValueError naming what does not divide."""
+        if self.world % (self.tp * self.pp * self.cp):
+            raise ValueError(f"world {self.world} is not a multiple of tp*pp*cp = {self.tp * self.pp * self.cp}")
+        if self.world % (self.ep * self.etp * self.pp):
+            raise ValueError(f"world {self.world} is not a multiple of ep*etp*pp = {self.ep * self.etp * self.pp}")
+        if shape.layers % self.pp:
+            raise ValueError(f"{shape.layers} layers do not split into pp={self.pp} stages")
+        if shape.heads % self.tp or shape.kv_heads % self.tp and self.tp % shape.kv_heads:
+            raise ValueError(f"{shape.heads} query / {shape.kv_heads} KV heads do not split over tp={self.tp}")
+        if shape.is_moe and shape.experts % self.ep:
+            raise ValueError(f"{shape.experts} experts do not split over ep={self.ep}")
+        if not shape.is_moe and (self.ep, self.etp) != (1, 1):
+            raise ValueError("ep/etp > 1 need an MoE model")
+        if self.seq_len % self.cp:
+            raise ValueError(f"seq_len {self.seq_len} does not split over cp={self.cp}")
+        for name, value, allowed in (("params_dtype", self.params_dtype, DTYPE_BYTES),
+                                     ("optimizer", self.optimizer, ("megatron", "torch")),
+                                     ("recompute", self.recompute, ("none", "selective", "full")),
+                                     ("logits", self.logits, ("full", "chunked")),
+                                     ("attention", self.attention, ("local", "flash"))):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {sorted(allowed)}, got {value!r}")
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes per component on the worst stage, the peak, and what binds."""
+
+    layout: Layout
+    components: dict[str, float] = field(default_factory=dict)  # name -> bytes (worst stage)
+    peak: float = 0.0  # state + the step's largest moment, bytes
+    stage: int = 0  # the pipeline stage with the peak
+    bubble: float = 0.0  # 1F1B idle fraction (pp - 1) / (m + pp - 1)
+    activations_per_token: dict[str, float] = field(default_factory=dict)  # bytes per token and layer, by layer part
+
+    def binding(self) -> str:
+        """The largest component's name."""
+        return max(self.components, key=self.components.get)
+
+
+def activation_elements(shape: ModelShape, layout: Layout, tokens_per_row: int) -> dict[str, float]:
+    """Elements saved for backward per token and layer, by part, on one rank (tp shards heads and
+    MLP widths; the ``h``-wide tensors are whole on each rank without sequence parallelism)."""
+    tp, h, d = layout.tp, shape.hidden, shape.head_dim
+    q, kv = shape.heads / tp, max(shape.kv_heads / tp, 1)
+    # norm input and output, QKV out, QK-norm out, rotated q/k, k/v expanded to q heads, context
+    attention = 2 * h + (q + 2 * kv) * d + (q + kv) * d * shape.qk_norm + (q + kv) * d + 2 * q * d + q * d + h
+    scores = q * tokens_per_row if layout.attention == "local" and layout.recompute == "none" else 0.0
+    if shape.is_moe:  # router logits/probs; per routed copy: permuted input, fc1 out, silu, product, output
+        mlp = 2 * h + 2 * shape.experts + shape.top_k * (2 * h + 4 * shape.expert_ffn / layout.etp)
+    else:  # norm out, fc1 out [gate; up], silu(gate), product (fc2 input), residual
+        mlp = 2 * h + 4 * shape.ffn / tp
+    return {"attention": attention, "scores": scores, "mlp": mlp}
+
+
+def rank_memory(shape: ModelShape, layout: Layout) -> MemoryPlan:
+    """The per-rank memory of ``layout`` (see the module docstring)."""
+    layout.check(shape)
+    L = layout
+    pbytes, abytes = DTYPE_BYTES[L.params_dtype], DTYPE_BYTES[L.params_dtype]
+    layers = shape.layers // L.pp
+    dense_layer = (shape.n_attention + shape.n_dense_mlp) / L.tp + shape.n_router + 2 * shape.hidden
+    expert_layer = shape.n_expert_layer / (L.ep * L.etp)
+    rows = max(1, L.micro_batch_tokens // L.seq_len)
+    tokens = rows * L.seq_len // L.cp
+    s_local = L.seq_len // L.cp
+    parts = activation_elements(shape, L, L.seq_len)
+    per_token_layer = CALIBRATION["activations"] * abytes * sum(parts.values())
+    if L.recompute == "full":
+        per_token_layer = abytes * shape.hidden
+    best: MemoryPlan | None = None
+    for stage in range(L.pp):
+        first, last = stage == 0, stage == L.pp - 1
+        embed = shape.vocab * shape.hidden / L.tp * (first + (last and not shape.tied))
+        dense = layers * dense_layer + embed + (shape.hidden if last else 0)
+        expert = layers * expert_layer
+        n = dense + expert
+        sharded = dense / L.dp + expert / L.expert_dp if L.optimizer == "megatron" else n
+        masters = 4 * sharded if L.params_dtype == "bfloat16" else 0.0
+        optimizer = (8 * sharded + masters) * (1 - L.offload)
+        if L.optimizer == "torch" and L.params_dtype == "bfloat16":
+            optimizer += 4 * n  # the masters' fp32 gradients, kept between steps
+        in_flight = L.pp - stage
+        heads = shape.heads / L.tp
+        score_buffer = rows * heads * s_local * L.seq_len * abytes + rows * L.seq_len ** 2 / L.cp \
+            if L.attention == "local" else 0.0
+        activations = per_token_layer * layers * tokens * in_flight
+        if L.recompute == "full":  # one layer re-run at a time during backward
+            activations += CALIBRATION["activations"] * abytes * sum(parts.values()) * tokens
+        transient_scores = CALIBRATION["score_copies"] * score_buffer
+        logit_tokens = tokens if L.logits == "full" else min(tokens, L.logits_chunk)
+        logits = CALIBRATION["logit_copies"] * 4 * logit_tokens * shape.vocab / L.tp if last else 0.0
+        comp = {"parameters": pbytes * n, "gradients": 4 * n, "optimizer": optimizer,
+                "reference": pbytes * n if L.reference else 0.0, "activations": activations,
+                "attention": score_buffer + transient_scores, "logits": logits}
+        state = comp["parameters"] + comp["gradients"] + optimizer + comp["reference"]
+        optimizer_step = 4 * sharded * (1 - L.offload)  # one fp32 temporary over the local state
+        peak = state + max(activations + score_buffer + transient_scores + logits, optimizer_step)
+        if best is None or peak > best.peak:
+            best = MemoryPlan(L, comp, peak, stage)
+    best.bubble = (L.pp - 1) / (L.micro_batches + L.pp - 1)
+    best.activations_per_token = {k: v * abytes for k, v in parts.items()}
+    return best

@@ -1,0 +1,65 @@
+"""The cost-balanced data-parallel split (pipeline.orchestrator.batching): the worked example, the
+LPT bound on any batch, and the cost model against FLOPs counted by torch on the transformers model."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.orchestrator.batching import StepCost, split_by_cost
+from pipeline.plan.shape import ModelShape
+
+
+def loads(ranks, costs, dp):
+    return np.bincount(ranks, weights=costs, minlength=dp)
+
+
+def test_worked_example_tokens_then_cost():
+    tokens = np.array([90, 50, 40, 30, 10])
+    assert loads(split_by_cost(tokens, 2), tokens, 2).tolist() == [120, 100]
+    cost = StepCost(linear=1.0, quadratic=0.01)
+    ranks = split_by_cost(tokens, 2, cost)
+    assert loads(ranks, tokens, 2).tolist() == [90, 130]
+    assert loads(ranks, cost.of(tokens), 2).tolist() == pytest.approx([171, 181])
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 4000), min_size=1, max_size=60), st.integers(1, 8),
+       st.floats(0.0, 1.0))
+def test_every_sample_goes_to_one_rank_and_costs_balance(tokens, dp, quadratic):
+    cost = StepCost(linear=1.0, quadratic=quadratic)
+    ranks = split_by_cost(np.array(tokens), dp, cost)
+    costs = cost.of(tokens)
+    assert len(ranks) == len(tokens) and ranks.min() >= 0 and ranks.max() < dp
+    per_rank = loads(ranks, costs, dp)
+    assert per_rank.max() - per_rank.min() <= costs.max() + 1e-6 * costs.sum()
+
+
+def test_cost_model_matches_flops_torch_counts_on_the_hf_model():
+    """Forward + backward FLOPs of the transformers model (eager attention computes the full
+    S x S scores, as megatron's local attention does) at two lengths fix linear and quadratic.
+    Dense only: transformers' MoE experts run an operator torch's counter has no formula for."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.models.tiny import TinyModelSpec
+
+    config = TinyModelSpec(kind="dense").hf_config()
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config)
+
+    def flops(t):
+        ids = torch.randint(3, config.vocab_size, (1, t))
+        with FlopCounterMode(display=False) as counter:
+            model(ids).logits.float().sum().backward()
+        return counter.get_total_flops()
+
+    t1, t2 = 32, 128
+    f1, f2 = flops(t1), flops(t2)
+    quadratic = (f2 / t2 - f1 / t1) / (t2 - t1)
+    linear = f1 / t1 - quadratic * t1
+    cost = StepCost.of_shape(ModelShape.from_config(config.to_dict()))
+    assert cost.quadratic == pytest.approx(quadratic, rel=0.02)
+    assert cost.linear == pytest.approx(linear, rel=0.05)
