@@ -429,6 +429,7 @@ class Orchestrator(TrainerSide):
             buffer_groups=len(self.buffer), buffer_spilled=self.buffer.spilled,
             buffer_memory_tokens=self.buffer.memory_tokens, leases=len(a.leases),
             reissued=a.reissued_total, cpu_s=_cpu_seconds(), ingested_tokens=self._ingested_total,
+            log_flush_seq=self.writer.seq,
             ingest_tokens_per_s=self._ingested_tokens / max(dt, 1e-9),
             **{f"count_{k}": v for k, v in self.counts.items()},
             **{f"frames_dropped_{k}": v for k, v in self.server.dropped.items()},
