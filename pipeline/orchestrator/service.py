@@ -41,6 +41,7 @@ import time
 import uuid
 from collections import Counter, defaultdict
 from dataclasses import replace
+from functools import cached_property
 from pathlib import Path
 from typing import Callable
 
@@ -208,7 +209,7 @@ class Orchestrator(TrainerSide):
                         self.counts["bad_message"])
         self.server.send(peer, *m.encode(m.Error(kind, detail)))
 
-    @property
+    @cached_property  # looked up once per received message
     def _handlers(self) -> dict[type, Callable]:
         return {m.Hello: self._on_hello, m.Leave: self._on_leave, m.Want: self._on_want, m.Result: self._on_result,
                 m.ListMembers: self._on_members, m.Regroup: self._on_regroup,
