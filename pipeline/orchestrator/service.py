@@ -41,6 +41,7 @@ import time
 import uuid
 from collections import Counter, defaultdict
 from dataclasses import replace
+from functools import cached_property
 from pathlib import Path
 from typing import Callable
 
@@ -210,7 +211,7 @@ class Orchestrator(TrainerSide):
                         self.counts["bad_message"])
         self.server.send(peer, *m.encode(m.Error(kind, detail)))
 
-    @property
+    @cached_property  # looked up once per received message
     def _handlers(self) -> dict[type, Callable]:
         return {m.Hello: self._on_hello, m.Leave: self._on_leave, m.Want: self._on_want, m.Result: self._on_result,
                 m.ListMembers: self._on_members, m.Regroup: self._on_regroup,
@@ -431,6 +432,7 @@ class Orchestrator(TrainerSide):
             buffer_groups=len(self.buffer), buffer_spilled=self.buffer.spilled,
             buffer_memory_tokens=self.buffer.memory_tokens, leases=len(a.leases),
             reissued=a.reissued_total, cpu_s=_cpu_seconds(), ingested_tokens=self._ingested_total,
+            log_flush_seq=self.writer.seq,
             ingest_tokens_per_s=self._ingested_tokens / max(dt, 1e-9),
             **{f"count_{k}": v for k, v in self.counts.items()},
             **{f"frames_dropped_{k}": v for k, v in self.server.dropped.items()},

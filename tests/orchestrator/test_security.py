@@ -98,10 +98,14 @@ def test_run_bounds_refuse_expert_and_sampling_mask_ids_the_model_cannot_have():
                                  ("sampling_mask", 1000, "token id 1000"),
                                  ("sampling_mask", -2, "below -1"),
                                  ("versions", 4, "newer than any weights"),
-                                 ("logprobs", np.nan, "NaN")]:
+                                 ("t_end", np.nan, "NaN")]:
         cols = {k: np.array(v) for k, v in group.columns.items()}
         cols[name].reshape(-1)[-1] = value
         with pytest.raises(RecordError, match=problem):
             RunBounds(1000, 8).check(SampleBatch(cols, schema, validate=False), clock)
     with pytest.raises(RecordError, match="the model has no experts"):
         RunBounds(1000).check(group, clock)
+    nan_logprob = {k: np.array(v) for k, v in group.columns.items()}
+    nan_logprob["logprobs"][-1] = np.nan  # not re-checked by the bounds: the record refuses it first
+    with pytest.raises(RecordError, match="logprobs holds NaN"):
+        SampleBatch(nan_logprob, schema)
