@@ -10,6 +10,8 @@ class ParallelConfig:
 
     tp: int = 1  # tensor-parallel size
     ep: int = 1  # expert-parallel size (MoE only; carved out of data parallelism)
+    pp: int = 1  # pipeline-parallel size (stages; megatron's 1F1B schedule)
+    cp: int = 1  # context-parallel size (each sequence split over cp ranks)
     etp: int | None = None  # expert tensor-parallel size (MoE only); None: = tp
     sequence_parallel: bool | None = None  # None: on when tp > 1 and the model is MoE
     moe_dispatcher: str = "alltoall"  # megatron token dispatcher; "allgather" only when tp*ep == 1
@@ -78,7 +80,7 @@ class TrainerConfig:
     """Trainer hyper-parameters and layout."""
 
     model_dir: str = ""  # HF checkpoint directory to start from
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # TP / EP / ETP layout
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # TP / EP / ETP / PP layout
     moe: MoEConfig = field(default_factory=MoEConfig)  # router losses, expert capacity
     loss: LossConfig = field(default_factory=LossConfig)  # policy-loss hyper-parameters
     lora: LoraConfig = field(default_factory=LoraConfig)  # low-rank adapters (rank 0: off)

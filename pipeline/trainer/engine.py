@@ -64,8 +64,11 @@ class Trainer:
         # this rank's device, read before any other thread exists; weight channels get it explicitly
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         p = cfg.parallel
+        if cfg.lora.rank and p.pp > 1:
+            raise ValueError("trainer.lora.rank > 0 with trainer.parallel.pp > 1 is not supported")
         ps.initialize_model_parallel(
             tensor_model_parallel_size=p.tp, expert_model_parallel_size=p.ep,
+            pipeline_model_parallel_size=p.pp,
             expert_tensor_parallel_size=p.expert_tp,
             distributed_timeout_minutes=max(1, int(cfg.timeout_s // 60)))
         model_parallel_cuda_manual_seed(cfg.seed)
@@ -79,7 +82,8 @@ class Trainer:
         self.replayer = None  # compares recorded routing with the router's (replays it with routing_replay)
         if cfg.routing_replay or model.config.num_moe_experts:
             self.replayer = RoutingReplay(model, cfg.routing_replay, ps.get_tensor_model_parallel_rank(),
-                                          p.tp, model.config.sequence_parallel)
+                                          p.tp, model.config.sequence_parallel,
+                                          ps.get_pipeline_model_parallel_group() if p.pp > 1 else None)
         self.optimizer_kind = cfg.optimizer if cfg.optimizer != "auto" else (
             "megatron" if self.cuda else "torch")
         self.model = self._wrap_ddp(model)
@@ -100,6 +104,11 @@ class Trainer:
                                    device="cuda" if self.cuda else "cpu")
         self.dp_group = ps.get_data_parallel_group()
         self.tp_group = ps.get_tensor_model_parallel_group()
+        self.stages = None  # this rank's pipeline stage (pipeline_stages.py; None: no PP)
+        if p.pp > 1:
+            from .pipeline_stages import PipelineSchedule
+
+            self.stages = PipelineSchedule(self.model)
         self.steps = 0
         from pipeline.weights.shards import ShardedWeights
 
@@ -168,15 +177,19 @@ class Trainer:
     def _token_logprobs(self, model, mb, want_entropy=False, count_routing=False):
         """``[rows, S]`` logprobs of the labels (and entropies, no grad) under ``model``; with
         ``count_routing`` the recorded-vs-own routing differences are counted."""
-        import torch
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
         routed = mb.extras.get("routed_experts") if model is self.model else None
         real = [st + c if i >= 0 else 0 for i, st, c in zip(mb.sample_index, mb.starts, mb.lengths)]
         with self.replayer.forward(routed, real if count_routing else None) if routed is not None \
                 else nullcontext():
             logits = model(mb.input_ids, mb.position_ids, mb.attention_mask,
                            packed_seq_params=mb.packed_seq_params)
+        return self._logits_logprobs(logits, mb, want_entropy)
+
+    def _logits_logprobs(self, logits, mb, want_entropy=False):
+        """``[rows, S]`` logprobs of the labels (and entropies, no grad) from the output layer's logits."""
+        import torch
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
         logits = logits.float() / self.cfg.temperature
         entropy = None
         if want_entropy:
@@ -209,13 +222,24 @@ class Trainer:
         out: list[np.ndarray | None] = [None] * len(samples)
         model.eval()
         with torch.no_grad():
-            for mb in self._equalised(self._attach(samples)):
-                values, _ = self._token_logprobs(model, mb, count_routing=count_routing)
+            micro_batches = self._equalised(self._attach(samples))
+            staged = self.stages.run(model, micro_batches, lambda mb, logits: (
+                logits.new_zeros(()), self._logits_logprobs(logits, mb)[0]), True,
+                self.replayer if model is self.model else None, count_routing) if self.stages is not None else None
+            for k, mb in enumerate(micro_batches):
+                if self.stages is None:
+                    values, _ = self._token_logprobs(model, mb, count_routing=count_routing)
+                elif self.stages.is_last:
+                    values = staged[k]
+                else:
+                    continue  # not the last stage: the last one shares its logprobs below
                 real = [i for i in mb.sample_index if i >= 0]
                 for i, arr in zip(real, self.layout.gather(mb, values)):
                     out[i] = arr
         model.train()
-        return out
+        if self.stages is None:
+            return out
+        return self.stages.share(out, [len(s.completion_ids) for s in samples], self.layout.device)
 
     def routing_differences(self) -> dict[str, float]:
         """``routing_differ_frac`` / ``routing_differ_token_frac`` counted since the last call (a
@@ -297,11 +321,8 @@ class Trainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        for mb in micro_batches:
-            if self.routing is not None:
-                self.routing.track([st + c if i >= 0 else 0
-                                    for i, st, c in zip(mb.sample_index, mb.starts, mb.lengths)])
-            logp, entropy = self._token_logprobs(self.model, mb, want_entropy=True, count_routing=True)
+
+        def micro_batch_loss(mb, logp, entropy):
             loss, m = policy_loss(
                 logp, mb.extras["behaviour"],
                 token_advantages(mb.extras["advantage"], self.layout.scatter(mb, extra["token_returns"])
@@ -311,10 +332,23 @@ class Trainer:
                 proximal_logprobs=self.layout.scatter(mb, extra["proximal"]) if "proximal" in extra else None,
                 ref_logprobs=self.layout.scatter(mb, extra["ref"]) if "ref" in extra else None,
                 teacher_logprobs=self.layout.scatter(mb, extra["teacher"]) if "teacher" in extra else None)
-            loss.backward()
             m.update(loss=loss.detach(), entropy=(entropy * mb.loss_mask).sum())
+            return loss, {k: float(v) for k, v in m.items()}
+
+        if self.stages is not None:
+            sums = self.stages.metric_sums(self.stages.run(
+                self.model, micro_batches, lambda mb, logits: micro_batch_loss(
+                    mb, *self._logits_logprobs(logits, mb, want_entropy=True)),
+                False, self.replayer, True, self.routing), self.layout.device)
+        for mb in micro_batches if self.stages is None else ():
+            if self.routing is not None:
+                self.routing.track([st + c if i >= 0 else 0
+                                    for i, st, c in zip(mb.sample_index, mb.starts, mb.lengths)])
+            loss, m = micro_batch_loss(mb, *self._token_logprobs(self.model, mb, want_entropy=True,
+                                                                 count_routing=True))
+            loss.backward()
             for k, v in m.items():
-                sums[k] = max(sums.get(k, 0.0), float(v)) if k.endswith("_max") else sums.get(k, 0.0) + float(v)
+                sums[k] = max(sums.get(k, 0.0), v) if k.endswith("_max") else sums.get(k, 0.0) + v
         if self.routing is not None:
             self.routing.track(None)
         finalize_model_grads([self.model])
@@ -366,6 +400,8 @@ class Trainer:
         dense = float(self._all_reduce([dense], self.tp_group)[0])
         if self.model.module.config.num_moe_experts:
             expert = float(self._all_reduce([expert], ps.get_expert_tensor_and_model_parallel_group())[0])
+        if self.stages is not None:  # each stage holds its own layers
+            return float(self._all_reduce([dense + expert], self.stages.group)[0]) ** 0.5
         return (dense + expert) ** 0.5
 
     # ---------------------------------------------------------------- export / checkpoints
