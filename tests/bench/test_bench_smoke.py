@@ -53,6 +53,7 @@ REPORT_KEYS = {
                       "fill_s", "B", "S_over_B", "target", "met", "trainer_idle_frac_sync",
                       "trainer_idle_frac_async", "shared_prompt_frac", "machine_load_1min", "runs"},
     "recovery": {"bench", "mode", "generators", "two_over_one"},
+    "pipeline": {"bench", "mode", "steps", "samples", "completion_tokens", "layouts", "machine_load_1min", "wall_s"},
 }
 """Top-level keys of each benchmark's report, in every mode."""
 
@@ -183,3 +184,14 @@ def test_weight_sync_bandwidth_quick_reports_every_mode():
     assert 0 < memory["sender_bytes"] <= memory["sender_bound_bytes"]
     assert 0 < memory["receiver_bytes"] <= memory["receiver_bound_bytes"]
     assert memory["within_bound"]
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_pipeline_smoke():
+    """~40 s on a loaded 2-core machine (a one-rank and a two-stage trainer)."""
+    report = _smoke("pipeline")
+    assert set(report["layouts"]) == {"tp1", "pp2"}
+    pp2 = report["layouts"]["pp2"]
+    assert pp2["step_s"] > 0 and set(pp2["bubble_measured"]) == {"0", "1"}
+    assert all(0 <= b < 1 for b in pp2["bubble_measured"].values())
