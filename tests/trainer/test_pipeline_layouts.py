@@ -181,6 +181,21 @@ def check_checkpoint_move(source, target, root, runs):
     assert err < PARITY_TOL
 
 
+def test_stage_rules_cover_the_model_once_with_local_layer_names():
+    """Each stage's rules name its own layers 0.. locally; together they are the whole model's."""
+    from pipeline.models.tiny import TinyModelSpec
+    from pipeline.trainer.conversion import base_rules
+
+    hf = TinyModelSpec(kind="moe", num_layers=4).hf_config()
+    whole = base_rules(hf, 0, 1)
+    stages = [base_rules(hf, 0, 1, (s, 2)) for s in range(2)]
+    assert [h for rules in stages for r in rules for h in r.hf] == [h for r in whole for h in r.hf]
+    second = {r.megatron: r.hf for r in stages[1]}
+    assert second["decoder.layers.0.self_attention.linear_proj.weight"] == ("model.layers.2.self_attn.o_proj.weight",)
+    assert "embedding.word_embeddings.weight" not in second and "output_layer.weight" in second
+    assert "output_layer.weight" not in {r.megatron for r in stages[0]}
+
+
 @pytest.mark.engine
 def test_two_stage_pipeline_matches_one_rank_and_checkpoints_move_both_ways(two_rank_runs):
     root, runs = two_rank_runs
