@@ -18,7 +18,8 @@ swaps the CPU generator to it and back, which is what dropout inside tensor-para
 
 Patches (each function's docstring says what, why and the version), by condition:
   always:        moe_te_general_gemm
-  cpu:           cuda_current_device, cuda_streams, cuda_rng, default_causal_mask
+  cpu:           cuda_current_device, cuda_streams, cuda_rng, default_causal_mask,
+                 schedule_token_count
   gloo (= cpu):  moe_split_sizes, gloo_uneven_gather_scatter
   torch_norm_sp: torch_norm_sequence_parallel - sequence parallelism (MoE with TP > 1) with a
                  layer spec whose norm is megatron's ``WrappedTorchNorm`` (the local spec with
@@ -31,7 +32,7 @@ Example::
 
     from megatron_patches import apply_patches, select_patches
     select_patches("cuda", sequence_parallel=True)  # ['moe_te_general_gemm', 'torch_norm_sequence_parallel']
-    applied = apply_patches("cpu", sequence_parallel=True)   # on CPU: all eight
+    applied = apply_patches("cpu", sequence_parallel=True)   # on CPU: all nine
     select_patches("cpu", False, packed=True)[-1]  # 'varlen_attention'
     # now build megatron-core models with use_cpu_initialization=True and a gloo process group
 
@@ -196,6 +197,30 @@ def _patch_default_causal_mask() -> None:
     fused_softmax.get_default_causal_mask = causal_mask
 
 
+def _patch_schedule_token_count() -> None:
+    """What: the pipeline schedules (``pipeline_parallel.schedules``) see a ``torch`` whose
+    ``zeros(..., device="cuda")`` allocates on CPU; every other name is torch's own.
+
+    Why: megatron-core 0.16.1 hard-codes ``device="cuda"`` for the schedules' token counter
+    (``total_num_tokens``), so the 1F1B schedule of a pipeline-parallel trainer fails on CPU
+    before its first micro-batch.
+    """
+    import types
+
+    import torch
+    from megatron.core.pipeline_parallel import schedules
+
+    class TorchOnCpu(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def zeros(*size, device=None, **kwargs):
+            return torch.zeros(*size, device="cpu" if device == "cuda" else device, **kwargs)
+
+    schedules.torch = TorchOnCpu("torch")
+
+
 def _patch_moe_split_sizes() -> None:
     """What: ``tensor_parallel.mappings._AllToAll`` receives split sizes as ``list[int]``.
 
@@ -323,6 +348,7 @@ _PATCHES: list[tuple[str, Callable[[], None], str]] = [
     ("cuda_streams", _patch_cuda_streams, "cpu"),
     ("cuda_rng", _patch_cuda_rng, "cpu"),
     ("default_causal_mask", _patch_default_causal_mask, "cpu"),
+    ("schedule_token_count", _patch_schedule_token_count, "cpu"),
     ("moe_split_sizes", _patch_moe_split_sizes, "gloo"),
     ("gloo_uneven_gather_scatter", _patch_gloo_uneven_gather_scatter, "gloo"),
     ("torch_norm_sequence_parallel", _patch_torch_norm_sequence_parallel, "torch_norm_sp"),
@@ -344,7 +370,7 @@ def select_patches(device: str, sequence_parallel: bool, norm: str = TORCH_NORM,
 
     The backend follows the device (gloo on CPU, NCCL on CUDA). Example: a TP=2 MoE trainer on a
     GPU (sequence parallelism on, local spec: WrappedTorchNorm) gets ``["moe_te_general_gemm",
-    "torch_norm_sequence_parallel"]``; the same layout on CPU gets all eight patches.
+    "torch_norm_sequence_parallel"]``; the same layout on CPU gets all nine patches.
     """
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")

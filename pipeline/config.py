@@ -271,9 +271,9 @@ def validate(cfg: TokenflowConfig) -> None:
                    "group: it needs generator.tensor_parallel_size=1 and trainer.lora.rank=0 (docs/scorers.md)"))
     p = cfg.trainer.parallel
     model_parallel = p.tp * (p.etp or p.tp) * p.ep
-    checks.append((cfg.cluster.trainer_ranks % (p.tp * p.ep) == 0,
+    checks.append((cfg.cluster.trainer_ranks % (p.tp * p.ep * p.pp) == 0,
                    f"cluster.trainer_ranks ({cfg.cluster.trainer_ranks}) must be a multiple of "
-                   f"trainer.parallel.tp * ep ({p.tp * p.ep}); model-parallel size {model_parallel}"))
+                   f"trainer.parallel.tp * ep * pp ({p.tp * p.ep * p.pp}); model-parallel size {model_parallel}"))
     checks.append((cfg.eval.samples >= 0 and cfg.eval.temperature > 0,
                    f"eval.samples must be >= 0 and eval.temperature > 0, got {cfg.eval.samples}, "
                    f"{cfg.eval.temperature}"))

@@ -34,7 +34,7 @@ checkpoint stores the masters, and a load sets the bf16 weights to them rounded 
 them exactly (reloading masters from the bf16 weights would truncate them).
 
 Invariants: ``load`` after ``save`` restores weights (masters included) and optimizer state bit for bit on ANY
-TP/EP/DP layout of the same model (and the RNG states when the layout and world size are the
+TP/EP/DP/PP layout of the same model (and the RNG states when the layout and world size are the
 ones that saved); ``trainer.json`` is written last, after every rank's files, so a directory
 without it is an incomplete checkpoint and ``load`` refuses it.
 """
@@ -51,7 +51,8 @@ def _layout(trainer) -> dict:
     import torch
 
     p = trainer.cfg.parallel
-    return {"world_size": torch.distributed.get_world_size(), "tp": p.tp, "ep": p.ep, "etp": p.expert_tp}
+    return {"world_size": torch.distributed.get_world_size(), "tp": p.tp, "ep": p.ep, "etp": p.expert_tp,
+            **({"pp": p.pp} if p.pp > 1 else {})}
 
 
 def _distributed_optimizers(trainer):

@@ -81,7 +81,7 @@ class TrainerConfig:
     """Trainer hyper-parameters and layout."""
 
     model_dir: str = ""  # HF checkpoint directory to start from
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # TP / EP / ETP layout
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # TP / EP / ETP / PP layout
     moe: MoEConfig = field(default_factory=MoEConfig)  # router losses, expert capacity
     loss: LossConfig = field(default_factory=LossConfig)  # policy-loss hyper-parameters
     lora: LoraConfig = field(default_factory=LoraConfig)  # low-rank adapters (rank 0: off)

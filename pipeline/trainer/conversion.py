@@ -12,6 +12,10 @@ Invariants (layouts: `pipeline.trainer.model`'s docstring):
 - `shard_of` then `hf_from_shards` over every rank's shard is the identity, bit for bit;
 - expert rules carry their global expert id and shard over the expert-TP group; the rules of EP
   rank r hold experts ``r * n_local .. r * n_local + n_local - 1``.
+- pipeline stage s of pp holds HF layers ``s * L/pp .. (s+1) * L/pp - 1`` as its own
+  ``decoder.layers.0 ..``; the embedding only on stage 0, the final norm and the output layer only on
+  the last stage (PP2 of 4 layers: stage 1's ``decoder.layers.0`` is ``model.layers.2``); a rank's
+  rules are its stage's, so every reader and writer of rules works per stage.
 
 Worked example: 4 query heads, 2 KV heads, head_dim 16, TP 2: the rule of
 ``decoder.layers.0.self_attention.linear_qkv.weight`` is kind "qkv" over ``q_proj``, ``k_proj``,
@@ -39,11 +43,25 @@ class Rule:
     expert: int | None = None  # global expert id for expert weights
 
 
-def base_rules(hf_config, ep_rank: int, ep_size: int) -> list[Rule]:
-    """Every weight's rule for EP rank ``ep_rank`` of ``ep_size`` (its own experts), in model order."""
-    rules = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "copy", 0)]
-    for i in range(hf_config.num_hidden_layers):
-        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+def pipeline_stage() -> tuple[int, int]:
+    """(this rank's pipeline stage, stages); (0, 1) before megatron's groups exist."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 0, 1
+    return ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+
+
+def base_rules(hf_config, ep_rank: int, ep_size: int, stage: tuple[int, int] = (0, 1)) -> list[Rule]:
+    """Every weight's rule of pipeline ``stage`` = (rank, stages) for EP rank ``ep_rank`` of
+    ``ep_size`` (its own experts), in model order; megatron names are the stage's own (module
+    docstring)."""
+    rank, stages = stage
+    per_stage = hf_config.num_hidden_layers // stages
+    first = rank * per_stage
+    rules = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "copy", 0)] if rank == 0 else []
+    for i in range(first, first + per_stage):
+        m, h = f"decoder.layers.{i - first}.", f"model.layers.{i}."
         rules += [
             Rule(m + "self_attention.linear_qkv.weight",
                  tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv", 0),
@@ -76,6 +94,8 @@ def base_rules(hf_config, ep_rank: int, ep_size: int) -> list[Rule]:
                      (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "glu", 0),
                 Rule(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "copy", 1),
             ]
+    if rank < stages - 1:
+        return rules
     rules.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None))
     if not hf_config.tie_word_embeddings:
         rules.append(Rule("output_layer.weight", ("lm_head.weight",), "copy", 0))
@@ -207,6 +227,20 @@ def gather_full(rule: Rule, value, hf_config) -> list:
     return [t.clone() if t is shards[0] else t for t in full]
 
 
+def rank_shape(rule: Rule, params: dict, tp_size: int, hf_config) -> tuple[int, ...]:
+    """A rank's shape of ``rule``'s parameter, from this rank's ``params`` (name -> parameter)
+    even when another pipeline stage holds it: every stage holds as many identical layers, so
+    another stage's layer has the shape of this stage's layer of the same local name; the
+    embedding, final norm and output layer shapes come from the config."""
+    if rule.megatron in params:
+        return tuple(params[rule.megatron].shape)
+    if rule.megatron == "decoder.final_layernorm.weight":
+        return (hf_config.hidden_size,)
+    if rule.megatron in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return (hf_config.vocab_size // tp_size, hf_config.hidden_size)
+    raise KeyError(f"{rule.megatron}: no parameter of that name on this pipeline stage")
+
+
 def full_hf_shapes(rule, local_shape, tp_size: int, hf_config) -> tuple[tuple[int, ...], ...]:
     """Full HF shapes of ``rule``'s tensors from this rank's parameter shape (no communication)."""
     import torch
@@ -254,11 +288,11 @@ def adapter_rules(rules: list[Rule], state) -> list[Rule]:
     return out
 
 
-def model_rules(model, hf_config, ep_rank: int, ep_size: int) -> list[Rule]:
-    """The conversion rules of what ``model`` trains for EP rank ``ep_rank``: every weight, or
-    only the adapters of a LoRA model (``pipeline.trainer.lora``)."""
+def model_rules(model, hf_config, ep_rank: int, ep_size: int, stage: tuple[int, int] | None = None) -> list[Rule]:
+    """The conversion rules of what ``model`` trains for EP rank ``ep_rank`` on pipeline ``stage``
+    (None: this rank's): every weight, or only the adapters of a LoRA model (``pipeline.trainer.lora``)."""
     state = lora_state(model)
-    base = base_rules(hf_config, ep_rank, ep_size)
+    base = base_rules(hf_config, ep_rank, ep_size, stage or pipeline_stage())
     return adapter_rules(base, state) if state is not None else base
 
 
@@ -266,5 +300,5 @@ def conversion_rules(hf_config, model=None) -> list[Rule]:
     """This rank's conversion rules (its EP rank's experts); of ``model``'s trained parameters
     when given (a LoRA model: its adapters)."""
     if model is None:
-        return base_rules(hf_config, *ep_rank_size(hf_config))
+        return base_rules(hf_config, *ep_rank_size(hf_config), pipeline_stage())
     return model_rules(model, hf_config, *ep_rank_size(hf_config))

@@ -65,8 +65,11 @@ class Trainer:
         # this rank's device, read before any other thread exists; weight channels get it explicitly
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         p = cfg.parallel
+        if cfg.lora.rank and p.pp > 1:
+            raise ValueError("trainer.lora.rank > 0 with trainer.parallel.pp > 1 is not supported")
         ps.initialize_model_parallel(
             tensor_model_parallel_size=p.tp, expert_model_parallel_size=p.ep,
+            pipeline_model_parallel_size=p.pp,
             expert_tensor_parallel_size=p.expert_tp,
             distributed_timeout_minutes=max(1, int(cfg.timeout_s // 60)))
         model_parallel_cuda_manual_seed(cfg.seed)
@@ -83,7 +86,8 @@ class Trainer:
         self.replayer = None  # compares recorded routing with the router's (replays it with routing_replay)
         if cfg.routing_replay or model.config.num_moe_experts:
             self.replayer = RoutingReplay(model, cfg.routing_replay, ps.get_tensor_model_parallel_rank(),
-                                          p.tp, model.config.sequence_parallel)
+                                          p.tp, model.config.sequence_parallel,
+                                          ps.get_pipeline_model_parallel_group() if p.pp > 1 else None)
         self.optimizer_kind = cfg.optimizer if cfg.optimizer != "auto" else (
             "megatron" if self.cuda else "torch")
         self.model = self._wrap_ddp(model)
@@ -104,6 +108,11 @@ class Trainer:
                                   device="cuda" if self.cuda else "cpu")
         self.dp_group = ps.get_data_parallel_group()
         self.tp_group = ps.get_tensor_model_parallel_group()
+        self.stages = None  # this rank's pipeline stage (pipeline_stages.py; None: no PP)
+        if p.pp > 1:
+            from .pipeline_stages import PipelineSchedule
+
+            self.stages = PipelineSchedule(self.model)
         self.steps = 0
         from pipeline.weights.shards import ShardedWeights
 
@@ -186,9 +195,13 @@ class Trainer:
                 else nullcontext(), hidden_for_output(unwrap(model)) as output:
             hidden = model(mb.input_ids, mb.position_ids, mb.attention_mask,
                            packed_seq_params=mb.packed_seq_params)
-        return token_logprobs(hidden, output["weight"], mb.labels, mb.extras.get("kept_ids"),
-                              self.cfg.temperature, self.tp_group, self.cfg.logprob_chunk_tokens,
-                              want_entropy)
+        return self._output_logprobs(hidden, output["weight"], mb, want_entropy)
+
+    def _output_logprobs(self, hidden, weight, mb, want_entropy=False):
+        """``[rows, S]`` logprobs of the labels (and entropies, no grad) from the final hidden
+        states and this rank's output-weight shard (the last pipeline stage's, under PP)."""
+        return token_logprobs(hidden, weight, mb.labels, mb.extras.get("kept_ids"), self.cfg.temperature,
+                              self.tp_group, self.cfg.logprob_chunk_tokens, want_entropy)
 
     def logprobs(self, samples: Sequence[TrainSample], reference: bool = False,
                  count_routing: bool = False) -> list[np.ndarray]:
@@ -203,13 +216,24 @@ class Trainer:
         model.eval()
         with torch.no_grad():
             budget = self.cfg.no_grad_micro_batch_tokens or 4 * self.cfg.micro_batch_tokens
-            for mb in self._equalised(self._attach(samples, budget)):
-                values, _ = self._token_logprobs(model, mb, count_routing=count_routing)
+            micro_batches = self._equalised(self._attach(samples, budget))
+            staged = self.stages.run(model, micro_batches, lambda mb, hidden, weight: (
+                hidden.new_zeros(()), self._output_logprobs(hidden, weight, mb)[0]), True,
+                self.replayer if model is self.model else None, count_routing) if self.stages is not None else None
+            for k, mb in enumerate(micro_batches):
+                if self.stages is None:
+                    values, _ = self._token_logprobs(model, mb, count_routing=count_routing)
+                elif self.stages.is_last:
+                    values = staged[k]
+                else:
+                    continue  # not the last stage: the last one shares its logprobs below
                 real = [i for i in mb.sample_index if i >= 0]
                 for i, arr in zip(real, self.layout.gather(mb, values)):
                     out[i] = arr
         model.train()
-        return out
+        if self.stages is None:
+            return out
+        return self.stages.share(out, [len(s.completion_ids) for s in samples], self.layout.device)
 
     def routing_differences(self) -> dict[str, float]:
         """``routing_differ_frac`` / ``routing_differ_token_frac`` counted since the last call (a
@@ -291,11 +315,9 @@ class Trainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        for mb in micro_batches:
-            if self.routing is not None:
-                self.routing.track(mb.real_lengths)
-            logp, entropy = self._token_logprobs(self.model, mb, want_entropy=True, count_routing=True)
-            per_sample = self.layout.completions  # [placed samples, completion]: the loss's shape
+        per_sample = self.layout.completions  # [placed samples, completion]: the loss's shape
+
+        def micro_batch_loss(mb, logp, entropy):
             scattered = {k: per_sample(mb, self.layout.scatter(mb, v)) for k, v in extra.items()}
             loss, m = policy_loss(
                 per_sample(mb, logp), per_sample(mb, mb.extras["behaviour"]),
@@ -304,10 +326,22 @@ class Trainer:
                 per_sample(mb, mb.loss_mask), normaliser, cfg.loss,
                 proximal_logprobs=scattered.get("proximal"), ref_logprobs=scattered.get("ref"),
                 teacher_logprobs=scattered.get("teacher"))
-            loss.backward()
             m.update(loss=loss.detach(), entropy=(entropy * mb.loss_mask).sum())
+            return loss, {k: float(v) for k, v in m.items()}
+
+        if self.stages is not None:
+            sums = self.stages.metric_sums(self.stages.run(
+                self.model, micro_batches, lambda mb, hidden, weight: micro_batch_loss(
+                    mb, *self._output_logprobs(hidden, weight, mb, want_entropy=True)),
+                False, self.replayer, True, self.routing), self.layout.device)
+        for mb in micro_batches if self.stages is None else ():
+            if self.routing is not None:
+                self.routing.track(mb.real_lengths)
+            loss, m = micro_batch_loss(mb, *self._token_logprobs(self.model, mb, want_entropy=True,
+                                                                 count_routing=True))
+            loss.backward()
             for k, v in m.items():
-                sums[k] = max(sums.get(k, 0.0), float(v)) if k.endswith("_max") else sums.get(k, 0.0) + float(v)
+                sums[k] = max(sums.get(k, 0.0), v) if k.endswith("_max") else sums.get(k, 0.0) + v
         if self.routing is not None:
             self.routing.track(None)
         finalize_model_grads([self.model])
@@ -359,6 +393,8 @@ class Trainer:
         dense = float(self._all_reduce([dense], self.tp_group)[0])
         if self.model.module.config.num_moe_experts:
             expert = float(self._all_reduce([expert], ps.get_expert_tensor_and_model_parallel_group())[0])
+        if self.stages is not None:  # each stage holds its own layers
+            return float(self._all_reduce([dense + expert], self.stages.group)[0]) ** 0.5
         return (dense + expert) ** 0.5
 
     # ---------------------------------------------------------------- export / checkpoints

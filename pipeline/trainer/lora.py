@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 
 from .config import LoraConfig, ParallelConfig
 from .conversion import (LORA_ATTRIBUTE, adapter_rules, base_rules, conversion_rules, ep_rank_size, full_hf_shapes,
-                         lora_state, tp_group, unwrap)
+                         lora_state, pipeline_stage, rank_shape, tp_group, unwrap)
 from .families import is_moe
 
 if TYPE_CHECKING:
@@ -222,13 +222,15 @@ def trainable_parameters(model, hf_config) -> int:
     params = dict(model.named_parameters())
     state = lora_state(model)
     _, ep_size = ep_rank_size(hf_config)
+    stages = pipeline_stage()[1]
     total = 0
-    for r in range(ep_size):
-        rules = adapter_rules(base_rules(hf_config, r, ep_size), state) if state else base_rules(hf_config, r, ep_size)
-        for rule in rules:
+    for r, stage in ((r, s) for s in range(stages) for r in range(ep_size)):
+        rules = base_rules(hf_config, r, ep_size, (stage, stages))
+        for rule in adapter_rules(rules, state) if state else rules:
             if r and rule.expert is None:
                 continue  # dense rules: counted once
-            shapes = full_hf_shapes(rule, tuple(params[rule.megatron].shape), tp_group(rule)[2], hf_config)
+            size = tp_group(rule)[2]
+            shapes = full_hf_shapes(rule, rank_shape(rule, params, size, hf_config), size, hf_config)
             count = [1] * len(shapes)
             for i, s in enumerate(shapes):
                 for d in s:

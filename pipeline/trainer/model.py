@@ -21,7 +21,10 @@ Invariants:
   ``local_experts.j``; expert TP (ETP) shards them like the dense MLP. With
   ``trainer.parallel.grouped_experts`` they run as grouped products (`GroupedExperts`, same parameters).
 - HF -> megatron -> HF is the identity, bit for bit (tested).
-- ``iter_hf_weights`` is a collective: every rank must exhaust it; only world rank 0 receives
+- Pipeline parallelism (``parallel.pp``): a rank builds its stage only (`build_gpt_model`); layer
+  names and which weights a stage holds: `pipeline.trainer.conversion`. ``pp`` must divide the
+  layers; tied embeddings and context parallelism are refused (`check_pipeline_layout`).
+- ``iter_hf_weights`` (refused under PP) is a collective: every rank must exhaust it; only world rank 0 receives
   items (fresh full HF tensors, never views of live parameters, gathered over TP, ETP and EP).
 """
 from __future__ import annotations
@@ -31,7 +34,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .config import MoEConfig, ParallelConfig
-from .conversion import all_gather, ep_rank_size, gather_full, lora_state, model_rules, shard_of, unwrap
+from .conversion import all_gather, ep_rank_size, gather_full, lora_state, model_rules, pipeline_stage, shard_of, unwrap
 from .families import check_supported, has_qk_norm, has_qkv_bias, is_moe, rope_inv_freq, rope_parameters
 
 
@@ -73,6 +76,7 @@ def transformer_config(hf_config, parallel: ParallelConfig, moe_cfg: MoEConfig |
         raise ValueError(f"trainer.recompute must be one of {sorted(RECOMPUTE)}, got {recompute!r}")
     if hf_config.vocab_size % parallel.tp:
         raise ValueError(f"vocab_size {hf_config.vocab_size} is not divisible by tp={parallel.tp}")
+    check_pipeline_layout(hf_config, parallel)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[parallel.params_dtype]
     moe = is_moe(hf_config)
     etp = parallel.expert_tp
@@ -95,6 +99,8 @@ def transformer_config(hf_config, parallel: ParallelConfig, moe_cfg: MoEConfig |
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        variable_seq_lengths=parallel.pp > 1,  # micro-batches differ in shape: stages exchange them
         sequence_parallel=sequence_parallel,
         use_cpu_initialization=not torch.cuda.is_available(),
         params_dtype=dtype,
@@ -153,6 +159,19 @@ def transformer_config(hf_config, parallel: ParallelConfig, moe_cfg: MoEConfig |
     return TransformerConfig(**kwargs)
 
 
+def check_pipeline_layout(hf_config, parallel: ParallelConfig) -> None:
+    """Refuse pipeline / context-parallel layouts this trainer cannot build, naming the setting."""
+    if parallel.cp != 1:
+        raise ValueError(f"trainer.parallel.cp={parallel.cp}: context parallelism is not built yet "
+                         "(use cp=1)")
+    if parallel.pp < 1 or hf_config.num_hidden_layers % parallel.pp:
+        raise ValueError(f"trainer.parallel.pp={parallel.pp} must divide the model's "
+                         f"{hf_config.num_hidden_layers} layers (every stage holds as many)")
+    if parallel.pp > 1 and hf_config.tie_word_embeddings:
+        raise ValueError("trainer.parallel.pp > 1 with tied embeddings (tie_word_embeddings) is not "
+                         "supported: the output layer would be a second copy on the last stage")
+
+
 def layer_spec(num_experts: int | None, qk_layernorm: bool, grouped_experts: bool = False):
     """The layer spec every trainer model is built with: megatron's local spec with RMSNorm; with
     ``grouped_experts`` an MoE layer's experts are `GroupedExperts` (same parameters)."""
@@ -178,12 +197,15 @@ def build_gpt_model(hf_config, parallel: ParallelConfig, moe_cfg: MoEConfig | No
     """A randomly initialised megatron ``GPTModel`` matching ``hf_config`` (load weights after)."""
     from megatron.core.models.gpt import GPTModel
 
+    from megatron.core import parallel_state as ps
+
     config = transformer_config(hf_config, parallel, moe_cfg, recompute)
     spec = layer_spec(config.num_moe_experts, config.qk_layernorm, parallel.grouped_experts)
-    model = GPTModel(
+    model = GPTModel(  # a pipeline stage: embedding on the first, norm + output layer on the last
         config=config, transformer_layer_spec=spec, vocab_size=hf_config.vocab_size,
-        max_sequence_length=hf_config.max_position_embeddings, pre_process=True,
-        post_process=True, share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+        max_sequence_length=hf_config.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
         position_embedding_type="rope", rotary_base=float(rope_parameters(hf_config)["rope_theta"]),
         rotary_percent=1.0)
     rotary = model.rotary_pos_emb  # megatron's llama3 scaling has fixed factors: use the config's own
@@ -249,6 +271,9 @@ def iter_hf_weights(model, hf_config, grads: bool = False) -> Iterator[tuple[str
     """
     import torch
 
+    if pipeline_stage()[1] > 1:
+        raise ValueError("iter_hf_weights gathers on world rank 0, which holds one pipeline stage only: "
+                         "with trainer.parallel.pp > 1 use hf_shards.write_tensor_set")
     model = unwrap(model)
     params = dict(model.named_parameters())
     ep_rank, ep_size = ep_rank_size(hf_config)

@@ -34,7 +34,8 @@ Invariants:
   (megatron's own function, on the trainer's hidden states) when a target is set. Over the
   training forwards `RoutingReplay` counts the (real token, layer) pairs whose own expert SET differs from the recorded one
   (``routing_differ_frac``) and the real tokens with any such layer (``routing_differ_token_frac``);
-  prompt and completion positions alike, padding never. With replay on, later layers see the
+  prompt and completion positions alike, padding never. Under pipeline parallelism each stage
+  counts its own layers; a token's flags are OR-ed over the stages at ``collect``. With replay on, later layers see the
   replayed earlier layers, so the two settings measure different things by design: "what would
   the trainer have chosen here" along the generator's path vs along its own.
 
@@ -139,12 +140,15 @@ class RoutingReplay:
     """The policy model's routers: replay recorded routing (``apply``) or only compare with it."""
 
     def __init__(self, model, apply: bool, tp_rank: int = 0, tp_size: int = 1,
-                 sequence_parallel: bool = False):
-        self.layers = enable_routing_replay(model)
+                 sequence_parallel: bool = False, pp_group=None):
+        self.layers = enable_routing_replay(model)  # this pipeline stage's MoE layers
         self.routers = moe_routers(model)
+        self.model_layers = self.routers[0].config.num_layers  # the whole model's (every layer MoE)
         self.apply = apply
         self.tp_rank, self.tp_size, self.sequence_parallel = tp_rank, tp_size, sequence_parallel
-        self.counts = torch.zeros(3, dtype=torch.float64)  # differing pairs, differing tokens, tokens
+        self.pp_group = pp_group  # pipeline group (None: no PP): stages OR their per-token flags
+        self.differing_pairs = 0.0
+        self.token_flags: list[torch.Tensor] = []  # per counted forward: real tokens with a differing layer
 
     @contextmanager
     def forward(self, routed: torch.Tensor | None, real_lengths: Sequence[int] | None = None):
@@ -181,15 +185,23 @@ class RoutingReplay:
         differ = torch.stack([
             (router.router_replay.own_topk.cpu().sort(-1).values != t.cpu().sort(-1).values).any(-1)
             for router, t in zip(self.routers, targets)], dim=1)[real]  # [real tokens, layers]
-        self.counts += torch.tensor([float(differ.sum()), float(differ.any(1).sum()),
-                                     float(real.sum())], dtype=torch.float64)
+        self.differing_pairs += float(differ.sum())
+        self.token_flags.append(differ.any(1))
 
     def collect(self, all_reduce) -> dict[str, float]:
         """Metrics since the last ``collect`` (a collective over the world; {} when no training
         forward carried routing), then reset."""
-        total = all_reduce(self.counts, None).cpu()  # TP duplicates cancel in the ratios
-        self.counts.zero_()
+        flags = torch.cat(self.token_flags) if self.token_flags else torch.zeros(0, dtype=torch.bool)
+        first_stage = True
+        if self.pp_group is not None:  # every stage counted the same tokens in the same order
+            flags = flags.double()
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self.pp_group)
+            first_stage = torch.distributed.get_rank(self.pp_group) == 0
+        counts = [self.differing_pairs, float(flags.sum()) if first_stage else 0.0,
+                  float(len(flags)) if first_stage else 0.0]  # differing pairs, differing tokens, tokens
+        total = all_reduce(counts, None).cpu()  # TP duplicates cancel in the ratios
+        self.differing_pairs, self.token_flags = 0.0, []
         if total[2] == 0:
             return {}
-        return {"routing_differ_frac": float(total[0] / (total[2] * self.layers)),
+        return {"routing_differ_frac": float(total[0] / (total[2] * self.model_layers)),
                 "routing_differ_token_frac": float(total[1] / total[2])}

@@ -3,7 +3,8 @@
 A forward hook on each megatron ``TopKRouter`` reads the routing map the router returns (after
 capacity dropping, when a capacity is set) for the tokens of the current micro-batch, masked to
 real tokens (padding positions are routed too, but are not counted). ``collect`` sums the counts
-over the world and divides out the ranks that routed the same tokens (the tensor-parallel ranks
+over the world (each layer counted by the pipeline stage that holds it) and divides out the ranks
+that routed the same tokens (the tensor-parallel ranks
 when sequence parallelism is off), so the numbers describe the global batch on every layout.
 
 Metrics of one ``collect`` (for L = layer, E = expert), over the tokens of the step's training
@@ -32,11 +33,12 @@ class RoutingStats:
         self.experts = self.routers[0].config.num_moe_experts
         self.topk = self.routers[0].topk
         self.sequence_parallel = sequence_parallel
-        self.counts = torch.zeros(len(self.routers), self.experts, dtype=torch.float64)
-        self.tokens = torch.zeros(len(self.routers), dtype=torch.float64)
+        layers = self.routers[0].config.num_layers  # the whole model's: a pipeline stage holds some
+        self.counts = torch.zeros(layers, self.experts, dtype=torch.float64)
+        self.tokens = torch.zeros(layers, dtype=torch.float64)
         self.lengths = None  # per row of the current micro-batch: positions that hold real tokens
-        for layer, router in enumerate(self.routers):
-            router.register_forward_hook(self._hook(layer))
+        for router in self.routers:  # rows by global layer (megatron's layer_number counts from 1)
+            router.register_forward_hook(self._hook(router.layer_number - 1))
 
     def track(self, lengths) -> None:
         """Count the next forwards' routing for rows with these real lengths (None: stop)."""
@@ -72,7 +74,7 @@ class RoutingStats:
         out: dict[str, float] = {}
         dropped_all = 0.0
         imbalance_max = 0.0
-        for layer in range(len(self.routers)):
+        for layer in range(len(self.counts)):
             routed = float(counts[layer].sum())
             load = counts[layer] / max(routed, 1.0)
             imbalance = float(load.max() * self.experts) if routed else 0.0

@@ -12,7 +12,7 @@ Invariants:
 - Tensors are cast to the model's HF dtype (``config.dtype``) before any gather: a bf16 model
   moves 2 bytes per parameter, not fp32's 4.
 - Dense (non-expert) weights are gathered inside each tensor-parallel group of data-parallel rank
-  0 only and sent by world rank 0 (sender 0). Expert weights are gathered inside each
+  0 only and sent by world rank 0 (sender 0; with PP: each stage's, below). Expert weights are gathered inside each
   expert-tensor-parallel group of expert-data-parallel rank 0 only and sent by that group's ETP
   rank 0: sender ``ep_rank``. No expert crosses an expert-parallel boundary, so no rank ever holds
   experts it does not own, and no rank holds more than one parameter's gather at a time.
@@ -24,6 +24,9 @@ Invariants:
 - A LoRA model (``pipeline.trainer.lora``) syncs only its adapters: the same units built from
   its adapter rules (``...q_proj.lora_A.weight``, ...), preceded by one float32 tensor
   ``lora.scaling`` = alpha / r from sender 0; the generator merges them (``adapters.py``).
+- Pipeline parallelism: each stage's ranks gather and send their own layers, as above, with
+  sender ``stage * ep + ep_rank`` (the dense weights of stage s from sender ``s * ep``); the units
+  go stage after stage, so the order is still the model's.
 Example: TP2 x EP2 on 4 ranks (megatron order tp-ep-dp: TP/ETP groups {0,1} {2,3}, EP groups
 {0,2} {1,3}), 8 experts: senders are rank 0 (dense + experts 0-3) and rank 2 (experts 4-7);
 ranks 1 and 3 only take part in their gathers.
@@ -55,38 +58,46 @@ class ShardedWeights:
         import torch
         from megatron.core import parallel_state as ps
 
-        from pipeline.trainer.conversion import ep_rank_size, hf_dtype, lora_state, model_rules, tp_group, unwrap
+        from pipeline.trainer.conversion import (ep_rank_size, hf_dtype, lora_state, model_rules, pipeline_stage,
+                                                 tp_group, unwrap)
         from pipeline.weights.buckets import dtype_name
 
         self.hf_config = hf_config
         self.params = dict(unwrap(model).named_parameters())
         self.dtype = hf_dtype(hf_config)
         ep_rank, ep_size = ep_rank_size(hf_config)
-        self.ep_rank = ep_rank
+        stage, stages = pipeline_stage()
+        self.ep_size = ep_size
+        self.slot = stage * ep_size + ep_rank  # this rank's (pipeline stage, EP rank): the source it may be
         expert_sender = ps.get_expert_tensor_parallel_rank() == 0 and ps.get_expert_data_parallel_rank() == 0
         world_rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        self.senders = ep_size
-        self.source = ep_rank if expert_sender else None
+        self.senders = stages * ep_size
+        self.source = self.slot if expert_sender else None
         if (world_rank == 0) != (self.source == 0):
             raise ValueError(f"world rank {world_rank} is{' not' if world_rank == 0 else ''} the sender of "
                              f"expert-parallel rank 0: layouts where rank 0 is not ETP rank 0 of EP rank 0 "
                              f"are not supported")
+        dense_sender = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+        if stages > 1 and dense_sender != (self.source == stage * ep_size):
+            raise ValueError(f"world rank {world_rank}: the dense sender of pipeline stage {stage} is not "
+                             f"ETP rank 0 of its EP rank 0: this layout is not supported")
         self.gather_dense = ps.get_data_parallel_rank() == 0
         self.gather_experts = ps.get_expert_data_parallel_rank() == 0
-        per_rank = [model_rules(model, hf_config, r, ep_size) for r in range(ep_size)]
         self.units: list[_Unit] = []
-        i, base = 0, per_rank[0]
-        while i < len(base):
-            if base[i].expert is None:
-                self.units.append(self._unit(base[i], 0, tp_group(base[i])[2]))
-                i += 1
-                continue
-            j = i
-            while j < len(base) and base[j].expert is not None:
-                j += 1
-            for r in range(ep_size):
-                self.units += [self._unit(rule, r, tp_group(rule)[2]) for rule in per_rank[r][i:j]]
-            i = j
+        for s in range(stages):
+            per_rank = [model_rules(model, hf_config, r, ep_size, (s, stages)) for r in range(ep_size)]
+            i, base = 0, per_rank[0]
+            while i < len(base):
+                if base[i].expert is None:
+                    self.units.append(self._unit(base[i], s * ep_size, tp_group(base[i])[2]))
+                    i += 1
+                    continue
+                j = i
+                while j < len(base) and base[j].expert is not None:
+                    j += 1
+                for r in range(ep_size):
+                    self.units += [self._unit(rule, s * ep_size + r, tp_group(rule)[2]) for rule in per_rank[r][i:j]]
+                i = j
         name = dtype_name(self.dtype)
         self.specs = [(hf, name, shape, u.source) for u in self.units for hf, shape in zip(u.rule.hf, u.shapes)]
         lora = lora_state(model)
@@ -108,9 +119,9 @@ class ShardedWeights:
         return total
 
     def _unit(self, rule, source: int, tp_size: int) -> _Unit:
-        from pipeline.trainer.conversion import full_hf_shapes
+        from pipeline.trainer.conversion import full_hf_shapes, rank_shape
 
-        shapes = full_hf_shapes(rule, tuple(self.params[rule.megatron].shape), tp_size, self.hf_config)
+        shapes = full_hf_shapes(rule, rank_shape(rule, self.params, tp_size, self.hf_config), tp_size, self.hf_config)
         return _Unit(rule, source, shapes)
 
     def tensors(self) -> Iterator[tuple[str, "torch.Tensor"]]:
@@ -125,7 +136,9 @@ class ShardedWeights:
         for u in self.units:
             rule = u.rule
             expert = rule.expert is not None
-            if expert and u.source != self.ep_rank:
+            if u.source // self.ep_size != self.slot // self.ep_size:
+                continue  # another pipeline stage's weights: not this rank's collective
+            if expert and u.source != self.slot:
                 continue  # another EP rank's experts: not this rank's collective
             if not (self.gather_experts if expert else self.gather_dense):
                 continue

@@ -118,3 +118,15 @@ def test_slurm_tp2ep2_het_job_over_three_nodes_learns(tmp_path):
               timeout=300, run=replay)
     assert len(list(read_metrics(replay, "train_step"))) == 2
     assert json.loads((replay / "model.json").read_text())["path"] == str(exported)
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_local_pp2tp2_run_learns_and_exports(tmp_path):
+    """Slow (~100 s on 2 cores): `tokenflow train experiment=moe-pp2tp2` on 4 local ranks, two
+    pipeline stages of TP2; the mismatch check proves both stages' weight pushes reach the engine."""
+    run = tmp_path / "pp2tp2"
+    tokenflow("train", "experiment=moe-pp2tp2", "run.name=pp2tp2", f"hydra.run.dir={run}", *COMMON,
+              "trainer.micro_batch_tokens=256", timeout=900, run=run)
+    check_run(run, tmp_path)

@@ -1,6 +1,6 @@
 """Run real weight syncs from a trainer layout (TP x EP megatron-core ranks) to local receivers.
 
-``run(model_dir, tp, ep, receivers, ...)`` starts ``tp * ep`` trainer ranks (megatron-core on
+``run(model_dir, tp, ep, receivers, ..., pp)`` starts ``tp * ep * pp`` trainer ranks (megatron-core on
 gloo, `Trainer`) and ``receivers`` receiver processes (a `TorchDistChannel` receiver each, as a
 generator worker joins), then syncs the weights ``reps`` times with the roles' own code path:
 `ShardedWeights` + `BucketPlan.from_specs` + `send_stream`. Each receiver compares every tensor,
@@ -36,18 +36,19 @@ def _killed_with_parent() -> None:
 
 
 def run(model_dir: str, tp: int = 1, ep: int = 1, receivers: int = 1, bucket_mb: float = 1.0,
-        reps: int = 2, timeout_s: float = 300.0, outdir: Path | None = None, lora_rank: int = 0) -> dict:
+        reps: int = 2, timeout_s: float = 300.0, outdir: Path | None = None, lora_rank: int = 0,
+        pp: int = 1) -> dict:
     """Sync ``reps`` times; returns {"trainer": [per rank], "receivers": [per receiver]}.
     ``lora_rank`` > 0: the trainer trains LoRA adapters of that rank (all targets, B = 0 at
     start) and syncs only them; each receiver merges them into the base (``AdapterMerger``) and
     compares the merged weights with the checkpoint (equal: B is 0)."""
     import tempfile
 
-    world = tp * ep
+    world = tp * ep * pp
     out = Path(outdir or tempfile.mkdtemp(prefix="tf-layout-check-"))
     out.mkdir(parents=True, exist_ok=True)
     dist_port, weight_port = free_port("127.0.0.1"), free_port("127.0.0.1")
-    common = {"model_dir": str(model_dir), "tp": tp, "ep": ep, "world": world, "receivers": receivers,
+    common = {"model_dir": str(model_dir), "tp": tp, "ep": ep, "pp": pp, "world": world, "receivers": receivers,
               "bucket_bytes": int(bucket_mb * 2**20), "reps": reps, "dist_port": dist_port,
               "weight_port": weight_port, "timeout_s": timeout_s, "out": str(out), "lora_rank": lora_rank}
     procs = []
@@ -77,7 +78,7 @@ def run(model_dir: str, tp: int = 1, ep: int = 1, receivers: int = 1, bucket_mb:
                 proc.kill()
                 proc.wait()
             log.close()
-    return {"tp": tp, "ep": ep,
+    return {"tp": tp, "ep": ep, "pp": pp,
             "trainer": [json.loads((out / f"trainer{i}.json").read_text()) for i in range(world)],
             "receivers": [json.loads((out / f"receiver{i}.json").read_text()) for i in range(receivers)]}
 
@@ -92,7 +93,7 @@ def _trainer_rank(rank: int, a: dict) -> dict:
     from pipeline.weights.shards import ShardedWeights
 
     torch.set_num_threads(1)
-    cfg = TrainerConfig(model_dir=a["model_dir"], parallel=ParallelConfig(tp=a["tp"], ep=a["ep"]),
+    cfg = TrainerConfig(model_dir=a["model_dir"], parallel=ParallelConfig(tp=a["tp"], ep=a["ep"], pp=a.get("pp", 1)),
                         timeout_s=a["timeout_s"], lora=LoraConfig(rank=a.get("lora_rank", 0)))
     trainer = Trainer(cfg, rank=rank, world_size=a["world"], init_method=f"tcp://127.0.0.1:{a['dist_port']}")
     shards = ShardedWeights(trainer.model, trainer.hf_config)
@@ -144,7 +145,7 @@ def _receiver(index: int, a: dict) -> dict:
     torch.set_num_threads(1)
     hf = load_hf_config(a["model_dir"])
     merger = AdapterMerger(a["model_dir"]) if a.get("lora_rank") else None
-    senders = a["ep"] if getattr(hf, "num_experts", 0) else 1
+    senders = (a["ep"] if getattr(hf, "num_experts", 0) else 1) * a.get("pp", 1)  # one per stage and EP rank
     files = sorted(resolve_model(a["model_dir"]).glob("*.safetensors"))
     handles = [safe_open(str(f), framework="pt") for f in files]
     where = {n: h for h in handles for n in h.keys()}
@@ -196,6 +197,7 @@ def main() -> None:
     ap.add_argument("model", nargs="?", default="tiny-moe")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--receivers", type=int, default=1)
     ap.add_argument("--bucket-mb", type=float, default=1.0)
     ap.add_argument("--reps", type=int, default=2)
@@ -211,7 +213,7 @@ def main() -> None:
     from pipeline.models.tiny import resolve_model
 
     print(json.dumps(run(str(resolve_model(args.model)), args.tp, args.ep, args.receivers, args.bucket_mb,
-                         args.reps)))
+                         args.reps, pp=args.pp)))
 
 
 if __name__ == "__main__":

@@ -55,3 +55,38 @@ def test_tp2_ep2_streams_each_expert_from_its_owner_and_receivers_get_the_checkp
             assert sent == planned["metadata"] + planned["payload"]
             assert planned["tensor_bytes"] == by_rank[0]["sync_bytes"]
             assert 0 <= planned["payload"] - planned["tensor_bytes"] < 64 * len(by_rank[0]["sent"] + by_rank[2]["sent"])
+
+
+
+@pytest.mark.parametrize("ep", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["pp2", "pp2ep2"])
+def test_pipeline_stages_stream_their_own_layers_and_receivers_get_the_checkpoint(ep, tmp_path):
+    """Each stage sends its own layers: no gather of another stage's weights anywhere. The 4-rank
+    PP2 x EP2 case is slow (~1 min on 2 cores); PP2 costs ~15 s."""
+    from pipeline.models.tiny import ensure_tiny_model
+    from support.layout_check import run
+
+    model = ensure_tiny_model("moe")  # 2 layers (one per stage), 4 experts: EP rank r owns 2r, 2r+1
+    r = run(str(model), ep=ep, pp=2, receivers=1, bucket_mb=0.25, reps=1, outdir=tmp_path)
+    recv = r["receivers"][0]
+    assert recv["mismatched_count"] == 0 and not recv["missing"], recv
+    assert recv["tensors"] == recv["unique"] == recv["checkpoint_tensors"]
+    by_rank = {t["rank"]: t for t in r["trainer"]}
+    # megatron's order tp-cp-ep-dp-pp: stage s = ranks s*ep .. s*ep+ep-1, sender s*ep + EP rank
+    assert [by_rank[k]["source"] for k in range(2 * ep)] == list(range(2 * ep))
+
+    def layers(names):
+        return {int(m.group(1)) for n in names if (m := re.search(r"layers\.(\d+)\.", n))}
+
+    def experts(names):
+        return {int(m.group(1)) for n in names if (m := re.search(r"experts\.(\d+)\.", n))}
+
+    for k in range(2 * ep):
+        assert layers(by_rank[k]["sent"]) == {k // ep}, f"rank {k} sent another stage's layers"
+        assert experts(by_rank[k]["sent"]) == set(range(4 // ep * (k % ep), 4 // ep * (k % ep + 1)))
+        if k % ep:
+            assert all("experts" in n for n in by_rank[k]["sent"]), "only EP rank 0 sends dense weights"
+    assert "model.embed_tokens.weight" in by_rank[0]["sent"]
+    assert {"model.norm.weight", "lm_head.weight"} <= set(by_rank[ep]["sent"])
+    sent = [n for t in r["trainer"] for n in t["sent"]]
+    assert len(sent) == len(set(sent)) == recv["checkpoint_tensors"]
+    assert sum(t["wire"][0][0] for t in r["trainer"]) == recv["wire"][0][1]

@@ -1,0 +1,172 @@
+"""Pipeline parallelism: a training step's time on PP layouts against one rank, and the measured bubble.
+
+Each layout trains the same synthetic batches (random tokens, fixed lengths, behaviour logprobs
+-5) on a 4-layer, 8-expert tiny MoE (random weights, fp32) in fresh gloo rank processes (real
+megatron-core `Trainer`s, this file re-run per rank): one rank (the reference), then PP2 (2 ranks),
+PP2 x TP2 and PP2 x EP2 (4 ranks), in one run, side by side. Reported per layout: the median
+``step_time_s`` of the steps after the first, ``speedup`` = one rank's median / the layout's
+(ranks share the machine's cores, so on 2 cores a 4-rank layout cannot be faster: this measures
+the pipeline's overhead, not its scaling), micro-batches per pipeline ``m``, and the bubble: each
+rank times megatron's ``forward_step`` and ``backward_step`` inside the 1F1B schedule (compute)
+and the schedule call (wall); ``bubble_measured`` = 1 - compute / wall per stage (the stage's
+ranks' mean; the idle time and the point-to-point transfers), next to 1F1B's ideal
+``bubble_ideal`` = (pp - 1) / (m + pp - 1) for equal stages.
+
+    python bench/pipeline.py [--quick | --smoke]     # last line: one JSON object
+
+--smoke: one rank and PP2, 2 steps of 4 samples (harness check); --quick: all four layouts, 4
+steps of 16 samples; default: 8 steps of 32 samples.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+LAYOUTS = {"tp1": (1, {}), "pp2": (2, {"pp": 2}), "pp2tp2": (4, {"pp": 2, "tp": 2}),
+           "pp2ep2": (4, {"pp": 2, "ep": 2})}
+
+
+def bench_model(root: Path) -> Path:
+    from pipeline.models.tiny import TinyModelSpec, ensure_tiny_model
+
+    spec = TinyModelSpec(kind="moe", hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
+                         intermediate_size=256, moe_intermediate_size=64, num_experts=8,
+                         experts_per_token=2, vocab_size=512, num_layers=4)
+    return ensure_tiny_model("moe", root=root, spec=spec)
+
+
+def rank_main(args: dict) -> None:
+    """One trainer rank: train ``steps`` steps, time the schedule's compute and wall."""
+    import numpy as np
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import schedules
+
+    from pipeline.trainer.config import ParallelConfig, TrainerConfig
+    from pipeline.trainer.engine import Trainer
+    from pipeline.trainer.layout import TrainSample
+
+    torch.set_num_threads(1)
+    trainer = Trainer(TrainerConfig(model_dir=args["model"], parallel=ParallelConfig(**args["parallel"]),
+                                    lr=1e-5, micro_batch_tokens=args["micro_batch_tokens"]))
+    timed = {"compute": 0.0, "wall": 0.0}
+
+    def timing(fn, key):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                timed[key] += time.perf_counter() - t0
+        return wrapper
+
+    schedules.forward_step = timing(schedules.forward_step, "compute")
+    schedules.backward_step = timing(schedules.backward_step, "compute")
+    schedules.forward_backward_pipelining_without_interleaving = timing(
+        schedules.forward_backward_pipelining_without_interleaving, "wall")
+    rng = np.random.default_rng(0)
+    steps, compute, wall = [], [], []
+    for step in range(args["steps"]):
+        samples = [TrainSample(rng.integers(3, 512, 16), rng.integers(3, 512, args["length"]),
+                               np.full(args["length"], -5.0), reward=float(i % 2), group_id=i // 4)
+                   for i in range(args["samples"])]
+        mine = samples[ps.get_data_parallel_rank()::ps.get_data_parallel_world_size()]
+        timed.update(compute=0.0, wall=0.0)
+        metrics = trainer.train_step(mine)
+        steps.append(metrics["step_time_s"])
+        compute.append(timed["compute"])
+        wall.append(timed["wall"])
+    m = len(trainer.layout.micro_batches(mine))  # equal lengths: the same on every rank
+    out = {"rank": torch.distributed.get_rank(), "stage": ps.get_pipeline_model_parallel_rank(),
+           "step_s": steps, "compute_s": compute, "wall_s": wall, "micro_batches": m}
+    Path(args["out"]).write_text(json.dumps(out))
+    trainer.close()
+
+
+def run_layout(name: str, model: Path, workdir: Path, steps: int, samples: int, length: int) -> dict:
+    import numpy as np
+
+    from pipeline.launch.rendezvous import free_port
+
+    world, parallel = LAYOUTS[name]
+    port = free_port("127.0.0.1")
+    procs = []
+    for rank in range(world):
+        args = {"model": str(model), "parallel": parallel, "steps": steps, "samples": samples, "length": length,
+                "micro_batch_tokens": 4 * (16 + length), "out": str(workdir / f"{name}-{rank}.json")}
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE=str(world), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+                   PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+        log = open(workdir / f"{name}-{rank}.log", "w")
+        procs.append((subprocess.Popen([sys.executable, __file__, "--_rank", json.dumps(args)], env=env,
+                                       stdout=log, stderr=subprocess.STDOUT), log))
+    try:
+        for proc, _ in procs:
+            proc.wait(timeout=900)
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    failed = [r for r, (p, _) in enumerate(procs) if p.returncode != 0]
+    if failed:
+        raise RuntimeError(f"{name}: ranks {failed} failed:\n" + (workdir / f"{name}-{failed[0]}.log").read_text()[-3000:])
+    ranks = [json.loads((workdir / f"{name}-{r}.json").read_text()) for r in range(world)]
+    pp = parallel.get("pp", 1)
+    m = ranks[0]["micro_batches"]
+    result = {"ranks": world, "step_s": float(np.median(ranks[0]["step_s"][1:])), "micro_batches": m}
+    if pp > 1:
+        stages = {}
+        for r in ranks:
+            c, w = np.sum(r["compute_s"][1:]), np.sum(r["wall_s"][1:])
+            stages.setdefault(r["stage"], []).append(1.0 - c / w)
+        result["bubble_measured"] = {str(s): round(float(np.mean(v)), 4) for s, v in sorted(stages.items())}
+        result["bubble_ideal"] = round((pp - 1) / (m + pp - 1), 4)
+    return result
+
+
+def main() -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--_rank")
+    a = ap.parse_args()
+    if a._rank:
+        rank_main(json.loads(a._rank))
+        return {}
+    mode = "smoke" if a.smoke else "quick" if a.quick else "full"
+    steps, samples, length = {"smoke": (2, 4, 8), "quick": (4, 16, 32), "full": (8, 32, 64)}[mode]
+    names = ["tp1", "pp2"] if a.smoke else list(LAYOUTS)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="tf-bench-pp-") as tmp:
+        model = bench_model(Path(tmp) / "model")
+        layouts = {n: run_layout(n, model, Path(tmp), steps, samples, length) for n in names}
+    base = layouts["tp1"]["step_s"]
+    for name, r in layouts.items():
+        r["speedup"] = round(base / r["step_s"], 3)
+        bubble = f"bubble {r['bubble_measured']} (1F1B ideal {r['bubble_ideal']})" if "bubble_ideal" in r else ""
+        print(f"{name:7s} {r['ranks']} rank(s): step {r['step_s'] * 1e3:7.1f} ms, {r['speedup']:.2f}x one rank, "
+              f"m={r['micro_batches']} {bubble}")
+    return {"bench": "pipeline", "mode": mode, "steps": steps, "samples": samples, "completion_tokens": length,
+            "layouts": layouts, "machine_load_1min": os.getloadavg()[0], "wall_s": round(time.monotonic() - t0, 1)}
+
+
+if __name__ == "__main__":
+    if "--_rank" in sys.argv:
+        main()
+    else:
+        from leftovers import no_process_left
+
+        with no_process_left():
+            report = main()
+        print(json.dumps(report))
