@@ -11,9 +11,8 @@ it left behind (`bench/leftovers.py`) and exits 1 if it finds one.
 The selected ones run `CONCURRENT` at a time (a smoke run is mostly start-ups: one process
 importing vLLM or megatron-core after another, one core each), longest first, each under a
 process marker of its own: started by the module's first test, each test waits for its own. The
-default suite runs seven (ingest, scorers, trainer, pipeline, generator, episodes, routing_mismatch);
-weight_sync
-(a vLLM engine and eleven megatron-core or gloo processes) and async_vs_sync and recovery (whole
+default suite runs seven (ingest, scorers, trainer, pipeline, generator, episodes,
+routing_mismatch); weight_sync (a vLLM engine and eleven megatron-core or gloo processes) and async_vs_sync and recovery (whole
 `tokenflow train` runs) are slow-marked, their costs in their docstrings.
 Besides, the weight_sync bandwidth part at quick sizes is checked in detail (every mode moved
 every byte).
