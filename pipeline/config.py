@@ -48,6 +48,14 @@ class RunConfig:
     forward pass over the samples holding tokens of the trainer's current version."""
     checkpoint_every: int = 10
     """Save trainer (model, optimizer, RNG) and the step record every this many steps."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept in RUN/checkpoints: the newest this many (older ones are deleted once
+    a newer one is complete; the one being written and the newest complete one, which a resume
+    loads, never are); 0 keeps every one."""
+    async_checkpoints: bool = True
+    """Write each checkpoint in a background thread while training goes on (a host-memory copy of the
+    rank's weights and Adam moments, 12 bytes per parameter, held until written); false: the step
+    waits for the write."""
     weight_bucket_mb: float = 64.0
     """Size of the packed buckets new weights are broadcast in."""
     timeout_s: float = 900.0
@@ -229,6 +237,7 @@ def validate(cfg: TokenflowConfig) -> None:
         (cfg.run.steps >= 1, f"run.steps must be >= 1, got {cfg.run.steps}"),
         (cfg.run.eval_every >= 0, f"run.eval_every must be >= 0, got {cfg.run.eval_every}"),
         (cfg.run.checkpoint_every >= 1, f"run.checkpoint_every must be >= 1, got {cfg.run.checkpoint_every}"),
+        (cfg.run.keep_checkpoints >= 0, f"run.keep_checkpoints must be >= 0 (0 keeps all), got {cfg.run.keep_checkpoints}"),
         (cfg.cluster.launcher in ("local", "slurm"),
          f"cluster.launcher must be local or slurm, got {cfg.cluster.launcher!r}"),
         (cfg.cluster.generators >= 1 or cfg.replay.source is not None,
