@@ -140,6 +140,12 @@ class ClusterConfig:
     """Teacher processes (with scorers.teacher != none; count: scorers.teachers)."""
     max_requeues: int = 3
     """Requeues after preemption or time limit (Slurm)."""
+    signal_delay_s: int = 90
+    """Slurm: seconds before the time limit at which the checkpoint signal (USR2) comes."""
+    stop_grace_s: float = 60.0
+    """Slurm: after the checkpoint signal, seconds the trainer gets to reach its step boundary and
+    save before the job is requeued (below signal_delay_s; `tokenflow doctor` refuses a value a
+    save cannot fit in, docs/supervision.md)."""
     mpi: str | None = None
     """Slurm only: the srun --mpi plugin (e.g. "pmix"). The tasks then take their component rank, size
     and the trainer's process-group master address from MPI instead of the run directory's
