@@ -16,7 +16,8 @@ Invariants:
 - retention (``keep`` >= 1): after each completion the complete checkpoints beyond the newest
   ``keep`` are deleted, oldest first. The save in flight (a ``.partial`` directory) is never
   touched, and the newest complete checkpoint, the one a resume would load, is always kept;
-  ``keep`` 0 keeps every checkpoint;
+  ``keep`` 0 keeps every checkpoint. A deletion that fails (a file still open on a network
+  filesystem) never fails the run: the directory stops being a checkpoint first, and is retried;
 - host memory: an asynchronous save holds one snapshot, the rank's share of weights and both Adam
   moments in float32 (12 bytes per parameter it writes) until its write ended; a synchronous one
   streams (`pipeline.trainer.hf_shards.SHARD_BYTES` at most).
@@ -54,13 +55,28 @@ def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
 
 
 def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
-    """Delete the complete checkpoints beyond the newest ``keep`` (0: none); returns them."""
+    """Delete the complete checkpoints beyond the newest ``keep`` (0: none); returns them.
+
+    ``COMPLETE`` goes first, so a directory whose deletion fails half-way (a file still open on a
+    network filesystem: NFS's ``.nfs*``, FUSE's ``.fuse_hidden*``) is no checkpoint any more; it is
+    logged, and swept by a later call: a ``step-K`` directory without ``COMPLETE`` older than the
+    newest complete checkpoint can only be such a remnant (saves are renamed into place complete)."""
     if keep < 1:
         return []
-    gone = [d for _, d in complete_checkpoints(run_dir)[:-keep]]
+    found = complete_checkpoints(run_dir)
+    gone = [d for _, d in found[:-keep]]
     for d in gone:
-        (d / COMPLETE_MARKER).unlink()  # first: a half-deleted directory is never taken for complete
-        shutil.rmtree(d)
+        (d / COMPLETE_MARKER).unlink()
+    newest = found[-1][0] if found else 0
+    remnants = [d for d in (Path(run_dir) / CHECKPOINTS_DIR).glob(checkpoint_name("*"))
+                if d.is_dir() and d.name.split("-")[1].isdigit() and int(d.name.split("-")[1]) < newest
+                and not (d / COMPLETE_MARKER).exists() and d not in gone]
+    for d in gone + remnants:
+        try:
+            shutil.rmtree(d)
+        except OSError as exc:
+            log.warning("checkpoint %s is no longer complete but could not be deleted yet (%s); a later "
+                        "save retries", d.name, exc)
     return gone
 
 

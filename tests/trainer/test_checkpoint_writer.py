@@ -33,14 +33,35 @@ def _make_dirs(run: Path, complete: list[int], partial: list[int], unmarked: lis
 
 
 def test_retention_keeps_the_newest_complete_and_never_touches_a_save_in_flight(tmp_path):
-    _make_dirs(tmp_path, complete=[5, 10, 15, 20, 30], partial=[40], unmarked=[35])
+    _make_dirs(tmp_path, complete=[5, 10, 15, 20, 30], partial=[40], unmarked=[12, 35])
     gone = prune_checkpoints(tmp_path, keep=2)
     assert sorted(d.name for d in gone) == ["step-10", "step-15", "step-5"]
     assert [k for k, _ in complete_checkpoints(tmp_path)] == [20, 30]
     left = sorted(p.name for p in (tmp_path / CHECKPOINTS_DIR).iterdir())
-    assert left == ["step-20", "step-30", "step-35", "step-40.partial"]  # in flight / unmarked: untouched
+    # step-12: a remnant of an earlier failed deletion, swept; in flight / newer: untouched
+    assert left == ["step-20", "step-30", "step-35", "step-40.partial"]
     assert prune_checkpoints(tmp_path, keep=1) and [k for k, _ in complete_checkpoints(tmp_path)] == [30]
     assert prune_checkpoints(tmp_path, keep=0) == [] and complete_checkpoints(tmp_path)
+
+
+def test_a_deletion_that_fails_leaves_no_checkpoint_and_is_retried(tmp_path):
+    """A checkpoint that cannot be deleted yet (an immutable file here; on the cluster, a file of the
+    checkpoint a resume had loaded, still open on sshfs): retention neither fails nor leaves a
+    checkpoint a resume would take, and the next call deletes it once it can (the old code raised
+    OSError "Directory not empty" and the trainer failed)."""
+    import subprocess
+    _make_dirs(tmp_path, complete=[2, 4, 6], partial=[], unmarked=[])
+    stuck = tmp_path / CHECKPOINTS_DIR / "step-2" / "model-r00000-00000.safetensors"
+    if subprocess.run(["chattr", "+i", str(stuck)], capture_output=True).returncode:
+        pytest.skip("chattr +i is not available here (needs root and ext2/3/4 or similar)")
+    try:
+        assert [d.name for d in prune_checkpoints(tmp_path, keep=2)] == ["step-2"]
+        assert [k for k, _ in complete_checkpoints(tmp_path)] == [4, 6] and stuck.exists()
+    finally:
+        subprocess.run(["chattr", "-i", str(stuck)], check=True)
+    _make_dirs(tmp_path, complete=[8], partial=[], unmarked=[])
+    prune_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in (tmp_path / CHECKPOINTS_DIR).iterdir()) == ["step-6", "step-8"]
 
 
 # ----------------------------------------------------------------------------- scenario (ranks)
