@@ -51,7 +51,8 @@ class RunConfig:
     keep_checkpoints: int = 2
     """Complete checkpoints kept in RUN/checkpoints: the newest this many (older ones are deleted once
     a newer one is complete; the one being written and the newest complete one, which a resume
-    loads, never are); 0 keeps every one."""
+    loads, never are); 0 keeps every one. With scorers.teacher=lagged at least teacher_lag //
+    checkpoint_every + 3 are kept (the lagged teacher may read them, docs/scorers.md)."""
     async_checkpoints: bool = True
     """Write each checkpoint in a background thread while training goes on (a host-memory copy of the
     rank's weights and Adam moments, 12 bytes per parameter, held until written); false: the step

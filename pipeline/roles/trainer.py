@@ -146,7 +146,10 @@ class TrainerRole:
             self.trainer.load(ckpt)
             log.info("resumed from %s", ckpt)
         from pipeline.trainer.checkpoint_writer import CheckpointWriter
-        self.checkpoints = CheckpointWriter(self.trainer, self.run_dir, keep=cfg.run.keep_checkpoints,
+        keep = cfg.run.keep_checkpoints
+        if keep and cfg.scorers.teacher == "lagged":  # its snapshots t(v) outlive its window (docs/scorers.md)
+            keep = max(keep, cfg.scorers.teacher_lag // cfg.run.checkpoint_every + 3)
+        self.checkpoints = CheckpointWriter(self.trainer, self.run_dir, keep=keep,
                                             asynchronous=cfg.run.async_checkpoints)
         from megatron.core import parallel_state as ps
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
