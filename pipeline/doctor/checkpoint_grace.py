@@ -16,6 +16,9 @@ and refuses a configuration whose grace cannot cover it, naming the numbers.
 - save time = the checkpoint's bytes / that bandwidth (all ranks' writes share the filesystem:
   one client's probe, so a parallel filesystem's aggregate makes it an upper bound); needed =
   the save time, twice with ``run.async_checkpoints`` (a save in flight completes first);
+- not counted, only reported: a weight broadcast in flight when the generators stop holds the
+  trainer inside the collective until ``generator.weight_timeout_s`` before it reaches its step
+  boundary (measured on the test cluster: with the default 120 s, no save at all in a 60 s grace);
 - graces: locally `tokenflow cancel`'s (`pipeline.launch.local.CANCEL_GRACE_S`, also what SIGTERM to
   ``tokenflow train`` gives); on Slurm ``cluster.stop_grace_s`` (checkpoint signal to requeue)
   and the GraceTime of every preemptible partition the run uses (SIGTERM to SIGKILL).
@@ -192,7 +195,11 @@ def assess_grace(run: Run, hf) -> None:
              + (" (async: a save in flight completes first)" if cfg.run.async_checkpoints else ""))
     if cfg.run.async_checkpoints:
         run.uses(f"asynchronous saves hold {_gb(size.largest_rank_bytes)} of host memory on the largest rank while writing")
+    late = cfg.generator.weight_timeout_s  # a broadcast in flight to stopping generators ends only then
     for what, grace in graces(run).items():
+        if needed <= grace < needed + late and cfg.cluster.generators:
+            run.uses(f"{what} ({grace:.0f} s) covers the save but not a weight broadcast in flight when the "
+                     f"generators stop, which holds the trainer up to generator.weight_timeout_s={late:.0f} s")
         if grace < needed:
             run.refuse(f"a checkpoint needs {needed:.0f} s ({_gb(size.total_bytes)} at {_gb(bandwidth)}/s"
                        f"{', twice: one in flight, then the stop' if cfg.run.async_checkpoints else ''}) "

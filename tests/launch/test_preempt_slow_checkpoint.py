@@ -69,11 +69,16 @@ def test_preempted_run_finishes_its_slowed_save_in_the_grace_and_resumes_from_it
     """At 4 MB/s (7 s a save, checkpoint_every 4 so a save is often in flight) the doctor accepts
     the run; a higher-priority job preempts it; the trainer completes the save in flight and its
     stop save on the slow filesystem within GraceTime, the requeued job resumes exactly after the
-    last step trained, and two checkpoints remain at the end (run.keep_checkpoints=2)."""
+    last step trained, and two checkpoints remain at the end (run.keep_checkpoints=2).
+
+    generator.weight_timeout_s=30 as in the chaos test: a weight broadcast in flight when the
+    generators stop holds the trainer (inside gloo, where no signal handler runs) until that
+    timeout, 120 s by default, longer than the 60 s of GraceTime (seen here: no save at all)."""
     run = slow_checkpoints(4e6)
     steps = 40
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "train", "run.name=slowck", f"hydra.run.dir={run}",
-                             f"run.steps={steps}", "run.checkpoint_every=4", *TINY, *PREEMPTIBLE],
+                             f"run.steps={steps}", "run.checkpoint_every=4", "generator.weight_timeout_s=30",
+                             *TINY, *PREEMPTIBLE],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=REPO)
     urgent = None
     try:
