@@ -64,7 +64,7 @@ def test_a_save_the_preemption_grace_cannot_cover_is_refused_before_submission(s
     assert submitted_job(run) is None and not (run / "submitit").exists()
 
 
-@pytest.mark.slow  # about 6 min on 2 cores: two attempts, each starts its engine; TOKENFLOW_SLOW=1 runs it
+@pytest.mark.slow  # about 4 min on 2 cores (248 s measured): two attempts, each starts its engine; TOKENFLOW_SLOW=1 runs it
 def test_preempted_run_finishes_its_slowed_save_in_the_grace_and_resumes_from_it(slow_checkpoints):
     """At 4 MB/s (7 s a save, checkpoint_every 4 so a save is often in flight) the doctor accepts
     the run; a higher-priority job preempts it; the trainer completes the save in flight and its
