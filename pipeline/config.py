@@ -49,6 +49,15 @@ class RunConfig:
     forward pass over the samples holding tokens of the trainer's current version."""
     checkpoint_every: int = 10
     """Save trainer (model, optimizer, RNG) and the step record every this many steps."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept in RUN/checkpoints: the newest this many (older ones are deleted once
+    a newer one is complete; the one being written and the newest complete one, which a resume
+    loads, never are); 0 keeps every one. With scorers.teacher=lagged at least teacher_lag //
+    checkpoint_every + 3 are kept (the lagged teacher may read them, docs/scorers.md)."""
+    async_checkpoints: bool = True
+    """Write each checkpoint in a background thread while training goes on (a host-memory copy of the
+    rank's weights and Adam moments, 12 bytes per parameter, held until written); false: the step
+    waits for the write."""
     weight_bucket_mb: float = 64.0
     """Size of the packed buckets new weights are broadcast in."""
     timeout_s: float = 900.0
@@ -136,6 +145,12 @@ class ClusterConfig:
     every task (`pipeline.launch.network`)."""
     max_requeues: int = 3
     """Requeues after preemption or time limit (Slurm)."""
+    signal_delay_s: int = 90
+    """Slurm: seconds before the time limit at which the checkpoint signal (USR2) comes."""
+    stop_grace_s: float = 60.0
+    """Slurm: after the checkpoint signal, seconds the trainer gets to reach its step boundary and
+    save before the job is requeued (below signal_delay_s; `tokenflow doctor` refuses a value a
+    save cannot fit in, docs/supervision.md)."""
     mpi: str | None = None
     """Slurm only: the srun --mpi plugin (e.g. "pmix"). The tasks then take their component rank, size
     and the trainer's process-group master address from MPI instead of the run directory's
@@ -233,6 +248,7 @@ def validate(cfg: TokenflowConfig) -> None:
         (cfg.run.steps >= 1, f"run.steps must be >= 1, got {cfg.run.steps}"),
         (cfg.run.eval_every >= 0, f"run.eval_every must be >= 0, got {cfg.run.eval_every}"),
         (cfg.run.checkpoint_every >= 1, f"run.checkpoint_every must be >= 1, got {cfg.run.checkpoint_every}"),
+        (cfg.run.keep_checkpoints >= 0, f"run.keep_checkpoints must be >= 0 (0 keeps all), got {cfg.run.keep_checkpoints}"),
         (cfg.cluster.launcher in ("local", "slurm"),
          f"cluster.launcher must be local or slurm, got {cfg.cluster.launcher!r}"),
         (cfg.cluster.generators >= 1 or cfg.replay.source is not None,

@@ -89,6 +89,7 @@ def job_plan(cfg: TokenflowConfig, run_dir: Path):
     components.update(scorer_components(cfg))
     plan = JobPlan(name=f"tokenflow-{cfg.run.name}", components=components,
                    config={"run_dir": str(run_dir)}, max_requeues=c.max_requeues,
+                   signal_delay_s=c.signal_delay_s, stop_grace_s=c.stop_grace_s,
                    mpi=c.mpi if c.launcher == "slurm" else None, env=network_env(c.network))
     if c.launcher == "local":  # one node: disjoint GPU ranges per component
         from pipeline.launch.gpus import colocated_roles, local_gpu_layout

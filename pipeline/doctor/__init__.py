@@ -3,15 +3,16 @@
 A check is a function ``check(run) -> None`` registered in order with ``@check("name")``
 (`pipeline.doctor.registry`)
 (`pipeline.doctor.checks`: placement, engine, trainer, checkpoint; `pipeline.doctor.network_checks`:
-weights, network; `pipeline.doctor.memory`: the trainer's planned peak). It reports through the `Run` it is given: ``run.uses(text)`` for
+weights, network; `pipeline.doctor.memory`: the trainer's planned peak; `pipeline.doctor.checkpoint_grace`:
+whether a checkpoint fits the time a stop leaves). It reports through the `Run` it is given: ``run.uses(text)`` for
 what the run will use (printed), ``run.refuse(text)`` for a contradiction (the run is refused).
 `run_checks` runs every check, each one's failure (an exception) becoming a refusal that names
 it, so the doctor itself never ends in a traceback. `tokenflow train` runs the same checks and
 starts nothing when any refuses (exit status 2).
 
 Invariant: the checks are cheap (no torch, vLLM or megatron-core import: facts come from the
-config, package metadata, the model's config.json and nvidia-smi), so every `tokenflow train`
-can afford them.
+config, package metadata, the model's config.json, nvidia-smi and a write probe of at most 2 s in
+the checkpoint directory), so every `tokenflow train` can afford them.
 
 Example (this CPU machine, ``cluster.trainer.gpus_per_node=1``)::
 
@@ -28,7 +29,7 @@ from pipeline.doctor.registry import CHECKS, Run
 
 def run_checks(cfg, plan) -> Run:
     """Every registered check on ``cfg`` and ``plan``; the findings are in the returned `Run`."""
-    from pipeline.doctor import checks, memory, network_checks  # noqa: F401  (registers the checks, in this order)
+    from pipeline.doctor import checks, memory, network_checks, checkpoint_grace  # noqa: F401  (registers the checks, in this order)
 
     run = Run(cfg, plan)
     for name, fn in CHECKS:

@@ -22,6 +22,10 @@ from pipeline.launch.base import Launcher, Run
 from pipeline.launch.plan import JobPlan
 from pipeline.supervise import end_groups
 
+CANCEL_GRACE_S = 60.0
+"""Seconds a cancelled local run's tasks get between SIGTERM and SIGKILL (a step and a checkpoint:
+`tokenflow cancel`, a stop signal to `tokenflow train`; `pipeline.doctor.checkpoint_grace` checks a
+save fits)."""
 
 class LocalRun(Run):
     def __init__(self, plan: JobPlan, run_dir: Path, launch_index: int, procs: List[subprocess.Popen],

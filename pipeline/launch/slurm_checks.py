@@ -27,6 +27,8 @@ class SlurmPartition:
     up: bool
     max_time_min: Optional[int]  # None = unlimited
     max_nodes: Optional[int]  # None = unlimited
+    grace_s: int = 0  # GraceTime: seconds a preempted job's tasks get between SIGTERM and SIGKILL
+    preempt_mode: str = "OFF"  # PreemptMode (OFF: its jobs are never preempted; REQUEUE, CANCEL, ...)
 
 
 @dataclass
@@ -92,7 +94,8 @@ def query_cluster() -> Tuple[Dict[str, SlurmPartition], List[SlurmNode]]:
         partitions[f["PartitionName"]] = SlurmPartition(
             name=f["PartitionName"], default=f.get("Default") == "YES", up=f.get("State") == "UP",
             max_time_min=parse_time_min(f.get("MaxTime", "UNLIMITED")),
-            max_nodes=int(max_nodes) if max_nodes.isdigit() else None)
+            max_nodes=int(max_nodes) if max_nodes.isdigit() else None,
+            grace_s=int(f.get("GraceTime", "0") or 0), preempt_mode=f.get("PreemptMode", "OFF"))
     nodes = []
     for line in _scontrol("show", "node", "-o").splitlines():
         f = _fields(line)

@@ -12,6 +12,8 @@ Invariants:
 - a step's samples are the orchestrator's recorded batch for that step; the generators hold the
   weights of version v only after the broadcast of v completed; versions equal optimizer steps;
 - a checkpoint directory is complete or absent (written under a temporary name, then renamed);
+  with ``run.async_checkpoints`` it is written in the background while the next steps train, and
+  completed before the trainer returns (`pipeline.trainer.checkpoint_writer`);
 - every wait (batch, rendezvous, broadcast) has a timeout (``run.timeout_s``), and the leader's
   waits on generators (for a batch, for a weight group) end, failing the run, once every
   generator task was abandoned and no generator is a member (checked every `BATCH_POLL_S`);
@@ -29,7 +31,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -46,7 +47,7 @@ from pipeline.roles.common import agree_over_ranks, cpu_cores_for, pin_process
 from pipeline.run_dir import load_run_config, model_dir, publish_model
 from pipeline.roles.weight_push import WeightPusher
 from pipeline.supervise import KeptProcess, die_with_parent
-from pipeline.run_files import CHECKPOINTS_DIR, EXPORT_DIR, LOGS_DIR, checkpoint_name
+from pipeline.run_files import EXPORT_DIR, LOGS_DIR, checkpoint_name
 
 log = logging.getLogger(__name__)
 
@@ -86,13 +87,10 @@ def prepare_model(run_dir: Path, cfg: TokenflowConfig) -> Path:
 
 def latest_checkpoint(run_dir: Path) -> tuple[int, Path | None]:
     """(steps done, directory) of the newest complete checkpoint, (0, None) if none."""
-    best = (0, None)
-    for d in (run_dir / CHECKPOINTS_DIR).glob(checkpoint_name("*")):
-        if d.is_dir() and (d / "COMPLETE").exists():
-            k = int(d.name.split("-")[1])
-            if k > best[0]:
-                best = (k, d)
-    return best
+    from pipeline.trainer.checkpoint_writer import complete_checkpoints
+
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else (0, None)
 
 
 def _orchestrator_preexec() -> None:
@@ -147,6 +145,12 @@ class TrainerRole:
         if ckpt is not None:
             self.trainer.load(ckpt)
             log.info("resumed from %s", ckpt)
+        from pipeline.trainer.checkpoint_writer import CheckpointWriter
+        keep = cfg.run.keep_checkpoints
+        if keep and cfg.scorers.teacher == "lagged":  # its snapshots t(v) outlive its window (docs/scorers.md)
+            keep = max(keep, cfg.scorers.teacher_lag // cfg.run.checkpoint_every + 3)
+        self.checkpoints = CheckpointWriter(self.trainer, self.run_dir, keep=keep,
+                                            asynchronous=cfg.run.async_checkpoints)
         from megatron.core import parallel_state as ps
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.link = TrainerLink(self.run_dir, stored_record_schema(cfg), cfg.orchestrator.transport,
@@ -194,6 +198,7 @@ class TrainerRole:
             if self._stop_agreed():  # checkpoint signal (preemption/time limit): save, return, get requeued
                 if step != self.start_step and step % cfg.run.checkpoint_every:
                     self._checkpoint(step)
+                self.checkpoints.wait()
                 return {"steps": step, "version": self.version, "stopped": True}
             if self.leader and every and step % every == 0:
                 self.link.request_eval(step, self.version)
@@ -202,6 +207,7 @@ class TrainerRole:
             if batch is None:  # stopped while waiting (generators stop too): nothing more to train on
                 if self.world == 1 and step != self.start_step and step % cfg.run.checkpoint_every:
                     self._checkpoint(step)
+                self.checkpoints.wait()
                 return {"steps": step, "version": self.version, "stopped": True}
             t1 = time.monotonic()
             samples = train_samples(batch)
@@ -213,6 +219,7 @@ class TrainerRole:
             sync_s = self.weights.push(self.version) if self.live else 0.0
             if self.leader and not self.live:
                 self.link.report_version(self.version)
+            self.checkpoints.poll()  # a save written in the background completes once written
             if (step + 1) % cfg.run.checkpoint_every == 0 or step + 1 == steps:
                 self._checkpoint(step + 1)
             busy += time.monotonic() - t1
@@ -227,6 +234,7 @@ class TrainerRole:
                                  orchestrator_restarts=self.orchestrator.restarts,
                                  trainer_idle_frac=1 - busy / max(1e-9, time.monotonic() - t_run),
                                  **m)
+        self.checkpoints.wait()
         if self.leader and every:
             self.link.request_eval(steps, self.version)
         return {"steps": steps, "version": self.version}
@@ -288,19 +296,9 @@ class TrainerRole:
         return diff / count if count else None
 
     def _checkpoint(self, steps_done: int) -> None:
-        final = self.run_dir / CHECKPOINTS_DIR / checkpoint_name(steps_done)
-        tmp = final.with_name(final.name + ".partial")
-        if self.leader:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        import torch.distributed as td
-        td.barrier()
-        self.trainer.save(tmp)
-        td.barrier()
-        if self.leader:
-            (tmp / "COMPLETE").write_text(str(steps_done))
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
+        """Save (written in the background with run.async_checkpoints; `CheckpointWriter`), and
+        export it when trainer.export asks for it."""
+        self.checkpoints.save(steps_done)
         export = self.cfg.trainer.export
         if export == "checkpoints" or (export == "end" and steps_done == self.cfg.run.steps):
             self.trainer.export_hf(self.run_dir / EXPORT_DIR / checkpoint_name(steps_done))  # collective

@@ -33,6 +33,12 @@ each DP rank a range, gathered like the moments; the torch path: `pipeline.train
 checkpoint stores the masters, and a load sets the bf16 weights to them rounded and the masters to
 them exactly (reloading masters from the bf16 weights would truncate them).
 
+Saving is three parts (`save_checkpoint` does all three at once): `snapshot_checkpoint` copies
+every rank's share to host memory between two steps (the collective part), `write_snapshot` writes
+one rank's files (no collective: `pipeline.trainer.checkpoint_writer` runs it in a background thread
+while training goes on), `seal_checkpoint` indexes the sets and writes ``trainer.json`` on rank 0
+once every rank's files are written.
+
 Invariants: ``load`` after ``save`` restores weights (masters included) and optimizer state bit for bit on ANY
 TP/EP/DP/PP layout of the same model (and the RNG states when the layout and world size are the
 ones that saved); ``trainer.json`` is written last, after every rank's files, so a directory
@@ -41,6 +47,7 @@ without it is an incomplete checkpoint and ``load`` refuses it.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 FORMAT = 2
@@ -143,40 +150,80 @@ def _param_groups(trainer) -> list[dict]:
     return [{k: v for k, v in g.items() if k != "params"} for g in opt.state_dict()["param_groups"]]
 
 
-def save_checkpoint(trainer, directory: Path) -> None:
-    """Write the checkpoint (collective: every rank calls it)."""
+@dataclass
+class CheckpointSnapshot:
+    """One rank's part of a checkpoint, copied to host memory between two steps (training may go on
+    while `write_snapshot` writes it)."""
+
+    rank: int  # world rank that took it
+    sets: dict  # tensor set prefix ("model", "exp_avg", "exp_avg_sq") -> {hf name: host tensor}
+    rng: dict  # RNG states of this rank ("cpu", "cuda", "tracker.<name>")
+    meta: dict  # trainer.json's content (written by rank 0 only, last)
+
+
+def snapshot_checkpoint(trainer) -> CheckpointSnapshot:
+    """This rank's checkpoint state as host copies (collective: every rank calls it)."""
     import torch
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    from .hf_shards import snapshot_tensor_set
+
+    sets = {"model": snapshot_tensor_set(trainer.model, trainer.hf_config, _weights(trainer))}
+    for key in MOMENTS:
+        sets[key] = snapshot_tensor_set(trainer.model, trainer.hf_config, _moment(trainer, key))
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state().cpu()
+    for name, value in get_cuda_rng_tracker().get_states().items():
+        rng[f"tracker.{name}"] = value.to("cpu", copy=True).contiguous()
+    step = _adam_step(trainer)
+    steps = trainer._all_reduce([step, -step], None, torch.distributed.ReduceOp.MAX).tolist()
+    if steps[0] != -steps[1]:
+        raise ValueError(f"ranks disagree on Adam's step count ({-steps[1]}..{steps[0]})")
+    meta = {"format": FORMAT, "steps": trainer.steps, "adam_step": step,
+            "param_groups": _param_groups(trainer), "layout": _layout(trainer),
+            "lora": _lora_meta(trainer)}
+    return CheckpointSnapshot(torch.distributed.get_rank(), sets, rng, meta)
+
+
+def write_snapshot(snapshot: CheckpointSnapshot, directory: Path) -> None:
+    """Write this rank's files of ``snapshot`` into ``directory`` (no collective: may run in a
+    background thread)."""
     from safetensors.torch import save_file
 
-    from .hf_shards import write_tensor_set
+    from .hf_shards import write_rank_files
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for prefix, tensors in snapshot.sets.items():
+        write_rank_files(tensors.items(), directory, prefix, snapshot.rank)
+    save_file(snapshot.rng, str(directory / f"rng-r{snapshot.rank:05d}.safetensors"))
+
+
+def seal_checkpoint(snapshot: CheckpointSnapshot, directory: Path) -> None:
+    """On world rank 0, once every rank's files are written: the sets' indexes, then
+    ``trainer.json`` (last: it makes the directory a complete checkpoint)."""
+    from .hf_shards import write_index
+
+    for prefix in snapshot.sets:
+        write_index(directory, prefix)
+    tmp = directory / "trainer.json.tmp"
+    tmp.write_text(json.dumps(snapshot.meta, indent=1, default=list))
+    tmp.replace(directory / "trainer.json")
+
+
+def save_checkpoint(trainer, directory: Path) -> None:
+    """Write the checkpoint now (collective: every rank calls it)."""
+    import torch
 
     directory.mkdir(parents=True, exist_ok=True)
     rank = torch.distributed.get_rank()
     if rank == 0 and (directory / "trainer.json").exists():
         (directory / "trainer.json").unlink()  # incomplete until rewritten below
-    torch.distributed.barrier()
-    write_tensor_set(trainer.model, trainer.hf_config, directory, "model", _weights(trainer))
-    for key in MOMENTS:
-        write_tensor_set(trainer.model, trainer.hf_config, directory, key, _moment(trainer, key))
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state().cpu()
-    for name, value in get_cuda_rng_tracker().get_states().items():
-        rng[f"tracker.{name}"] = value.cpu().contiguous()
-    save_file(rng, str(directory / f"rng-r{rank:05d}.safetensors"))
-    step = _adam_step(trainer)
-    steps = trainer._all_reduce([step, -step], None, torch.distributed.ReduceOp.MAX).tolist()
-    if steps[0] != -steps[1]:
-        raise ValueError(f"ranks disagree on Adam's step count ({-steps[1]}..{steps[0]})")
+    snapshot = snapshot_checkpoint(trainer)
+    write_snapshot(snapshot, directory)
     torch.distributed.barrier()
     if rank == 0:
-        meta = {"format": FORMAT, "steps": trainer.steps, "adam_step": step,
-                "param_groups": _param_groups(trainer), "layout": _layout(trainer),
-                "lora": _lora_meta(trainer)}
-        tmp = directory / "trainer.json.tmp"
-        tmp.write_text(json.dumps(meta, indent=1, default=list))
-        tmp.replace(directory / "trainer.json")
+        seal_checkpoint(snapshot, directory)
     torch.distributed.barrier()
 
 

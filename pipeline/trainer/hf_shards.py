@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 INDEX_SUFFIX = ".safetensors.index.json"
+SHARD_BYTES = 256 * 2**20
+"""Largest file a rank writes of a tensor set (and the output it holds pending while streaming)."""
 
 
 def _writes(rule) -> tuple[bool, bool]:
@@ -65,15 +67,36 @@ def owned_hf_tensors(model, hf_config, value_of: Callable) -> Iterator[tuple[str
 
 
 def write_tensor_set(model, hf_config, directory: Path, prefix: str, value_of: Callable,
-                     dtype=None, shard_bytes: int = 256 * 2**20) -> None:
+                     dtype=None, shard_bytes: int = SHARD_BYTES) -> None:
     """Write this rank's tensors of the set ``prefix`` into ``directory`` (collective), then, on
     world rank 0 after a barrier, the index over every rank's files."""
     import torch
+
+    rank = torch.distributed.get_rank()
+    tensors = ((name, tensor if dtype is None else tensor.to(dtype))
+               for name, tensor in owned_hf_tensors(model, hf_config, value_of))
+    write_rank_files(tensors, directory, prefix, rank, shard_bytes)  # streamed: shard_bytes held at most
+    torch.distributed.barrier()
+    if rank == 0:
+        write_index(directory, prefix)
+    torch.distributed.barrier()
+
+
+def snapshot_tensor_set(model, hf_config, value_of: Callable) -> dict[str, "torch.Tensor"]:
+    """This rank's tensors of a set as host-memory copies that later training steps cannot change
+    (collective, like ``write_tensor_set``); ``write_rank_files`` writes them, ``write_index`` indexes
+    the set once every rank's files are there (an asynchronous checkpoint, `pipeline.trainer.checkpoint`)."""
+    return {name: tensor.to("cpu", copy=True).contiguous()
+            for name, tensor in owned_hf_tensors(model, hf_config, value_of)}
+
+
+def write_rank_files(tensors, directory: Path, prefix: str, rank: int, shard_bytes: int = SHARD_BYTES) -> None:
+    """Write ``(hf_name, tensor)`` pairs as this rank's files of the set ``prefix`` (no collective),
+    replacing an earlier attempt's files of this rank."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    rank = torch.distributed.get_rank()
     for old in directory.glob(f"{prefix}-r{rank:05d}-*.safetensors"):  # an earlier attempt's
         old.unlink()
     pending, size, k = {}, 0, 0
@@ -85,16 +108,12 @@ def write_tensor_set(model, hf_config, directory: Path, prefix: str, value_of: C
                       metadata={"format": "pt"})
             pending, size, k = {}, 0, k + 1
 
-    for name, tensor in owned_hf_tensors(model, hf_config, value_of):
-        pending[name] = (tensor if dtype is None else tensor.to(dtype)).cpu().contiguous()
+    for name, tensor in tensors:
+        pending[name] = tensor.cpu().contiguous()
         size += pending[name].numel() * pending[name].element_size()
         if size >= shard_bytes:
             flush()
     flush()
-    torch.distributed.barrier()
-    if rank == 0:
-        write_index(directory, prefix)
-    torch.distributed.barrier()
 
 
 def write_index(directory: Path, prefix: str) -> Path:

@@ -79,8 +79,9 @@ def test_tiny_run_survives_two_requeues_with_exactly_once_storage(tmp_path):
                             stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=REPO)
     try:
         job_id = wait_until(lambda: submitted_job(run), 60, "the job was submitted")
-        # 1) hard requeue once step 2 is checkpointed: the tasks are killed, the trainer resumes from step-2
-        wait_until(lambda: (run / "checkpoints/step-2/COMPLETE").exists(), 240, "checkpoint step-2")
+        # 1) hard requeue once a checkpoint is complete: the tasks are killed, the trainer resumes from it
+        from pipeline.trainer.checkpoint_writer import complete_checkpoints
+        wait_until(lambda: complete_checkpoints(run), 240, "a complete checkpoint")
         s = status_of(run)
         assert [c["state"] for c in s["components"]] == ["RUNNING", "RUNNING"], s
         nodes = [c["nodes"] for c in s["components"]]
@@ -111,7 +112,7 @@ def test_tiny_run_survives_two_requeues_with_exactly_once_storage(tmp_path):
     t_attempt2 = min(p.stat().st_mtime for p in (run / "rendezvous/attempt-2").iterdir())
     attempt1 = [r["step"] for r in records if t_requeue < r["t"] < t_attempt2]
     assert attempt1 and resumes[2] == 1 + max(attempt1), (resumes, attempt1)
-    assert (run / f"checkpoints/step-{resumes[2]}/COMPLETE").exists()
+    assert re.search(rf"resumed from \S+/checkpoints/step-{resumes[2]}\n", trainer_log), trainer_log[-3000:]
     assert sorted(set(r["step"] for r in records)) == list(range(steps))
     assert max(r["staleness_max"] for r in records) <= 1
     with RolloutLog.open(run) as log:

@@ -28,11 +28,10 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from pipeline.launch.local import CANCEL_GRACE_S
 from pipeline.launch.task import log_path
 from pipeline.run_files import CONFIG_FILE, RESULTS_DIR
 
-CANCEL_GRACE_S = 60.0
-"""Seconds a cancelled local run's tasks get between SIGTERM and SIGKILL (a step and a checkpoint)."""
 LAUNCHES = "launch/launches.jsonl"
 PLAN = "launch/plan.json"
 #: Component states in which nothing of it runs: Slurm's final states, local EXITED, and UNKNOWN

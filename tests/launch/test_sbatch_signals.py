@@ -1,0 +1,46 @@
+"""Stop signals to the batch step of a hand-submitted run (`slurm/train.sbatch`) on the test
+cluster: the run ends as `tokenflow cancel` ends it (every role sees the stop, the job is cancelled,
+not requeued, nothing of it runs on), instead of its tasks lingering after a forwarded SIGTERM for
+Slurm to end them (the supervisor's `term_linger_s`, 600 s)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pipeline.launch import ComponentSpec, JobPlan
+from test_slurm_train import REPO, status_of, wait_until
+
+pytestmark = pytest.mark.slurm
+
+
+def test_sigterm_to_the_batch_step_ends_the_run_as_cancel_does(tmp_path):
+    """About 30 s: two probe roles hold until stopped; `scancel --batch --signal=TERM` signals only
+    the batch shell."""
+    plan = JobPlan(name="tf-sbatch-term", components={
+        "trainer": ComponentSpec(entry="pipeline.launch.probe:probe", mem_gb=0.5, time_min=5),
+        "generator": ComponentSpec(entry="pipeline.launch.probe:probe", mem_gb=0.5, time_min=5)},
+        config={"probe": {"timeout_s": 60, "rendezvous": True, "hold_s": 200}})
+    (tmp_path / "launch").mkdir()
+    (tmp_path / "launch/plan.json").write_text(plan.to_json())
+    job_id = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/batch.out", "slurm/train.sbatch",
+                             "--run-dir", str(tmp_path)], capture_output=True, text=True, timeout=30, cwd=REPO,
+                            env=dict(os.environ, TOKENFLOW_PYTHON=sys.executable), check=True).stdout.strip()
+    try:
+        wait_until(lambda: len(list((tmp_path / "probe").glob("*.attempt-0.json"))) == 2, 60, "both roles started")
+        subprocess.run(["scancel", "--batch", "--signal=TERM", job_id], check=True, timeout=30)
+        wait_until(lambda: all(c["state"].startswith(("COMPLETED", "FAILED", "CANCELLED"))
+                               for c in status_of(tmp_path)["components"]), 120, "the job ended", poll_s=2)
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30)
+    batch_log = (tmp_path / "batch.out").read_text()
+    states = [c["state"] for c in status_of(tmp_path)["components"]]
+    assert all(s.startswith("CANCELLED") for s in states), (states, batch_log[-2000:])
+    assert f"tokenflow cancel {tmp_path}" in batch_log, batch_log[-2000:]
+    for role in ("trainer", "generator"):
+        report = json.loads((tmp_path / f"probe/{role}.0.attempt-0.json").read_text())
+        assert report.get("stop_requested"), f"{role} never saw the stop: {report}"
+    assert not list((tmp_path / "probe").glob("*.attempt-1.json")), "the job was requeued"
