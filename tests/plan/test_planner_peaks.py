@@ -21,10 +21,11 @@ from pipeline.plan.shape import ModelShape
 PROBE = Path(__file__).resolve().parents[1] / "support" / "peak_probe.py"
 TOLERANCE = 0.15
 
-LAYOUTS = {  # name: (tiny kind, ranks, parallel, row tokens, rows, kl_coef)
-    "dense-tp2-768": ("dense", 2, {"tp": 2}, 768, 1, 0.0),
-    "moe-ep2-640": ("moe", 2, {"ep": 2}, 640, 1, 0.0),
-    "moe-2x384-reference": ("moe", 1, {}, 384, 2, 0.1),
+LAYOUTS = {  # name: (tiny kind, ranks, parallel, row tokens, rows, kl_coef, trainer.layout)
+    "dense-tp2-768": ("dense", 2, {"tp": 2}, 768, 1, 0.0, "packed"),
+    "moe-ep2-640": ("moe", 2, {"ep": 2}, 640, 1, 0.0, "packed"),
+    "moe-2x384-reference": ("moe", 1, {}, 384, 2, 0.1, "packed"),
+    "dense-padded-2x384": ("dense", 1, {}, 384, 2, 0.0, "padded"),
 }
 
 
@@ -35,15 +36,16 @@ def test_planned_peak_is_within_15_percent_of_the_measured_peak(name, tmp_path):
     from support.oracle import sharpened_checkpoint
     from test_trainer import launch
 
-    kind, world, parallel, seq, rows, kl = LAYOUTS[name]
+    kind, world, parallel, seq, rows, kl, trainer_layout = LAYOUTS[name]
     spec = TinyModelSpec(kind=kind)
     model_dir = sharpened_checkpoint("", tmp_path / "model", spec=spec)
     launch("peak", world, tmp_path / "out", {"model_dir": str(model_dir), "parallel": parallel,
                                              "micro_batch_tokens": seq * rows, "seq_len": seq, "rows": rows,
-                                             "kl_coef": kl}, script=PROBE)
+                                             "kl_coef": kl, "trainer": {"layout": trainer_layout}}, script=PROBE)
     measured = max(json.loads((tmp_path / "out" / f"rank{r}.json").read_text())["peak_bytes"] for r in range(world))
     layout = Layout(world=world, micro_batch_tokens=seq * rows, seq_len=seq, params_dtype="float32",
-                    optimizer="torch", reference=kl > 0, logits="chunked", attention="flash", **parallel)
+                    optimizer="torch", reference=kl > 0,
+                    attention="flash" if trainer_layout == "packed" else "local", **parallel)
     planned = rank_memory(ModelShape.from_config(spec.hf_config().to_dict()), layout).peak
     print(f"{name}: planned {planned / 1e6:.1f} MB, measured {measured / 1e6:.1f} MB, "
           f"ratio {planned / measured:.3f}")
