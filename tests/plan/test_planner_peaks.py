@@ -1,11 +1,13 @@
 """The planner (pipeline.plan.memory) against measured peaks of real megatron training steps on
 CPU/gloo, on layouts its constants were not set on.
 
-`CALIBRATION` was set on one-rank fp32 layouts: tiny dense at 512 and 1024 tokens, tiny MoE at 512
-(bench/results/2026-12-06-plan.md). Here: dense TP2 at 768 tokens, MoE EP2 at 640 tokens, and MoE
-on one rank with two 384-token rows and a KL reference model. Each rank's peak is measured by
+`CALIBRATION` was set on one-rank fp32 layouts: tiny MoE at 512 tokens (expert block padding), tiny
+dense padded at 512 (score copies) (bench/results/2026-12-06-plan.md). Here: dense TP2 at 768 tokens, MoE EP2 at 640 tokens, and MoE
+on one rank with two 384-token rows and a KL reference model, all in the trainer's default packed
+layout; and (slow-marked: about 20 s more) dense on one rank in the padded layout (local attention)
+with two 384-token rows. Each rank's peak is measured by
 `TensorMemory` over its whole life (tests/support/peak_probe.py: construction, a warm step, a
-step) with the trainer's defaults (packed layout, chunked log-probabilities); the planner's peak for
+step) with the trainer's defaults (chunked log-probabilities); the planner's peak for
 the same layout must be within 15 %. About 40 s on 2 cores.
 """
 from __future__ import annotations
@@ -30,7 +32,8 @@ LAYOUTS = {  # name: (tiny kind, ranks, parallel, row tokens, rows, kl_coef, tra
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if LAYOUTS[n][6] == "padded" else n
+                                  for n in LAYOUTS])
 def test_planned_peak_is_within_15_percent_of_the_measured_peak(name, tmp_path):
     from pipeline.models.tiny import TinyModelSpec
     from support.oracle import sharpened_checkpoint
