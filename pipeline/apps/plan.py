@@ -75,9 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step (pipeline bubble)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--optimizer", default="megatron", choices=("megatron", "torch"))
-    ap.add_argument("--attention", default="local", choices=("local", "flash"),
-                    help="local: megatron's S x S scores (the trainer today); flash: no S x S tensor")
-    ap.add_argument("--logits", default="full", choices=("full", "chunked"))
+    ap.add_argument("--attention", default="flash", choices=("flash", "local"),
+                    help="flash: the packed layout's per-sequence attention, no S x S tensor (trainer.layout=packed, "
+                         "the default); local: megatron's S x S scores (trainer.layout=padded)")
+    ap.add_argument("--logits-chunk", type=int, default=1024,
+                    help="tokens whose fp32 logits exist at once (trainer.logprob_chunk_tokens)")
     ap.add_argument("--reference", action="store_true", help="a KL reference model is held")
     for name in ("tp", "ep", "pp", "cp"):
         ap.add_argument(f"--{name}", type=int)
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     for tokens in args.tokens:
         base = Layout(world=args.gpus, micro_batch_tokens=tokens * args.rows, seq_len=tokens,
                       micro_batches=args.micro_batches, params_dtype=args.dtype, optimizer=args.optimizer,
-                      attention=args.attention, logits=args.logits, reference=args.reference,
+                      attention=args.attention, logits_chunk=args.logits_chunk, reference=args.reference,
                       etp=etp, **fixed)
         head = f"{args.model}: {tokens} tokens x {args.rows} row(s), {args.gpus} x {gpu_bytes / GiB:.0f} GiB"
         if fixed or args.etp is not None:

@@ -49,7 +49,7 @@ def memory(run: Run) -> None:
                     params_dtype=p.params_dtype,
                     optimizer=t.optimizer if t.optimizer != "auto" else ("megatron" if gpu else "torch"),
                     offload=t.optimizer_offload_fraction, reference=t.loss.kl_coef > 0, recompute=t.recompute,
-                    logits="chunked", logits_chunk=t.logprob_chunk_tokens,
+                    logits_chunk=t.logprob_chunk_tokens,
                     attention="flash" if t.layout == "packed" else "local")
     try:
         plan = rank_memory(shape, layout)

@@ -12,23 +12,34 @@ stage, the peak, and the pipeline bubble. Components (all per rank):
   ``offload`` moves that fraction of it to host memory. The torch path (CPU) keeps all of it, and
   with bf16 parameters the masters' fp32 gradients too;
 - ``reference``: the KL reference model, built with the policy's layout (same shards), no grads;
-- ``activations``: tensors saved for backward, ``ACT_PER_TOKEN`` elements per token and layer
-  (from the shape, by layer type) times the layers of a stage, the tokens of a micro-batch and the
-  micro-batches in flight (1F1B: ``pp - stage``); the local attention saves its ``S x S``
-  probabilities per head and layer; ``recompute="full"`` keeps only each layer's input,
-  ``"selective"`` drops the attention probabilities;
-- ``attention``: megatron's local attention's persistent ``[rows*heads/tp, S, S]`` score buffer
-  and causal mask, plus the transient copies of one layer's scores while it runs;
-- ``logits``: the ``[tokens, V/tp]`` fp32 logits and their copies (full), or a chunk's (chunked).
+- ``activations``: tensors saved for backward, counted per token and layer by module as the
+  trainer's saved-tensor hooks show them (`activation_elements`) times the layers of a stage, the
+  tokens of a micro-batch and the micro-batches in flight (1F1B: ``pp - stage``); the last stage
+  adds the final norm's input and output and the hidden states the chunked log-probabilities keep
+  (4 h per token). Routed experts (`GroupedExperts`) save each routed row's input and its fc1 /
+  SwiGLU outputs; in fp32 (the CPU path) the rows sit in a zero-padded ``[E, max_j rows, .]``
+  block (``expert_block_padding``: block rows over routed rows), in bf16 (grouped GEMM on GPU)
+  they do not; each MoE layer also saves its stacked expert weights. The padded layout's local
+  attention saves its ``S x S`` probabilities per head; ``recompute="full"`` keeps only each
+  layer's input, ``"selective"`` drops the attention probabilities;
+- ``attention``: the padded layout's megatron local attention: its persistent
+  ``[rows*heads/tp, S, S]`` score buffer and causal mask, plus the transient copies of one layer's
+  scores while it runs; the packed layout's per-sequence attention holds none;
+- ``logits``: one chunk of the chunked fused log-probabilities (`pipeline.trainer.logprobs`; the
+  trainer has no unchunked path): ``[chunk, V/tp]`` fp32 logits and their softmax / gradient
+  (8 B) plus the kept-set mask (1 B) per vocabulary entry, in backward.
 
 The peak is the state plus the step's largest moment (forward/backward, or the optimizer's
-temporaries). Calibration (`CALIBRATION`) fits three multipliers on measured peaks of real
-megatron steps on CPU (`TensorMemory`); the checks run on other layouts
-(tests/plan/test_planner_peaks.py, bench/results/2026-12-06-plan.md).
+temporaries). Calibration (`CALIBRATION`) holds what the shapes do not give: the expert block's
+padding and the local attention's score copies, measured on one-rank CPU steps (`TensorMemory`);
+the checks run on other layouts (tests/plan/test_planner_peaks.py,
+bench/results/2026-12-06-plan.md).
 
-Worked example (tiny dense of tests, fp32, tp 1, one 512-token row): 1.44 M parameters, state =
-16 B x 1.44 M = 23.1 MB, score buffer 4 heads x 512^2 x 4 B = 4.2 MB; the step adds the
-activations, the logits and the transient scores: predicted peak ~69 MB (measured 68.6 MB).
+Worked example (tiny dense of tests, fp32, tp 1, packed, one 512-token row; h 256, 4 query / 2 KV
+heads of 64, ffn 512, V 512, 2 layers): 1.44 M parameters, state = 16 B x 1.44 M = 23.1 MB; per
+token and layer the attention saves 3076 and the MLP 3328 elements (25.6 KB), so the activations
+are 2 x 512 x 25.6 KB + 4 h x 4 B x 512 = 28.3 MB; the logits chunk 9 B x 512 x 512 = 2.4 MB:
+predicted peak 53.8 MB (measured 54.7 MB).
 """
 from __future__ import annotations
 
@@ -36,10 +47,11 @@ from dataclasses import dataclass, field
 
 from pipeline.plan.shape import ModelShape
 
-#: Multipliers fitted on measured peaks (tests/support/peak_probe.py): on the analytic count of
-#: saved activations, on the copies of one layer's scores that exist at once, and on the copies
-#: of the full logits (float, temperature, softmax, gradient).
-CALIBRATION = {"activations": 1.0, "score_copies": 2.0, "logit_copies": 4.0}
+#: Measured on one-rank CPU steps (tests/support/peak_probe.py, bench/results/2026-12-06-plan.md):
+#: the fp32 expert block's rows over the routed rows (the busiest expert's load over the mean, tiny
+#: MoE at 512 tokens), and the copies of one layer's scores that exist at once beside the saved
+#: probabilities in megatron's local attention.
+CALIBRATION = {"expert_block_padding": 1.8, "score_copies": 0.4}
 GiB = 1024 ** 3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -61,9 +73,8 @@ class Layout:
     optimizer: str = "megatron"  # "megatron" (distributed, sharded over DP) or "torch"
     offload: float = 0.0  # fraction of the optimizer state in host memory (megatron's HybridDeviceOptimizer)
     recompute: str = "none"  # "none", "selective" (attention) or "full" (every layer)
-    logits: str = "full"  # "full" or "chunked" (vocab-parallel chunks of logits_chunk tokens)
-    logits_chunk: int = 1024  # tokens per logits chunk when chunked
-    attention: str = "local"  # "local" (megatron's S x S scores) or "flash" (no S x S tensor)
+    logits_chunk: int = 1024  # tokens whose fp32 logits exist at once (trainer.logprob_chunk_tokens)
+    attention: str = "flash"  # "flash" (packed layout: per-sequence attention, no S x S tensor) or "local" (padded layout: megatron's S x S scores)
     reference: bool = False  # a KL reference model is held
 
     @property
@@ -93,7 +104,6 @@ class Layout:
         for name, value, allowed in (("params_dtype", self.params_dtype, DTYPE_BYTES),
                                      ("optimizer", self.optimizer, ("megatron", "torch")),
                                      ("recompute", self.recompute, ("none", "selective", "full")),
-                                     ("logits", self.logits, ("full", "chunked")),
                                      ("attention", self.attention, ("local", "flash"))):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {sorted(allowed)}, got {value!r}")
@@ -118,15 +128,20 @@ class MemoryPlan:
 def activation_elements(shape: ModelShape, layout: Layout, tokens_per_row: int) -> dict[str, float]:
     """Elements saved for backward per token and layer, by part, on one rank (tp shards heads and
     MLP widths; the ``h``-wide tensors are whole on each rank without sequence parallelism)."""
-    tp, h, d = layout.tp, shape.hidden, shape.head_dim
+    tp, h, d, qkn = layout.tp, shape.hidden, shape.head_dim, shape.qk_norm
     q, kv = shape.heads / tp, max(shape.kv_heads / tp, 1)
-    # norm input and output, QKV out, QK-norm out, rotated q/k, k/v expanded to q heads, context
-    attention = 2 * h + (q + 2 * kv) * d + (q + kv) * d * shape.qk_norm + (q + kv) * d + 2 * q * d + q * d + h
+    lse = q * 4 / DTYPE_BYTES[layout.params_dtype]  # the kernel's fp32 log-sum-exp per query head
+    # norm input and output, QKV linear's input; QKV out; QK-norm in/out (q) and out (k); rotated q;
+    # the kernel's contiguous q and k/v and its output; the output projection's input
+    attention = 3 * h + (q + 2 * kv) * d + (2 * q + kv) * d * qkn + q * d + (2 * q + kv) * d + q * d
+    if layout.attention == "flash":
+        attention += lse
     scores = q * tokens_per_row if layout.attention == "local" and layout.recompute == "none" else 0.0
-    if shape.is_moe:  # router logits/probs; per routed copy: permuted input, fc1 out, silu, product, output
-        mlp = 2 * h + 2 * shape.experts + shape.top_k * (2 * h + 4 * shape.expert_ffn / layout.etp)
-    else:  # norm out, fc1 out [gate; up], silu(gate), product (fc2 input), residual
-        mlp = 2 * h + 4 * shape.ffn / tp
+    if shape.is_moe:  # norm in/out, router input, router logits/probs; per routed row: input, fc1 out [gate; up], silu, product, x prob
+        padding = CALIBRATION["expert_block_padding"] if layout.params_dtype == "float32" else 1.0
+        mlp = 3 * h + 2 * shape.experts + shape.top_k * padding * (h + 5 * shape.expert_ffn / layout.etp)
+    else:  # norm in/out, fc1 input, fc1 out [gate; up], silu(gate), product, fc2 input
+        mlp = 3 * h + 5 * shape.ffn / tp
     return {"attention": attention, "scores": scores, "mlp": mlp}
 
 
@@ -142,7 +157,7 @@ def rank_memory(shape: ModelShape, layout: Layout) -> MemoryPlan:
     tokens = rows * L.seq_len // L.cp
     s_local = L.seq_len // L.cp
     parts = activation_elements(shape, L, L.seq_len)
-    per_token_layer = CALIBRATION["activations"] * abytes * sum(parts.values())
+    per_token_layer = abytes * sum(parts.values())
     if L.recompute == "full":
         per_token_layer = abytes * shape.hidden
     best: MemoryPlan | None = None
@@ -163,10 +178,14 @@ def rank_memory(shape: ModelShape, layout: Layout) -> MemoryPlan:
             if L.attention == "local" else 0.0
         activations = per_token_layer * layers * tokens * in_flight
         if L.recompute == "full":  # one layer re-run at a time during backward
-            activations += CALIBRATION["activations"] * abytes * sum(parts.values()) * tokens
+            activations += abytes * sum(parts.values()) * tokens
+        # the stacked expert weights each MoE layer saves, and their gradient in backward
+        stacked_layers = (1 if L.recompute == "full" else layers * in_flight) + 1 if shape.is_moe else 0
+        activations += abytes * expert_layer * stacked_layers
+        if last:  # final norm input/output, the hidden states kept for the chunked log-probabilities
+            activations += abytes * 4 * shape.hidden * tokens
         transient_scores = CALIBRATION["score_copies"] * score_buffer
-        logit_tokens = tokens if L.logits == "full" else min(tokens, L.logits_chunk)
-        logits = CALIBRATION["logit_copies"] * 4 * logit_tokens * shape.vocab / L.tp if last else 0.0
+        logits = (2 * 4 + 1) * min(tokens, L.logits_chunk) * shape.vocab / L.tp if last else 0.0
         comp = {"parameters": pbytes * n, "gradients": 4 * n, "optimizer": optimizer,
                 "reference": pbytes * n if L.reference else 0.0, "activations": activations,
                 "attention": score_buffer + transient_scores, "logits": logits}

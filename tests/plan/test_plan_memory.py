@@ -65,17 +65,21 @@ def test_expert_state_divides_by_ep_and_expert_dp_dense_by_tp_and_dp():
     assert half.components["optimizer"] == pytest.approx(one.components["optimizer"] / 2)
 
 
-def test_recompute_chunked_logits_and_cp_shrink_what_they_should():
+def test_recompute_logit_chunks_and_cp_shrink_what_they_should():
     shape = ModelShape.from_file(QWEN3_30B)
-    base = Layout(world=8, ep=8, micro_batch_tokens=8192, seq_len=8192)
+    base = Layout(world=8, ep=8, micro_batch_tokens=8192, seq_len=8192, attention="local")
     plain = rank_memory(shape, base)
     full = rank_memory(shape, Layout(**{**base.__dict__, "recompute": "full"}))
-    chunked = rank_memory(shape, Layout(**{**base.__dict__, "logits": "chunked"}))
+    small_chunks = rank_memory(shape, Layout(**{**base.__dict__, "logits_chunk": 256}))
     cp2 = rank_memory(shape, Layout(**{**base.__dict__, "cp": 2, "attention": "flash"}))
     flash = rank_memory(shape, Layout(**{**base.__dict__, "attention": "flash"}))
     assert full.components["activations"] < plain.components["activations"] / 10
-    assert chunked.components["logits"] == pytest.approx(plain.components["logits"] * 1024 / 8192)
-    assert cp2.components["activations"] == pytest.approx(flash.components["activations"] / 2)
+    # one chunk's fp32 logits, softmax/gradient (8 B) and kept-set mask (1 B) per vocabulary entry
+    assert plain.components["logits"] == pytest.approx(9 * 1024 * shape.vocab)
+    assert small_chunks.components["logits"] == pytest.approx(plain.components["logits"] * 256 / 1024)
+    # CP halves every per-token part; the stacked expert weights (bf16, 48 saved + one gradient) stay
+    stacked = 2 * shape.n_expert_layer / 8 * (48 + 1)
+    assert 2 * cp2.components["activations"] - flash.components["activations"] == pytest.approx(stacked)
     assert flash.components["attention"] == 0 and plain.components["attention"] > 0
 
 
@@ -92,8 +96,7 @@ def test_refusal_names_what_binds_and_the_search_only_returns_fitting_layouts():
     plan = rank_memory(shape, Layout(world=8, ep=8, micro_batch_tokens=8192, seq_len=8192))
     why = refusal(plan, 80 * GiB)
     assert why is not None and "activations binds" in why and "exceeds 72.0 GiB" in why
-    plans = fitting(shape, Layout(world=8, micro_batch_tokens=32768, seq_len=32768, attention="flash",
-                                  logits="chunked"), 80 * GiB)
+    plans = fitting(shape, Layout(world=8, micro_batch_tokens=32768, seq_len=32768), 80 * GiB)
     assert plans and all(p.peak <= USABLE * 80 * GiB for p in plans)
     assert refusal(plans[0], 80 * GiB) is None
     with pytest.raises(ValueError, match="experts do not split"):
@@ -105,7 +108,7 @@ def test_tokenflow_plan_command_recommends_and_refuses():
         return subprocess.run([sys.executable, "-m", "pipeline.cli", "plan", "--model", "qwen3-30b-a3b",
                                "--gpus", "8", "--gpu-memory", "80GB", "--json", *args],
                               capture_output=True, text=True, timeout=120, cwd=REPO)
-    ok = plan("--tokens", "8192", "--attention", "flash", "--logits", "chunked")
+    ok = plan("--tokens", "8192")
     assert ok.returncode == 0, ok.stderr
     best = json.loads(ok.stdout.splitlines()[-1])["layouts"][0]
     assert best["peak_gib"] <= 72.0

@@ -9,6 +9,9 @@ step, and writes ``rank{R}.json``:
   optimizer state, masters, reference model);
 - ``peak_bytes``: the largest live total over the rank's life (the planner's ``peak``).
 
+``trainer`` (optional) holds `TrainerConfig` fields to set (``layout``, ``logprob_chunk_tokens``,
+``recompute``); the others are the trainer's defaults.
+
 The batch: ``rows`` samples per data-parallel rank, each ``seq_len`` tokens (prompt 4), so every
 micro-batch is exactly ``micro_batch_tokens`` padded tokens.
 """
@@ -34,7 +37,7 @@ def scenario_peak(outdir: Path, args: dict) -> None:
     with TensorMemory() as life:
         cfg = TrainerConfig(model_dir=args["model_dir"], parallel=ParallelConfig(**args.get("parallel", {})),
                             loss=LossConfig(kl_coef=args.get("kl_coef", 0.0)), lr=1e-4,
-                            micro_batch_tokens=args["micro_batch_tokens"])
+                            micro_batch_tokens=args["micro_batch_tokens"], **args.get("trainer", {}))
         trainer = Trainer(cfg)
         rng = np.random.default_rng(int(os.environ["RANK"]))
         vocab, n = trainer.hf_config.vocab_size, args["seq_len"] + 1
