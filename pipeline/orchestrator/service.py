@@ -213,7 +213,7 @@ class Orchestrator(TrainerSide):
 
     @cached_property  # looked up once per received message
     def _handlers(self) -> dict[type, Callable]:
-        return {m.Hello: self._on_hello, m.Leave: self._on_leave, m.Want: self._on_want, m.Result: self._on_result,
+        return {m.StartProgress: self._on_start_progress, m.Hello: self._on_hello, m.Leave: self._on_leave, m.Want: self._on_want, m.Result: self._on_result,
                 m.ListMembers: self._on_members, m.Regroup: self._on_regroup,
                 m.GetBatch: self._on_get_batch, m.TrainerVersion: self._on_version,
                 m.Resume: self._on_resume, m.EvalRequest: self._on_eval_request,
@@ -224,6 +224,9 @@ class Orchestrator(TrainerSide):
         self.server.send(peer, *m.encode(msg))
 
     # -- generators ------------------------------------------------------------------------
+    def _on_start_progress(self, peer: bytes, msg: m.StartProgress) -> None:
+        self.generators.start_progress(f"gen-{msg.generator_id}".encode(), msg)
+
     def _on_hello(self, peer: bytes, msg: m.Hello) -> None:
         restarted = self.generators.hello(peer)
         if restarted:  # the old process's leases never come back
@@ -263,7 +266,7 @@ class Orchestrator(TrainerSide):
         self._reap_dead()
         members = self.generators.members()
         members = {**members, **self.scoring.weight_members()}  # a lagged teacher receives the weights too
-        self._send(peer, m.Members(members))
+        self._send(peer, m.Members(members, self.generators.starts()))
         for gen in self.generators.released():  # the trainer's next group is built without them
             self._send(gen, m.Stop())
 

@@ -284,6 +284,10 @@ class TrainerLink(_Link):
 
     def members(self, timeout_s: float) -> dict[str, int]:
         """Alive generators (identity -> incarnation), as the orchestrator sees them."""
+        return self.membership(timeout_s).members
+
+    def membership(self, timeout_s: float) -> m.Members:
+        """The orchestrator's `Members`: alive generators and the starting ones."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.send(m.ListMembers())
@@ -291,7 +295,7 @@ class TrainerLink(_Link):
             while msg is not None and not isinstance(msg, m.Members):
                 msg = self.recv(0.5)  # a stray batch reply of an earlier retry
             if msg is not None:
-                return msg.members
+                return msg
             self.refresh_address()
         raise TransportError(f"the orchestrator did not list the generators within {timeout_s:.0f}s")
 
