@@ -12,7 +12,8 @@ counted once the engine exists.
 Invariants:
 - the reports go out on this thread's own socket, under the identity ``gen-<id>-start`` (the
   generator's ``gen-<id>`` link opens only at its Hello, after `stop`);
-- `stop` ends the thread and closes its socket before it returns;
+- `stop` ends the thread (waiting for the orchestrator's address included) and closes its socket
+  before it returns;
 - a report that cannot be measured (a process ended while being read) is skipped, never sent wrong.
 """
 from __future__ import annotations
@@ -58,13 +59,15 @@ class StartReporter:
         self._thread.start()
 
     def _run(self) -> None:
-        try:
-            key = load_or_create_secret(self.run_dir)
-            address = read_rendezvous(self.run_dir, self.timeout_s)["address"]
-            client = MessageClient(key, address, self.transport, f"gen-{self.generator_id}-start")
-        except TransportError as exc:  # the waits on this generator keep their plain timeout
-            log.warning("start progress not reported: %s", exc)
-            return
+        address = None
+        while address is None:  # the orchestrator may not have published its address yet
+            try:
+                address = read_rendezvous(self.run_dir, 0.0)["address"]
+            except TransportError:
+                if self._stop.wait(REPORT_EVERY_S):
+                    return
+        client = MessageClient(load_or_create_secret(self.run_dir), address, self.transport,
+                               f"gen-{self.generator_id}-start")
         try:
             while True:
                 cpu_s, engine = tree_cpu_s(os.getpid())
