@@ -213,18 +213,21 @@ class Orchestrator(TrainerSide):
 
     @cached_property  # looked up once per received message
     def _handlers(self) -> dict[type, Callable]:
-        return {m.StartProgress: self._on_start_progress, m.Hello: self._on_hello, m.Leave: self._on_leave, m.Want: self._on_want, m.Result: self._on_result,
+        return {m.Hello: self._on_hello, m.Leave: self._on_leave, m.Want: self._on_want, m.Result: self._on_result,
                 m.ListMembers: self._on_members, m.Regroup: self._on_regroup,
                 m.GetBatch: self._on_get_batch, m.TrainerVersion: self._on_version,
                 m.Resume: self._on_resume, m.EvalRequest: self._on_eval_request,
                 m.EvalResult: self._on_eval_result, m.WeightsAnnounced: self._on_weights,
-                m.Finish: self._on_finish}
+                m.Finish: self._on_finish, m.StartProgress: self._on_start_progress}
 
     def _send(self, peer: bytes, msg) -> None:
         self.server.send(peer, *m.encode(msg))
 
     # -- generators ------------------------------------------------------------------------
     def _on_start_progress(self, peer: bytes, msg: m.StartProgress) -> None:
+        """A starting generator's heartbeat, from its own ``gen-<id>-start`` socket only."""
+        if peer != f"gen-{msg.generator_id}-start".encode():
+            raise ValueError(f"start progress of generator {msg.generator_id} from {peer[:64]!r}")
         self.generators.start_progress(f"gen-{msg.generator_id}".encode(), msg)
 
     def _on_hello(self, peer: bytes, msg: m.Hello) -> None:

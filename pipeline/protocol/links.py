@@ -1,7 +1,8 @@
 """The other roles' side of the orchestrator protocol: generator and trainer links.
 
 Messages are the typed records of `pipeline.protocol.messages` (one per kind; who sends
-which is written there). A generator sends `Hello`, then `Want` credit updates, `Result` and
+which is written there). A starting generator sends `StartProgress` (from its own socket,
+`pipeline.generator.start_report`); a generator sends `Hello`, then `Want` credit updates, `Result` and
 `EvalResult`, and `Leave` when it departs; it receives `Work`, `Ack`, `EvalWork`, `Update`, `Regroup`, `Stop`. The trainer sends
 `TrainerVersion`, `Resume`, `GetBatch`, `EvalRequest`, `WeightsAnnounced`, `ListMembers`,
 `Regroup`, `Finish` and receives `Batch` and `Members`. Either may receive an `Error` naming a

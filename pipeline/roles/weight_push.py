@@ -237,7 +237,7 @@ class WeightPusher:
                            f"see logs/generator.*.out")
 
     def _group_for(self, version: int, senders: int) -> int:
-        """The epoch to broadcast `version` into, or SKIP (leader; see the module docstring)."""
+        """The epoch to broadcast `version` into, SKIP, or WAITING (leader; see the module docstring)."""
         if self.channel is None:  # the first group, or the one after a failed broadcast: waited for
             return self.epoch if self._ensure_group(first=self.epoch == 0, senders=senders) else WAITING
         members = self.link.members(self.cfg.run.timeout_s)
