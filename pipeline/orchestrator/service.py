@@ -227,7 +227,8 @@ class Orchestrator(TrainerSide):
     def _on_start_progress(self, peer: bytes, msg: m.StartProgress) -> None:
         """A starting generator's heartbeat, from its own ``gen-<id>-start`` socket only."""
         if peer != f"gen-{msg.generator_id}-start".encode():
-            raise ValueError(f"start progress of generator {msg.generator_id} from {peer[:64]!r}")
+            self._bad_message(peer, msg.KIND, f"start progress of generator {msg.generator_id} from another socket")
+            return
         self.generators.start_progress(f"gen-{msg.generator_id}".encode(), msg)
 
     def _on_hello(self, peer: bytes, msg: m.Hello) -> None:
