@@ -103,6 +103,10 @@ class GeneratorConfig:
     handles; needs one generator, TP 1 and a trainer without expert parallelism)."""
     weight_timeout_s: float = 120.0
     """Timeout of every weight-group call (join, each broadcast)."""
+    start_stall_s: float = 120.0
+    """How long a starting generator's engine may show no progress (its process tree's CPU seconds
+    not growing, its phase unchanged) before the trainer's wait for it fails naming it and its last
+    phase (`pipeline.roles.cold_start`); while it progresses, that wait has no other limit."""
 
     def __post_init__(self) -> None:
         if self.interrupt not in INTERRUPT_MODES:

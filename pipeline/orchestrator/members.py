@@ -10,6 +10,11 @@ Invariants:
   members without it, kept among the *leaving*, who still hear weight-group changes and updates
   (a broadcast the trainer started before it knew must not wait for a missing member), never
   re-adopted by a credit update;
+- a generator whose engine starts (`StartProgress` before its ``hello``) is *starting* until its
+  ``hello``; its progress is a report whose CPU seconds grew by at least `PROGRESS_CPU_S` since the
+  last progress, or whose phase differs (a restarted process's smaller CPU seconds are a new phase
+  too); ``quiet_s`` counts from the last progress. Example: reports (engine, 3.0), (engine, 3.1),
+  (engine, 3.25) at t = 0, 1, 2 s: progress at 0 and 2 (3.25 - 3.0 >= 0.2), quiet_s 0 at t = 2;
 - credits are absolute and idempotent (see `pipeline.protocol.links`): a generator is granted
   ``free - (granted_this_incarnation - received)`` groups, never more.
 """
@@ -18,7 +23,19 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pipeline.protocol.messages import Credit
+from pipeline.protocol.messages import Credit, StartProgress, StartStatus
+
+PROGRESS_CPU_S = 0.2
+"""CPU seconds an engine's process tree must use since the last progress to count as progress again
+(a stopped tree uses none; the reporting itself is not counted, `pipeline.generator.start_report`)."""
+
+
+@dataclass
+class StartState:
+    phase: str
+    cpu_s: float  # at the last progress
+    last_cpu_s: float  # reported last
+    progressed: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -34,12 +51,29 @@ class GeneratorPool:
         self.dead_after_s = dead_after_s
         self.gens: dict[bytes, GeneratorState] = {}
         self.leaving: set[bytes] = set()
+        self.starting: dict[bytes, StartState] = {}
         self._incarnations = 0
+
+    def start_progress(self, peer: bytes, report: StartProgress) -> None:
+        """A starting generator's report (``peer``: the identity it will say ``hello`` with)."""
+        s = self.starting.get(peer)
+        if s is None or s.phase != report.phase or report.cpu_s < s.last_cpu_s \
+                or report.cpu_s - s.cpu_s >= PROGRESS_CPU_S:
+            self.starting[peer] = StartState(report.phase, report.cpu_s, report.cpu_s)
+        else:
+            s.last_cpu_s = report.cpu_s
+
+    def starts(self) -> list[StartStatus]:
+        """The starting generators and their progress."""
+        now = time.monotonic()
+        return [StartStatus(p.decode(errors="replace"), s.phase, s.last_cpu_s, now - s.progressed)
+                for p, s in sorted(self.starting.items())]
 
     def hello(self, peer: bytes) -> bool:
         """Register a (re)started generator; True if it replaces an earlier incarnation."""
         restarted = peer in self.gens
         self.leaving.discard(peer)
+        self.starting.pop(peer, None)
         self._incarnations += 1
         self.gens[peer] = GeneratorState(self._incarnations)
         return restarted

@@ -218,12 +218,19 @@ class Orchestrator(TrainerSide):
                 m.GetBatch: self._on_get_batch, m.TrainerVersion: self._on_version,
                 m.Resume: self._on_resume, m.EvalRequest: self._on_eval_request,
                 m.EvalResult: self._on_eval_result, m.WeightsAnnounced: self._on_weights,
-                m.Finish: self._on_finish}
+                m.Finish: self._on_finish, m.StartProgress: self._on_start_progress}
 
     def _send(self, peer: bytes, msg) -> None:
         self.server.send(peer, *m.encode(msg))
 
     # -- generators ------------------------------------------------------------------------
+    def _on_start_progress(self, peer: bytes, msg: m.StartProgress) -> None:
+        """A starting generator's heartbeat, from its own ``gen-<id>-start`` socket only."""
+        if peer != f"gen-{msg.generator_id}-start".encode():
+            self._bad_message(peer, msg.KIND, f"start progress of generator {msg.generator_id} from another socket")
+            return
+        self.generators.start_progress(f"gen-{msg.generator_id}".encode(), msg)
+
     def _on_hello(self, peer: bytes, msg: m.Hello) -> None:
         restarted = self.generators.hello(peer)
         if restarted:  # the old process's leases never come back
@@ -263,7 +270,7 @@ class Orchestrator(TrainerSide):
         self._reap_dead()
         members = self.generators.members()
         members = {**members, **self.scoring.weight_members()}  # a lagged teacher receives the weights too
-        self._send(peer, m.Members(members))
+        self._send(peer, m.Members(members, self.generators.starts()))
         for gen in self.generators.released():  # the trainer's next group is built without them
             self._send(gen, m.Stop())
 

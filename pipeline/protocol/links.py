@@ -1,7 +1,8 @@
 """The other roles' side of the orchestrator protocol: generator and trainer links.
 
 Messages are the typed records of `pipeline.protocol.messages` (one per kind; who sends
-which is written there). A generator sends `Hello`, then `Want` credit updates, `Result` and
+which is written there). A starting generator sends `StartProgress` (from its own socket,
+`pipeline.generator.start_report`); a generator sends `Hello`, then `Want` credit updates, `Result` and
 `EvalResult`, and `Leave` when it departs; it receives `Work`, `Ack`, `EvalWork`, `Update`, `Regroup`, `Stop`. The trainer sends
 `TrainerVersion`, `Resume`, `GetBatch`, `EvalRequest`, `WeightsAnnounced`, `ListMembers`,
 `Regroup`, `Finish` and receives `Batch` and `Members`. Either may receive an `Error` naming a
@@ -284,6 +285,10 @@ class TrainerLink(_Link):
 
     def members(self, timeout_s: float) -> dict[str, int]:
         """Alive generators (identity -> incarnation), as the orchestrator sees them."""
+        return self.membership(timeout_s).members
+
+    def membership(self, timeout_s: float) -> m.Members:
+        """The orchestrator's `Members`: alive generators and the starting ones."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.send(m.ListMembers())
@@ -291,7 +296,7 @@ class TrainerLink(_Link):
             while msg is not None and not isinstance(msg, m.Members):
                 msg = self.recv(0.5)  # a stray batch reply of an earlier retry
             if msg is not None:
-                return msg.members
+                return msg
             self.refresh_address()
         raise TransportError(f"the orchestrator did not list the generators within {timeout_s:.0f}s")
 

@@ -27,7 +27,7 @@ got str")``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Union
 
 import numpy as np
@@ -80,6 +80,25 @@ class Leave:
 
     def __post_init__(self) -> None:
         at_least(self, 0, "returned")
+
+
+@message
+@dataclass(frozen=True)
+class StartProgress:
+    """A starting generator's heartbeat, sent each second before its `Hello` (its engine starts):
+    the phase it is in and the CPU seconds its engine's process tree has used so far
+    (`pipeline.generator.start_report`). The orchestrator counts it as progress while the CPU
+    seconds grow or the phase changes (`pipeline.orchestrator.members`)."""
+    KIND: ClassVar[str] = "start_progress"
+    generator_id: int
+    phase: str
+    """``starting`` (before the engine's processes exist), ``engine``, ``warm-up``."""
+    cpu_s: float
+    """CPU seconds (user + system) of the engine's process tree (of the generator process itself
+    while no engine process exists)."""
+
+    def __post_init__(self) -> None:
+        at_least(self, 0, "generator_id", "cpu_s")
 
 
 @message
@@ -265,12 +284,27 @@ class ListMembers:
     KIND: ClassVar[str] = "list_members"
 
 
+@dataclass(frozen=True)
+class StartStatus:
+    """A generator whose engine is starting (it sent `StartProgress`, no `Hello` yet)."""
+    identity: str
+    """Its identity (``gen-<id>``)."""
+    phase: str
+    """The phase it reported last."""
+    cpu_s: float
+    """The CPU seconds it reported last."""
+    quiet_s: float
+    """Seconds since its reports last showed progress (CPU seconds grown, or a new phase)."""
+
+
 @message
 @dataclass(frozen=True)
 class Members:
     KIND: ClassVar[str] = "members"
     members: dict[str, int]
     """Alive generators: identity -> incarnation."""
+    starting: list[StartStatus] = field(default_factory=list)
+    """Generators whose engine is starting, with their progress."""
 
 
 @message

@@ -19,7 +19,7 @@ TRAINER = "trainer"
 SCORER = "scorer"
 
 SENDS: dict[str, frozenset[type]] = {
-    GENERATOR: frozenset({m.Hello, m.Leave, m.Want, m.Result, m.EvalResult}),
+    GENERATOR: frozenset({m.StartProgress, m.Hello, m.Leave, m.Want, m.Result, m.EvalResult}),
     TRAINER: frozenset({m.TrainerVersion, m.Resume, m.GetBatch, m.EvalRequest, m.WeightsAnnounced,
                         m.ListMembers, m.Regroup, m.Finish}),
     ORCHESTRATOR: frozenset({m.Work, m.Ack, m.EvalWork, m.Update, m.Stop, m.Batch, m.Members,

@@ -55,6 +55,7 @@ import numpy as np
 
 from pipeline.config import record_schema
 from pipeline.generator.completion import eval_sample
+from pipeline.generator.start_report import StartReporter
 from pipeline.launch.generator_jobs import JOB_ENV, RUN_CHECK_S, job_records, run_alive
 from pipeline.launch.rendezvous import running_attempt
 from pipeline.launch.task import JOINS_RUN
@@ -111,11 +112,17 @@ class GeneratorRole:
         gcfg = replace(cfg.generator, model=model, seed=cfg.orchestrator.seed,
                        cpu_cores=cfg.generator.cpu_cores or (",".join(map(str, cores)) if cores else ""))
         self.gen = Generator(gcfg, generator_id=self.rank, schema=self.schema, episodes=episode_runner(cfg, model))
-        await self.gen.start()
-        slots = max(1, gcfg.max_num_seqs // cfg.orchestrator.group_size)
-        if self._newest_published_epoch() and not self._sole_generator():  # a running run: it says Hello
-            # once its engine is warm (the sole generator, restarted, has nobody training meanwhile)
-            await self._warm_up(slots * cfg.orchestrator.group_size)
+        report = StartReporter(self.run_dir, self.rank, cfg.orchestrator.transport, timeout)
+        try:
+            report.phase = "engine"
+            await self.gen.start()
+            slots = max(1, gcfg.max_num_seqs // cfg.orchestrator.group_size)
+            if self._newest_published_epoch() and not self._sole_generator():  # a running run: it says Hello
+                # once its engine is warm (the sole generator, restarted, has nobody training meanwhile)
+                report.phase = "warm-up"
+                await self._warm_up(slots * cfg.orchestrator.group_size)
+        finally:
+            report.stop()
         self.joinable_from = 1 + self._newest_published_epoch()  # read before the Hello (see _join)
         self.link = GeneratorLink(self.run_dir, self.rank, slots, self.schema, cfg.orchestrator.transport,
                                   timeout_s=timeout, job=self.job)

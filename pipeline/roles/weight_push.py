@@ -22,6 +22,10 @@ Invariants:
   group (at most ``generator.weight_timeout_s``);
 - each version is announced with the epoch of the group it goes into, and a group gets each
   version at most once;
+- a wait for generators (the first group's, or one after every member left) is bounded by their
+  engines' start progress (``generator.start_stall_s``, `pipeline.roles.cold_start`), not by
+  ``run.timeout_s`` alone, and runs in rounds of `WAIT_ROUND_S` that end in an agreement (`WAITING`),
+  so the other ranks never sit in one collective for a whole cold start;
 - every decision that changes what a rank does next (failed, stopping, past the deadline, which
   epoch) is agreed by all trainer ranks first, so the ranks never disagree on a collective;
 - every rank runs its parameter gathers to the end, whatever happened to its sending;
@@ -37,12 +41,20 @@ import logging
 import time
 from pathlib import Path
 
+from pipeline.roles.cold_start import ColdStartWait
 from pipeline.roles.common import agree_over_ranks
 
 log = logging.getLogger(__name__)
 
 SKIP = -1
 """The leader's agreed epoch for "no broadcast of this version" (see the module docstring)."""
+WAITING = -2
+"""The leader's agreed epoch for "still waiting for the generators; agree again" (see `WAIT_ROUND_S`)."""
+
+WAIT_ROUND_S = 10.0
+"""How long the leader waits for the generators of a group in one round: the other ranks wait in
+the round's collective, so a cold engine's start (bounded only by its progress,
+`pipeline.roles.cold_start`) never outlasts a collective's timeout; each round ends in an agreement."""
 
 LEFT_GROUP_WAIT_S = 1.0
 """How long a push waits for the next group to form when a member of the group in use has left,
@@ -73,6 +85,7 @@ class WeightPusher:
         self.pending = None  # the next group, forming in the background (leader; a GroupBuild)
         self.sent_version: int | None = None  # the version the group in use got last (leader)
         self.sent_bytes = 0  # bytes the sending ranks counted for the last version pushed (all ranks)
+        self.cold_start: ColdStartWait | None = None  # the wait for generators in progress (leader)
 
     def push(self, version: int) -> float:
         """Stream version `version` to the generators; seconds it took. A collective over the ranks.
@@ -102,6 +115,8 @@ class WeightPusher:
                     failed = True
                     log.error("weight group for version %d failed (%s)", version, exc)
             epoch = self.agree(0 if failed else target, op="leader")
+            if epoch == WAITING:
+                continue
             if epoch == SKIP:  # agreed by every rank: no gathers, no broadcast, not reported
                 return time.monotonic() - t0
             tensors = shards.tensors()
@@ -160,33 +175,50 @@ class WeightPusher:
             self.channel = None
 
     # -- the group (leader) ------------------------------------------------------------------
-    def _ensure_group(self, first: bool, senders: int) -> None:
-        """(Re)build the weight group when the alive generators differ from its members.
+    def await_generators(self, want: int) -> dict[str, int] | None:
+        """The members once ``want`` generators are (leader); None after `WAIT_ROUND_S` without
+        them (call again: the wait goes on). Bounded by the starting generators' progress
+        (`ColdStartWait`), the generators left (`check_generators_left`) and the stop signal."""
+        cfg = self.cfg
+        if self.cold_start is None:
+            self.cold_start = ColdStartWait(cfg.run.timeout_s, cfg.generator.start_stall_s,
+                                            f"waiting for {want} generator(s)")
+        round_end = time.monotonic() + WAIT_ROUND_S
+        try:
+            while True:
+                reply = self.link.membership(cfg.run.timeout_s)
+                if sum(ident.startswith("gen-") for ident in reply.members) >= want:  # a lagged teacher is a member too
+                    self.cold_start = None
+                    return reply.members
+                self.check_generators_left()
+                if self.stop_requested.is_set():  # every generator left because the run is stopping
+                    from pipeline.weights.group import WeightSyncError
+                    raise WeightSyncError("stop requested while no generator is a member")
+                self.cold_start.check(reply.starting)
+                if time.monotonic() > round_end:
+                    return None
+                time.sleep(0.5)
+        except BaseException:
+            self.cold_start = None  # the next wait starts afresh
+            raise
+
+    def _ensure_group(self, first: bool, senders: int) -> bool:
+        """(Re)build the weight group when the alive generators differ from its members; False
+        after a round of waiting for them (`await_generators`).
 
         At the start it waits for every configured generator; afterwards it builds the group of
         whoever is alive (at least one), so a dead generator costs one failed broadcast, not the run,
         and one that left (`Leave`) none; a generator joining from its own job is a member like any.
         """
-        cfg = self.cfg
-        want = cfg.cluster.generators if first else 1
-        deadline = time.monotonic() + cfg.run.timeout_s
-        while True:
-            members = self.link.members(cfg.run.timeout_s)
-            if sum(ident.startswith("gen-") for ident in members) >= want:  # a lagged teacher is a member too
-                break
-            self.check_generators_left()
-            if self.stop_requested.is_set():  # every generator left because the run is stopping
-                from pipeline.weights.group import WeightSyncError
-                raise WeightSyncError("stop requested while no generator is a member")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"only {len(members)} of {want} generator(s) alive after "
-                                   f"{cfg.run.timeout_s:.0f}s")
-            time.sleep(0.5)
+        members = self.await_generators(self.cfg.cluster.generators if first else 1)
+        if members is None:
+            return False
         if self.channel is not None and members == self.group_members:
-            return
+            return True
         self.close()
         self.pending = self._start_group(members, senders)
         self._switch()
+        return True
 
     def check_generators_left(self) -> None:
         """Raise once every generator task of the run gave up (abandoned after its restarts) and no
@@ -205,15 +237,13 @@ class WeightPusher:
                            f"see logs/generator.*.out")
 
     def _group_for(self, version: int, senders: int) -> int:
-        """The epoch to broadcast `version` into, or SKIP (leader; see the module docstring)."""
+        """The epoch to broadcast `version` into, SKIP, or WAITING (leader; see the module docstring)."""
         if self.channel is None:  # the first group, or the one after a failed broadcast: waited for
-            self._ensure_group(first=self.epoch == 0, senders=senders)
-            return self.epoch
+            return self.epoch if self._ensure_group(first=self.epoch == 0, senders=senders) else WAITING
         members = self.link.members(self.cfg.run.timeout_s)
         if not members:  # nobody to build a group of: wait for a generator, as at the start
             self.close()
-            self._ensure_group(first=False, senders=senders)
-            return self.epoch
+            return self.epoch if self._ensure_group(first=False, senders=senders) else WAITING
         if members != (self.pending.members if self.pending is not None else self.group_members):
             if self.pending is not None:
                 self.pending.abandon()

@@ -26,7 +26,8 @@ EXAMPLES = [
     m.Ack([[1, 0, "stored"], [2, 1, "filtered"]]), m.EvalWork(6, [0, 1], PROMPTS), m.Update(5), m.Stop(),
     m.GetBatch(4, 3, 2, 1), m.GetBatch(4, 3, 1), m.Batch(4, 1, {"dp_rank": np.zeros(3, np.int16)}),
     m.TrainerVersion(9), m.Resume(8), m.EvalRequest(3, 3), m.WeightsAnnounced(6), m.ListMembers(),
-    m.Members({"gen-0": 1, "gen-1": 3}), m.Regroup(2), m.Finish(), m.Error("want", "credit.free: expected int"),
+    m.Members({"gen-0": 1, "gen-1": 3}), m.Members({}, [m.StartStatus("gen-2", "engine", 41.5, 0.8)]),
+    m.StartProgress(2, "warm-up", 12.25), m.Regroup(2), m.Finish(), m.Error("want", "credit.free: expected int"),
 ]
 
 
