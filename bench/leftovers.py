@@ -15,7 +15,8 @@ import sys
 import uuid
 from pathlib import Path
 
-from pipeline.supervise import MARKER_ENV
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package, ahead of bench/pipeline.py
+from pipeline.supervise import MARKER_ENV  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' shared helpers
 from support.leftovers import leftovers  # noqa: E402

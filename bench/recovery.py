@@ -136,7 +136,9 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="one generator, only the orchestrator killed (seconds of "
                    "recovery after an engine start; the same keys)")
     p.add_argument("--generators", type=int, nargs="*", default=[1, 2], help="generator counts (default 1 2)")
-    p.add_argument("--steps", type=int, default=3000, help="steps of each run (it is cancelled after the kills)")
+    p.add_argument("--steps", type=int, default=1_000_000,
+                   help="steps of each run (it is cancelled after the kills; with two generators the other one "
+                   "trains several steps/s meanwhile: 3000 steps may end a run before a restart's cold start does)")
     args = p.parse_args()
     roles = ROLES[:1] if args.smoke else ROLES[:3] if args.quick else ROLES
     counts = [1] if args.smoke else args.generators

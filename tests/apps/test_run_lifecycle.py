@@ -103,7 +103,9 @@ def test_two_generators_a_kill_loses_no_step_a_departure_is_quick_and_sigterm_le
     from pipeline.supervise import alive, process_group
 
     run = tmp_path / "two"
-    proc = start_train(run, "run.steps=5000", "run.checkpoint_every=10000", "run.timeout_s=300",
+    # steps enough to outlast the restart (ended by (3)): generator 1 alone trained ~5 steps/s, and 5000
+    # steps ended the run 15 min after the kill, before the restarted engine's start did (load 6-12)
+    proc = start_train(run, "run.steps=1000000", "run.checkpoint_every=1000000", "run.timeout_s=300",
                        "cluster.generators=2")
     running = lambda: proc.poll() is None  # noqa: E731
     report = {}
