@@ -15,7 +15,7 @@ import sys
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package, ahead of bench/pipeline.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository first: its packages before any file of bench/
 from pipeline.supervise import MARKER_ENV  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' shared helpers

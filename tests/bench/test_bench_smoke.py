@@ -11,9 +11,10 @@ it left behind (`bench/leftovers.py`) and exits 1 if it finds one.
 The selected ones run `CONCURRENT` at a time (a smoke run is mostly start-ups: one process
 importing vLLM or megatron-core after another, one core each), longest first, each under a
 process marker of its own: started by the module's first test, each test waits for its own. The
-default suite runs seven (ingest, scorers, trainer, pipeline, generator, episodes,
-routing_mismatch); weight_sync (a vLLM engine and eleven megatron-core or gloo processes) and async_vs_sync and recovery (whole
-`tokenflow train` runs) are slow-marked, their costs in their docstrings.
+default suite runs eight (ingest, dp_balance, scorers, trainer, pipeline_parallel, generator,
+episodes, routing_mismatch); weight_sync (a vLLM engine and eleven megatron-core or gloo
+processes) and async_vs_sync and recovery (whole `tokenflow train` runs) are slow-marked, their
+costs in their docstrings.
 Besides, the weight_sync bandwidth part at quick sizes is checked in detail (every mode moved
 every byte).
 """
@@ -65,7 +66,8 @@ REPORT_KEYS = {
                       "trainer_idle_frac_async", "shared_prompt_frac", "machine_load_1min", "runs"},
     "recovery": {"bench", "mode", "generators", "two_over_one"},
     "trainer": {"bench", "mode", "throughput", "packing", "memory", "targets", "met"},
-    "pipeline": {"bench", "mode", "steps", "samples", "completion_tokens", "layouts", "machine_load_1min", "wall_s"},
+    "dp_balance": {"bench", "mode", "dp", "lengths", "cost_model", "splits", "token_over_cost_step_time"},
+    "pipeline_parallel": {"bench", "mode", "steps", "samples", "completion_tokens", "layouts", "machine_load_1min", "wall_s"},
 }
 """Top-level keys of each benchmark's report, in every mode."""
 
@@ -73,8 +75,8 @@ REPORT_KEYS = {
 CONCURRENT = 2
 """Smoke benchmarks running at once (the CI machine has two cores)."""
 
-LONGEST_FIRST = ("async_vs_sync", "weight_sync", "recovery", "pipeline", "routing_mismatch", "episodes",
-                 "generator", "trainer", "scorers", "ingest")
+LONGEST_FIRST = ("async_vs_sync", "weight_sync", "recovery", "pipeline_parallel", "routing_mismatch", "episodes",
+                 "generator", "trainer", "scorers", "dp_balance", "ingest")
 """The order they start in: the longest first, so that the two lanes end together."""
 
 
@@ -243,8 +245,17 @@ def test_weight_sync_bandwidth_quick_reports_every_mode():
     assert memory["within_bound"]
 
 
-def test_pipeline_smoke(smoke_runs):
-    report = _smoke(smoke_runs, "pipeline")
+def test_dp_balance_smoke(smoke_runs):
+    report = _smoke(smoke_runs, "dp_balance")
+    assert [c["tokens"] for c in report["cost_model"]] == sorted(c["tokens"] for c in report["cost_model"])
+    assert all(c["seconds"] > 0 and _finite(c["cost_ratio"]) for c in report["cost_model"])
+    for split in report["splits"].values():
+        assert 0 < len(split["rank_seconds"]) <= report["dp"] and split["max_s"] == max(split["rank_seconds"])
+    assert _finite(report["token_over_cost_step_time"])
+
+
+def test_pipeline_parallel_smoke(smoke_runs):
+    report = _smoke(smoke_runs, "pipeline_parallel")
     assert set(report["layouts"]) == {"tp1", "pp2"}
     pp2 = report["layouts"]["pp2"]
     assert pp2["step_s"] > 0 and set(pp2["bubble_measured"]) == {"0", "1"}

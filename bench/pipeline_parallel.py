@@ -12,7 +12,7 @@ and the schedule call (wall); ``bubble_measured`` = 1 - compute / wall per stage
 ranks' mean; the idle time and the point-to-point transfers), next to 1F1B's ideal
 ``bubble_ideal`` = (pp - 1) / (m + pp - 1) for equal stages.
 
-    python bench/pipeline.py [--quick | --smoke]     # last line: one JSON object
+    python bench/pipeline_parallel.py [--quick | --smoke]     # last line: one JSON object
 
 --smoke: one rank and PP2, 2 steps of 4 samples (harness check); --quick: all four layouts, 4
 steps of 16 samples; default: 8 steps of 32 samples.
@@ -157,7 +157,7 @@ def main() -> dict:
         bubble = f"bubble {r['bubble_measured']} (1F1B ideal {r['bubble_ideal']})" if "bubble_ideal" in r else ""
         print(f"{name:7s} {r['ranks']} rank(s): step {r['step_s'] * 1e3:7.1f} ms, {r['speedup']:.2f}x one rank, "
               f"m={r['micro_batches']} {bubble}")
-    return {"bench": "pipeline", "mode": mode, "steps": steps, "samples": samples, "completion_tokens": length,
+    return {"bench": "pipeline_parallel", "mode": mode, "steps": steps, "samples": samples, "completion_tokens": length,
             "layouts": layouts, "machine_load_1min": os.getloadavg()[0], "wall_s": round(time.monotonic() - t0, 1)}
 
 
