@@ -87,8 +87,11 @@ def test_every_benchmark_has_a_smoke_test():
 
 def _run_smoke(name: str, env: dict, *extra: str) -> subprocess.CompletedProcess:
     t0 = time.monotonic()
+    from pipeline.supervise import die_with_parent
+
+    # dies with this process (a killed pytest ends its smoke runs; each benchmark ends its own children)
     proc = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--smoke", *extra], capture_output=True,
-                          text=True, timeout=600, env=env)
+                          text=True, timeout=600, env=env, preexec_fn=die_with_parent)
     print(f"bench/{name}.py --smoke: {time.monotonic() - t0:.1f} s", flush=True)  # shown with -s
     return proc
 
