@@ -17,12 +17,11 @@ from test_slurm_train import REPO, status_of, wait_until
 pytestmark = pytest.mark.slurm
 
 
-@pytest.mark.slow
 def test_sigterm_to_the_batch_step_ends_the_run_as_cancel_does(tmp_path):
-    """About 30 s: two probe roles hold until stopped; `scancel --batch --signal=TERM` signals only
-    the batch shell. Slow-marked while a race is open: in the merged tree's CI run the job (cancelled
-    by the trap's `tokenflow cancel`) started a second attempt 13 s later, whose probes, not held,
-    completed; the components then read COMPLETED (issue #29)."""
+    """About 20 s: two probe roles hold until stopped; `scancel --batch --signal=TERM` signals only
+    the batch shell. Found at merge: the batch shell outlived the cancel long enough for
+    `batch finish` to read the stopped roles as a checkpoint stop and requeue the job (a second
+    attempt ran and completed); the trap now marks the run cancelled and the shell never requeues."""
     plan = JobPlan(name="tf-sbatch-term", components={
         "trainer": ComponentSpec(entry="pipeline.launch.probe:probe", mem_gb=0.5, time_min=5),
         "generator": ComponentSpec(entry="pipeline.launch.probe:probe", mem_gb=0.5, time_min=5)},
