@@ -199,16 +199,22 @@ def trainer(run: Run) -> None:
     run.uses(f"optimizer {kind}, {cfg.trainer.parallel.params_dtype} parameters" + (f", {masters}" if bf16 else ""))
 
 
-def _compute_capability() -> float | None:
+def smallest_gpu_figure(query: str) -> float | None:
+    """The smallest value of ``nvidia-smi --query-gpu=QUERY`` over this node's GPUs (units as
+    nvidia-smi prints them without their name), None without nvidia-smi or a GPU."""
     if not shutil.which("nvidia-smi"):
         return None
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=20)
-        caps = [float(x) for x in out.stdout.split()]
-        return min(caps) if caps else None
+        values = [float(x) for x in out.stdout.split()]
+        return min(values) if values else None
     except (OSError, ValueError, subprocess.TimeoutExpired):
         return None
+
+
+def _compute_capability() -> float | None:
+    return smallest_gpu_figure("compute_cap")
 
 
 @check("checkpoint")

@@ -13,23 +13,15 @@ what binds.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 
+from pipeline.doctor.checks import smallest_gpu_figure
 from pipeline.doctor.registry import Run, check
 
 
 def _gpu_memory_bytes() -> float | None:
-    """The smallest GPU's memory on this node (nvidia-smi), None when there is none."""
-    if not shutil.which("nvidia-smi"):
-        return None
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20)
-        sizes = [float(x) * 1024 ** 2 for x in out.stdout.split()]
-        return min(sizes) if sizes else None
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        return None
+    """The smallest GPU's memory on this node (nvidia-smi's MiB), None when there is none."""
+    mib = smallest_gpu_figure("memory.total")
+    return None if mib is None else mib * 1024 ** 2
 
 
 @check("memory")
