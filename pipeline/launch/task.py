@@ -250,10 +250,11 @@ def run_task(plan: JobPlan, run_dir: Path, launch_index: int, environ: Mapping[s
     requeues = _under_submitit() and plan.config.get(REQUEUES, True)
     requeue = _submitit_requeue(checkpoint_signal()) if global_rank == 0 and requeues else None
     env = {**environ, "TOKENFLOW_GLOBAL_RANK": str(global_rank), **_mpi_dist_env(plan, role, rank, node)}
+    boot = json.loads(env.get(DIST_ENV, "{}"))
     notice = RESTART_NOTICES.get(role)
     supervisor = TaskSupervisor(role_argv(run_dir, launch_index), env, result_file,
                                 spec.max_restarts, spec.optional, plan.stop_grace_s, requeue,
-                                wait_for_requeue=requeues,
+                                wait_for_requeue=requeues, pass_fds=(boot["listen_fd"],) if "listen_fd" in boot else (),
                                 on_restart=(lambda: resolve_entry(notice)(run_dir, rank)) if notice else None)
     code = supervisor.run((signal.SIGTERM, checkpoint_signal()))
     if code != 0:
