@@ -2,7 +2,8 @@
 
 A 4-rank PP2 x TP2 run (`experiment=moe-pp2tp2-slurm`: trainer ranks 2 + 2 on two nodes, the
 vLLM generator on the third) with ``cluster.network.address=127.0.0.2``, a second loopback address
-nothing else uses. While it runs, the test reads the listening TCP sockets of every Python process
+nothing else uses, and ``cluster.network.interface=lo``, its interface (NCCL_SOCKET_IFNAME and
+GLOO_SOCKET_IFNAME=lo, whose own address, 127.0.0.1, gloo would otherwise take). While it runs, the test reads the listening TCP sockets of every Python process
 of the run (found by the test's process marker, which Slurm's tasks inherit; `srun`'s own
 listeners are Slurm's, not the run's) and requires each to be bound to 127.0.0.2: the trainer's
 process-group store, its gloo groups (megatron's, the weight channel's), the weight store, the
@@ -57,7 +58,7 @@ def test_every_listener_of_a_slurm_run_binds_the_chosen_address(tmp_path):
     run = tmp_path / "net"
     proc = subprocess.Popen(
         [sys.executable, "-m", "pipeline.cli", "train", "experiment=moe-pp2tp2-slurm", "run.name=net",
-         f"hydra.run.dir={run}", f"cluster.network.address={ADDRESS}", "cluster.trainer.time_min=30",
+         f"hydra.run.dir={run}", f"cluster.network.address={ADDRESS}", "cluster.network.interface=lo", "cluster.trainer.time_min=30",
          "cluster.generator.time_min=30", "run.steps=4", "run.eval_every=0", "run.checkpoint_every=4",
          "run.timeout_s=300", "run.progress=false", "logger=[]", "orchestrator.groups_per_step=4",
          "orchestrator.group_size=8", "trainer.micro_batch_tokens=256", "trainer.export=never"],
