@@ -57,6 +57,7 @@ from pipeline.launch.rendezvous import DIST_ENV, Rendezvous, mpi_bootstrap, unde
 from pipeline.launch.supervisor import ROLE_PROCESS_ENV, RoleFailed, TaskSupervisor, role_argv
 from pipeline.supervise import become_subreaper, end_tree, own_resource_trackers, signal_note
 from pipeline.run_files import LOGS_DIR, PLAN_FILE, RESULTS_DIR
+from pipeline.weights.guarded_groups import ADDRESS_ENV
 
 
 PLAN_ENV = "TOKENFLOW_PLAN"
@@ -274,7 +275,8 @@ def _mpi_dist_env(plan: JobPlan, role: str, rank: int, node: str) -> Dict[str, s
         print(f"plan.mpi={plan.mpi} but this task was not launched under MPI: file rendezvous", flush=True)
         return {}
     roles = list(plan.components)
-    got = mpi_bootstrap(roles.index(role), rank, plan.components[role].num_tasks, node)
+    host = plan.env.get(ADDRESS_ENV, node)  # cluster.network.address: rank 0's store listens there only
+    got = mpi_bootstrap(roles.index(role), rank, plan.components[role].num_tasks, host)
     print(f"MPI bootstrap: {role} rank {got['rank']} of {got['size']}, master {got['host']}:{got['port']}", flush=True)
     return {DIST_ENV: json.dumps(got)}
 
