@@ -52,7 +52,7 @@ def listeners_of_the_run(marker: str) -> dict[str, set[tuple[str, int]]]:
 
 @pytest.mark.slurm
 @pytest.mark.engine
-@pytest.mark.slow  # about 2 min on 2 cores (63-108 s for the run, then its teardown): TOKENFLOW_SLOW=1 runs it
+@pytest.mark.slow  # 52 s measured on 2 cores (a 4-rank job and a vLLM engine): TOKENFLOW_SLOW=1 runs it
 @pytest.mark.timeout(900)
 def test_every_listener_of_a_slurm_run_binds_the_chosen_address(tmp_path):
     run = tmp_path / "net"
