@@ -136,14 +136,15 @@ class TrainerRole:
             prepare_model(self.run_dir, cfg)
             self.orchestrator = KeptProcess("orchestrator", lambda: start_orchestrator(self.run_dir),
                                             cfg.orchestrator.max_restarts, _interrupt_main)
-        dist = self._process_group_master(timeout)
+        store = self._process_group_store(timeout)
         model = model_dir(self.run_dir, timeout)
         from dataclasses import replace
 
+        from pipeline.launch.network import bind_gloo_groups
         from pipeline.trainer.engine import Trainer
+        bind_gloo_groups()  # cluster.network.address: the process group and megatron's groups listen there
         tcfg = replace(cfg.trainer, model_dir=str(model), timeout_s=timeout)
-        self.trainer = Trainer(tcfg, rank=self.rank, world_size=self.world,
-                               init_method=f"tcp://{dist['host']}:{dist['port']}")
+        self.trainer = Trainer(tcfg, rank=self.rank, world_size=self.world, store=store)
         self.start_step, ckpt = latest_checkpoint(self.run_dir)
         if ckpt is not None:
             self.trainer.load(ckpt)
@@ -170,18 +171,27 @@ class TrainerRole:
         else:
             self.link.report_version(self.version)
 
-    def _process_group_master(self, timeout: float) -> dict:
-        """{"host", "port"} of the trainer's process group: from MPI where the launch bootstrapped it
-        (`cluster.mpi`; docs/moe-scale.md), else published by rank 0 in the run's rendezvous."""
-        from pipeline.launch.rendezvous import DIST_ENV, free_port
+    def _process_group_store(self, timeout: float):
+        """The TCPStore of the trainer's process group, served by rank 0 on one address only. Its
+        address comes from MPI where the launch bootstrapped it (`cluster.mpi`, docs/moe-scale.md:
+        rank 0 serves on the socket its supervisor bound), else rank 0 binds `_host`'s (`listen_on`)
+        and publishes it in the run's rendezvous: the published port is the one listening."""
+        import datetime
+
+        from pipeline.launch.rendezvous import DIST_ENV, bootstrap_store, listen_on, open_store
         if os.environ.get(DIST_ENV):
             boot = json.loads(os.environ[DIST_ENV])
             log.info("process group from MPI: rank %d of %d, master %s:%d", boot["rank"], boot["size"],
                      boot["host"], boot["port"])
-            return boot
+            return bootstrap_store(boot, timeout)
+        wait = datetime.timedelta(seconds=timeout)
         if self.leader:
-            self.rdv.publish("trainer_dist", {"host": self._host(), "port": free_port()})
-        return self.rdv.wait("trainer_dist", timeout)
+            host = self._host()
+            listener = listen_on(host)
+            self.rdv.publish("trainer_dist", {"host": host, "port": listener.getsockname()[1]})
+            return open_store(host, listener.getsockname()[1], self.world, True, wait, listener)
+        master = self.rdv.wait("trainer_dist", timeout)
+        return open_store(master["host"], master["port"], self.world, False, wait)
 
     def _host(self) -> str:
         """Address other roles reach this process at: ``cluster.network``'s, else loopback locally
