@@ -230,10 +230,13 @@ class MessageServer(_Endpoint):
         """Next valid message and its sender's identity, or None after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
-            remaining = max(0.0, deadline - time.monotonic())
-            if not self.poller.poll(int(remaining * 1000)):
-                return None
-            frames = self.sock.recv_multipart(copy=False)
+            try:  # a ready message is taken without polling first (a turn drains many)
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self.poller.poll(int(remaining * 1000)):
+                    return None
+                continue
             identity, payload = frames[0].bytes, frames[1:]
             msg = self._admit(identity, payload)
             if msg is not None:
