@@ -361,7 +361,20 @@ class SampleBatch:
             cols[name] = self.columns[name][p0:p1]
         for name in self.schema.token_fields():
             cols[name] = self.columns[name][c0:c1]
-        return SampleBatch(cols, self.schema, validate=False)
+        return self._derived(cols, self._p_off[start:stop + 1] - p0, self._c_off[start:stop + 1] - c0)
+
+    def with_column(self, name: str, values: np.ndarray) -> "SampleBatch":
+        """This batch with the scalar column ``name`` (not a length) replaced by ``values``, of
+        the same rows (not validated)."""
+        if name in ("prompt_len", "completion_len") or name not in self.schema.scalar_columns():
+            raise RecordError(f"{name} is not a scalar column that can be replaced")
+        return self._derived({**self.columns, name: values}, self._p_off, self._c_off)
+
+    def _derived(self, columns: dict[str, np.ndarray], p_off: np.ndarray, c_off: np.ndarray) -> "SampleBatch":
+        """A batch of ``columns`` whose offsets are known (no validation, no recount)."""
+        out = SampleBatch.__new__(SampleBatch)
+        out.columns, out.schema, out._p_off, out._c_off = columns, self.schema, p_off, c_off
+        return out
 
     def prompt(self, i: int, name: str = "prompt_ids") -> np.ndarray:
         """Row i's per-prompt-token ``name`` (the prompt's ids by default)."""

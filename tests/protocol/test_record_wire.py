@@ -149,3 +149,20 @@ def test_signed_but_inconsistent_array_specs_are_malformed():
     frames = [wire._mac(KEY, [header, body]), header, body]
     with pytest.raises(wire.FrameError, match="not allowed"):
         wire.decode(KEY, frames, 1 << 20)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.sampled_from([0, 1, 7, 64, wire.SMALL_PART, wire.SMALL_PART + 1, 40_000]), max_size=20),
+       st.integers(0, 2**32))
+def test_the_mac_is_gmac_over_the_length_prefixed_concatenation(sizes, seed):
+    """Small parts are fed to GHASH joined, large ones alone: the tag is the one of a single
+    GMAC over every length prefix and part in order (computed here in one call)."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+    rng = np.random.default_rng(seed)
+    key, nonce = rng.bytes(32), rng.bytes(wire.NONCE_BYTES)
+    parts = [rng.bytes(n) for n in sizes]
+    ctx = Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
+    ctx.authenticate_additional_data(b"".join(len(p).to_bytes(8, "little") + p for p in parts))
+    ctx.finalize()
+    assert wire._mac(key, [memoryview(p) for p in parts], nonce) == nonce + ctx.tag
