@@ -1,10 +1,11 @@
 """The orchestrator process: admission, leases, scoring, the buffer and its durable log.
 
 One single-threaded event loop owns all state (scoring runs in a thread pool and reports back to
-the loop). Per turn it: receives and handles every waiting message; expires leases; resolves
-scored groups (filter, staleness, store); flushes the rollout log once and only then acknowledges
-the results that flush covers; grants work within the admission bound; serves a waiting step
-batch; writes metrics.
+the loop). Per turn it: receives and handles every waiting message (results wait, and are
+checked as one batch once the flush is due: `pipeline.orchestrator.ingest`); expires leases;
+resolves scored groups (filter, staleness, store); flushes the rollout log once and only then
+acknowledges the results that flush covers; grants work within the admission bound; serves a
+waiting step batch; writes metrics.
 
 Invariants (`docs/architecture.md`, "Staleness, admission and the policy clock", "Crash resume"):
 - each admitted group is resolved once: stored, filtered or dropped (by reason); a result is
