@@ -119,6 +119,26 @@ def test_batch_validation_catches_inconsistent_columns():
         SampleBatch(cols, RecordSchema())
 
 
+def test_rows_are_views_equal_to_taking_those_rows_and_a_replaced_column_keeps_the_rest():
+    schema = RecordSchema(routed_experts=(2, 2))
+    samples = [_sample(schema=schema, sample_index=i, prompt_ids=list(range(1, 2 + i)),
+                       completion_ids=[3] * (i + 1), logprobs=[-0.5] * (i + 1), versions=[0] * (i + 1),
+                       prompt_routed_experts=np.full((i + 1, 2, 2), i, np.int16),
+                       routed_experts=np.full((i + 1, 2, 2), i, np.int16)) for i in range(5)]
+    batch = SampleBatch.from_samples(samples, schema)
+    part = batch.rows(1, 4)
+    taken = batch.take([1, 2, 3])  # a copy, gathered row by row: the reference
+    for name, column in taken.columns.items():
+        np.testing.assert_array_equal(part.columns[name], column)
+        assert np.shares_memory(part.columns[name], batch.columns[name])
+    assert [part.tokens("completion_ids", i).tolist() for i in range(3)] == [[3] * 2, [3] * 3, [3] * 4]
+    rewarded = part.with_column("reward", np.arange(3, dtype=np.float32))
+    assert rewarded.columns["reward"].tolist() == [0, 1, 2] and part.columns["reward"].tolist() != [0, 1, 2]
+    np.testing.assert_array_equal(rewarded.prompt(2), taken.prompt(2))
+    with pytest.raises(RecordError, match="completion_len"):
+        part.with_column("completion_len", np.ones(3, np.int32))
+
+
 def test_tampered_or_foreign_frames_are_rejected_by_reason():
     frames = [bytes(f) for f in wire.encode(KEY, "x", {"a": 1}, {"v": np.ones(4, np.float32)})]
     bad_key = [bytes(f) for f in wire.encode(b"z" * 32, "x", {"a": 1}, {"v": np.ones(4, np.float32)})]
