@@ -150,11 +150,14 @@ class ResultIngest:
 
     def _accept(self, peer: bytes, msg: m.Result, batch: SampleBatch) -> None:
         gid = msg.group_id
-        self.admission.accept(gid)
-        tokens = batch.num_tokens
-        self._ingested_tokens += tokens
-        self._ingested_total += tokens
-        self.scoring.submit((gid, msg.attempt, peer), batch, self.prompts.for_group(gid))
+        try:
+            self.admission.accept(gid)
+            tokens = batch.num_tokens
+            self._ingested_tokens += tokens
+            self._ingested_total += tokens
+            self.scoring.submit((gid, msg.attempt, peer), batch, self.prompts.for_group(gid))
+        except Exception as exc:  # no message ends the run (checked after its handler returned)
+            self._handler_failed(peer, msg.KIND, exc)
 
     # -- resolution ----------------------------------------------------------------------------
     def _resolve_scored(self) -> None:
