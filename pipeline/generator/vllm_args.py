@@ -13,7 +13,8 @@ Invariants:
 - On CPU a one-rank engine runs its worker inside EngineCore (vLLM's one-process executor, as vLLM
   does on a GPU), not in a third process: one vLLM import less per engine start (≈7 s of a core).
   That process gets the OpenMP environment vLLM's multiprocess executor gives its worker
-  (`engine_process_env`: e.g. on 2 cores with ``cpu_cores`` unset, one OpenMP thread bound to core 1).
+  (`engine_process_env`: e.g. on 2 cores with ``cpu_cores`` unset, one OpenMP thread, unbound; with
+  ``cpu_cores: "0"``, one thread bound to core 0).
 - ``dtype: auto`` is the checkpoint's dtype, passed to vLLM by name (`engine_dtype`).
 - ``weight_sync: auto`` is streamed on a GPU engine fed by broadcast (NCCL), else staged for a
   checkpoint of at most ``staged_max_gb`` (e.g. 3 GB of safetensors with the default 8: staged) and
@@ -31,6 +32,8 @@ from pipeline.generator.engine_plan import engine_plan
 
 EXTENSION = "pipeline.generator.worker_extension.WeightSyncExtension"
 _CPU_BATCHED_TOKENS = 4096  # tokens per engine step on CPU (prefills are never chunked there)
+_OMP_BINDING_ENV = ("OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
+"""What pins OpenMP threads to cores; unset for an engine without ``cpu_cores`` (`engine_process_env`)."""
 
 
 def resolve_weight_sync(config: GeneratorConfig, platform: str | None = None) -> str:
@@ -101,8 +104,10 @@ def engine_args(config: GeneratorConfig, seed: int | None = None):
 @contextmanager
 def engine_process_env(vllm_config) -> Iterator[None]:
     """While an engine is built from `vllm_config`: on CPU with the worker inside EngineCore, the
-    OpenMP environment (threads, binding) vLLM's multiprocess executor sets for its rank-0 worker,
-    so that EngineCore, spawned meanwhile, starts with it; elsewhere nothing."""
+    OpenMP environment vLLM's multiprocess executor sets for its rank-0 worker, so that EngineCore,
+    spawned meanwhile, starts with it; elsewhere nothing. Its binding only with ``cpu_cores`` set:
+    vLLM's automatic one binds every engine of a machine to the same cores (core 0 of 2), which
+    held its workers only; EngineCore's scheduling, bound with it, then queued there too."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu() or vllm_config.parallel_config.world_size != 1:
@@ -111,6 +116,9 @@ def engine_process_env(vllm_config) -> Iterator[None]:
     from vllm.utils.ompmultiprocessing import OMPProcessManager
 
     with OMPProcessManager(vllm_config).configure_omp_envs(rank=0, local_rank=0):
+        if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":  # no cores: the thread count, no binding
+            for name in _OMP_BINDING_ENV:
+                os.environ.pop(name, None)
         yield
 
 
