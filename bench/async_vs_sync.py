@@ -222,7 +222,7 @@ def main() -> dict:
         t = time.monotonic()
         base = common_overrides(prompts, steps)
         if args.smoke:  # the untrained tiny model: no warm-start to build (minutes in a fresh cache); no core
-            # plan, which would put both runs' generators (three processes importing vLLM each) on core 0
+            # plan, which would put both runs' generators (two processes importing vLLM each) on core 0
             base += ["model.warmstart_steps=0", "cluster.cpu_plan=none"]
         else:
             model = prebuild_warm_start(prompts, root / "prebuild")

@@ -390,6 +390,9 @@ async def stall(args) -> dict:
         load = Load(gen, args.batch, args.gen_tokens)
         tasks = load.start()
         await asyncio.sleep(args.warmup)
+        warm_until = time.monotonic() + TIMEOUT_S  # a loaded machine's first steps may outlast the warm-up
+        while load.done_tokens == 0 and time.monotonic() < warm_until:
+            await asyncio.sleep(0.1)
         kinds = ("without", *KINDS)
         windows: dict[str, list[tuple[int, float]]] = {k: [] for k in kinds}  # (tokens, seconds)
         reports: dict[str, list] = {k: [] for k in KINDS}
@@ -544,7 +547,7 @@ def main() -> dict:
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between updates (b)")
     ap.add_argument("--batch", type=int, default=32, help="sequences decoding at once (b)")
     ap.add_argument("--gen-tokens", type=int, default=128, help="tokens per request (b)")
-    ap.add_argument("--warmup", type=float, default=3.0, help="seconds of generation before measuring (b)")
+    ap.add_argument("--warmup", type=float, default=3.0, help="seconds of generation before measuring, and until a first request finished (b)")
     ap.add_argument("--_sender", choices=("bandwidth", "stall"), help=argparse.SUPPRESS)
     ap.add_argument("--_port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--_store-port", type=int, help=argparse.SUPPRESS)

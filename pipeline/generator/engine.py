@@ -68,7 +68,8 @@ from pipeline.generator.capture import kept_token_ids
 from pipeline.generator.completion import Completion, EpisodeRunning, rollout_sample
 from pipeline.generator.config import GeneratorConfig, GroupRequest, request_seed
 from pipeline.generator.engine_plan import EnginePlan, engine_plan
-from pipeline.generator.vllm_args import engine_args, resolve_weight_sync, sampled_logprobs, sampling_params
+from pipeline.generator.vllm_args import (engine_args, engine_process_env, resolve_weight_sync, sampled_logprobs,
+                                          sampling_params)
 from pipeline.protocol.codec import MessageError
 from pipeline.protocol.record import RecordSchema, RolloutSample
 from pipeline.protocol.worker_status import Received, received_state
@@ -142,7 +143,10 @@ class Generator:
         self.plan = engine_plan(self.config)
         before = set(descendants(os.getpid()))
         mark_owner()  # the engine's processes end when this one dies, SIGKILL included
-        self.engine = AsyncLLM.from_engine_args(engine_args(self.config))
+        args = engine_args(self.config)
+        vllm_config = args.create_engine_config()
+        with engine_process_env(vllm_config):
+            self.engine = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=args.disable_log_stats)
         self._engine_pids = [p for p in descendants(os.getpid())  # the tracker ends with this process
                              if p not in before and not is_resource_tracker(p)]
         await self.engine.update_weight_version(str(self.version))

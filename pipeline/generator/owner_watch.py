@@ -16,7 +16,7 @@ Each worker imports our worker extension (`pipeline.generator.worker_extension`)
 owner is gone (exited, a zombie, or its pid taken by another process: the start time differs) the
 thread SIGKILLs the worker's parent if the parent carries the same ``OWNER_ENV`` value (EngineCore),
 then the worker itself. Nothing is asked of the owner when it dies. (Where vLLM runs the worker
-inside EngineCore, one rank on a GPU, the watch runs in EngineCore: its parent is the owner, so it
+inside EngineCore, one rank on a GPU or on CPU (`pipeline.generator.vllm_args`), the watch runs in EngineCore: its parent is the owner, so it
 ends only itself.)
 
 Invariants:

@@ -10,6 +10,11 @@ Invariants:
 - A sampled request asks for the logprob of the sampled token only (``logprobs=0``, more when the
   sampling mask needs the top-k ids); `sampled_logprobs` returns exactly one float per completion
   token, in order.
+- On CPU a one-rank engine runs its worker inside EngineCore (vLLM's one-process executor, as vLLM
+  does on a GPU), not in a third process: one vLLM import less per engine start (≈7 s of a core).
+  That process gets the OpenMP environment vLLM's multiprocess executor gives its worker
+  (`engine_process_env`: e.g. on 2 cores with ``cpu_cores`` unset, one OpenMP thread, unbound; with
+  ``cpu_cores: "0"``, one thread bound to core 0).
 - ``dtype: auto`` is the checkpoint's dtype, passed to vLLM by name (`engine_dtype`).
 - ``weight_sync: auto`` is streamed on a GPU engine fed by broadcast (NCCL), else staged for a
   checkpoint of at most ``staged_max_gb`` (e.g. 3 GB of safetensors with the default 8: staged) and
@@ -18,7 +23,8 @@ Invariants:
 from __future__ import annotations
 
 import os
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from pipeline.generator.capture import logprobs_to_request
 from pipeline.generator.config import GeneratorConfig
@@ -26,6 +32,8 @@ from pipeline.generator.engine_plan import engine_plan
 
 EXTENSION = "pipeline.generator.worker_extension.WeightSyncExtension"
 _CPU_BATCHED_TOKENS = 4096  # tokens per engine step on CPU (prefills are never chunked there)
+_OMP_BINDING_ENV = ("OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
+"""What pins OpenMP threads to cores; unset for an engine without ``cpu_cores`` (`engine_process_env`)."""
 
 
 def resolve_weight_sync(config: GeneratorConfig, platform: str | None = None) -> str:
@@ -80,6 +88,9 @@ def engine_args(config: GeneratorConfig, seed: int | None = None):
         # prefill is split across steps: every prompt is prefilled whole instead.
         extra.update(enable_chunked_prefill=False,
                      max_num_batched_tokens=max(config.max_model_len, _CPU_BATCHED_TOKENS))
+        if config.tensor_parallel_size == 1:  # the worker inside EngineCore (a class: vLLM's CPU platform turns "uni" into "mp")
+            from vllm.v1.executor.uniproc_executor import UniProcExecutor
+            extra["distributed_executor_backend"] = UniProcExecutor
     if logprobs_to_request(config.sampling_mask_width) > 20:  # vLLM's default max_logprobs
         extra["max_logprobs"] = logprobs_to_request(config.sampling_mask_width)
     return AsyncEngineArgs(
@@ -88,6 +99,27 @@ def engine_args(config: GeneratorConfig, seed: int | None = None):
         tensor_parallel_size=config.tensor_parallel_size, max_num_seqs=config.max_num_seqs,
         gpu_memory_utilization=config.gpu_memory_utilization, logprobs_mode=config.logprobs_mode,
         enable_prefix_caching=plan.prefix_caching, worker_extension_cls=EXTENSION, disable_log_stats=True, **extra)
+
+
+@contextmanager
+def engine_process_env(vllm_config) -> Iterator[None]:
+    """While an engine is built from `vllm_config`: on CPU with the worker inside EngineCore, the
+    OpenMP environment vLLM's multiprocess executor sets for its rank-0 worker, so that EngineCore,
+    spawned meanwhile, starts with it; elsewhere nothing. Its binding only with ``cpu_cores`` set:
+    vLLM's automatic one binds every engine of a machine to the same cores (core 0 of 2), which
+    held its workers only; EngineCore's scheduling, bound with it, then queued there too."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or vllm_config.parallel_config.world_size != 1:
+        yield
+        return
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    with OMPProcessManager(vllm_config).configure_omp_envs(rank=0, local_rank=0):
+        if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":  # no cores: the thread count, no binding
+            for name in _OMP_BINDING_ENV:
+                os.environ.pop(name, None)
+        yield
 
 
 def sampling_params(config: GeneratorConfig, seed: int | None, max_tokens: int, greedy: bool = False,

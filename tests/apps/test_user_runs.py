@@ -135,7 +135,7 @@ def format_runs(tmp_path_factory) -> dict[str, Path]:
     jsonl.write_text("".join(json.dumps({"prompt": r["prompt"][0]["content"],
                                          "answer": r["reward_model"]["ground_truth"]}) + "\n" for r in gsm8k_rows(200)))
     paths = {"parquet": parquet, "saved": saved, "jsonl": jsonl}
-    # no core plan: with one, the three runs' generators (three processes importing vLLM each) would share core 0;
+    # no core plan: with one, the three runs' generators (two processes importing vLLM each) would share core 0;
     # the held-out evaluation in the Parquet run only (by held-out set and data source)
     started = {fmt: start_train(root / fmt, "task=dataset", f"task.path={path}", "logger=[]", "cluster.cpu_plan=none",
                                 *([] if fmt == "parquet" else ["run.eval_every=0"])) for fmt, path in paths.items()}

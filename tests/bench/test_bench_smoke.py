@@ -14,7 +14,8 @@ process marker of its own: started by the module's first test, each test waits f
 default suite runs eight (ingest, dp_balance, scorers, trainer, pipeline_parallel, generator,
 episodes, routing_mismatch); weight_sync (a vLLM engine and eleven megatron-core or gloo
 processes) and async_vs_sync and recovery (whole `tokenflow train` runs) are slow-marked, their
-costs in their docstrings.
+costs in their docstrings: all eleven took 183-269 s two at a time (bench/results/2026-12-06-smoke.md),
+over #28's 2 minutes.
 Besides, the weight_sync bandwidth part at quick sizes is checked in detail (every mode moved
 every byte).
 """
@@ -183,7 +184,7 @@ def test_routing_mismatch_smoke(smoke_runs):
 
 @pytest.mark.slow
 def test_weight_sync_smoke(smoke_runs):
-    """~110-125 s on a 2-core machine: a vLLM engine and eleven megatron-core or gloo processes
+    """~70-200 s on a 2-core machine beside the others: a vLLM engine and eleven megatron-core or gloo processes
     (the bandwidth part alone is in the default suite: the test below)."""
     report = _smoke(smoke_runs, "weight_sync")
     assert set(report["bandwidth"]["sets"]) == {"tiny-dense", "tiny-moe", "big"}
@@ -195,8 +196,8 @@ def test_weight_sync_smoke(smoke_runs):
 
 @pytest.mark.slow
 def test_async_vs_sync_smoke(smoke_runs):
-    """~80-120 s on a 2-core machine: two `tokenflow train` runs of one step at once (each a launcher,
-    a trainer, an orchestrator and a vLLM engine's three processes, most of it their imports)."""
+    """~75-95 s on a 2-core machine: two `tokenflow train` runs of one step at once (each a launcher,
+    a trainer, an orchestrator and a vLLM engine's two processes, most of it their imports)."""
     report = _smoke(smoke_runs, "async_vs_sync")
     assert report["steps"] == 1 and set(report["runs"]) == {"sync", "async"}
     assert all(r["steps"] == 1 for r in report["runs"].values())
@@ -205,7 +206,7 @@ def test_async_vs_sync_smoke(smoke_runs):
 
 @pytest.mark.slow
 def test_recovery_smoke(smoke_runs):
-    """~60-90 s on a 2-core machine: a one-generator run, trained until its orchestrator is killed at
+    """~50-55 s on a 2-core machine: a one-generator run, trained until its orchestrator is killed at
     step 3 and trains again. Also the old failure of the script itself: it put tests/support/ first on its path, so its
     ``leftovers`` was the tests' module (no ``no_process_left``) and it exited 1 at once."""
     report = _smoke(smoke_runs, "recovery")
