@@ -37,7 +37,8 @@ PARITY_TOL = 1e-5  # fp32
 # elements under vocabulary-parallel TP: 7e-6 of weight difference measured at lr 1e-4 on PP2 x TP2.
 LR = 3e-5
 LAYOUTS = {"tp1": (1, {}), "pp2": (2, {"pp": 2}), "pp2tp2": (4, {"pp": 2, "tp": 2}),
-           "pp2ep2": (4, {"pp": 2, "ep": 2})}
+           "pp2ep2": (4, {"pp": 2, "ep": 2}), "cp2": (2, {"cp": 2}),
+           "cp2ep2": (4, {"cp": 2, "ep": 2})}  # cp: test_context_parallel.py
 
 
 def make_step_samples(step: int, experts: int, k: int, layers: int) -> list:
