@@ -10,6 +10,9 @@ Invariants:
   micro-batch split give the same update (up to float rounding).
 - Ranks run the same number of micro-batches (padded with token-free dummies) because MoE
   expert-parallel dispatch is a collective in every forward.
+- Context parallelism: the ranks of a CP group hold the same samples and micro-batches; each
+  feeds the model its share of every sequence and gathers the per-token logprobs back
+  (`context_parallel`), so loss and metrics are one rank's; DDP sums gradients over DP x CP.
 - Checkpoints (``save``/``load``, see ``checkpoint``) hold weights and Adam moments in Hugging
   Face names and shapes; they restore exactly on any TP/EP/DP layout of the same model.
 - With ``trainer.lora.rank > 0`` (``lora``) the base weights are frozen: only the adapters are in

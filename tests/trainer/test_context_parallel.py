@@ -42,6 +42,46 @@ def test_rank_positions_balance_causal_work_and_cover_every_position_once():
         rank_positions([0, 6], 2, 0)
 
 
+def test_context_parallel_settings_it_cannot_run_are_refused_by_name(tmp_path):
+    from pipeline.config import TokenflowConfig, validate
+    from pipeline.models.tiny import TinyModelSpec
+    from pipeline.trainer.config import ParallelConfig
+    from pipeline.trainer.layout import make_layout
+    from pipeline.trainer.model import check_pipeline_layout
+
+    cfg = TokenflowConfig()
+    cfg.run.dir = str(tmp_path / "run")
+    cfg.cluster.trainer_ranks, cfg.trainer.parallel.cp = 4, 2
+    validate(cfg)
+    cfg.trainer.layout = "padded"
+    with pytest.raises(ValueError, match="trainer.parallel.cp=2 needs .* trainer.layout=packed"):
+        validate(cfg)
+    cfg.trainer.layout, cfg.cluster.trainer_ranks = "packed", 3
+    with pytest.raises(ValueError, match="multiple of tp \\* pp \\* cp \\(2\\)"):
+        validate(cfg)
+    with pytest.raises(ValueError, match="cannot split sequences over context-parallel ranks"):
+        make_layout("padded", 64, segment_multiple=4)
+    with pytest.raises(ValueError, match="context parallelism inside a pipeline"):
+        check_pipeline_layout(TinyModelSpec(kind="moe").hf_config(), ParallelConfig(cp=2, pp=2))
+
+
+def test_packed_segments_pad_to_the_chunk_multiple_and_mark_real_positions():
+    """Under CP every segment is padded at its end to 2 cp; the real mask is exact."""
+    from support.oracle import make_samples
+
+    from pipeline.trainer.layout import PackedLayout, fed_length
+
+    samples = make_samples(3, 4, 256, min_len=2, max_len=9)
+    (mb,) = PackedLayout(256, pad_multiple=4, segment_multiple=4).micro_batches(samples)
+    bounds = mb.packed_seq_params.cu_seqlens_q.tolist()
+    fed = [fed_length(samples[i]) for i in mb.sample_index]
+    assert all((b - a) % 4 == 0 and b - a - n < 4 for a, b, n in zip(bounds, bounds[1:], fed))
+    real = mb.real_mask()[0]
+    assert int(real.sum()) == sum(fed) and mb.tokens == sum(int(s.trained.sum()) for s in samples)
+    for a, n in zip(bounds, fed):
+        assert real[a:a + n].all() and not real[a + n:a + n + (-n) % 4].any()
+
+
 def scenario_split(outdir: Path, args: dict) -> None:
     """CP attention and the logprob gather on 2 ranks vs the whole sequences on one, fp64,
     forward and gradients (written per rank)."""
