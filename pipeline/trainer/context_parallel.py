@@ -19,7 +19,10 @@ Invariants:
   up to its global position (causal by global position): the rank's queries are placed at their
   global positions in a query block that ends with the rank's last chunk (other positions zero,
   their outputs dropped). Backward of the gather sums dK/dV over the group (an all-reduce, then
-  this rank's slice: gloo has no reduce-scatter) and keeps this rank's part.
+  this rank's slice: gloo has no reduce-scatter) and keeps this rank's part. Cost of that choice:
+  rank r's query block is ``(2cp - r) c`` long (rank 0's is the whole segment), so the kernel's
+  work and saved tensors, and the gathered K/V, do not shrink in proportion to cp, while every
+  other activation does (a ring or a log-sum-exp-merging kernel would split them too).
 - Logprobs and loss: each rank's per-token logprobs (fused, chunked, on its local tokens and
   sampling-mask sets) are all-gathered into the global ``[1, T]`` order (`gather`); every rank of
   the group then computes the same loss and metrics as one rank would. Backward keeps only this
