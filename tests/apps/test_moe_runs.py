@@ -136,7 +136,7 @@ def test_local_pp2tp2_run_learns_and_exports(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_local_cp2ep2_run_learns_and_exports(tmp_path):
-    """Slow (~2 min on 2 cores): `tokenflow train experiment=moe-cp2ep2` on 4 local ranks, every
+    """Slow (~100 s on 2 cores): `tokenflow train experiment=moe-cp2ep2` on 4 local ranks, every
     sequence split over 2 context-parallel ranks, experts over 2; the mismatch check proves the
     pushed weights (from DP x CP rank 0 and each EP rank) reach the engine."""
     run = tmp_path / "cp2ep2"
