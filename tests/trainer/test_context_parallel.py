@@ -6,7 +6,7 @@ a top-k sampling mask, decoupled PPO, a KL term; micro-batches of at most 48 pad
 per step; sequences of 3-23 fed tokens cut into 2 cp = 4 chunks). CP2 on 2 ranks shares the
 two-rank plan of test_pipeline_layouts.py (one reference run for PP2 and CP2).
 
-Cost on 2 cores: the split check ~10 s in the default suite; the CP2 x EP2 runs (``slow``) ~2 min.
+Cost on 2 cores: the split check ~10 s in the default suite; the CP2 x EP2 runs (``slow``) ~60 s.
 """
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def four_rank_runs(tmp_path_factory):
 @pytest.mark.engine
 @pytest.mark.slow
 def test_context_and_expert_parallel_match_one_rank_and_checkpoints_move(four_rank_runs):
-    """Slow: the CP2 x EP2 runs cost ~2 min on 2 cores."""
+    """Slow: the CP2 x EP2 runs (one rank, CP2 x EP2, the reload) cost ~60 s on 2 cores."""
     root, runs = four_rank_runs
     check_layout("cp2ep2", runs)
     check_checkpoint_move("tp1", "cp2ep2", root, runs)
