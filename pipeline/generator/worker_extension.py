@@ -3,9 +3,11 @@
 Named in vLLM's ``worker_extension_cls`` as ``pipeline.generator.worker_extension.WeightSyncExtension``;
 vLLM mixes it into its Worker class inside the (spawned) worker processes, and the driver calls its
 methods through ``collective_rpc``. Importing this module imports neither vLLM nor torch at module
-level; its one side effect is the owner watch (`pipeline.generator.owner_watch`): vLLM imports it in
-each engine worker before the worker is built, so that is where the engine's processes learn to end
-with the process that owns the engine. Elsewhere (the owner, a process without an owner) it does nothing.
+level; its side effects are the owner watch (`pipeline.generator.owner_watch`) and the gloo groups'
+address (`pipeline.launch.network.bind_gloo_groups`): vLLM imports it in each engine worker before the
+worker is built, so that is where the engine's processes learn to end with the process that owns
+the engine and where vLLM's groups learn ``cluster.network.address``. Elsewhere (the owner, a process
+without an owner, no address set) it does nothing.
 
 Invariants:
 - Weights arrive under HF names and shapes (per-expert ``...experts.{e}.gate_proj.weight`` or fused
@@ -64,6 +66,7 @@ from pipeline.generator.cast_log import casts_logged_once
 from pipeline.generator.expert_writer import ExpertWriter, cpu_prepack_isa, hf_prefix, non_expert
 from pipeline.generator.interrupted_reload import put_back_unfinished_modules, tensors_without_data
 from pipeline.generator.owner_watch import ignore_stop_signals, watch_owner
+from pipeline.launch.network import bind_gloo_groups
 
 if TYPE_CHECKING:
     import torch
@@ -406,6 +409,7 @@ class WeightSyncExtension:
         return self._routing.take(request_id, positions)
 
 
+bind_gloo_groups()  # cluster.network.address: vLLM's gloo groups (built after this import) listen there
 watch_owner()  # in an engine worker: end the engine when its owner dies (owner_watch.py)
 ignore_stop_signals()  # ... and leave the stop signals to the owner while it lives
 

@@ -13,11 +13,16 @@ cluster.network.nccl_env='{NCCL_IB_GID_INDEX: "3"}'`` exports NCCL_SOCKET_IFNAME
 GLOO_SOCKET_IFNAME=ib0, NCCL_IB_HCA=mlx5_0,mlx5_1 and NCCL_IB_GID_INDEX=3 (RoCE v2) to every task;
 trainer rank 0 publishes the weight store at ib0's IPv4 address. ``cluster.network.address=127.0.0.2``
 (one node: the test cluster) makes every listener bind 127.0.0.2 and exports
-TOKENFLOW_NETWORK_ADDRESS=127.0.0.2 (the gloo groups' address).
+TOKENFLOW_NETWORK_ADDRESS=127.0.0.2 and VLLM_HOST_IP=127.0.0.2: an interface variable cannot name
+one address of an interface, so `bind_gloo_groups` (the trainer role, vLLM's workers) makes every
+gloo group a process creates listen there (tests/apps/test_slurm_network.py reads each listener of
+a Slurm run from its processes).
 """
 from __future__ import annotations
 
+import datetime
 import ipaddress
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -71,7 +76,7 @@ def network_env(net: NetworkConfig) -> Dict[str, str]:
     if net.interface:
         env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = net.interface
     if net.address:
-        env[ADDRESS_ENV] = net.address
+        env[ADDRESS_ENV] = env["VLLM_HOST_IP"] = net.address
     if net.ib_hca:
         env["NCCL_IB_HCA"] = net.ib_hca
     env.update({str(k): str(v) for k, v in net.nccl_env.items()})
@@ -88,3 +93,32 @@ def listen_address(net: NetworkConfig, fallback: str) -> str:
 
         return interface_address(net.interface.lstrip("=^").split(",")[0])
     return fallback
+
+
+def bind_gloo_groups() -> None:
+    """Make every gloo group this process creates from now on listen on TOKENFLOW_NETWORK_ADDRESS
+    (``cluster.network.address``) where it is set; nothing changes where it is not.
+
+    torch's ``init_process_group`` and ``new_group`` (megatron's groups, vLLM's) build gloo's
+    default device, bound to GLOO_SOCKET_IFNAME's first address or else the host name's: neither
+    can name 127.0.0.2 on ``lo``. They construct the class ``distributed_c10d.ProcessGroupGloo``,
+    so that name is given a subclass that passes a device bound to the address."""
+    address = os.environ.get(ADDRESS_ENV)
+    if not address:
+        return
+    import torch.distributed.distributed_c10d as c10d
+
+    gloo = c10d.ProcessGroupGloo
+    if getattr(gloo, "bound_address", None) == address:
+        return
+
+    class ProcessGroupGlooOnAddress(gloo):
+        bound_address = address
+
+        def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta) -> None:
+            options = gloo._Options()
+            options._timeout = timeout
+            options._devices = [gloo.create_device(hostname=address)]
+            super().__init__(store, rank, size, options)
+
+    c10d.ProcessGroupGloo = ProcessGroupGlooOnAddress

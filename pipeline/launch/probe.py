@@ -2,11 +2,12 @@
 
 Point any component's `entry` at "pipeline.launch.probe:probe" to check a cluster before a real run
 (the launch tests do exactly this). Behaviour comes from `task.config["probe"]` (all optional):
-    rendezvous: bool   rank 0 of every role publishes {"role", "node", "port"} under its role name,
+    rendezvous: bool   rank 0 of every role publishes {"role", "node"} under its role name,
                        every task waits (timeout_s) for every role's entry and reports what it read
     mpi: bool          the plan is launched under MPI (plan.mpi, srun --mpi=pmix): the report holds
                        the rank, size and master address the task's supervisor got from MPI, and
-                       the component's tasks form a gloo process group from them and all-reduce
+                       the component's tasks form a gloo process group from them (rank 0 serving
+                       its store on the socket the supervisor bound) and all-reduce
                        their rank + 1 (the report's "allreduce": size*(size+1)/2 if it formed)
     hold_s: float      on attempts below `hold_until_attempt` (default 1) wait up to hold_s
                        seconds for the stop signal or a requeue (for preemption tests): return
@@ -38,7 +39,7 @@ import threading
 import time
 from typing import Any, Dict
 
-from pipeline.launch.rendezvous import DIST_ENV, free_port
+from pipeline.launch.rendezvous import DIST_ENV, bootstrap_store
 from pipeline.launch.task import TaskInfo
 
 
@@ -58,7 +59,7 @@ def probe(task: TaskInfo) -> Dict[str, Any]:
         raise RuntimeError(f"probe: role {task.role} was told to fail")
     if options.get("rendezvous"):
         if task.rank == 0:
-            task.rendezvous.publish(task.role, {"role": task.role, "node": task.node, "port": free_port()})
+            task.rendezvous.publish(task.role, {"role": task.role, "node": task.node})
         report["peers"] = {role: task.rendezvous.wait(role, timeout_s) for role in task.roles}
     if options.get("reach") is not None:
         report["listened"], report["reach"] = _reach_every_task(task, options["reach"], timeout_s)
@@ -123,7 +124,7 @@ def _allreduce_rank(dist: Dict[str, Any], timeout_s: float) -> int:
     import torch
     import torch.distributed as tdist
 
-    tdist.init_process_group("gloo", init_method=f"tcp://{dist['host']}:{dist['port']}", rank=dist["rank"],
+    tdist.init_process_group("gloo", store=bootstrap_store(dist, timeout_s), rank=dist["rank"],
                              world_size=dist["size"], timeout=datetime.timedelta(seconds=timeout_s))
     value = torch.tensor([dist["rank"] + 1])
     tdist.all_reduce(value)

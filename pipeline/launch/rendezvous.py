@@ -19,6 +19,7 @@ generator calls `.wait("orchestrator", timeout_s=120)` and gets that dict.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -119,6 +120,37 @@ def listen_on(host: str, port: int = 0) -> socket.socket:
     return listener
 
 
+def open_store(host: str, port: int, world_size: int, is_master: bool, timeout: datetime.timedelta,
+               listener: "socket.socket | None" = None):
+    """A TCPStore: the weight group's (`pipeline.weights.group`), the trainer's process group's
+    (`pipeline.roles.trainer`, `bootstrap_store`). Rank 0 (``is_master``) serves it on ``listener``,
+    a socket it bound and published before (`listen_on`: no port race), or else on a socket bound
+    to ``host:port`` here; either way on ``host``'s address only."""
+    import torch.distributed as dist
+
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    if listener is None:
+        listener = listen_on(host, port)
+    try:
+        store = dist.TCPStore(host, listener.getsockname()[1], world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=listener.fileno())
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store's server owns the socket now
+    return store
+
+
+def bootstrap_store(boot: Dict[str, Any], timeout_s: float):
+    """The TCPStore of the process group `mpi_bootstrap` placed this process in (``boot``, from
+    DIST_ENV): rank 0 serves it on the socket its task's supervisor bound and handed down
+    (``listen_fd``), the others connect to the published ``host:port``."""
+    listener = socket.socket(fileno=boot["listen_fd"]) if "listen_fd" in boot else None
+    return open_store(boot["host"], boot["port"], boot["size"], boot["rank"] == 0,
+                      datetime.timedelta(seconds=timeout_s), listener)
+
+
 def free_port(host: str = "") -> int:
     """A TCP port that was free a moment ago on this host. Racy (another process may bind it
     before the caller does): a server that can take a bound socket uses `listen_on` instead."""
@@ -149,8 +181,11 @@ def mpi_bootstrap(component: int, rank: int, size: int, host: str, timeout_s: fl
 
     Every task of the step calls it (MPI_Init, then collective over COMM_WORLD): the tasks are split by
     `component` (their index in the plan), MPI's rank and size in the split must equal the plan's
-    (`rank`, `size`: otherwise a ValueError names both), and the component's rank 0 broadcasts
-    ``host`` and a free port on it. Returns {"rank", "size", "host", "port"}; MPI is finalized.
+    (`rank`, `size`: otherwise a ValueError names both), and the component's rank 0 binds a socket
+    on ``host`` (`listen_on`) and broadcasts ``host`` and its port. Returns {"rank", "size", "host",
+    "port"}, on rank 0 with "listen_fd": that socket, inheritable, for the role process to serve its
+    process group's store on (`bootstrap_store`; the supervisor keeps it across role restarts), so
+    the broadcast port is the one listening. MPI is finalized.
     MPI_Init (importing mpi4py's MPI) and MPI's collectives have no timeout of their own:
     `faulthandler`'s timer (a C thread, so it fires inside a blocking MPI call), armed before the
     import, prints where the task waited and ends it (exit 1) after `timeout_s`.
@@ -165,11 +200,15 @@ def mpi_bootstrap(component: int, rank: int, size: int, host: str, timeout_s: fl
     comm = MPI.COMM_WORLD
     sub = comm.Split(color=component, key=comm.Get_rank())
     placed = (sub.Get_rank(), sub.Get_size())
-    master = mpi_broadcast(sub, {"host": host, "port": free_port()} if placed[0] == 0 else None)
+    listener = listen_on(host) if placed[0] == 0 else None
+    master = mpi_broadcast(sub, {"host": host, "port": listener.getsockname()[1]} if listener else None)
     sub.Free()
     MPI.Finalize()  # after the broadcast on every task, so a disagreeing task cannot leave the others waiting
     faulthandler.cancel_dump_traceback_later()
     if placed != (rank, size):
         raise ValueError(f"MPI places this task at rank {placed[0]} of {placed[1]} in its component, the plan "
                          f"at rank {rank} of {size}: the launcher and the plan disagree")
-    return {"rank": rank, "size": size, **master}
+    if listener is None:
+        return {"rank": rank, "size": size, **master}
+    listener.set_inheritable(True)
+    return {"rank": rank, "size": size, **master, "listen_fd": listener.detach()}

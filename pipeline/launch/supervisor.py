@@ -64,7 +64,7 @@ class TaskSupervisor:
     def __init__(self, argv: list[str], env: Mapping[str, str], result_file: Path, max_restarts: int,
                  optional: bool, stop_grace_s: float, requeue: Callable[[], None] | None,
                  wait_for_requeue: bool, kill_grace_s: float = 10.0, term_linger_s: float = 600.0,
-                 on_restart: Callable[[], None] | None = None) -> None:
+                 on_restart: Callable[[], None] | None = None, pass_fds: tuple[int, ...] = ()) -> None:
         self.argv, self.env, self.result_file = argv, dict(env), result_file
         self.max_restarts, self.optional = max_restarts, optional
         self.stop_grace_s, self.requeue, self.kill_grace_s = stop_grace_s, requeue, kill_grace_s
@@ -75,6 +75,7 @@ class TaskSupervisor:
         self.restarts = 0
         self.requeue_thread: threading.Thread | None = None
         self.on_restart = on_restart  # tells the run the dead role is gone, before its successor starts
+        self.pass_fds = pass_fds  # kept open here, inherited by every role process (`mpi_bootstrap`'s listener)
 
     def _on_signal(self, sig: int, frame) -> None:
         first = self.stop_signal is None
@@ -110,7 +111,7 @@ class TaskSupervisor:
                 self._notify_restart()
             env = {**self.env, ROLE_PROCESS_ENV: str(self.restarts)}
             self.child = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL,
-                                          preexec_fn=die_with_parent)
+                                          preexec_fn=die_with_parent, pass_fds=self.pass_fds)
             own(self.child.pid)
             if orphans:  # waited for (the kernel frees their memory) while the new role starts
                 end_processes(orphans, grace_s=0)

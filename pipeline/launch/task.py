@@ -57,6 +57,7 @@ from pipeline.launch.rendezvous import DIST_ENV, Rendezvous, mpi_bootstrap, unde
 from pipeline.launch.supervisor import ROLE_PROCESS_ENV, RoleFailed, TaskSupervisor, role_argv
 from pipeline.supervise import become_subreaper, end_tree, own_resource_trackers, signal_note
 from pipeline.run_files import LOGS_DIR, PLAN_FILE, RESULTS_DIR
+from pipeline.weights.guarded_groups import ADDRESS_ENV
 
 
 PLAN_ENV = "TOKENFLOW_PLAN"
@@ -250,10 +251,11 @@ def run_task(plan: JobPlan, run_dir: Path, launch_index: int, environ: Mapping[s
     requeues = _under_submitit() and plan.config.get(REQUEUES, True)
     requeue = _submitit_requeue(checkpoint_signal()) if global_rank == 0 and requeues else None
     env = {**environ, "TOKENFLOW_GLOBAL_RANK": str(global_rank), **_mpi_dist_env(plan, role, rank, node)}
+    boot = json.loads(env.get(DIST_ENV, "{}"))
     notice = RESTART_NOTICES.get(role)
     supervisor = TaskSupervisor(role_argv(run_dir, launch_index), env, result_file,
                                 spec.max_restarts, spec.optional, plan.stop_grace_s, requeue,
-                                wait_for_requeue=requeues,
+                                wait_for_requeue=requeues, pass_fds=(boot["listen_fd"],) if "listen_fd" in boot else (),
                                 on_restart=(lambda: resolve_entry(notice)(run_dir, rank)) if notice else None)
     code = supervisor.run((signal.SIGTERM, checkpoint_signal()))
     if code != 0:
@@ -273,7 +275,8 @@ def _mpi_dist_env(plan: JobPlan, role: str, rank: int, node: str) -> Dict[str, s
         print(f"plan.mpi={plan.mpi} but this task was not launched under MPI: file rendezvous", flush=True)
         return {}
     roles = list(plan.components)
-    got = mpi_bootstrap(roles.index(role), rank, plan.components[role].num_tasks, node)
+    host = plan.env.get(ADDRESS_ENV, node)  # cluster.network.address: rank 0's store listens there only
+    got = mpi_bootstrap(roles.index(role), rank, plan.components[role].num_tasks, host)
     print(f"MPI bootstrap: {role} rank {got['rank']} of {got['size']}, master {got['host']}:{got['port']}", flush=True)
     return {DIST_ENV: json.dumps(got)}
 

@@ -99,18 +99,22 @@ class TextPromptSource(PromptSource):
         return PromptItem(prompt_id, ids, answer)
 
 
-def check_result(batch: SampleBatch, gid: int, attempt: int, group_size: int, prompt: PromptItem) -> None:
-    """Raise `RecordError` unless ``batch`` is a whole group answering ``prompt`` as leased."""
-    c = batch.columns
-    if len(batch) != group_size:
-        raise RecordError(f"{len(batch)} samples, group size is {group_size}")
-    if (c["group_id"] != gid).any() or (c["attempt"] != attempt).any():
+def check_groups(batch: SampleBatch, leased: Sequence[tuple[int, int, PromptItem]], group_size: int) -> None:
+    """Raise `RecordError` unless ``batch`` is whole groups, ``group_size`` samples each in the
+    order of ``leased`` (group id, attempt, prompt), each answering its prompt as leased."""
+    c, k = batch.columns, len(leased)
+    if len(batch) != k * group_size:
+        raise RecordError(f"{len(batch)} samples, {k} group(s) of size {group_size}")
+    gids, attempts, prompts = zip(*leased) if k else ((), (), ())
+    if ((c["group_id"] != np.repeat(gids, group_size)).any()
+            or (c["attempt"] != np.repeat(attempts, group_size)).any()):
         raise RecordError("samples carry another group id or attempt than the message")
-    if not np.array_equal(np.sort(c["sample_index"]), np.arange(len(batch))):
+    if not (np.sort(c["sample_index"].reshape(k, group_size), axis=1) == np.arange(group_size)).all():
         raise RecordError("sample indices are not 0..G-1")
-    if (c["prompt_id"] != prompt.prompt_id).any():
-        raise RecordError(f"prompt id differs from the group's prompt {prompt.prompt_id}")
-    if ((c["prompt_len"] != len(prompt.token_ids)).any()
-            or not np.array_equal(c["prompt_ids"].reshape(len(batch), -1),
-                                  np.broadcast_to(prompt.token_ids, (len(batch), len(prompt.token_ids))))):
+    if (c["prompt_id"] != np.repeat([p.prompt_id for p in prompts], group_size)).any():
+        raise RecordError(f"prompt id differs from the group's prompt {', '.join(str(p.prompt_id) for p in prompts)}")
+    lens = [len(p.token_ids) for p in prompts]
+    if ((c["prompt_len"] != np.repeat(lens, group_size)).any()
+            or not np.array_equal(c["prompt_ids"], np.concatenate(
+                [np.tile(p.token_ids, group_size) for p in prompts]) if k else c["prompt_ids"])):
         raise RecordError("prompt tokens differ from the issued prompt")

@@ -141,6 +141,4 @@ GROUP_FILTERS: dict[str, Callable[[np.ndarray], bool]] = {
 
 def with_rewards(batch: SampleBatch, rewards: np.ndarray) -> SampleBatch:
     """The group with its scored rewards filled in."""
-    cols = dict(batch.columns)
-    cols["reward"] = rewards.astype(np.float32)
-    return SampleBatch(cols, batch.schema, validate=False)
+    return batch.with_column("reward", rewards.astype(np.float32))

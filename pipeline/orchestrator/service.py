@@ -1,10 +1,11 @@
 """The orchestrator process: admission, leases, scoring, the buffer and its durable log.
 
 One single-threaded event loop owns all state (scoring runs in a thread pool and reports back to
-the loop). Per turn it: receives and handles every waiting message; expires leases; resolves
-scored groups (filter, staleness, store); flushes the rollout log once and only then acknowledges
-the results that flush covers; grants work within the admission bound; serves a waiting step
-batch; writes metrics.
+the loop). Per turn it: receives and handles every waiting message (results wait, and are
+checked as one batch once the flush is due: `pipeline.orchestrator.ingest`); expires leases;
+resolves scored groups (filter, staleness, store); flushes the rollout log once and only then
+acknowledges the results that flush covers; grants work within the admission bound; serves a
+waiting step batch; writes metrics.
 
 Invariants (`docs/architecture.md`, "Staleness, admission and the policy clock", "Crash resume"):
 - each admitted group is resolved once: stored, filtered or dropped (by reason); a result is
@@ -52,30 +53,32 @@ from pipeline.protocol import messages as m
 from pipeline.orchestrator.admission import Admission
 from pipeline.orchestrator.batching import StepCost
 from pipeline.orchestrator.bounds import RunBounds
-from pipeline.orchestrator.buffer import BufferedGroup, RolloutBuffer
+from pipeline.orchestrator.buffer import RolloutBuffer
 from pipeline.orchestrator.clock import PolicyClock
 from pipeline.orchestrator.config import OrchestratorConfig
 from pipeline.orchestrator.evaluation import Evaluator
-from pipeline.protocol.links import batch_from_arrays, bind_server, prompt_arrays, write_rendezvous
+from pipeline.orchestrator.ingest import ResultIngest
+from pipeline.protocol.links import bind_server, prompt_arrays, write_rendezvous
 from pipeline.orchestrator.members import GeneratorPool
-from pipeline.orchestrator.prompts import PromptSource, check_result
+from pipeline.orchestrator.prompts import PromptSource
 from pipeline.orchestrator.replay import LogFeeder
 from pipeline.orchestrator.restore import restore_from_log
-from pipeline.orchestrator.scoring import GROUP_FILTERS, AsyncScoring, Scorer, Scoring, with_rewards
+from pipeline.orchestrator.scoring import GROUP_FILTERS, AsyncScoring, Scorer, Scoring
 from pipeline.orchestrator.steps import StepDesk
 from pipeline.orchestrator.trainer_side import TrainerSide
-from pipeline.protocol.record import RecordError, RecordSchema, SampleBatch
+from pipeline.protocol.record import RecordSchema
 from pipeline.protocol.roles import may_send
-from pipeline.rollout_log.writer import GroupOutcome, RolloutLogWriter
+from pipeline.rollout_log.writer import RolloutLogWriter
 from pipeline.run_files import EVAL_ANSWERS_FILE, ROLLOUTS_DIR
 from pipeline.protocol.wire import Message
 
 log = logging.getLogger(__name__)
 
 
-class Orchestrator(TrainerSide):
+class Orchestrator(TrainerSide, ResultIngest):
     """The orchestrator's state and event loop; its trainer side (step batches, rollbacks,
-    evaluations) is `pipeline.orchestrator.trainer_side`."""
+    evaluations) is `pipeline.orchestrator.trainer_side`, its result side (checks, resolution,
+    log flush, acknowledgements) `pipeline.orchestrator.ingest`."""
 
     def __init__(self, run_dir: Path, cfg: OrchestratorConfig, prompts: PromptSource,
                  scorer: Scorer, schema: RecordSchema, bounds: RunBounds, run_id: str = "run",
@@ -124,6 +127,8 @@ class Orchestrator(TrainerSide):
         self.metrics = MetricsWriter(self.run_dir, "orchestrator")
         self.generators = GeneratorPool(cfg.generator_dead_after_s)
         self.to_ack: list[tuple[bytes, int, int, str]] = []
+        self.results_waiting: list[tuple[bytes, m.Result]] = []  # the turn's results, checked together
+        self._waiting_groups: set[int] = set()
         self.group_rows: list[tuple] = []  # resolutions waiting for the next flush
         self.weight_epoch: int | None = None  # the trainer's newest weight group
         self.announced_weight_epoch = 0  # the weight group the last announced version went into
@@ -156,18 +161,21 @@ class Orchestrator(TrainerSide):
 
     def turn(self) -> None:
         # Sleep in the socket poll, but never past the flush that pending acknowledgements await.
-        poll_s = self.cfg.flush_interval_s if self.to_ack else 0.05
+        poll_s = self.cfg.flush_interval_s if self.to_ack or self.results_waiting else 0.05
         got = self.server.recv(poll_s)
         while got is not None:
             self.handle(*got)
             got = self.server.recv(0)
         now = time.monotonic()
+        flush_due = now - self._last_flush >= self.cfg.flush_interval_s
+        if flush_due:  # the results of the flush window, checked as one batch
+            self._check_results()
         if now - self._last_expiry >= 0.1:
             self.counts["lease_expired"] += len(self.admission.expire(time.time()))
             self._reap_dead()
             self._last_expiry = now
         self._resolve_scored()
-        if self.to_ack and (now - self._last_flush >= self.cfg.flush_interval_s or len(self.to_ack) > 64):
+        if self.to_ack and (flush_due or len(self.to_ack) > 64):
             self._flush_and_ack()
         if self.feeder is not None:
             self._feed_from_log()
@@ -194,13 +202,18 @@ class Orchestrator(TrainerSide):
             self._bad_message(peer, exc.kind, exc.detail)
             return
         self.generators.seen(peer)
+        if self.results_waiting and type(msg) is not m.Result:  # effects in arrival order
+            self._check_results()
         try:
             handler(peer, msg)
         except Exception as exc:  # no message ends the run: counted and answered like a malformed one
-            self.counts["handler_error"] += 1
-            if self.counts["handler_error"] <= 10:
-                log.exception("handling %s from %r failed", raw.kind, peer[:64])
-            self._bad_message(peer, raw.kind, f"could not be handled: {type(exc).__name__}: {exc}"[:500])
+            self._handler_failed(peer, raw.kind, exc)
+
+    def _handler_failed(self, peer: bytes, kind: str, exc: Exception) -> None:
+        self.counts["handler_error"] += 1
+        if self.counts["handler_error"] <= 10:
+            log.error("handling %s from %r failed", kind, peer[:64], exc_info=exc)
+        self._bad_message(peer, kind, f"could not be handled: {type(exc).__name__}: {exc}"[:500])
 
     def _bad_message(self, peer: bytes, kind: str, detail: str) -> None:
         self.counts["bad_message"] += 1
@@ -330,90 +343,6 @@ class Orchestrator(TrainerSide):
             self.admission.resolve(gid, kept=True)
             self._store(gid, int(group.columns["attempt"][0]), group)
 
-    def _on_result(self, peer: bytes, msg: m.Result) -> None:
-        gid, attempt = msg.group_id, msg.attempt
-        if msg.credit is not None:
-            self._credit(peer, msg.credit)
-        verdict = self.admission.classify_result(gid)
-        if verdict != "accept":
-            self.counts[verdict] += 1
-            if verdict == "unleased" or gid in self.admission.resolved:
-                self.to_ack.append((peer, gid, attempt, verdict))
-            return
-        try:
-            batch = batch_from_arrays(msg.arrays, self.result_schema)
-            check_result(batch, gid, attempt, self.cfg.group_size, self.prompts.for_group(gid))
-            self.bounds.check(batch, self.clock)
-        except RecordError as exc:
-            self.counts["invalid_result"] += 1
-            log.warning("invalid result for group %d from %r: %s", gid, peer, exc)
-            self.to_ack.append((peer, gid, attempt, "invalid"))
-            return
-        self.admission.accept(gid)
-        self._ingested_tokens += batch.num_tokens
-        self._ingested_total += batch.num_tokens
-        self.scoring.submit((gid, attempt, peer), batch, self.prompts.for_group(gid))
-
-    # -- resolution ------------------------------------------------------------------------
-    def _resolve_scored(self) -> None:
-        for (gid, attempt, peer), group, rewards, err in self.scoring.completed():
-            if err is not None:
-                log.warning("scoring group %d failed: %s", gid, err)
-                self._resolve(gid, attempt, GroupOutcome.DROPPED_INVALID, None, peer, "score_error")
-                continue
-            if self.clock.rolled_back(self.admission.lease_rollback_epoch(gid, attempt), group.columns["versions"]):
-                self.admission.reject_processing(gid, attempt)  # regenerated by a new attempt
-                self.counts["rollback_regenerated"] += 1
-                self.to_ack.append((peer, gid, attempt, "rolled_back"))
-                continue
-            group = with_rewards(group, rewards)
-            source = getattr(self.prompts.for_group(gid).answer, "data_source", "")  # a dataset row's source
-            if source:
-                self.source_rewards[source] += np.array([rewards.sum(), len(rewards)])
-            if not self.group_filter(rewards):
-                self._resolve(gid, attempt, GroupOutcome.FILTERED, group, peer, "filtered")
-            elif self.clock.is_stale(int(group.min_versions().min())):
-                self._resolve(gid, attempt, GroupOutcome.DROPPED_STALE, group, peer, "dropped_stale")
-            else:
-                self._resolve(gid, attempt, GroupOutcome.STORED, group, peer, "stored")
-
-    def _resolve(self, gid: int, attempt: int, outcome: GroupOutcome, group: SampleBatch | None,
-                 peer: bytes, reason: str) -> None:
-        kept = outcome == GroupOutcome.STORED
-        if kept:
-            self._store(gid, attempt, group)
-        else:  # not stored: first_row -1
-            n, min_v = (len(group), int(group.min_versions().min())) if group is not None else (0, -1)
-            self.group_rows.append((gid, attempt, outcome, -1, n, min_v, time.time()))
-        self.admission.resolve(gid, kept)
-        self.counts[reason] += 1
-        self.to_ack.append((peer, gid, attempt, reason))
-
-    def _store(self, gid: int, attempt: int, group: SampleBatch) -> None:
-        """Append a kept group to the log (row of its resolution included) and to the buffer."""
-        rows = self.writer.append_samples(group)
-        min_v = int(group.min_versions().min())
-        self.buffer.add(BufferedGroup(gid, attempt, rows, min_v, group.num_tokens, group))
-        self.group_rows.append((gid, attempt, GroupOutcome.STORED, int(rows[0]), len(group), min_v,
-                                time.time()))
-
-    def _flush(self) -> None:
-        """Write the pending group resolutions and make everything appended durable."""
-        if self.group_rows:
-            self.writer.append_groups(*map(np.array, zip(*self.group_rows)))
-            self.group_rows.clear()
-        self.writer.flush()
-
-    def _flush_and_ack(self) -> None:
-        self._flush()
-        self._last_flush = time.monotonic()
-        by_peer: dict[bytes, list] = {}
-        for peer, gid, attempt, outcome in self.to_ack:
-            by_peer.setdefault(peer, []).append([gid, attempt, outcome])
-        for peer, groups in by_peer.items():
-            self._send(peer, m.Ack(groups))
-        self.to_ack.clear()
-
     def _on_weights(self, peer: bytes, msg: m.WeightsAnnounced) -> None:
         self.clock.weights_announced(msg.version)
         if msg.weight_epoch != self.announced_weight_epoch:  # the trainer switched to a newly formed weight group
@@ -450,6 +379,7 @@ class Orchestrator(TrainerSide):
         self._last_metrics = now
 
     def close(self) -> None:
+        self._check_results()
         self._resolve_scored()
         self._flush_and_ack()
         self._write_metrics(time.monotonic())

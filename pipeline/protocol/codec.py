@@ -73,7 +73,7 @@ class Channel:
             raise MessageError(raw.kind, f"unknown message kind on the {self.name} channel")
         try:
             values = _record(cls, raw.meta, "")
-            if any(f.name == "arrays" for f in dataclasses.fields(cls)):
+            if "arrays" in _hints(cls):
                 missing = [a for a in getattr(cls, "ARRAYS", ()) if a not in raw.arrays]
                 if missing:
                     raise _Bad(f"missing array frame(s) {', '.join(missing)}")
@@ -147,8 +147,8 @@ def _record(cls: type, meta: Any, where: str) -> dict:
     if not isinstance(meta, dict):
         raise _Bad(f"{where or 'meta'}: expected a map, got {type(meta).__name__}")
     hints = _hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "arrays"}
-    extra = set(meta) - set(fields)
+    fields = _meta_fields(cls)
+    extra = meta.keys() - fields.keys()
     if extra:
         raise _Bad(f"unknown field(s) {', '.join(sorted(map(str, extra)))}")
     out = {}
@@ -162,7 +162,7 @@ def _record(cls: type, meta: Any, where: str) -> dict:
 
 
 def _check(tp: Any, value: Any, where: str) -> Any:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    origin, args = _parts(tp)
     if tp is Any:
         return value
     if origin in (Union, types.UnionType):
@@ -195,6 +195,24 @@ def _name(tp: Any) -> str:
 
 
 _HINTS: dict[type, dict[str, Any]] = {}
+_PARTS: dict[Any, tuple[Any, tuple]] = {}
+_FIELDS: dict[type, dict[str, dataclasses.Field]] = {}
+
+
+def _meta_fields(cls: type) -> dict[str, dataclasses.Field]:
+    """A record's fields that travel in the header (all but ``arrays``), looked up once per class."""
+    if cls not in _FIELDS:
+        _FIELDS[cls] = {f.name: f for f in dataclasses.fields(cls) if f.name != "arrays"}
+    return _FIELDS[cls]
+
+
+def _parts(tp: Any) -> tuple[Any, tuple]:
+    """``typing.get_origin`` and ``get_args`` of a field type, looked up once per type."""
+    try:
+        return _PARTS[tp]
+    except KeyError:
+        _PARTS[tp] = found = (typing.get_origin(tp), typing.get_args(tp))
+        return found
 
 
 def _hints(cls: type) -> dict[str, Any]:

@@ -275,6 +275,12 @@ class SampleBatch:
 
     def validate(self) -> None:
         """Check dtypes, shapes, lengths and value bounds of every column (vectorised)."""
+        self.check_layout()
+        self.check_values()
+
+    def check_layout(self) -> None:
+        """Check the columns' names, dtypes, shapes and lengths (not their values): a batch of
+        several such batches concatenated passes `check_values` iff each of them would."""
         expected = set(self.column_names())
         got = set(self.columns)
         if got != expected:
@@ -286,14 +292,6 @@ class SampleBatch:
             if a.dtype != dtype or a.shape != (n,):
                 raise RecordError(f"column {name}: expected {dtype}[{n}], got {a.dtype}{list(a.shape)}")
         plen, clen = self.columns["prompt_len"], self.columns["completion_len"]
-        if n:  # python min() over a few rows beats numpy's per-call overhead here
-            if min(plen.tolist() + clen.tolist()) < 1:
-                raise RecordError("a sample has an empty prompt or completion")
-            for name in ("group_id", "sample_index", "prompt_id", "attempt", "generator_id"):
-                if min(self.columns[name].tolist()) < 0:
-                    raise RecordError(f"column {name} holds a negative id")
-            if max(self.columns["finish_reason"].tolist()) >= len(FINISH_REASONS):
-                raise RecordError("column finish_reason holds an unknown code")
         total_p, total_c = int(plen.sum()), int(clen.sum())
         a = self.columns["prompt_ids"]
         if a.dtype != PROMPT_COLUMN[1] or a.shape != (total_p,):
@@ -308,10 +306,23 @@ class SampleBatch:
             if a.dtype != dtype or a.shape != (total_c, *trail):
                 raise RecordError(f"column {name}: expected {dtype}{[total_c, *trail]}, "
                                   f"got {a.dtype}{list(a.shape)}")
-        check_token_values(self.columns["prompt_ids"], self.columns["completion_ids"],
-                           self.columns["logprobs"], self.columns["versions"], clen)
-        if self.schema.model_mask and n:
-            check_model_mask(self.columns["model_mask"], clen)
+
+    def check_values(self) -> None:
+        """Check the value bounds of every column (module invariants) of a batch whose layout
+        `check_layout` accepted."""
+        c = self.columns
+        plen, clen = c["prompt_len"], c["completion_len"]
+        if len(plen):  # python min() over a few rows beats numpy's per-call overhead here
+            if min(plen.tolist() + clen.tolist()) < 1:
+                raise RecordError("a sample has an empty prompt or completion")
+            for name in ("group_id", "sample_index", "prompt_id", "attempt", "generator_id"):
+                if min(c[name].tolist()) < 0:
+                    raise RecordError(f"column {name} holds a negative id")
+            if max(c["finish_reason"].tolist()) >= len(FINISH_REASONS):
+                raise RecordError("column finish_reason holds an unknown code")
+        check_token_values(c["prompt_ids"], c["completion_ids"], c["logprobs"], c["versions"], clen)
+        if self.schema.model_mask and len(plen):
+            check_model_mask(c["model_mask"], clen)
 
     # -- access -------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -340,6 +351,30 @@ class SampleBatch:
         for name in self.schema.token_fields():
             cols[name] = _gather(self.columns[name], self._c_off, rows)
         return SampleBatch(cols, self.schema, validate=False)
+
+    def rows(self, start: int, stop: int) -> "SampleBatch":
+        """Rows ``start``..``stop - 1`` as views of this batch's arrays (no copy)."""
+        p0, p1 = int(self._p_off[start]), int(self._p_off[stop])
+        c0, c1 = int(self._c_off[start]), int(self._c_off[stop])
+        cols = {name: self.columns[name][start:stop] for name in self.schema.scalar_columns()}
+        for name in (PROMPT_COLUMN[0], *self.schema.prompt_token_fields()):
+            cols[name] = self.columns[name][p0:p1]
+        for name in self.schema.token_fields():
+            cols[name] = self.columns[name][c0:c1]
+        return self._derived(cols, self._p_off[start:stop + 1] - p0, self._c_off[start:stop + 1] - c0)
+
+    def with_column(self, name: str, values: np.ndarray) -> "SampleBatch":
+        """This batch with the scalar column ``name`` (not a length) replaced by ``values``, of
+        the same rows (not validated)."""
+        if name in ("prompt_len", "completion_len") or name not in self.schema.scalar_columns():
+            raise RecordError(f"{name} is not a scalar column that can be replaced")
+        return self._derived({**self.columns, name: values}, self._p_off, self._c_off)
+
+    def _derived(self, columns: dict[str, np.ndarray], p_off: np.ndarray, c_off: np.ndarray) -> "SampleBatch":
+        """A batch of ``columns`` whose offsets are known (no validation, no recount)."""
+        out = SampleBatch.__new__(SampleBatch)
+        out.columns, out.schema, out._p_off, out._c_off = columns, self.schema, p_off, c_off
+        return out
 
     def prompt(self, i: int, name: str = "prompt_ids") -> np.ndarray:
         """Row i's per-prompt-token ``name`` (the prompt's ids by default)."""

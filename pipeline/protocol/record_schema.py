@@ -18,6 +18,7 @@ and batches against it.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import lru_cache
 from typing import Any, Mapping
 
 import numpy as np
@@ -48,22 +49,13 @@ class RecordSchema:
 
     def token_fields(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
         """Per-completion-token fields of this schema: name -> (dtype, trailing shape)."""
-        out: dict[str, tuple[np.dtype, tuple[int, ...]]] = {
-            "completion_ids": (np.dtype(np.int32), ()),
-            "logprobs": (np.dtype(np.float32), ()),
-            "versions": (np.dtype(np.int32), ()),
-        }
-        if self.token_rewards:
-            out["token_rewards"] = (np.dtype(np.float32), ())
-        if self.teacher_logprobs:
-            out["teacher_logprobs"] = (np.dtype(np.float32), ())
-        if self.routed_experts is not None:
-            out["routed_experts"] = (np.dtype(np.int16), tuple(self.routed_experts))
-        if self.sampling_mask_k is not None:
-            out["sampling_mask"] = (np.dtype(np.int32), (int(self.sampling_mask_k),))
-        if self.model_mask:
-            out["model_mask"] = (np.dtype(np.uint8), ())
-        return out
+        return dict(_token_fields(self))  # a copy: the caller may change it
+
+    def prompt_token_fields(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+        """Optional per-prompt-token fields of this schema: name -> (dtype, trailing shape)."""
+        if self.routed_experts is None:
+            return {}
+        return {"prompt_routed_experts": (np.dtype(np.int16), tuple(self.routed_experts))}
 
     def scalar_columns(self) -> dict[str, np.dtype]:
         """Scalar (per-sample) columns of this schema: `SCALAR_COLUMNS`, plus ``teacher_version``
@@ -71,12 +63,6 @@ class RecordSchema:
         if not self.teacher_logprobs:
             return SCALAR_COLUMNS
         return {**SCALAR_COLUMNS, "teacher_version": np.dtype(np.int32)}
-
-    def prompt_token_fields(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
-        """Optional per-prompt-token fields of this schema: name -> (dtype, trailing shape)."""
-        if self.routed_experts is None:
-            return {}
-        return {"prompt_routed_experts": (np.dtype(np.int16), tuple(self.routed_experts))}
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -118,3 +104,24 @@ SCALAR_COLUMNS: dict[str, np.dtype] = {
 }
 #: The ragged prompt column (per prompt token).
 PROMPT_COLUMN = ("prompt_ids", np.dtype(np.int32))
+
+
+@lru_cache(maxsize=64)
+def _token_fields(schema: RecordSchema) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """`RecordSchema.token_fields`, built once per schema."""
+    out: dict[str, tuple[np.dtype, tuple[int, ...]]] = {
+        "completion_ids": (np.dtype(np.int32), ()),
+        "logprobs": (np.dtype(np.float32), ()),
+        "versions": (np.dtype(np.int32), ()),
+    }
+    if schema.token_rewards:
+        out["token_rewards"] = (np.dtype(np.float32), ())
+    if schema.teacher_logprobs:
+        out["teacher_logprobs"] = (np.dtype(np.float32), ())
+    if schema.routed_experts is not None:
+        out["routed_experts"] = (np.dtype(np.int16), tuple(schema.routed_experts))
+    if schema.sampling_mask_k is not None:
+        out["sampling_mask"] = (np.dtype(np.int32), (int(schema.sampling_mask_k),))
+    if schema.model_mask:
+        out["model_mask"] = (np.dtype(np.uint8), ())
+    return out

@@ -230,16 +230,30 @@ class MessageServer(_Endpoint):
         """Next valid message and its sender's identity, or None after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
-            remaining = max(0.0, deadline - time.monotonic())
-            if not self.poller.poll(int(remaining * 1000)):
-                return None
-            frames = self.sock.recv_multipart(copy=False)
+            try:  # a ready message is taken without polling first (a turn drains many)
+                frames = self._recv_ready()
+            except zmq.Again:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self.poller.poll(int(remaining * 1000)):
+                    return None
+                continue
             identity, payload = frames[0].bytes, frames[1:]
             msg = self._admit(identity, payload)
             if msg is not None:
                 return identity, msg
             if time.monotonic() >= deadline:
                 return None
+
+    def _recv_ready(self) -> list[zmq.Frame]:
+        """The frames of a message that has arrived (`zmq.Again` if none has). A multipart message
+        arrives whole, so only its first frame can be missing; each frame says whether more follow
+        (`recv_multipart` asks the socket that, per frame)."""
+        frame = self.sock.recv(zmq.NOBLOCK, copy=False)
+        frames = [frame]
+        while frame.more:
+            frame = self.sock.recv(copy=False)
+            frames.append(frame)
+        return frames
 
     def _admit(self, identity: bytes, payload: list) -> wire.Message | None:
         """The message if it is authentic, fresh and from a role served here; else dropped (None)."""

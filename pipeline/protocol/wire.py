@@ -106,12 +106,25 @@ def _aes(key: bytes) -> algorithms.AES:
     return algorithms.AES(key)
 
 
+SMALL_PART = 4096
+"""Parts up to this size are fed to GHASH joined with their neighbours (one call for many)."""
+
+
 def _ghash(ctx, parts: Sequence[memoryview | bytes]) -> None:
-    """Feed the length-prefixed parts to GHASH one by one (the same tag as over their concatenation)."""
+    """Feed the length-prefixed parts to GHASH (the same tag as over their concatenation): small
+    parts copied together with the length prefixes, large ones from their own memory."""
+    joined = bytearray()
     for p in parts:
-        ctx.authenticate_additional_data(len(p).to_bytes(8, "little"))
-        if len(p):
-            ctx.authenticate_additional_data(p)
+        n = len(p)
+        joined += n.to_bytes(8, "little")
+        if n <= SMALL_PART:
+            joined += p
+            continue
+        ctx.authenticate_additional_data(bytes(joined))
+        joined.clear()
+        ctx.authenticate_additional_data(p)
+    if joined:
+        ctx.authenticate_additional_data(bytes(joined))
 
 
 def _mac(key: bytes, parts: Sequence[memoryview | bytes], nonce: bytes | None = None) -> bytes:
@@ -196,8 +209,8 @@ def _origin(value: Any) -> Origin | None:
 
 
 def _array(spec: Any, view: memoryview) -> tuple[str, np.ndarray]:
-    if (not isinstance(spec, list) or len(spec) != 3 or not isinstance(spec[0], str)
-            or not isinstance(spec[1], str) or not isinstance(spec[2], list)):
+    if (type(spec) is not list or len(spec) != 3 or type(spec[0]) is not str  # msgpack's own types
+            or type(spec[1]) is not str or type(spec[2]) is not list):
         raise FrameError("malformed", f"bad array spec {str(spec)[:80]}")
     name, dtype_str, shape = spec
     dtype = _DTYPES.get(dtype_str)

@@ -12,10 +12,15 @@ def cpu_cores_for(role: str, rank: int, cfg: TokenflowConfig) -> list[int] | Non
 
     The plan gives generators the first cores and the trainer ranks the rest, one core each when
     there are enough; on a 2-core machine: generator on core 0, trainer (and the orchestrator
-    beside it) on core 1. The same plan applies to synchronous and asynchronous runs. Generators
-    that joined from their own job (ranks from ``cluster.generators`` on) share trainer rank 0's
-    cores (beside the run's own generator, its engine's spinning OpenMP threads starve a second
-    engine's start for minutes on a 2-core machine), at a lower priority (`shares_trainer_cores`).
+    beside it) on core 1. The same plan applies to synchronous and asynchronous runs. With fewer
+    cores than generators and trainer ranks, and several generators, each generator gets one core,
+    spread over all the cores in turn (generator ``i`` on core ``i mod cores``, the trainer ranks
+    keeping the rest): one engine's spinning OpenMP threads starve another engine on the same core
+    (a generator restarted beside the other one on core 0 of a 2-core machine got 2 s of CPU in
+    2.5 min), so two engines share a core only when there are more generators than cores; on 2
+    cores with 2 generators: generator 0 on core 0, generator 1 beside the trainer on core 1.
+    Generators that joined from their own job (ranks from ``cluster.generators`` on) share trainer
+    rank 0's cores, for the same reason, at a lower priority (`shares_trainer_cores`).
     """
     if cfg.cluster.cpu_plan != "auto" or not hasattr(os, "sched_getaffinity"):
         return None
@@ -29,6 +34,8 @@ def cpu_cores_for(role: str, rank: int, cfg: TokenflowConfig) -> list[int] | Non
         index = rank if role == "generator" else n_gen + rank
         return [cores[index]]
     half = max(1, len(cores) * n_gen // (n_gen + n_tr))
+    if role == "generator" and n_gen > 1:  # fewer cores than generators and ranks: spread the engines
+        return [cores[rank % len(cores)]]
     return cores[:half] if role == "generator" else cores[half:]
 
 

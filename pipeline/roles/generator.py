@@ -2,16 +2,14 @@
 
 One asyncio loop runs everything: polling the orchestrator link (short timeouts, so the engine's
 own tasks keep running), one task per granted group, greedy evaluation batches, and weight
-updates, which the trainer announces through the orchestrator and then broadcasts.
+updates, which the trainer announces through the orchestrator and then broadcasts (applied by a
+`pipeline.roles.weight_take.WeightTaker`, whose invariants cover weight groups and versions).
 
 Invariants:
 - the link (a ZeroMQ socket) is used from the loop's thread only;
 - a group's result is sent once all of its samples are complete; the link keeps it until the
   orchestrator acknowledges it (and re-sends it otherwise);
-- an announced version is loaded at most once, in order, except the first one announced after this
-  generator joined a new weight group (the trainer broadcasts into every group it builds, a version
-  held already included); while it loads, generation is paused per ``generator.interrupt`` and
-  resumes on the new weights;
+- it takes work (sends credits) only once it loaded a version the trainer sent (`WeightTaker.loaded`);
 - a dead engine (its processes killed or crashed) ends the role with an error within a second, so
   the task's supervisor ends what is left of the engine and restarts the role, which joins the
   weight group and takes work only after loading the current weights; a stop signal
@@ -28,17 +26,7 @@ Invariants:
   one, unless it is the run's sole generator: nobody trains while it restarts) warms its engine up
   at the run's batch shape before it says Hello (`_warm_up`), so the
   group that takes it in forms with an idle, warm engine, and neither the trainer's first
-  broadcast into it nor the ones while it serves its first leases wait for a first engine step;
-- a new weight group is joined in the background (`GroupBuild` in each engine worker): the
-  generator keeps receiving in the group in use until an update announced into the new group
-  arrives, and switches then (the trainer forms the group while it pushes into the old one); an
-  update into a group it is neither in nor joining is not for it;
-- only the newest weight group announced is joined, and only one published after this process
-  started: a group the trainer already replaced (its Regroup queued behind a slow join) is skipped,
-  so a restarted generator does not trail the trainer one group behind, each join waiting out the
-  weight timeout in a group the trainer has left; a group published before (the orchestrator answers
-  a restarted generator's Hello with it) was built for the dead predecessor and is skipped too, the
-  trainer rebuilding the group on seeing the new incarnation.
+  broadcast into it nor the ones while it serves its first leases wait for a first engine step.
 """
 from __future__ import annotations
 
@@ -61,9 +49,9 @@ from pipeline.launch.rendezvous import running_attempt
 from pipeline.launch.task import JOINS_RUN
 from pipeline.metrics import MetricsWriter
 from pipeline.protocol.links import Control, EvalItem, GeneratorLink, WorkItem
-from pipeline.protocol.messages import Regroup, Stop, Update
 from pipeline.protocol.record import SampleBatch
 from pipeline.roles.common import cpu_cores_for, lower_cpu_priority, pin_process, shares_trainer_cores
+from pipeline.roles.weight_take import WeightTaker
 from pipeline.run_dir import load_run_config, model_dir
 
 log = logging.getLogger(__name__)
@@ -84,16 +72,7 @@ class GeneratorRole:
         self.tokens = 0
         self.busy_since: float | None = None
         self.busy_s = 0.0
-        self.stall_s = 0.0
         self.in_flight = 0
-        self.loaded = False  # the trainer's first broadcast is always taken, whatever its version
-        self.epoch: int | None = None  # weight group in use
-        self.joins: set[int] = set()  # weight groups being joined in the background (see _join)
-        self.group_fresh = False  # joined a group and took no broadcast in it yet (see _apply_controls)
-        self.newest_epoch = 0  # newest weight group the trainer announced (its Regroup may wait in the queue)
-        self.joinable_from = 1  # groups published before this process said Hello are its predecessor's
-        self.sync_failures = 0
-        self.sync_bytes_received = 0  # bytes the channel counted receiving the version loaded last
         self.job = os.environ.get(JOB_ENV, "")  # the generator job it came with ("": the run's own)
 
     async def run(self) -> dict:
@@ -112,22 +91,24 @@ class GeneratorRole:
         gcfg = replace(cfg.generator, model=model, seed=cfg.orchestrator.seed,
                        cpu_cores=cfg.generator.cpu_cores or (",".join(map(str, cores)) if cores else ""))
         self.gen = Generator(gcfg, generator_id=self.rank, schema=self.schema, episodes=episode_runner(cfg, model))
+        self.weights = WeightTaker(gen=self.gen, rendezvous=self.task.rendezvous, rank=self.rank, timeout_s=timeout,
+                                   stop_requested=self.task.stop_requested)
         report = StartReporter(self.run_dir, self.rank, cfg.orchestrator.transport, timeout)
         try:
             report.phase = "engine"
             await self.gen.start()
             slots = max(1, gcfg.max_num_seqs // cfg.orchestrator.group_size)
-            if self._newest_published_epoch() and not self._sole_generator():  # a running run: it says Hello
+            if self.weights.newest_published_epoch() and not self._sole_generator():  # a running run: it says Hello
                 # once its engine is warm (the sole generator, restarted, has nobody training meanwhile)
                 report.phase = "warm-up"
                 await self._warm_up(slots * cfg.orchestrator.group_size)
         finally:
             report.stop()
-        self.joinable_from = 1 + self._newest_published_epoch()  # read before the Hello (see _join)
-        self.link = GeneratorLink(self.run_dir, self.rank, slots, self.schema, cfg.orchestrator.transport,
-                                  timeout_s=timeout, job=self.job)
+        self.weights.joinable_from = 1 + self.weights.newest_published_epoch()  # read before the Hello
+        self.link = self.weights.link = GeneratorLink(self.run_dir, self.rank, slots, self.schema,
+                                                      cfg.orchestrator.transport, timeout_s=timeout, job=self.job)
         controls: asyncio.Queue[tuple[Control, float]] = asyncio.Queue()  # with its arrival time
-        self.controls_task = asyncio.create_task(self._apply_controls(controls))
+        self.controls_task = asyncio.create_task(self.weights.run(controls, on_stop=self._stop))
         tasks: set[asyncio.Task] = {self.controls_task}
         t_start = last_metrics = last_run_check = time.monotonic()
         while not self.stop:
@@ -135,10 +116,9 @@ class GeneratorRole:
                 self._leave(tasks)
                 break  # its engine ends now (a broadcast still waiting on it fails: the group is rebuilt)
             # Credits are sent only once weights are loaded: no work before the current version.
-            for item in self.link.poll(0.002, send_credit=self.loaded):
+            for item in self.link.poll(0.002, send_credit=self.weights.loaded):
                 if isinstance(item, Control):
-                    if isinstance(item, Regroup):
-                        self.newest_epoch = max(self.newest_epoch, item.weight_epoch)
+                    self.weights.announced(item)
                     controls.put_nowait((item, time.monotonic()))
                 elif isinstance(item, WorkItem):
                     tasks.add(asyncio.create_task(self._group(item)))
@@ -147,12 +127,14 @@ class GeneratorRole:
             done = {t for t in tasks if t.done()}
             for t in done:
                 if not t.cancelled() and t.exception() is not None and not self.task.stop_requested.is_set():
+                    self._end_dead_engine()
                     raise t.exception()  # a failed group or eval must not pass silently
             tasks -= done
             await asyncio.sleep(0.003)
             now = time.monotonic()
             if now - last_metrics >= 1.0:
                 if not self.gen.engine_alive() and not self.task.stop_requested.is_set():
+                    self._end_dead_engine()
                     raise RuntimeError("a vLLM engine process died")
                 self.stop = self.stop or self._run_over()
                 if self.task.config.get(JOINS_RUN):
@@ -173,6 +155,14 @@ class GeneratorRole:
         self.gen.shutdown()  # engine processes vLLM's shutdown leaves behind: ended with the task's tree
         return {"tokens": self.tokens, "version": self.gen.version}
 
+    def _end_dead_engine(self) -> None:
+        """A process of the engine died: SIGKILL what is left of it now (`Generator.shutdown`), so the
+        role's exit, and its restart by the supervisor, need not wait for them: its workers ignore
+        the SIGTERM of the task's `end_tree` while their owner lives (before, 3 s passed from the
+        engine's death to the restart, twice on a loaded 2-core machine)."""
+        if not self.gen.engine_alive():
+            self.gen.shutdown()
+
     def _leave(self, tasks: set[asyncio.Task]) -> None:
         """A planned departure (the stop signal): abort the groups and evaluations under way and
         tell the orchestrator, which re-issues their leases at once. The engine ends right after
@@ -185,6 +175,10 @@ class GeneratorRole:
         self.metrics.log("generator_leave", generator_id=self.rank, job=self.job, aborted=len(work),
                          version=self.gen.version)
         log.info("leaving the run: %d group/eval task(s) aborted, their leases returned", len(work))
+
+    def _stop(self) -> None:
+        """The orchestrator said `Stop` (the run is over): the loop ends after its round."""
+        self.stop = True
 
     def _sole_generator(self) -> bool:
         """The run's one generator, and no generator job joined: while it restarts nothing is
@@ -202,54 +196,6 @@ class GeneratorRole:
             return json.loads(result_path(self.run_dir, "trainer", 0).read_text())["attempt"] == self.task.attempt
         except (FileNotFoundError, ValueError, KeyError):
             return False
-
-    async def _apply_controls(self, queue: "asyncio.Queue[tuple[Control, float]]") -> None:
-        """Apply weight-group changes and updates one at a time, beside the polling loop (which
-        keeps the orchestrator informed that this generator is alive while a broadcast waits).
-
-        Each load is logged with where its time went, from the announcement's arrival: ``queued``
-        (behind earlier controls), ``switch`` (into a new group: the rpc to every worker, which
-        waits for the engine step in progress, and the group's forming if not yet done),
-        ``receive`` (posting the receive through each worker's side channel, at once, the receive
-        itself, buffers included, and the poll that sees it done, an rpc between engine steps; the
-        trainer's broadcast waits only for the posting and the bytes),
-        ``paused`` (the generator's stall) and its ``load``."""
-        while True:
-            item, arrived = await queue.get()
-            if isinstance(item, Stop):
-                self.stop = True
-                return
-            try:
-                if isinstance(item, Regroup):
-                    await self._join(item.weight_epoch)
-                t_switch = time.monotonic()
-                if isinstance(item, Update) and item.weight_epoch != self.epoch and item.weight_epoch in self.joins:
-                    await self._switch(item.weight_epoch)
-                if isinstance(item, Update) and item.weight_epoch == self.epoch and self.epoch is not None and (
-                        item.version != self.gen.version or not self.loaded or self.group_fresh):
-                    # the trainer broadcasts after every group it builds, also a version this
-                    # generator holds (it rebuilds when the orchestrator's members change, e.g. after
-                    # an orchestrator restart): in a new group the first announced version is taken
-                    t_update = time.monotonic()
-                    report = await self.gen.update_weights(item.version)
-                    self.loaded, self.group_fresh = True, False
-                    self.link.loaded_version = report.version
-                    self.link.send_want()  # tell the orchestrator at once: admission waits for it
-                    self.stall_s += report.paused_s
-                    self.sync_bytes_received = report.received_bytes
-                    log.info("loaded version %d (epoch %d; queued %.3fs, switch %.3fs, receive %.3fs, "
-                             "paused %.3fs, load %.3fs)", report.version, self.epoch, t_switch - arrived,
-                             t_update - t_switch, report.staging_s, report.paused_s, report.load_s)
-            except Exception as exc:  # collective_rpc wraps the worker's errors in a plain Exception
-                if self.task.stop_requested.is_set():  # the engine is stopping too: no failure
-                    log.info("weight %s not applied: stopping (%s)", item.KIND, exc)
-                    return
-                if not self.gen.engine_alive():
-                    raise
-                # The trainer sees the failure too and rebuilds the group; wait for its regroup.
-                self.sync_failures += 1
-                self.epoch = None
-                log.error("weight %s failed (%s); waiting for the trainer to regroup", item.KIND, exc)
 
     async def _warm_up(self, sequences: int) -> None:
         """Generate once at the run's batch shape (``sequences`` at a time, as many as its leases
@@ -279,50 +225,6 @@ class GeneratorRole:
         await asyncio.gather(*(one(i) for i in range(sequences)))
         log.info("engine warmed up: %d sequences of %d + %d tokens in %.2fs", sequences, prompt_len,
                  budget, time.monotonic() - t0)
-
-    async def _join(self, epoch: int) -> None:
-        """Start joining weight group `epoch` (unless it is not for this process); the switch to it
-        comes with the first update announced into it (`_switch`)."""
-        if epoch <= max([self.epoch or 0, *self.joins]):
-            return
-        if epoch < self.joinable_from:
-            # built before this process started (the orchestrator answers a Hello with the current
-            # group): its member gen-<rank> was this generator's dead predecessor; the trainer
-            # rebuilds the group once it sees the new incarnation
-            log.info("weight group epoch %d predates this process: waiting for the trainer's next one", epoch)
-            return
-        if epoch < self.newest_epoch or self.task.rendezvous.get(f"weights-{epoch + 1}") is not None:
-            # the trainer gave this group up already (a join of it would wait out the weight timeout
-            # while the trainer waits in vain in the next one); the newer group's Regroup follows
-            log.info("weight group epoch %d is superseded: joining a newer one", epoch)
-            return
-        w = self.task.rendezvous.wait(f"weights-{epoch}", self.cfg.run.timeout_s)
-        me = w["ranks"].get(f"gen-{self.rank}")
-        if me is None:
-            log.warning("weight group epoch %d does not include this generator", epoch)
-            return
-        t0 = time.monotonic()
-        await self.gen.start_joining_weight_group(w["host"], w["port"], me, w["world_size"], backend=w["backend"],
-                                                  epoch=epoch, senders=w.get("senders", 1), secret=self.link.key)
-        self.joins.add(epoch)
-        log.info("joining weight group epoch %d as rank %d of %d at %s:%d (the rpc starting it %.3fs)",
-                 epoch, me, w["world_size"], w["host"], w["port"], time.monotonic() - t0)
-
-    async def _switch(self, epoch: int) -> None:
-        """Use weight group `epoch` from now on (the trainer announced a version into it)."""
-        t0 = time.monotonic()
-        self.joins = {e for e in self.joins if e > epoch}
-        self.epoch = None  # until the switch succeeded: a failure leaves no group in use
-        await self.gen.use_weight_group(epoch)
-        self.epoch, self.group_fresh = epoch, True
-        log.info("joined weight group epoch %d (waited %.3fs for it to form)", epoch, time.monotonic() - t0)
-
-    def _newest_published_epoch(self) -> int:
-        """The newest weight group the trainer published in this attempt's rendezvous (0: none)."""
-        epoch = 0
-        while self.task.rendezvous.get(f"weights-{epoch + 1}") is not None:
-            epoch += 1
-        return epoch
 
     def _busy(self, delta: int) -> None:
         now = time.monotonic()
@@ -372,10 +274,11 @@ class GeneratorRole:
         busy = self.busy_s + (time.monotonic() - self.busy_since if self.busy_since else 0.0)
         self.metrics.log("generator", generator_id=self.rank, version=self.gen.version,
                          tokens=self.tokens, tokens_per_s=self.tokens / max(elapsed, 1e-9),
-                         idle_frac=1 - busy / max(elapsed, 1e-9), stall_s=self.stall_s,
+                         idle_frac=1 - busy / max(elapsed, 1e-9), stall_s=self.weights.stall_s,
                          in_flight_groups=self.in_flight, unacked=len(self.link.unacked),
-                         sync_failures=self.sync_failures, sync_bytes_received=self.sync_bytes_received,
-                         weight_epoch=self.epoch, restart=self.task.restart,
+                         sync_failures=self.weights.sync_failures,
+                         sync_bytes_received=self.weights.sync_bytes_received,
+                         weight_epoch=self.weights.epoch, restart=self.task.restart,
                          job=self.job)
 
 

@@ -17,6 +17,9 @@ Invariants:
 - every wait (batch, rendezvous, broadcast) has a timeout (``run.timeout_s``), and the leader's
   waits on generators (for a batch, for a weight group) end, failing the run, once every
   generator task was abandoned and no generator is a member (checked every `BATCH_POLL_S`);
+- the ranks wait for a batch in rounds of `BATCH_POLL_S` that end in an agreement: a generator
+  that (re)joined meanwhile gets the current version at once, from any number of ranks, and a stop
+  during the wait is taken by all of them at the same step;
 - the orchestrator is a child of rank 0 that dies with it (parent-death signal); when it dies it is
   restarted from the log within a second (`KeptProcess`; the trainer and the generators reconnect to
   the same address), at most ``orchestrator.max_restarts`` times, counted as
@@ -133,14 +136,15 @@ class TrainerRole:
             prepare_model(self.run_dir, cfg)
             self.orchestrator = KeptProcess("orchestrator", lambda: start_orchestrator(self.run_dir),
                                             cfg.orchestrator.max_restarts, _interrupt_main)
-        dist = self._process_group_master(timeout)
+        store = self._process_group_store(timeout)
         model = model_dir(self.run_dir, timeout)
         from dataclasses import replace
 
+        from pipeline.launch.network import bind_gloo_groups
         from pipeline.trainer.engine import Trainer
+        bind_gloo_groups()  # cluster.network.address: the process group and megatron's groups listen there
         tcfg = replace(cfg.trainer, model_dir=str(model), timeout_s=timeout)
-        self.trainer = Trainer(tcfg, rank=self.rank, world_size=self.world,
-                               init_method=f"tcp://{dist['host']}:{dist['port']}")
+        self.trainer = Trainer(tcfg, rank=self.rank, world_size=self.world, store=store)
         self.start_step, ckpt = latest_checkpoint(self.run_dir)
         if ckpt is not None:
             self.trainer.load(ckpt)
@@ -167,18 +171,27 @@ class TrainerRole:
         else:
             self.link.report_version(self.version)
 
-    def _process_group_master(self, timeout: float) -> dict:
-        """{"host", "port"} of the trainer's process group: from MPI where the launch bootstrapped it
-        (`cluster.mpi`; docs/moe-scale.md), else published by rank 0 in the run's rendezvous."""
-        from pipeline.launch.rendezvous import DIST_ENV, free_port
+    def _process_group_store(self, timeout: float):
+        """The TCPStore of the trainer's process group, served by rank 0 on one address only. Its
+        address comes from MPI where the launch bootstrapped it (`cluster.mpi`, docs/moe-scale.md:
+        rank 0 serves on the socket its supervisor bound), else rank 0 binds `_host`'s (`listen_on`)
+        and publishes it in the run's rendezvous: the published port is the one listening."""
+        import datetime
+
+        from pipeline.launch.rendezvous import DIST_ENV, bootstrap_store, listen_on, open_store
         if os.environ.get(DIST_ENV):
             boot = json.loads(os.environ[DIST_ENV])
             log.info("process group from MPI: rank %d of %d, master %s:%d", boot["rank"], boot["size"],
                      boot["host"], boot["port"])
-            return boot
+            return bootstrap_store(boot, timeout)
+        wait = datetime.timedelta(seconds=timeout)
         if self.leader:
-            self.rdv.publish("trainer_dist", {"host": self._host(), "port": free_port()})
-        return self.rdv.wait("trainer_dist", timeout)
+            host = self._host()
+            listener = listen_on(host)
+            self.rdv.publish("trainer_dist", {"host": host, "port": listener.getsockname()[1]})
+            return open_store(host, listener.getsockname()[1], self.world, True, wait, listener)
+        master = self.rdv.wait("trainer_dist", timeout)
+        return open_store(master["host"], master["port"], self.world, False, wait)
 
     def _host(self) -> str:
         """Address other roles reach this process at: ``cluster.network``'s, else loopback locally
@@ -205,7 +218,7 @@ class TrainerRole:
             t0 = time.monotonic()
             batch = self._batch_or_stop(step)
             if batch is None:  # stopped while waiting (generators stop too): nothing more to train on
-                if self.world == 1 and step != self.start_step and step % cfg.run.checkpoint_every:
+                if step != self.start_step and step % cfg.run.checkpoint_every:
                     self._checkpoint(step)
                 self.checkpoints.wait()
                 return {"steps": step, "version": self.version, "stopped": True}
@@ -242,31 +255,41 @@ class TrainerRole:
     def _batch_or_stop(self, step: int):
         """Step ``step``'s batch; None if a stop signal came while waiting for it (``run.timeout_s``).
 
-        With several ranks a stop during the wait is not agreed collectively: the run then resumes
-        from the last periodic checkpoint (the orchestrator returns later steps' groups)."""
+        The ranks wait in rounds of `BATCH_POLL_S` that end in an agreement (a rank holding its
+        share waits for the others there), so all of them act together on what the leader sees
+        meanwhile: a restarted generator (or one that joined) gets the current version at once,
+        with any number of ranks (before, only a one-rank trainer sent it: with more, a sole
+        generator restarted never got weights, took no work, and the run failed after
+        ``run.timeout_s``), and a stop during the wait is taken by every rank at the same step."""
         from pipeline.protocol.transport import TransportError
 
         deadline = time.monotonic() + self.cfg.run.timeout_s
+        batch = None
         while True:
             left = deadline - time.monotonic()
-            try:
-                return self.link.get_batch(step, self.version, self.dp_size,
-                                           min(BATCH_POLL_S, max(left, 0.1)), dp_rank=self.dp_rank)[0]
-            except TransportError:
-                # A restarted generator takes work only with weights: resend them now. The sync is a
-                # collective over the trainer ranks, so only a one-rank trainer can do it here; with
-                # several ranks the generator loads the next step's weights.
-                if self.world == 1 and self.live and self.weights.generators_changed():
-                    log.info("generators changed while waiting for step %d: resending version %d",
-                             step, self.version)
-                    self.weights.push(self.version)
-                if self.task.stop_requested.is_set():
-                    log.warning("stop requested while waiting for the batch of step %d", step)
-                    return None
-                if self.leader and self.live:  # nobody to wait for: the run fails naming it
-                    self.weights.check_generators_left()
-                if left <= 0:
-                    raise TransportError(f"no batch for step {step} within {self.cfg.run.timeout_s:.0f}s") from None
+            if batch is None:
+                try:
+                    batch = self.link.get_batch(step, self.version, self.dp_size,
+                                                min(BATCH_POLL_S, max(left, 0.1)), dp_rank=self.dp_rank)[0]
+                except TransportError:
+                    pass
+            if not self._agree(int(batch is None)):
+                return batch
+            # A restarted generator takes work only with weights: send them now (a collective).
+            if self._agree(int(self.leader and self.live and self.weights.generators_changed()), op="leader"):
+                log.info("generators changed while waiting for step %d: resending version %d", step, self.version)
+                self.weights.push(self.version)
+            if self._agree(int(self.task.stop_requested.is_set())):
+                log.warning("stop requested while waiting for the batch of step %d", step)
+                return None
+            if self.leader and self.live:  # nobody to wait for: the run fails naming it
+                self.weights.check_generators_left()
+            if self._agree(int(left <= 0)):
+                raise TransportError(f"no batch for step {step} within {self.cfg.run.timeout_s:.0f}s")
+
+    def _agree(self, value: int, op: str = "max") -> int:
+        """`agree_over_ranks` over the trainer ranks."""
+        return agree_over_ranks(value, world=self.world, cuda=self.trainer.cuda, op=op)
 
     def _stop_agreed(self) -> bool:
         """True on every trainer rank once any rank got the stop signal (so all stop at the same step)."""

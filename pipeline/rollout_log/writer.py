@@ -49,6 +49,7 @@ from pipeline.rollout_log.format import (
     segment_attrs, segment_name, write_sealed_segment)
 from pipeline.rollout_log.journal import (
     JournalFile, copy_aside, encode_entry, fsync_dir, journal_name, list_journals)
+from pipeline.rollout_log.pending import PendingAppends
 from pipeline.rollout_log.reader import RolloutLog
 from pipeline.rollout_log.scan import scan_log
 from pipeline.rollout_log.segment import ArrayFile, Segment
@@ -97,8 +98,7 @@ class RolloutLogWriter:
             self._chunks: dict[str, list[np.ndarray]] = {n: [] for n in self._layout}
             self._arrays: dict[str, np.ndarray] = {}  # _chunks joined, when a read or seal needs it
             self._written = dict.fromkeys(TABLES, 0)  # this generation's flushed counts
-            self._pending_counts = dict.fromkeys(TABLES, 0)
-            self._pending: dict[str, list[np.ndarray]] = {name: [] for name in self._layout}
+            self._pending = PendingAppends(self._layout)
             self.first_row = scan.next_row
             self.seq = scan.next_seq
             self._row_tokens = np.zeros(max(1024, 2 * self.first_row), dtype=np.int64)
@@ -218,18 +218,17 @@ class RolloutLogWriter:
         c = batch.columns
         for table, length, off_name in (("prompt_tokens", "prompt_len", "prompt_offset"),
                                         ("completion_tokens", "completion_len", "completion_offset")):
-            start = self._written[table] + self._pending_counts[table]
+            start = self._written[table] + self._pending.counts[table]
             lens = c[length].astype(np.int64)
             off = np.empty(n, dtype=np.int64)
             off[0] = start
             np.cumsum(lens[:-1], out=off[1:])
             off[1:] += start
-            self._pending[f"samples/{off_name}"].append(off)
-            self._pending_counts[table] += int(lens.sum())
-        for name in (*self.schema.scalar_columns(), PROMPT_COLUMN[0], *self.schema.prompt_token_fields(),
-                     *self.schema.token_fields()):
-            self._pending[f"samples/{name}"].append(c[name])
-        self._pending_counts["samples"] += n
+            self._pending.push("samples", {off_name: off}, 0)
+            self._pending.counts[table] += int(lens.sum())
+        self._pending.push("samples", {name: c[name] for name in (
+            *self.schema.scalar_columns(), PROMPT_COLUMN[0], *self.schema.prompt_token_fields(),
+            *self.schema.token_fields())}, n)
         if rows[-1] >= len(self._row_tokens):
             grown = np.zeros(max(2 * len(self._row_tokens), rows[-1] + 1), dtype=np.int64)
             grown[:len(self._row_tokens)] = self._row_tokens
@@ -251,7 +250,7 @@ class RolloutLogWriter:
         fr = cols["first_row"]
         if ((fr < -1) | (fr >= self.num_rows)).any():
             raise LogError(f"groups.first_row {fr.tolist()} outside -1..{self.num_rows - 1}")
-        self._push("groups", cols)
+        self._pending.push("groups", cols)
 
     def append_steps(self, step: int, rows: ArrayLike, dp_ranks: ArrayLike, trainer_step: int,
                      t: float) -> None:
@@ -263,35 +262,23 @@ class RolloutLogWriter:
         if rows.ndim != 1 or (len(rows) and (rows.min() < 0 or rows.max() >= self.num_rows)):
             raise LogError(f"step {step}: rows must be 1-d within 0..{self.num_rows - 1}")
         ranks = cast_column("steps.dp_rank", np.broadcast_to(dp_ranks, rows.shape), STEP_COLUMNS["dp_rank"])
-        self._push("steps", {"step": np.full(len(rows), step, STEP_COLUMNS["step"]), "row": rows,
+        self._pending.push("steps", {"step": np.full(len(rows), step, STEP_COLUMNS["step"]), "row": rows,
                              "dp_rank": ranks})
-        self._push("step_meta", {
+        self._pending.push("step_meta", {
             "step": np.array([step], STEP_META_COLUMNS["step"]),
             "trainer_step": np.array([trainer_step], STEP_META_COLUMNS["trainer_step"]),
             "n_samples": np.array([len(rows)], STEP_META_COLUMNS["n_samples"]),
             "n_tokens": np.array([self._row_tokens[rows].sum()], STEP_META_COLUMNS["n_tokens"]),
             "t": np.array([t], STEP_META_COLUMNS["t"])})
 
-    def _push(self, table: str, cols: dict[str, np.ndarray]) -> None:
-        for k, v in cols.items():
-            self._pending[f"{table}/{k}"].append(v)
-        self._pending_counts[table] += len(next(iter(cols.values())))
-
     # -- flush and reads ----------------------------------------------------------------------
     def flush(self) -> None:
         """Journal everything appended so far as one entry, ``fdatasync``'d (module invariants);
         seals when the cadence is due."""
         self._check_open()
-        if not any(self._pending_counts.values()):
+        if not any(self._pending.counts.values()):
             return
-        entry = {}
-        for name, parts in self._pending.items():
-            spec = self._layout[name]
-            if parts:  # one flushed chunk per dataset (kept by reference when it is one part)
-                chunk = parts[0] if len(parts) == 1 else np.concatenate(parts)
-                entry[name] = np.asarray(chunk, dtype=spec.dtype)
-            else:
-                entry[name] = np.zeros((0, *spec.trail), spec.dtype)
+        entry = self._pending.joined()  # one chunk per dataset, copied only where it must be
         parts = encode_entry(FlushEntry(
             self.seq, time.time(), self._gen_first_row + self._written["samples"],
             self._written["prompt_tokens"], self._written["completion_tokens"],
@@ -307,10 +294,8 @@ class RolloutLogWriter:
         for name, chunk in entry.items():
             self._chunks[name].append(chunk)
         for table in TABLES:
-            self._written[table] += self._pending_counts[table]
-        self._pending_counts.update(dict.fromkeys(TABLES, 0))
-        for parts in self._pending.values():
-            parts.clear()
+            self._written[table] += self._pending.counts[table]
+        self._pending.clear()
         if time.monotonic() - self._fence_checked_at >= FENCE_CHECK_S:
             self._check_not_fenced()
         if (self._journal_bytes >= self.seal_bytes
@@ -356,7 +341,7 @@ class RolloutLogWriter:
     @property
     def num_rows(self) -> int:
         """Next global row id (counts buffered, not yet flushed samples)."""
-        return self._gen_first_row + self._written["samples"] + self._pending_counts["samples"]
+        return self._gen_first_row + self._written["samples"] + self._pending.counts["samples"]
 
     def read_samples(self, rows: ArrayLike) -> SampleBatch:
         """Samples at global ``rows`` (sealed or not; flushes first if some are only buffered)."""

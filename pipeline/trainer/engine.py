@@ -41,7 +41,7 @@ from .sampling_mask import attach_kept_ids
 
 class Trainer:
     def __init__(self, cfg: TrainerConfig, rank: int | None = None, world_size: int | None = None,
-                 init_method: str | None = None):
+                 init_method: str | None = None, store: "torch.distributed.Store | None" = None):
         import torch
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -63,8 +63,8 @@ class Trainer:
             if self.cuda:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
             torch.distributed.init_process_group(
-                "nccl" if self.cuda else "gloo", init_method=init_method or "env://", rank=rank,
-                world_size=world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s))
+                "nccl" if self.cuda else "gloo", init_method=None if store is not None else init_method or "env://",
+                store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s))
         # this rank's device, read before any other thread exists; weight channels get it explicitly
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         p = cfg.parallel

@@ -53,7 +53,7 @@ makes the survivors raise `WeightSyncError` (naming the step that failed) within
 groups are aborted (never ``shutdown()``, never a teardown of the process), and the caller forms
 the next group of the survivors.
 
-The rendezvous store (`open_store`) listens only on ``host``'s address (torch's TCPStore given
+The rendezvous store (`pipeline.launch.rendezvous.open_store`) listens only on ``host``'s address (torch's TCPStore given
 127.0.0.1 listens on every interface; here rank 0 binds the socket itself and hands it over as
 ``master_listen_fd``). Every value in it is signed with the run secret (`SignedStore`): a user who
 reaches the address cannot plant a rendezvous value. The broadcasts carry no authentication: the
@@ -66,6 +66,7 @@ import datetime
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
+from pipeline.launch.rendezvous import open_store
 from pipeline.protocol import codec
 from pipeline.protocol import weight_stream as records
 from pipeline.weights.guarded_groups import GuardedGroups, WeightSyncError
@@ -173,29 +174,6 @@ class WeightChannel(abc.ABC):
         plan = BucketPlan.for_tensors(named, bucket_bytes)
         self.send_stream(version, plan, named)
         return plan
-
-
-def open_store(host: str, port: int, world_size: int, is_master: bool, timeout: datetime.timedelta,
-               listener: "socket.socket | None" = None):
-    """The weight group's TCPStore. Rank 0 (``is_master``) serves it on ``listener``, a socket it
-    bound and published before (`pipeline.launch.rendezvous.listen_on`: no port race), or else
-    on a socket bound to ``host:port`` here; either way on ``host``'s address only."""
-    import torch.distributed as dist
-
-    if not is_master:
-        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
-    if listener is None:
-        from pipeline.launch.rendezvous import listen_on
-
-        listener = listen_on(host, port)
-    try:
-        store = dist.TCPStore(host, listener.getsockname()[1], world_size, is_master=True, timeout=timeout,
-                              wait_for_workers=False, master_listen_fd=listener.fileno())
-    except BaseException:
-        listener.close()
-        raise
-    listener.detach()  # the store's server owns the socket now
-    return store
 
 
 class TorchDistChannel(WeightChannel):

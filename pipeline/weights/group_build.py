@@ -4,7 +4,7 @@ Forming a group (`TorchDistChannel`'s constructor) waits until every member has 
 trainer and each generator worker start that wait here and go on using the group they are in.
 The trainer switches to the new group at a version boundary, once it has formed
 (`pipeline.roles.weight_push`); a generator switches when the trainer's first broadcast into it is
-announced (`pipeline.roles.generator`).
+announced (`pipeline.roles.weight_take`).
 
 Invariants:
 - the opening thread ends within the channel's own timeout (the constructor's), so `wait` with a

@@ -1,6 +1,6 @@
 """The weight group's rendezvous store with every value signed by the run secret.
 
-The weight group's TCPStore (`pipeline.weights.group.open_store`) listens on the configured
+The weight group's TCPStore (`pipeline.launch.rendezvous.open_store`) listens on the configured
 address, where any process of the node (another user's job included) can connect to it. What is
 written there decides who talks to whom and what is loaded: torch's own rendezvous values (gloo
 addresses, NCCL unique ids) and Tokenflow's records (`CudaIpcChannel`'s update headers, IPC

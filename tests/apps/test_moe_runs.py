@@ -120,6 +120,25 @@ def test_slurm_tp2ep2_het_job_over_three_nodes_learns(tmp_path):
     assert json.loads((replay / "model.json").read_text())["path"] == str(exported)
 
 
+@pytest.mark.slurm
+@pytest.mark.engine
+@pytest.mark.slow  # 76 s measured on 2 cores (the job, the offline export, the transformers evaluation)
+@pytest.mark.timeout(1600)
+def test_slurm_pp2tp2_het_job_a_stage_per_node_learns(tmp_path):
+    """`experiment=moe-pp2tp2-slurm`: PP2 x TP2 as one heterogeneous job, trainer ranks 2 + 2 on two
+    nodes (megatron's stages are ranks {0, 1} and {2, 3}: a stage per node, its TP pair inside it),
+    the generator on the third; learns and exports as the local run does."""
+    run = tmp_path / "slurm-pp2tp2"
+    tokenflow("train", "experiment=moe-pp2tp2-slurm", "run.name=slurm-pp2tp2", f"hydra.run.dir={run}",
+              "cluster.trainer.time_min=30", "cluster.generator.time_min=30", *COMMON,
+              "trainer.micro_batch_tokens=256", timeout=900, run=run)
+    nodes = [json.loads((run / "results" / f"trainer.{r}.json").read_text())["node"] for r in range(4)]
+    generator = json.loads((run / "results" / "generator.0.json").read_text())["node"]
+    print(f"\ntrainer ranks on {nodes}, generator on {generator}")
+    assert nodes[0] == nodes[1] != nodes[2] == nodes[3] and generator not in nodes, (nodes, generator)
+    check_run(run, tmp_path)
+
+
 @pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.timeout(1200)

@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.rollout_log.reader import RolloutLog
 from pipeline.metrics import read_metrics
-from test_slurm_train import TINY, tokenflow
+from support.slurm_runs import TINY, tokenflow
 
 pytestmark = [pytest.mark.slurm, pytest.mark.engine]
 LAG, EVERY, STEPS = 1, 2, 6

@@ -20,54 +20,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.launch import ComponentSpec, JobPlan
 from pipeline.rollout_log.format import GroupOutcome
 from pipeline.rollout_log.reader import RolloutLog
 from pipeline.metrics import read_metrics
 from support.child_env import child_env
+from support.slurm_runs import (REPO, TINY, ended, preempt_trainer_node, status_of, submit_probe_batch,
+                                submitted_job, tokenflow, wait_until)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.engine]
-REPO = Path(__file__).resolve().parents[2]
-TINY = ["cluster=slurm", "run.eval_every=3", "run.timeout_s=300", "run.progress=false", "logger=[]",
-        "orchestrator.groups_per_step=4", "orchestrator.group_size=8", "model.warmstart_steps=120",
-        "cluster.generators=1", "cluster.generator.nodes=1", "cluster.trainer.mem_gb=3", "cluster.generator.mem_gb=3.5",
-        "cluster.trainer.cpus_per_task=2", "cluster.generator.cpus_per_task=2", "cluster.trainer.time_min=30",
-        "cluster.generator.time_min=30"]
-
-
-def tokenflow(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, env=child_env(),
-                          timeout=timeout, cwd=REPO)
-
-
-def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 1.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not true after {timeout_s} s")
-        time.sleep(poll_s)
-
 
 def steps_logged(run: Path) -> list[int]:
     return [r["step"] for r in read_metrics(run, "train_step")]
-
-
-def submitted_job(run: Path) -> str | None:
-    """The Slurm job id of the run's last launch, once its line is written (the file may exist empty)."""
-    try:
-        lines = (run / "launch/launches.jsonl").read_text().splitlines()
-        return json.loads(lines[-1])["job_id"] if lines else None
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
-def status_of(run: Path) -> dict:
-    out = tokenflow("status", str(run), "--json")
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
 
 
 @pytest.mark.slow  # about 6 min on 2 cores (334 s measured): three attempts, each starts its engine
@@ -167,15 +130,7 @@ def test_sweep_submits_one_het_job_per_point_then_status_and_cancel(tmp_path):
 
 def test_sbatch_template_runs_a_plan_as_one_het_job_and_requeues_itself(tmp_path):
     # the probe holds on attempt 0 until the checkpoint signal; the batch script then requeues the job
-    plan = JobPlan(name="tf-sbatch", components={
-        "trainer": ComponentSpec(entry="pipeline.launch.probe:probe", mem_gb=0.5, time_min=5),
-        "generator": ComponentSpec(entry="pipeline.launch.probe:probe", mem_gb=0.5, time_min=5)},
-        config={"probe": {"timeout_s": 60, "rendezvous": True, "hold_s": 150}})
-    (tmp_path / "launch").mkdir()
-    (tmp_path / "launch/plan.json").write_text(plan.to_json())
-    job_id = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/batch.out", "slurm/train.sbatch",
-                             "--run-dir", str(tmp_path)], capture_output=True, text=True, timeout=30, cwd=REPO,
-                            check=True).stdout.strip()
+    job_id = submit_probe_batch(tmp_path, "tf-sbatch", hold_s=150)
     try:
         wait_until(lambda: len(list((tmp_path / "probe").glob("*.attempt-0.json"))) == 2, 60, "both roles started")
         time.sleep(1)
@@ -242,8 +197,7 @@ def test_kill_9_of_orchestrator_generator_and_engine_then_preemption(tmp_path):
     chaos = Chaos(run, ["orchestrator", "engine", "generator"], first=1, spread=1,
                   running=lambda: proc.poll() is None)
     orch, engine, gen = chaos.kills
-    urgent = None
-    try:
+    with ended(proc, run) as urgent:
         wait_until(lambda: submitted_job(run), 60, "the job was submitted")
         trainer_pid = wait_for(lambda: role_process(run, 0), 240, "the trainer role process")
         first_gen = wait_for(lambda: role_process(run, 1), 240, "the generator role process")
@@ -256,20 +210,12 @@ def test_kill_9_of_orchestrator_generator_and_engine_then_preemption(tmp_path):
         wait_for(lambda: [r for r in read_metrics(run, "train_step") if r["t"] > gen.t], 400,
                  "training after the second generator kill")
         assert role_process(run, 0) == trainer_pid, "the trainer restarted"
-        node = status_of(run)["components"][0]["nodes"]
-        urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-w", node, "--exclusive", "-t", "2",
-                                 "-o", "/dev/null", "--wrap", "sleep 5"], capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+        urgent.append(preempt_trainer_node(run))
         preempted_at = chaos_last_step(run)
         wait_for(lambda: "SIGTERM received" in (run / "logs/trainer.0.out").read_text(), 120,
-                 f"the preemption's SIGTERM (urgent job {urgent} submitted after step {preempted_at} of {steps})",
+                 f"the preemption's SIGTERM (urgent job {urgent[0]} submitted after step {preempted_at} of {steps})",
                  chaos.running)
         out, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            tokenflow("cancel", str(run))
-        if urgent:
-            subprocess.run(["scancel", urgent], timeout=30)
     assert proc.returncode == 0, out[-4000:]
     trainer_log = (run / "logs/trainer.0.out").read_text()
     assert [int(a) for a in re.findall(r"=== trainer\.0 attempt (\d+)", trainer_log)] == [0, 1], trainer_log[-3000:]
@@ -302,16 +248,12 @@ def test_kill_9_of_trainer_rank_0_ends_the_job_and_the_same_command_resumes(tmp_
     args = ["train", "run.name=tk", f"hydra.run.dir={run}", f"run.steps={steps}", "run.checkpoint_every=2", *TINY]
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=REPO)
-    try:
+    with ended(proc, run):
         wait_for(lambda: last_step(run) >= kill_after, 400, f"step {kill_after}", lambda: proc.poll() is None)
         os.kill(role_process(run, 0), signal.SIGKILL)
         t_kill = time.monotonic()
         out, _ = proc.communicate(timeout=300)
         print(f"tokenflow train returned {proc.returncode} {time.monotonic() - t_kill:.1f} s after the kill")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            tokenflow("cancel", str(run))
     assert proc.returncode != 0 and "trainer.0" in out, out[-3000:]
     assert status_of(run)["components"][0]["state"] in ("FAILED", "CANCELLED"), status_of(run)
     again = tokenflow(*args, timeout=900)

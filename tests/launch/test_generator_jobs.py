@@ -219,7 +219,7 @@ def test_a_generator_job_joins_gets_leases_and_leaves_mid_run(tmp_path):
 
 def start_slurm_run(run: Path, steps: int, *overrides: str) -> subprocess.Popen:
     """`tokenflow train` of a tiny run as one heterogeneous Slurm job, in the background."""
-    from test_slurm_train import TINY
+    from support.slurm_runs import TINY
 
     return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "train", f"run.name={run.name}",
                              f"hydra.run.dir={run}", f"run.steps={steps}", "run.checkpoint_every=100",
@@ -233,7 +233,7 @@ def start_slurm_run(run: Path, steps: int, *overrides: str) -> subprocess.Popen:
 def test_a_generator_job_joins_and_leaves_a_slurm_run(tmp_path):
     """The same on the Slurm test cluster: the run is one heterogeneous job, the generator job a
     second job (on a node with room beside the trainer), cancelled with scancel."""
-    from test_slurm_train import status_of
+    from support.slurm_runs import status_of
 
     # 400 steps: with the core plan a step takes 0.4-1.8 s and the joiner's first lease came 69-320 s
     # after its submission as an equal on the trainer's core (of 100 steps one run ended before

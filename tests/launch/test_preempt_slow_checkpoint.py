@@ -22,7 +22,7 @@ from pipeline.trainer.checkpoint_writer import complete_checkpoints
 from support.child_env import child_env
 from support.log_places import NETFS_ROOT, netfs_mounts
 from support.slow_netfs import throttled_mount
-from test_slurm_train import REPO, TINY, status_of, submitted_job, tokenflow, wait_until
+from support.slurm_runs import REPO, TINY, ended, preempt_trainer_node, submitted_job, tokenflow, wait_until
 
 pytestmark = [pytest.mark.slurm]
 PREEMPTIBLE = ["cluster.trainer.partition=preemptible", "cluster.generator.partition=preemptible"]
@@ -80,24 +80,14 @@ def test_preempted_run_finishes_its_slowed_save_in_the_grace_and_resumes_from_it
                              f"run.steps={steps}", "run.checkpoint_every=4", "generator.weight_timeout_s=30",
                              *TINY, *PREEMPTIBLE],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=REPO)
-    urgent = None
-    try:
+    with ended(proc, run) as urgent:
         wait_until(lambda: submitted_job(run), 120, "the job was submitted")
         wait_until(lambda: len(list(read_metrics(run, "train_step"))) >= 6 or proc.poll() is not None, 400,
                    "six steps trained")
-        node = status_of(run)["components"][0]["nodes"]
-        urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-w", node, "--exclusive", "-t", "2",
-                                 "-o", "/dev/null", "--wrap", "sleep 5"], capture_output=True, text=True, timeout=30,
-                                check=True).stdout.strip()
+        urgent.append(preempt_trainer_node(run))
         wait_until(lambda: "SIGTERM received" in (run / "logs/trainer.0.out").read_text() or proc.poll() is not None,
-                   120, f"the preemption's SIGTERM (urgent job {urgent})")
+                   120, f"the preemption's SIGTERM (urgent job {urgent[0]})")
         out, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            tokenflow("cancel", str(run))
-        if urgent:
-            subprocess.run(["scancel", urgent], timeout=30)
     assert proc.returncode == 0, out[-4000:]
     trainer_log = (run / "logs/trainer.0.out").read_text()
     assert [int(a) for a in re.findall(r"=== trainer\.0 attempt (\d+)", trainer_log)] == [0, 1], trainer_log[-3000:]

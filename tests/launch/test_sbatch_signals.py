@@ -5,14 +5,12 @@ Slurm to end them (the supervisor's `term_linger_s`, 600 s)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from pipeline.launch import ComponentSpec, JobPlan
-from test_slurm_train import REPO, status_of, wait_until
+from support.slurm_runs import status_of, submit_probe_batch, wait_until
 
 pytestmark = pytest.mark.slurm
 
@@ -22,15 +20,7 @@ def test_sigterm_to_the_batch_step_ends_the_run_as_cancel_does(tmp_path):
     the batch shell. Found at merge: the batch shell outlived the cancel long enough for
     `batch finish` to read the stopped roles as a checkpoint stop and requeue the job (a second
     attempt ran and completed); the trap now marks the run cancelled and the shell never requeues."""
-    plan = JobPlan(name="tf-sbatch-term", components={
-        "trainer": ComponentSpec(entry="pipeline.launch.probe:probe", mem_gb=0.5, time_min=5),
-        "generator": ComponentSpec(entry="pipeline.launch.probe:probe", mem_gb=0.5, time_min=5)},
-        config={"probe": {"timeout_s": 60, "rendezvous": True, "hold_s": 200}})
-    (tmp_path / "launch").mkdir()
-    (tmp_path / "launch/plan.json").write_text(plan.to_json())
-    job_id = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/batch.out", "slurm/train.sbatch",
-                             "--run-dir", str(tmp_path)], capture_output=True, text=True, timeout=30, cwd=REPO,
-                            env=dict(os.environ, TOKENFLOW_PYTHON=sys.executable), check=True).stdout.strip()
+    job_id = submit_probe_batch(tmp_path, "tf-sbatch-term", hold_s=200, TOKENFLOW_PYTHON=sys.executable)
     try:
         wait_until(lambda: len(list((tmp_path / "probe").glob("*.attempt-0.json"))) == 2, 60, "both roles started")
         subprocess.run(["scancel", "--batch", "--signal=TERM", job_id], check=True, timeout=30)

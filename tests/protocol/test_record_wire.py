@@ -119,6 +119,26 @@ def test_batch_validation_catches_inconsistent_columns():
         SampleBatch(cols, RecordSchema())
 
 
+def test_rows_are_views_equal_to_taking_those_rows_and_a_replaced_column_keeps_the_rest():
+    schema = RecordSchema(routed_experts=(2, 2))
+    samples = [_sample(schema=schema, sample_index=i, prompt_ids=list(range(1, 2 + i)),
+                       completion_ids=[3] * (i + 1), logprobs=[-0.5] * (i + 1), versions=[0] * (i + 1),
+                       prompt_routed_experts=np.full((i + 1, 2, 2), i, np.int16),
+                       routed_experts=np.full((i + 1, 2, 2), i, np.int16)) for i in range(5)]
+    batch = SampleBatch.from_samples(samples, schema)
+    part = batch.rows(1, 4)
+    taken = batch.take([1, 2, 3])  # a copy, gathered row by row: the reference
+    for name, column in taken.columns.items():
+        np.testing.assert_array_equal(part.columns[name], column)
+        assert np.shares_memory(part.columns[name], batch.columns[name])
+    assert [part.tokens("completion_ids", i).tolist() for i in range(3)] == [[3] * 2, [3] * 3, [3] * 4]
+    rewarded = part.with_column("reward", np.arange(3, dtype=np.float32))
+    assert rewarded.columns["reward"].tolist() == [0, 1, 2] and part.columns["reward"].tolist() != [0, 1, 2]
+    np.testing.assert_array_equal(rewarded.prompt(2), taken.prompt(2))
+    with pytest.raises(RecordError, match="completion_len"):
+        part.with_column("completion_len", np.ones(3, np.int32))
+
+
 def test_tampered_or_foreign_frames_are_rejected_by_reason():
     frames = [bytes(f) for f in wire.encode(KEY, "x", {"a": 1}, {"v": np.ones(4, np.float32)})]
     bad_key = [bytes(f) for f in wire.encode(b"z" * 32, "x", {"a": 1}, {"v": np.ones(4, np.float32)})]
@@ -149,3 +169,20 @@ def test_signed_but_inconsistent_array_specs_are_malformed():
     frames = [wire._mac(KEY, [header, body]), header, body]
     with pytest.raises(wire.FrameError, match="not allowed"):
         wire.decode(KEY, frames, 1 << 20)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.sampled_from([0, 1, 7, 64, wire.SMALL_PART, wire.SMALL_PART + 1, 40_000]), max_size=20),
+       st.integers(0, 2**32))
+def test_the_mac_is_gmac_over_the_length_prefixed_concatenation(sizes, seed):
+    """Small parts are fed to GHASH joined, large ones alone: the tag is the one of a single
+    GMAC over every length prefix and part in order (computed here in one call)."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+    rng = np.random.default_rng(seed)
+    key, nonce = rng.bytes(32), rng.bytes(wire.NONCE_BYTES)
+    parts = [rng.bytes(n) for n in sizes]
+    ctx = Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
+    ctx.authenticate_additional_data(b"".join(len(p).to_bytes(8, "little") + p for p in parts))
+    ctx.finalize()
+    assert wire._mac(key, [memoryview(p) for p in parts], nonce) == nonce + ctx.tag

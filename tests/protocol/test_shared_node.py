@@ -118,7 +118,7 @@ def test_the_weight_store_listens_only_on_its_address_and_another_user_plants_no
     store refuses it."""
     from pipeline.protocol import codec
     from pipeline.protocol.weight_stream import StoreSignatureError, UpdateHeader
-    from pipeline.weights.group import open_store
+    from pipeline.launch.rendezvous import open_store
     from pipeline.weights.signed_store import SignedStore
 
     other = _other_address()

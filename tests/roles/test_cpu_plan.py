@@ -28,6 +28,8 @@ def _cfg(generators: int = 1, trainer_ranks: int = 1, plan: str = "auto") -> Tok
     ({0, 1}, 1, {("generator", 0): [0], ("trainer", 0): [1], ("generator", 1): [1], ("generator", 3): [1]}),
     # 4 cores, 2 generators: one core each, joined ones on trainer rank 0's core 2
     ({0, 1, 2, 3}, 2, {("generator", 0): [0], ("generator", 1): [1], ("trainer", 0): [2], ("generator", 2): [2]}),
+    # 2 cores, 2 generators: one engine per core (never both on core 0), the second beside the trainer
+    ({0, 1}, 2, {("generator", 0): [0], ("generator", 1): [1], ("trainer", 0): [1], ("generator", 2): [1]}),
 ])
 def test_joined_generators_are_placed_on_trainer_rank_0s_cores(monkeypatch, cores, generators, expected):
     monkeypatch.setattr(common.os, "sched_getaffinity", lambda pid: cores)
@@ -35,6 +37,20 @@ def test_joined_generators_are_placed_on_trainer_rank_0s_cores(monkeypatch, core
     assert {key: cpu_cores_for(*key, cfg) for key in expected} == expected
     assert [shares_trainer_cores(r, cfg, cpu_cores_for("generator", r, cfg)) for r in range(generators + 2)] == \
         [False] * generators + [True, True]
+
+
+@pytest.mark.parametrize("cores, generators, trainer_ranks", [({0, 1}, 2, 1), ({0, 1, 2}, 3, 2), ({0, 1, 2, 3}, 3, 4)])
+def test_short_of_cores_no_two_engines_share_a_core_while_there_are_cores_enough_for_them(
+        monkeypatch, cores, generators, trainer_ranks):
+    """A generator restarted beside another engine on one core got 2 s of CPU in 2.5 min (2 cores,
+    2 generators, both on core 0): each generator has one core, distinct while cores suffice."""
+    monkeypatch.setattr(common.os, "sched_getaffinity", lambda pid: cores)
+    cfg = _cfg(generators, trainer_ranks)
+    placed = [cpu_cores_for("generator", r, cfg) for r in range(generators)]
+    assert all(len(c) == 1 for c in placed), placed
+    assert len({c[0] for c in placed}) == min(generators, len(cores)), placed
+    trainer = {c for r in range(trainer_ranks) for c in cpu_cores_for("trainer", r, cfg)}
+    assert trainer and trainer <= cores, trainer
 
 
 def test_nothing_shares_the_trainer_cores_without_a_core_plan(monkeypatch):

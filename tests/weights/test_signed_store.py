@@ -8,9 +8,9 @@ import datetime
 import pytest
 import torch.distributed as dist
 
-from pipeline.launch.rendezvous import free_port
+from pipeline.launch.rendezvous import free_port, open_store
 from pipeline.protocol.weight_stream import StoreSignatureError
-from pipeline.weights.group import TorchDistChannel, WeightSyncError, open_store
+from pipeline.weights.group import TorchDistChannel, WeightSyncError
 from pipeline.weights.signed_store import SignedStore
 
 SECRET = bytes(range(32))

@@ -1,0 +1,105 @@
+"""A turn's results are checked as one batch (`pipeline/orchestrator/ingest.py`): an orchestrator in
+this process, driven turn by turn, with a real generator link over ZeroMQ. A bad result among good
+ones is refused alone and the others are stored as sent; a result re-sent within the turn is
+judged after the first."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from pipeline.orchestrator.bounds import RunBounds
+from pipeline.orchestrator.config import OrchestratorConfig
+from pipeline.orchestrator.prompts import SyntheticPromptSource
+from pipeline.orchestrator.scoring import VerifierScorer, last_token_verifier
+from pipeline.orchestrator.service import Orchestrator
+from pipeline.protocol import messages as m
+from pipeline.protocol.links import GeneratorLink, TrainerLink, batch_arrays
+from pipeline.protocol.record import RecordSchema, SampleBatch
+from pipeline.rollout_log.reader import RolloutLog
+from support.loadgen import synthetic_group
+
+SCHEMA = RecordSchema()
+GROUPS = 6
+
+
+def _orchestrator(run_dir):
+    cfg = OrchestratorConfig(group_size=4, groups_per_step=2, max_async=100, flush_interval_s=0.05)
+    return Orchestrator(run_dir, cfg, SyntheticPromptSource(vocab_size=1000), VerifierScorer(last_token_verifier),
+                        SCHEMA, RunBounds(1000), run_id="t")
+
+
+def _turns_until(orch, done, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "the orchestrator did not get there in time"
+        orch.turn()
+
+
+def _granted_work(orch, link, n):
+    trainer = TrainerLink(orch.run_dir, SCHEMA)
+    trainer.report_version(0)  # opens admission
+    link.send_want()
+    items = []
+    deadline = time.monotonic() + 20
+    while len(items) < n:
+        assert time.monotonic() < deadline, f"granted {len(items)} of {n} groups"
+        orch.turn()
+        items += [i for i in link.poll(0.01) if not isinstance(i, m.Stop)]
+    trainer.close()
+    return items[:n]
+
+
+def _send_all(link, results):
+    for item, batch in results:
+        link.send(m.Result(item.group_id, item.attempt, None, batch_arrays(batch)))
+
+
+def test_one_bad_result_in_a_turn_is_refused_alone_and_the_rest_stored_as_sent(tmp_path):
+    orch = _orchestrator(tmp_path)
+    link = GeneratorLink(tmp_path, 0, slots=GROUPS, schema=SCHEMA)
+    try:
+        items = _granted_work(orch, link, GROUPS)
+        results = [(i, synthetic_group(i, 0, SCHEMA, 16, 32)) for i in items]
+        bad_item, bad = results[2]
+        cols = dict(bad.columns)
+        cols["completion_ids"] = cols["completion_ids"].copy()
+        cols["completion_ids"][5] = 1000  # beyond the vocabulary: only the run's bounds catch it
+        results[2] = (bad_item, SampleBatch(cols, SCHEMA, validate=False))
+        _send_all(link, results)
+        time.sleep(0.2)  # every result waits in the socket: one turn drains them all
+        _turns_until(orch, lambda: orch.counts["stored"] + orch.counts["invalid_result"] == GROUPS)
+        assert orch.counts["invalid_result"] == 1 and orch.counts["stored"] == GROUPS - 1
+        assert orch.counts["handler_error"] == 0
+        _turns_until(orch, lambda: not orch.to_ack)
+        deadline = time.monotonic() + 10
+        while sum(link.outcomes.values()) < GROUPS and time.monotonic() < deadline:
+            link.poll(0.05)
+        assert link.outcomes == {"stored": GROUPS - 1, "invalid": 1}
+    finally:
+        orch.close()
+        link.close()
+    sent = {i.group_id: b for i, b in results if i.group_id != bad_item.group_id}
+    with RolloutLog.open(tmp_path / "rollouts") as log:
+        stored = SampleBatch.concat(list(log.iter_batches()))
+    by_group = {int(g): stored.take(np.flatnonzero(stored.columns["group_id"] == g))
+                for g in np.unique(stored.columns["group_id"])}
+    assert set(by_group) == set(sent)
+    for gid, batch in sent.items():  # the tokens stored are the tokens sent, byte for byte
+        for name in ("completion_ids", "logprobs", "versions", "prompt_ids", "completion_len"):
+            np.testing.assert_array_equal(by_group[gid].columns[name], batch.columns[name])
+
+
+def test_a_result_resent_within_the_turn_counts_as_a_duplicate(tmp_path):
+    orch = _orchestrator(tmp_path)
+    link = GeneratorLink(tmp_path, 0, slots=2, schema=SCHEMA)
+    try:
+        item = _granted_work(orch, link, 1)[0]
+        batch = synthetic_group(item, 0, SCHEMA, 16, 32)
+        _send_all(link, [(item, batch), (item, batch)])
+        time.sleep(0.2)
+        _turns_until(orch, lambda: orch.counts["stored"] == 1 and orch.counts["duplicate"] == 1)
+        assert orch.counts["invalid_result"] == 0 and orch.counts["handler_error"] == 0
+    finally:
+        orch.close()
+        link.close()
