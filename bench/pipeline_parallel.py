@@ -1,9 +1,10 @@
-"""Pipeline parallelism: a training step's time on PP layouts against one rank, and the measured bubble.
+"""Pipeline and context parallelism: a training step's time on PP and CP layouts against one rank,
+and the measured pipeline bubble.
 
 Each layout trains the same synthetic batches (random tokens, fixed lengths, behaviour logprobs
 -5) on a 4-layer, 8-expert tiny MoE (random weights, fp32) in fresh gloo rank processes (real
-megatron-core `Trainer`s, this file re-run per rank): one rank (the reference), then PP2 (2 ranks),
-PP2 x TP2 and PP2 x EP2 (4 ranks), in one run, side by side. Reported per layout: the median
+megatron-core `Trainer`s, this file re-run per rank): one rank (the reference), then PP2 and CP2
+(2 ranks), PP2 x TP2, PP2 x EP2 and CP2 x EP2 (4 ranks), in one run, side by side. Reported per layout: the median
 ``step_time_s`` of the steps after the first, ``speedup`` = one rank's median / the layout's
 (ranks share the machine's cores, so on 2 cores a 4-rank layout cannot be faster: this measures
 the pipeline's overhead, not its scaling), micro-batches per pipeline ``m``, and the bubble: each
@@ -14,8 +15,9 @@ ranks' mean; the idle time and the point-to-point transfers), next to 1F1B's ide
 
     python bench/pipeline_parallel.py [--quick | --smoke]     # last line: one JSON object
 
---smoke: one rank and PP2, 2 steps of 4 samples (harness check); --quick: all four layouts, 4
-steps of 16 samples; default: 8 steps of 32 samples.
+--smoke: one rank and PP2, 2 steps of 4 samples (harness check); --quick: all six layouts, 4
+steps of 16 samples; default: 8 steps of 32 samples. Under CP each 47-token sequence is padded to
+48 and split into 4 chunks of 12 over the 2 ranks of its group.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 LAYOUTS = {"tp1": (1, {}), "pp2": (2, {"pp": 2}), "pp2tp2": (4, {"pp": 2, "tp": 2}),
-           "pp2ep2": (4, {"pp": 2, "ep": 2})}
+           "pp2ep2": (4, {"pp": 2, "ep": 2}), "cp2": (2, {"cp": 2}), "cp2ep2": (4, {"cp": 2, "ep": 2})}
 
 
 def bench_model(root: Path) -> Path:

@@ -292,6 +292,9 @@ def validate(cfg: TokenflowConfig) -> None:
     checks.append((cfg.cluster.trainer_ranks % (p.tp * p.ep * p.pp) == 0,
                    f"cluster.trainer_ranks ({cfg.cluster.trainer_ranks}) must be a multiple of "
                    f"trainer.parallel.tp * ep * pp ({p.tp * p.ep * p.pp}); model-parallel size {model_parallel}"))
+    checks.append((cfg.cluster.trainer_ranks % (p.tp * p.pp * p.cp) == 0 and (p.cp == 1 or cfg.trainer.layout == "packed"),
+                   f"trainer.parallel.cp={p.cp} needs cluster.trainer_ranks ({cfg.cluster.trainer_ranks}) a multiple of "
+                   f"tp * pp * cp ({p.tp * p.pp * p.cp}) and trainer.layout=packed (got {cfg.trainer.layout!r})"))
     checks.append((cfg.eval.samples >= 0 and cfg.eval.temperature > 0,
                    f"eval.samples must be >= 0 and eval.temperature > 0, got {cfg.eval.samples}, "
                    f"{cfg.eval.temperature}"))

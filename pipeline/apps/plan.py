@@ -49,7 +49,7 @@ def describe(plan: MemoryPlan) -> dict:
     L = plan.layout
     return {"tp": L.tp, "ep": L.ep, "etp": L.etp, "pp": L.pp, "cp": L.cp, "dp": L.dp, "expert_dp": L.expert_dp,
             "recompute": L.recompute, "offload": L.offload, "peak_gib": round(plan.peak / GiB, 2),
-            "stage": plan.stage, "bubble": round(plan.bubble, 3),
+            "stage": plan.stage, "bubble": round(plan.bubble, 3), "kv_gather_mib": round(plan.kv_gather / 2**20, 2),
             "gib": {k: round(v / GiB, 2) for k, v in plan.components.items()},
             "activation_bytes_per_token_layer": {k: round(v) for k, v in plan.activations_per_token.items()}}
 
@@ -60,7 +60,9 @@ def text(plan: MemoryPlan) -> str:
     per_token = ", ".join(f"{k} {v / 1024:.1f}" for k, v in plan.activations_per_token.items())
     return (f"tp {L.tp} ep {L.ep} etp {L.etp} pp {L.pp} cp {L.cp} (dp {L.dp}, expert-dp {L.expert_dp}), "
             f"recompute {L.recompute}, offload {L.offload:g}: peak {plan.peak / GiB:.2f} GiB"
-            f" (stage {plan.stage}, bubble {plan.bubble:.0%})\n    GiB: {parts}\n"
+            f" (stage {plan.stage}, bubble {plan.bubble:.0%}"
+            + (f", K/V all-gather {plan.kv_gather / 2**20:.1f} MiB per layer and micro-batch" if L.cp > 1 else "")
+            + f")\n    GiB: {parts}\n"
             f"    activations per token and layer (KiB): {per_token}")
 
 

@@ -19,7 +19,11 @@ stage, the peak, and the pipeline bubble. Components (all per rank):
   (4 h per token). Routed experts (`GroupedExperts`) save each routed row's input and its fc1 /
   SwiGLU outputs; in fp32 (the CPU path) the rows sit in a zero-padded ``[E, max_j rows, .]``
   block (``expert_block_padding``: block rows over routed rows), in bf16 (grouped GEMM on GPU)
-  they do not; each MoE layer also saves its stacked expert weights. The padded layout's local
+  they do not; each MoE layer also saves its stacked expert weights. Context parallelism
+  (``cp``, packed only: `pipeline.trainer.context_parallel`) divides the tokens of a rank by cp,
+  except the attention kernel's tensors: K/V are all-gathered whole and rank 0's query block
+  spans the whole row, so the kernel's q, K/V, output and log-sum-exp count cp times per local
+  token (``kv_gather``: the bytes a rank receives per layer and micro-batch). The padded layout's local
   attention saves its ``S x S`` probabilities per head; ``recompute="full"`` keeps only each
   layer's input, ``"selective"`` drops the attention probabilities;
 - ``attention``: the padded layout's megatron local attention: its persistent
@@ -118,6 +122,7 @@ class MemoryPlan:
     peak: float = 0.0  # state + the step's largest moment, bytes
     stage: int = 0  # the pipeline stage with the peak
     bubble: float = 0.0  # 1F1B idle fraction (pp - 1) / (m + pp - 1)
+    kv_gather: float = 0.0  # context parallelism: bytes a rank receives per layer and micro-batch (K/V all-gather; backward all-reduces twice that)
     activations_per_token: dict[str, float] = field(default_factory=dict)  # bytes per token and layer, by layer part
 
     def binding(self) -> str:
@@ -133,9 +138,10 @@ def activation_elements(shape: ModelShape, layout: Layout, tokens_per_row: int) 
     lse = q * 4 / DTYPE_BYTES[layout.params_dtype]  # the kernel's fp32 log-sum-exp per query head
     # norm input and output, QKV linear's input; QKV out; QK-norm in/out (q) and out (k); rotated q;
     # the kernel's contiguous q and k/v and its output; the output projection's input
-    attention = 3 * h + (q + 2 * kv) * d + (2 * q + kv) * d * qkn + q * d + (2 * q + kv) * d + q * d
-    if layout.attention == "flash":
-        attention += lse
+    kernel = (2 * q + kv) * d + (lse if layout.attention == "flash" else 0.0)
+    if layout.cp > 1:  # context parallelism (packed): K/V gathered whole, rank 0's query block spans the row
+        kernel = (kernel + 2 * kv * d) * layout.cp
+    attention = 3 * h + (q + 2 * kv) * d + (2 * q + kv) * d * qkn + q * d + kernel + q * d
     scores = q * tokens_per_row if layout.attention == "local" and layout.recompute == "none" else 0.0
     if shape.is_moe:  # norm in/out, router input, router logits/probs; per routed row: input, fc1 out [gate; up], silu, product, x prob
         padding = CALIBRATION["expert_block_padding"] if layout.params_dtype == "float32" else 1.0
@@ -195,5 +201,6 @@ def rank_memory(shape: ModelShape, layout: Layout) -> MemoryPlan:
         if best is None or peak > best.peak:
             best = MemoryPlan(L, comp, peak, stage)
     best.bubble = (L.pp - 1) / (L.micro_batches + L.pp - 1)
+    best.kv_gather = (L.cp - 1) * tokens * 2 * max(shape.kv_heads / L.tp, 1) * shape.head_dim * abytes
     best.activations_per_token = {k: v * abytes for k, v in parts.items()}
     return best

@@ -17,8 +17,9 @@ Invariants:
   ``varlen_attn`` over the whole packed tensor, otherwise per-segment SDPA restricted to the flash
   and memory-efficient backends. ``sdpa_kernel`` pins those backends, so a shape they cannot take
   raises instead of silently falling back to the math kernel, which would build S x S.
-- Attention dropout, attention bias, explicit masks, sliding windows and context parallelism are
-  refused (the trainer's models use none of them).
+- Attention dropout, attention bias, explicit masks and sliding windows are refused (the trainer's
+  models use none of them). Under context parallelism (packed only) attention runs over the split
+  sequences (`pipeline.trainer.context_parallel`).
 
 Worked example: cu_seqlens [0, 3, 5] over t = 5 packed tokens: tokens 0..2 attend causally among
 themselves, tokens 3..4 among themselves; token 3 never sees tokens 0..2. The per-query
@@ -74,8 +75,11 @@ class VarlenAttention(MegatronModule):
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise ValueError(f"VarlenAttention has no attention dropout (got {dropout})")
-        if config.context_parallel_size != 1:
-            raise ValueError("VarlenAttention does not split sequences over context-parallel ranks")
+        self.cp_group = getattr(pg_collection, "cp", None)  # context parallelism: its group
+        if config.context_parallel_size != 1 and self.cp_group is None:
+            from megatron.core import parallel_state as ps
+
+            self.cp_group = ps.get_context_parallel_group()
         if config.window_size is not None:
             raise ValueError("VarlenAttention has no sliding window")
         head_dim = config.kv_channels
@@ -92,9 +96,17 @@ class VarlenAttention(MegatronModule):
         if packed_seq_params is not None:
             if packed_seq_params.qkv_format != "thd":
                 raise ValueError(f"packed_seq_params.qkv_format must be 'thd', got {packed_seq_params.qkv_format!r}")
+            if self.config.context_parallel_size > 1:
+                from .context_parallel import context_parallel_attention
+
+                out = context_parallel_attention(query, key, value, packed_seq_params.cu_seqlens_q,
+                                                 self.softmax_scale, self.cp_group, varlen_causal_attention)
+                return out.reshape(out.shape[0], -1)  # [t, heads * d]
             out = varlen_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q,
                                           int(packed_seq_params.max_seqlen_q), self.softmax_scale)
             return out.reshape(out.shape[0], -1)  # [t, heads * d]
+        if self.config.context_parallel_size > 1:
+            raise ValueError("context parallelism needs packed sequences (trainer.layout=packed)")
         s, b = query.shape[:2]
         rows = [_segment_attention(query[:, i], key[:, i], value[:, i], self.softmax_scale) for i in range(b)]
         return torch.stack(rows, dim=1).reshape(s, b, -1)  # [s, b, heads * d]

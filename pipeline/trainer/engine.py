@@ -10,6 +10,9 @@ Invariants:
   micro-batch split give the same update (up to float rounding).
 - Ranks run the same number of micro-batches (padded with token-free dummies) because MoE
   expert-parallel dispatch is a collective in every forward.
+- Context parallelism: the ranks of a CP group hold the same samples and micro-batches; each
+  feeds the model its share of every sequence and gathers the per-token logprobs back
+  (`context_parallel`), so loss and metrics are one rank's; DDP sums gradients over DP x CP.
 - Checkpoints (``save``/``load``, see ``checkpoint``) hold weights and Adam moments in Hugging
   Face names and shapes; they restore exactly on any TP/EP/DP layout of the same model.
 - With ``trainer.lora.rank > 0`` (``lora``) the base weights are frozen: only the adapters are in
@@ -69,7 +72,7 @@ class Trainer:
             raise ValueError("trainer.lora.rank > 0 with trainer.parallel.pp > 1 is not supported")
         ps.initialize_model_parallel(
             tensor_model_parallel_size=p.tp, expert_model_parallel_size=p.ep,
-            pipeline_model_parallel_size=p.pp,
+            pipeline_model_parallel_size=p.pp, context_parallel_size=p.cp,
             expert_tensor_parallel_size=p.expert_tp,
             distributed_timeout_minutes=max(1, int(cfg.timeout_s // 60)))
         model_parallel_cuda_manual_seed(cfg.seed)
@@ -104,8 +107,14 @@ class Trainer:
             from .routing_stats import RoutingStats
 
             self.routing = RoutingStats(self.model, sp)
-        self.layout = make_layout(cfg.layout, cfg.micro_batch_tokens, pad_multiple=p.tp if sp else 1,
-                                  device="cuda" if self.cuda else "cpu")
+        split = 2 * p.cp if p.cp > 1 else 1  # context parallelism: every segment cut into 2 cp chunks
+        self.layout = make_layout(cfg.layout, cfg.micro_batch_tokens, pad_multiple=(p.tp if sp else 1) * split,
+                                  device="cuda" if self.cuda else "cpu", segment_multiple=split)
+        self.context = None  # this rank's share of each sequence (context_parallel.py; None: no CP)
+        if p.cp > 1:
+            from .context_parallel import ContextParallel
+
+            self.context = ContextParallel()
         self.dp_group = ps.get_data_parallel_group()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.stages = None  # this rank's pipeline stage (pipeline_stages.py; None: no PP)
@@ -190,12 +199,14 @@ class Trainer:
         are counted."""
         from .conversion import unwrap
 
-        routed = mb.extras.get("routed_experts") if model is self.model else None
-        with self.replayer.forward(routed, mb.real_lengths if count_routing else None) if routed is not None \
+        fed = mb if self.context is None else self.context.local(mb)  # CP: this rank's share
+        routed = fed.extras.get("routed_experts") if model is self.model else None
+        with self.replayer.forward(routed, fed.real_mask() if count_routing else None) if routed is not None \
                 else nullcontext(), hidden_for_output(unwrap(model)) as output:
-            hidden = model(mb.input_ids, mb.position_ids, mb.attention_mask,
-                           packed_seq_params=mb.packed_seq_params)
-        return self._output_logprobs(hidden, output["weight"], mb, want_entropy)
+            hidden = model(fed.input_ids, fed.position_ids, fed.attention_mask,
+                           packed_seq_params=fed.packed_seq_params)
+        values = self._output_logprobs(hidden, output["weight"], fed, want_entropy)
+        return values if self.context is None else tuple(self.context.gather(mb, v) for v in values)
 
     def _output_logprobs(self, hidden, weight, mb, want_entropy=False):
         """``[rows, S]`` logprobs of the labels (and entropies, no grad) from the final hidden
@@ -336,7 +347,7 @@ class Trainer:
                 False, self.replayer, True, self.routing), self.layout.device)
         for mb in micro_batches if self.stages is None else ():
             if self.routing is not None:
-                self.routing.track(mb.real_lengths)
+                self.routing.track((mb if self.context is None else self.context.local(mb)).real_mask())
             loss, m = micro_batch_loss(mb, *self._token_logprobs(self.model, mb, want_entropy=True,
                                                                  count_routing=True))
             loss.backward()

@@ -42,7 +42,7 @@ def _writes(rule) -> tuple[bool, bool]:
     if rule.expert is not None:
         group_writes = ps.get_expert_data_parallel_rank() == 0
         return group_writes, group_writes and ps.get_expert_tensor_parallel_rank() == 0
-    group_writes = ps.get_data_parallel_rank() == 0
+    group_writes = ps.get_data_parallel_rank(with_context_parallel=True) == 0
     return group_writes, group_writes and ps.get_tensor_model_parallel_rank() == 0
 
 

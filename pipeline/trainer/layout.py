@@ -32,7 +32,10 @@ view the loss sees), and a `MicroBatch`'s placements ``sample_index``/``rows``/`
   boundaries go to megatron as ``packed_seq_params`` (``cu_seqlens``), attention runs per segment
   (`pipeline.trainer.attention`), rotary positions restart at 0 in every segment. The row is padded
   at the end to ``pad_multiple`` (the TP size under sequence parallelism) with one padding segment.
-  No padding between samples: a micro-batch holds at most ``micro_batch_tokens`` tokens.
+  No padding between samples: a micro-batch holds at most ``micro_batch_tokens`` tokens. Under
+  context parallelism (``segment_multiple`` = 2 cp) every segment is padded at its end to a
+  multiple of ``segment_multiple`` so it splits into 2 cp chunks (`pipeline.trainer.context_parallel`);
+  ``micro_batch_tokens`` then bounds the whole row, each rank holding ``1 / cp`` of it.
 - ``PaddedLayout`` right-pads rows to a common length (with ``trainer.layout=padded`` the model
   keeps megatron-core's own local attention, which builds each row's S x S scores); padding
   waste is ``1 - real / (rows x width)``.
@@ -120,14 +123,23 @@ class MicroBatch:
     offsets: list[int]  # per placed sample: position of its first token in its row
     starts: list[int]  # per placed sample: label position of its first completion token in its row
     lengths: list[int]  # per placed sample: completion length
-    real_lengths: list[int]  # per row: positions holding real tokens (always a prefix of the row)
+    real_lengths: list[int]  # per row: positions holding real tokens (a prefix of the row; with segment padding, up to the last segment's end)
     attention_mask: "torch.Tensor | None" = None  # None: causal
     packed_seq_params: object | None = None  # THD layouts only (megatron PackedSeqParams)
+    real: "torch.Tensor | None" = None  # [rows, S] bool: positions holding real tokens, where they are no prefix (context parallelism); None: real_lengths
     extras: dict = field(default_factory=dict)  # scattered per-token arrays, e.g. "behaviour"
 
     @property
     def tokens(self) -> int:
         return int(self.loss_mask.sum().item())
+
+    def real_mask(self) -> "torch.Tensor":
+        """``[rows, S]`` bool on the CPU: the positions holding real tokens."""
+        import torch
+
+        if self.real is not None:
+            return self.real
+        return torch.arange(self.input_ids.shape[1])[None] < torch.as_tensor(self.real_lengths)[:, None]
 
 
 class BatchLayout(ABC):
@@ -257,7 +269,13 @@ class PaddedLayout(BatchLayout):
 
 class PackedLayout(BatchLayout):
     """Samples concatenated into one row per micro-batch (THD, module docstring); samples are
-    placed longest first into the first micro-batch with room (first-fit decreasing)."""
+    placed longest first into the first micro-batch with room (first-fit decreasing); every
+    segment is padded at its end to a multiple of ``segment_multiple``."""
+
+    def __init__(self, micro_batch_tokens: int, pad_multiple: int = 1, device: str = "cpu",
+                 segment_multiple: int = 1):
+        super().__init__(micro_batch_tokens, pad_multiple, device)
+        self.segment_multiple = segment_multiple
 
     def _pack(self, samples, order, dummy_length: int = 0):
         import torch
@@ -269,16 +287,17 @@ class PackedLayout(BatchLayout):
             s = samples[i]
             tokens = np.concatenate([s.prompt_ids, s.completion_ids])
             n = len(tokens) - 1
+            padded = _round_up(n, self.segment_multiple)
             offsets.append(bounds[-1])
             starts.append(bounds[-1] + len(s.prompt_ids) - 1)
             clens.append(len(s.completion_ids))
-            pieces.append(tokens[:-1])
-            labels.append(tokens[1:])
-            mask = np.zeros(n, np.float32)
-            mask[len(s.prompt_ids) - 1:] = s.trained
+            pieces.append(np.pad(tokens[:-1], (0, padded - n)))
+            labels.append(np.pad(tokens[1:], (0, padded - n)))
+            mask = np.zeros(padded, np.float32)
+            mask[len(s.prompt_ids) - 1:n] = s.trained
             masks.append(mask)
-            positions.append(np.arange(n))
-            bounds.append(bounds[-1] + n)
+            positions.append(np.arange(padded))
+            bounds.append(bounds[-1] + padded)
         real = bounds[-1]
         width = _round_up(max(real, dummy_length, 1), self.pad_multiple)
         if width > real:  # one padding segment at the end
@@ -296,9 +315,14 @@ class PackedLayout(BatchLayout):
         def row(parts, dtype):
             return torch.from_numpy(np.concatenate(parts).astype(dtype))[None].to(self.device)
 
+        exact = None  # segment padding: real positions are no prefix of the row
+        if self.segment_multiple > 1:
+            exact = torch.zeros(1, width, dtype=torch.bool)
+            for i, offset in zip(order, offsets):
+                exact[0, offset:offset + fed_length(samples[i])] = True
         return MicroBatch(row(pieces, np.int64), row(positions, np.int64), row(labels, np.int64),
                           row(masks, np.float32), list(order), [0] * len(order), offsets, starts, clens,
-                          [real], packed_seq_params=params)
+                          [real], packed_seq_params=params, real=exact)
 
     def micro_batches(self, samples, budget=None):
         budget = budget or self.micro_batch_tokens
@@ -306,7 +330,7 @@ class PackedLayout(BatchLayout):
         bins: list[list[int]] = []
         used: list[int] = []
         for i in order:
-            n = fed_length(samples[i])
+            n = _round_up(fed_length(samples[i]), self.segment_multiple)
             fit = next((b for b, u in enumerate(used) if _round_up(u + n, self.pad_multiple) <= budget), None)
             if fit is None:
                 bins.append([i])
@@ -330,10 +354,16 @@ class PackedLayout(BatchLayout):
 LAYOUTS = {"packed": PackedLayout, "padded": PaddedLayout}
 
 
-def make_layout(name: str, micro_batch_tokens: int, pad_multiple: int = 1, device: str = "cpu") -> BatchLayout:
-    """The layout ``trainer.layout`` names."""
+def make_layout(name: str, micro_batch_tokens: int, pad_multiple: int = 1, device: str = "cpu",
+                segment_multiple: int = 1) -> BatchLayout:
+    """The layout ``trainer.layout`` names (``segment_multiple`` > 1: packed only)."""
     if name not in LAYOUTS:
         raise ValueError(f"trainer.layout must be one of {sorted(LAYOUTS)}, got {name!r}")
+    if segment_multiple > 1:
+        if name != "packed":
+            raise ValueError(f"trainer.layout={name!r} cannot split sequences over context-parallel ranks: "
+                             "use trainer.layout=packed with trainer.parallel.cp > 1")
+        return PackedLayout(micro_batch_tokens, pad_multiple, device, segment_multiple)
     return LAYOUTS[name](micro_batch_tokens, pad_multiple=pad_multiple, device=device)
 
 

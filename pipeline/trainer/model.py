@@ -23,7 +23,9 @@ Invariants:
 - HF -> megatron -> HF is the identity, bit for bit (tested).
 - Pipeline parallelism (``parallel.pp``): a rank builds its stage only (`build_gpt_model`); layer
   names and which weights a stage holds: `pipeline.trainer.conversion`. ``pp`` must divide the
-  layers; tied embeddings and context parallelism are refused (`check_pipeline_layout`).
+  layers; tied embeddings and context parallelism inside a pipeline are refused
+  (`check_pipeline_layout`). Context parallelism (``parallel.cp``) shards no parameter: every
+  rank of a CP group holds the same weights (`pipeline.trainer.context_parallel`).
 - ``iter_hf_weights`` (refused under PP) is a collective: every rank must exhaust it; only world rank 0 receives
   items (fresh full HF tensors, never views of live parameters, gathered over TP, ETP and EP).
 """
@@ -100,6 +102,7 @@ def transformer_config(hf_config, parallel: ParallelConfig, moe_cfg: MoEConfig |
         attention_dropout=0.0,
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
+        context_parallel_size=parallel.cp,
         variable_seq_lengths=parallel.pp > 1,  # micro-batches differ in shape: stages exchange them
         sequence_parallel=sequence_parallel,
         use_cpu_initialization=not torch.cuda.is_available(),
@@ -161,9 +164,11 @@ def transformer_config(hf_config, parallel: ParallelConfig, moe_cfg: MoEConfig |
 
 def check_pipeline_layout(hf_config, parallel: ParallelConfig) -> None:
     """Refuse pipeline / context-parallel layouts this trainer cannot build, naming the setting."""
-    if parallel.cp != 1:
-        raise ValueError(f"trainer.parallel.cp={parallel.cp}: context parallelism is not built yet "
-                         "(use cp=1)")
+    if parallel.cp < 1:
+        raise ValueError(f"trainer.parallel.cp={parallel.cp} must be >= 1")
+    if parallel.cp > 1 and parallel.pp > 1:
+        raise ValueError(f"trainer.parallel.cp={parallel.cp} with pp={parallel.pp}: context parallelism "
+                         "inside a pipeline is not built (use cp or pp)")
     if parallel.pp < 1 or hf_config.num_hidden_layers % parallel.pp:
         raise ValueError(f"trainer.parallel.pp={parallel.pp} must divide the model's "
                          f"{hf_config.num_hidden_layers} layers (every stage holds as many)")

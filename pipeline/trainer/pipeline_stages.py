@@ -72,7 +72,7 @@ class PipelineSchedule:
 
         def forward_step(data_iterator, stage_model):
             mb = next(data_iterator)
-            real = mb.real_lengths
+            real = mb.real_mask()
             if routing is not None:
                 routing.track(real)
             routed = mb.extras.get("routed_experts") if replayer is not None else None

@@ -151,9 +151,9 @@ class RoutingReplay:
         self.token_flags: list[torch.Tensor] = []  # per counted forward: real tokens with a differing layer
 
     @contextmanager
-    def forward(self, routed: torch.Tensor | None, real_lengths: Sequence[int] | None = None):
+    def forward(self, routed: torch.Tensor | None, real: torch.Tensor | None = None):
         """Within the block the routers replay ``routed`` ([rows, S, layers, k]) if ``apply``, else
-        route by themselves; with ``real_lengths`` (per row: positions holding real tokens) the
+        route by themselves; with ``real`` ([rows, S] bool: positions holding real tokens) the
         own-vs-recorded differences are counted. Yields whether replay is active."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
@@ -169,17 +169,15 @@ class RoutingReplay:
                 router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         try:
             yield self.apply
-            if real_lengths is not None:
-                self._count(targets, routed.shape[:2], real_lengths)
+            if real is not None:
+                self._count(targets, real)
         finally:
             for router in self.routers:
                 router.router_replay.clear_indices()
                 router.router_replay.clear_router_replay_action()
                 router.router_replay.own_topk = None
 
-    def _count(self, targets, shape, real_lengths) -> None:
-        rows, length = shape
-        real = torch.arange(length).unsqueeze(0) < torch.as_tensor(real_lengths).unsqueeze(1)
+    def _count(self, targets, real) -> None:
         real = layer_targets(real[..., None, None], self.tp_rank, self.tp_size,
                              self.sequence_parallel)[0][:, 0].cpu()
         differ = torch.stack([

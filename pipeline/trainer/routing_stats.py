@@ -36,25 +36,23 @@ class RoutingStats:
         layers = self.routers[0].config.num_layers  # the whole model's: a pipeline stage holds some
         self.counts = torch.zeros(layers, self.experts, dtype=torch.float64)
         self.tokens = torch.zeros(layers, dtype=torch.float64)
-        self.lengths = None  # per row of the current micro-batch: positions that hold real tokens
+        self.real = None  # [rows, S] bool of the current micro-batch: positions that hold real tokens
         for router in self.routers:  # rows by global layer (megatron's layer_number counts from 1)
             router.register_forward_hook(self._hook(router.layer_number - 1))
 
-    def track(self, lengths) -> None:
-        """Count the next forwards' routing for rows with these real lengths (None: stop)."""
-        self.lengths = lengths
+    def track(self, real) -> None:
+        """Count the next forwards' routing at these real positions ([rows, S] bool; None: stop)."""
+        self.real = real
 
     def _hook(self, layer: int):
         def hook(module, inputs, output):
-            import torch
             from megatron.core import parallel_state as ps
 
-            if self.lengths is None:
+            if self.real is None:
                 return
             seq, rows = inputs[0].shape[:2]  # [S (this rank's shard under SP), B, H]
             first = ps.get_tensor_model_parallel_rank() * seq if self.sequence_parallel else 0
-            positions = torch.arange(first, first + seq).unsqueeze(1)
-            real = (positions < torch.tensor(self.lengths).unsqueeze(0)).reshape(-1)
+            real = self.real[:, first:first + seq].transpose(0, 1).reshape(-1)  # megatron's s-major order
             routing_map = output[1].detach().cpu()[real]
             self.counts[layer] += routing_map.sum(0).double()
             self.tokens[layer] += float(real.sum())

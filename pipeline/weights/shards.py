@@ -77,11 +77,11 @@ class ShardedWeights:
             raise ValueError(f"world rank {world_rank} is{' not' if world_rank == 0 else ''} the sender of "
                              f"expert-parallel rank 0: layouts where rank 0 is not ETP rank 0 of EP rank 0 "
                              f"are not supported")
-        dense_sender = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+        dense_sender = ps.get_data_parallel_rank(with_context_parallel=True) == 0 and ps.get_tensor_model_parallel_rank() == 0
         if stages > 1 and dense_sender != (self.source == stage * ep_size):
             raise ValueError(f"world rank {world_rank}: the dense sender of pipeline stage {stage} is not "
                              f"ETP rank 0 of its EP rank 0: this layout is not supported")
-        self.gather_dense = ps.get_data_parallel_rank() == 0
+        self.gather_dense = ps.get_data_parallel_rank(with_context_parallel=True) == 0
         self.gather_experts = ps.get_expert_data_parallel_rank() == 0
         self.units: list[_Unit] = []
         for s in range(stages):

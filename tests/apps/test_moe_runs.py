@@ -149,3 +149,16 @@ def test_local_pp2tp2_run_learns_and_exports(tmp_path):
     tokenflow("train", "experiment=moe-pp2tp2", "run.name=pp2tp2", f"hydra.run.dir={run}", *COMMON,
               "trainer.micro_batch_tokens=256", timeout=900, run=run)
     check_run(run, tmp_path)
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_local_cp2ep2_run_learns_and_exports(tmp_path):
+    """Slow (~100 s on 2 cores): `tokenflow train experiment=moe-cp2ep2` on 4 local ranks, every
+    sequence split over 2 context-parallel ranks, experts over 2; the mismatch check proves the
+    pushed weights (from DP x CP rank 0 and each EP rank) reach the engine."""
+    run = tmp_path / "cp2ep2"
+    tokenflow("train", "experiment=moe-cp2ep2", "run.name=cp2ep2", f"hydra.run.dir={run}", *COMMON,
+              timeout=900, run=run)
+    check_run(run, tmp_path)

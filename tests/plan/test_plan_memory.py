@@ -77,9 +77,15 @@ def test_recompute_logit_chunks_and_cp_shrink_what_they_should():
     # one chunk's fp32 logits, softmax/gradient (8 B) and kept-set mask (1 B) per vocabulary entry
     assert plain.components["logits"] == pytest.approx(9 * 1024 * shape.vocab)
     assert small_chunks.components["logits"] == pytest.approx(plain.components["logits"] * 256 / 1024)
-    # CP halves every per-token part; the stacked expert weights (bf16, 48 saved + one gradient) stay
+    # CP halves every per-token part but the attention kernel's (K/V gathered whole, rank 0's query
+    # block spans the row: twice per local token, plus the gathered K/V); the stacked expert weights
+    # (bf16, 48 saved + one gradient) stay
     stacked = 2 * shape.n_expert_layer / 8 * (48 + 1)
-    assert 2 * cp2.components["activations"] - flash.components["activations"] == pytest.approx(stacked)
+    q, kv, d = shape.heads, shape.kv_heads, shape.head_dim
+    kernel = (2 * q + kv) * d + q * 4 / 2
+    grown = 2 * shape.layers * 8192 * (kernel + 4 * kv * d)  # bf16 bytes: 2 x (2 (kernel + 2 kv d) - kernel) x 4096 tokens
+    assert 2 * cp2.components["activations"] - flash.components["activations"] == pytest.approx(stacked + grown)
+    assert cp2.kv_gather == pytest.approx(8192 / 2 * 2 * kv * d * 2) and flash.kv_gather == 0
     assert flash.components["attention"] == 0 and plain.components["attention"] > 0
 
 

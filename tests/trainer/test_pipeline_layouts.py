@@ -1,6 +1,6 @@
-"""Pipeline-parallel trainer layouts (PP2 on 2 gloo ranks; PP2 x TP2, PP2 x EP2 on 4) against one
-rank, and checkpoints that move between PP and non-PP layouts, on a tiny 8-expert MoE with 2 layers
-(one per stage).
+"""Pipeline- and context-parallel trainer layouts (PP2 and CP2 on 2 gloo ranks; PP2 x TP2, PP2 x
+EP2 on 4; CP2 x EP2: test_context_parallel.py) against one rank, and checkpoints that move between
+PP, CP and one-rank layouts, on a tiny 8-expert MoE with 2 layers (one per stage).
 
 Every run trains ``STEPS`` steps on the same batches: 8 samples a step with recorded routing
 replayed (Keep Routing, random recorded experts, so replay visibly changes the routing), a
@@ -12,8 +12,8 @@ Hugging Face tensor sets (each stage writes its own layers); the one-rank run is
 At step ``SAVE_AT`` each run saves a checkpoint; after training it loads the other layouts'
 checkpoints, saves them again (must be bit-identical) and retrains step ``SAVE_AT`` from them.
 
-Cost on 2 cores: the PP2 pair (one- and two-rank runs, both checkpoint directions) ~35 s in the
-default suite; the 4-rank matrix (``slow``) ~4 min.
+Cost on 2 cores: the two-rank plan (one rank, PP2, CP2, checkpoints tp1 -> PP2 -> CP2 -> tp1) ~50 s
+in the default suite; the 4-rank matrix (``slow``) ~4 min.
 """
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ PARITY_TOL = 1e-5  # fp32
 # elements under vocabulary-parallel TP: 7e-6 of weight difference measured at lr 1e-4 on PP2 x TP2.
 LR = 3e-5
 LAYOUTS = {"tp1": (1, {}), "pp2": (2, {"pp": 2}), "pp2tp2": (4, {"pp": 2, "tp": 2}),
-           "pp2ep2": (4, {"pp": 2, "ep": 2})}
+           "pp2ep2": (4, {"pp": 2, "ep": 2}), "cp2": (2, {"cp": 2}),
+           "cp2ep2": (4, {"cp": 2, "ep": 2})}  # cp: test_context_parallel.py
 
 
 def make_step_samples(step: int, experts: int, k: int, layers: int) -> list:
@@ -118,7 +119,8 @@ def run_plan(root: Path, plan) -> dict:
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pp2")
-    return root, run_plan(root, [("tp1", STEPS, []), ("pp2", STEPS, ["tp1"]), ("tp1", 0, ["pp2"])])
+    return root, run_plan(root, [("tp1", STEPS, []), ("pp2", STEPS, ["tp1"]), ("cp2", STEPS, ["pp2"]),
+                                 ("tp1", 0, ["pp2", "cp2"])])
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +191,15 @@ def test_two_stage_pipeline_matches_one_rank_and_checkpoints_move_both_ways(two_
     check_layout("pp2", runs)
     check_checkpoint_move("tp1", "pp2", root, runs)
     check_checkpoint_move("pp2", "tp1", root, runs)
+
+
+@pytest.mark.engine
+def test_context_parallel_matches_one_rank_and_checkpoints_move_both_ways(two_rank_runs):
+    """CP2 (`pipeline.trainer.context_parallel`): sequences of 3-23 fed tokens in 4 chunks."""
+    root, runs = two_rank_runs
+    check_layout("cp2", runs)
+    check_checkpoint_move("pp2", "cp2", root, runs)
+    check_checkpoint_move("cp2", "tp1", root, runs)
 
 
 @pytest.mark.engine
