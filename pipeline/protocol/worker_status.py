@@ -1,4 +1,4 @@
-"""The engine worker's answer to the driver's ``received`` poll (`pipeline.generator.worker_extension`
+"""The engine worker's answer to the driver's ``received`` poll (`pipeline.generator.weight_receive`
 -> `pipeline.generator.engine`), one record on channel ``WORKER_STATUS``.
 
 The worker returns `encode`'s ``(kind, meta)`` (plain values through vLLM's collective RPC); the

@@ -95,7 +95,7 @@ class WeightPusher:
         restarted generators) for up to ``run.timeout_s``; the run goes on. A stop signal during
         the retries returns without broadcasting (the generators are stopping too).
         """
-        from pipeline.weights.buckets import BucketPlan
+        from pipeline.weights.bucket_plan import BucketPlan
         from pipeline.weights.group import WeightSyncError
         from pipeline.weights.shards import ShardedWeights
 

@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from pipeline.protocol import codec
 from pipeline.protocol import weight_stream as records
-from pipeline.weights.buckets import Assembly, BucketPlan, BufferRing, pack, unpack
+from pipeline.weights.bucket_plan import BucketPlan
+from pipeline.weights.buckets import Assembly, BufferRing, pack, unpack
 from pipeline.launch.rendezvous import open_store
 from pipeline.weights.group import ReceivedWeights, Release, WeightChannel, WeightSyncError, WireBytes, cuda_device
 

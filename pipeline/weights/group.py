@@ -70,7 +70,8 @@ from pipeline.launch.rendezvous import open_store
 from pipeline.protocol import codec
 from pipeline.protocol import weight_stream as records
 from pipeline.weights.guarded_groups import GuardedGroups, WeightSyncError
-from pipeline.weights.buckets import Assembly, BucketPlan, BufferRing, lone, pack, segments, unpack
+from pipeline.weights.bucket_plan import BucketPlan
+from pipeline.weights.buckets import Assembly, BufferRing, lone, pack, segments, unpack
 
 if TYPE_CHECKING:
     import socket

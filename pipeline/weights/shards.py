@@ -60,7 +60,7 @@ class ShardedWeights:
 
         from pipeline.trainer.conversion import (ep_rank_size, hf_dtype, lora_state, model_rules, pipeline_stage,
                                                  tp_group, unwrap)
-        from pipeline.weights.buckets import dtype_name
+        from pipeline.weights.bucket_plan import dtype_name
 
         self.hf_config = hf_config
         self.params = dict(unwrap(model).named_parameters())
@@ -108,7 +108,7 @@ class ShardedWeights:
     @property
     def total_bytes(self) -> int:
         """Bytes of one sync (every sender's tensors, before bucket alignment)."""
-        from pipeline.weights.buckets import itemsize
+        from pipeline.weights.bucket_plan import itemsize
 
         total = 0
         for _, dtype, shape, _ in self.specs:

@@ -387,7 +387,7 @@ DYING_SENDER = textwrap.dedent("""
     import os, sys
     from safetensors.torch import load_file
     from pipeline.weights.group import TorchDistChannel
-    from pipeline.weights.buckets import BucketPlan
+    from pipeline.weights.bucket_plan import BucketPlan
     ch = TorchDistChannel("127.0.0.1", int(sys.argv[1]), 0, 2, timeout_s=30, secret=bytes(32))
     named = sorted(load_file(sys.argv[2]).items())
     plan = BucketPlan.for_tensors(named, 1 << 18)

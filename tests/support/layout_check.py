@@ -88,7 +88,7 @@ def _trainer_rank(rank: int, a: dict) -> dict:
 
     from pipeline.trainer.config import LoraConfig, ParallelConfig, TrainerConfig
     from pipeline.trainer.engine import Trainer
-    from pipeline.weights.buckets import BucketPlan
+    from pipeline.weights.bucket_plan import BucketPlan
     from pipeline.weights.group import TorchDistChannel
     from pipeline.weights.shards import ShardedWeights
 

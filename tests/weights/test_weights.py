@@ -11,7 +11,8 @@ from hypothesis import given, settings, strategies as st
 
 from pipeline.protocol import codec, weight_stream
 from pipeline.launch.rendezvous import free_port
-from pipeline.weights.buckets import ALIGN, Assembly, BucketError, BucketPlan, pack, unpack
+from pipeline.weights.bucket_plan import ALIGN, BucketError, BucketPlan
+from pipeline.weights.buckets import Assembly, pack, unpack
 from pipeline.weights.group import TorchDistChannel, WeightSyncError
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool]
@@ -53,7 +54,7 @@ def test_pack_unpack_round_trip(shapes, bucket_bytes, seed):
 
 
 def test_large_tensor_is_split_over_buckets_and_bf16_fp32_mix():
-    """The worked example of pipeline/weights/buckets.py."""
+    """The worked example of pipeline/weights/bucket_plan.py."""
     named = [("a", torch.randn(100)), ("b", torch.randn(300).bfloat16()),
              ("c", torch.randn(1000)), ("d", torch.randn(10))]
     plan = BucketPlan.for_tensors(named, 2048)
@@ -73,10 +74,10 @@ def test_large_tensor_is_split_over_buckets_and_bf16_fp32_mix():
 
 
 def test_a_fused_module_that_fits_a_bucket_is_not_cut_by_a_bucket_boundary():
-    """The fused-module example of pipeline/weights/buckets.py, and a real layer's names: q/k/v and
+    """The fused-module example of pipeline/weights/bucket_plan.py, and a real layer's names: q/k/v and
     gate/up (with biases) each start a new bucket rather than straddle one, unless they are larger
     than a bucket (then they are cut as any tensors are)."""
-    from pipeline.weights.buckets import fused_module
+    from pipeline.weights.bucket_plan import fused_module
 
     assert fused_module("model.layers.0.self_attn.k_proj.bias") == "model.layers.0.self_attn.qkv"
     assert fused_module("model.layers.0.mlp.experts.3.up_proj.weight") == "model.layers.0.mlp.experts.3.gate_up"
@@ -156,7 +157,8 @@ def test_pack_rejects_tensors_that_differ_from_the_plan():
 SENDER = textwrap.dedent("""
     import os, sys, torch
     from pipeline.weights.group import TorchDistChannel
-    from pipeline.weights.buckets import BucketPlan, pack
+    from pipeline.weights.bucket_plan import BucketPlan
+    from pipeline.weights.buckets import pack
     port, die_after = int(sys.argv[1]), int(sys.argv[2])
     ch = TorchDistChannel("127.0.0.1", port, 0, 2, timeout_s=60, secret=bytes(32))
     gen = torch.Generator().manual_seed(7)
@@ -225,7 +227,7 @@ def test_sender_dying_mid_broadcast_raises_within_timeout():
 SPLIT_SENDER = textwrap.dedent("""
     import sys, torch
     from pipeline.weights import buckets
-    from pipeline.weights.buckets import BucketPlan
+    from pipeline.weights.bucket_plan import BucketPlan
     from pipeline.weights.group import TorchDistChannel
     port, bucket = int(sys.argv[1]), int(sys.argv[2])
     buckets.ALONE_BYTES = 4096  # the embedding's pieces travel from its own memory, the rest packed
@@ -331,7 +333,7 @@ def test_a_buffer_ring_of_two_allocates_two_buckets_at_most():
 
 MULTI_SENDER = textwrap.dedent("""
     import sys, torch
-    from pipeline.weights.buckets import BucketPlan
+    from pipeline.weights.bucket_plan import BucketPlan
     from pipeline.weights.group import TorchDistChannel
     port, source = int(sys.argv[1]), int(sys.argv[2])
     specs = [(f"t{i}", "float32", (256 * (1 + i % 3),), (i // 4) % 2) for i in range(16)]
