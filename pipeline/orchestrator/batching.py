@@ -7,7 +7,15 @@ FLOPs of a forward and backward pass (3 x the forward's):
 - linear: 6 x the parameters a token passes through (attention, the dense MLP or its top-k experts
   and router, the output layer);
 - quadratic: 12 x layers x query heads x head_dim (Q K^T and P V, 2 q d FLOPs per token pair each,
-  over the full S x S square, as megatron's local attention computes it).
+  over the full S x S square).
+
+FLOPs are not time: on CPU a step of the tiny test model grows 5.5x from 128 to 1,024 tokens where
+its FLOPs grow 13.1x (fixed per-step work, memory-bound kernels, causal attention skipping half the
+square). ``StepCost.fit`` measures the coefficients instead: a non-negative least-squares fit of
+``fixed + linear * T + quadratic * T**2`` seconds to step times of single samples over a length
+grid (``fixed``, paid once per rank and step, does not change the split and is returned apart).
+``orchestrator.step_cost_per_token`` / ``step_cost_per_token_pair`` take the fitted pair (`bench/dp_balance.py` measures and prints it);
+unset, the orchestrator uses the FLOPs model.
 
 Invariants:
 - every sample of a step goes to exactly one data-parallel rank;
@@ -43,6 +51,29 @@ class StepCost:
             else shape.n_dense_mlp
         per_token = shape.layers * (shape.n_attention + mlp) + shape.vocab * shape.hidden
         return cls(linear=6.0 * per_token, quadratic=12.0 * shape.layers * shape.heads * shape.head_dim)
+
+    @classmethod
+    def fit(cls, num_tokens, seconds) -> tuple["StepCost", float]:
+        """(cost in seconds, fixed seconds) fitted to step times ``seconds`` of single samples of
+        ``num_tokens`` tokens: the least-squares ``fixed + linear * T + quadratic * T**2`` with
+        every coefficient >= 0 (the best fit over the subsets of terms whose own fit is
+        non-negative). Example: T [1, 2, 3], seconds [3, 7, 13] -> linear 1, quadratic 1, fixed 1."""
+        t = np.asarray(num_tokens, dtype=np.float64)
+        y = np.asarray(seconds, dtype=np.float64)
+        if t.shape != y.shape or len(np.unique(t)) < 3:
+            raise ValueError(f"a step-cost fit needs step times at >= 3 distinct lengths, got "
+                             f"{len(np.unique(t))} lengths for {y.size} times")
+        scale = t.max()
+        columns = np.stack([np.ones_like(t), t / scale, (t / scale) ** 2], axis=1)
+        best, best_residual = np.zeros(3), np.inf
+        for mask in range(1, 8):
+            terms = [j for j in range(3) if mask >> j & 1]
+            x, *_ = np.linalg.lstsq(columns[:, terms], y, rcond=None)
+            residual = float(np.sum((columns[:, terms] @ x - y) ** 2))
+            if (x >= 0).all() and residual < best_residual:
+                best, best_residual = np.zeros(3), residual
+                best[terms] = x
+        return cls(linear=float(best[1] / scale), quadratic=float(best[2] / scale ** 2)), float(best[0])
 
     def of(self, num_tokens: np.ndarray) -> np.ndarray:
         t = np.asarray(num_tokens, dtype=np.float64)

@@ -19,12 +19,12 @@ stage, the peak, and the pipeline bubble. Components (all per rank):
   (4 h per token). Routed experts (`GroupedExperts`) save each routed row's input and its fc1 /
   SwiGLU outputs; in fp32 (the CPU path) the rows sit in a zero-padded ``[E, max_j rows, .]``
   block (``expert_block_padding``: block rows over routed rows), in bf16 (grouped GEMM on GPU)
-  they do not; each MoE layer also saves its stacked expert weights. The padded layout's local
-  attention saves its ``S x S`` probabilities per head; ``recompute="full"`` keeps only each
+  they do not; each MoE layer also saves its stacked expert weights. Megatron's local attention
+  (``attention="local"``; no trainer layout uses it any more) saves its ``S x S`` probabilities per head; ``recompute="full"`` keeps only each
   layer's input, ``"selective"`` drops the attention probabilities;
-- ``attention``: the padded layout's megatron local attention: its persistent
+- ``attention``: megatron's local attention (``"local"``): its persistent
   ``[rows*heads/tp, S, S]`` score buffer and causal mask, plus the transient copies of one layer's
-  scores while it runs; the packed layout's per-sequence attention holds none;
+  scores while it runs; the trainer's per-sequence attention (``"flash"``, both layouts) holds none;
 - ``logits``: one chunk of the chunked fused log-probabilities (`pipeline.trainer.logprobs`; the
   trainer has no unchunked path): ``[chunk, V/tp]`` fp32 logits and their softmax / gradient
   (8 B) plus the kept-set mask (1 B) per vocabulary entry, in backward.
@@ -74,7 +74,7 @@ class Layout:
     offload: float = 0.0  # fraction of the optimizer state in host memory (megatron's HybridDeviceOptimizer)
     recompute: str = "none"  # "none", "selective" (attention) or "full" (every layer)
     logits_chunk: int = 1024  # tokens whose fp32 logits exist at once (trainer.logprob_chunk_tokens)
-    attention: str = "flash"  # "flash" (packed layout: per-sequence attention, no S x S tensor) or "local" (padded layout: megatron's S x S scores)
+    attention: str = "flash"  # "flash" (the trainer's per-sequence attention, both layouts: no S x S tensor) or "local" (megatron's own S x S scores)
     reference: bool = False  # a KL reference model is held
 
     @property
