@@ -46,6 +46,8 @@ class OrchestratorConfig:
     (`pipeline.orchestrator.batching`) balance the data-parallel split."""
     step_cost_per_token_pair: float = 0.0
     """Seconds per token pair of a sample (attention's quadratic term), with step_cost_per_token."""
+    step_cost_per_sample: float = 0.0
+    """Seconds of a sample whatever its length, with step_cost_per_token."""
     transport: TransportConfig = field(default_factory=TransportConfig)
 
     def staleness_limit(self) -> int:
@@ -57,8 +59,9 @@ class OrchestratorConfig:
         return self.max_staleness
 
     def validate(self) -> None:
-        if (self.step_cost_per_token or 0.0) < 0 or self.step_cost_per_token_pair < 0:
-            raise ValueError("orchestrator.step_cost_per_token and step_cost_per_token_pair must be >= 0")
+        if min(self.step_cost_per_token or 0.0, self.step_cost_per_token_pair, self.step_cost_per_sample) < 0:
+            raise ValueError("orchestrator.step_cost_per_token, step_cost_per_token_pair and "
+                             "step_cost_per_sample must be >= 0")
         if self.scorer_threads < 0:
             raise ValueError(f"orchestrator.scorer_threads must be >= 0, got {self.scorer_threads}")
         for name in ("group_size", "groups_per_step"):

@@ -107,7 +107,7 @@ class TrainerConfig:
     seed: int = 1234  # seed of model-parallel RNG states
     optimizer: str = "auto"  # "torch" (AdamW, CPU) | "megatron" (distributed, CUDA) | "auto"
     overlap_grad_reduce: bool = True  # start each gradient bucket's DP reduction during the last micro-batch's backward (megatron DDP; optimizer.py)
-    overlap_param_gather: bool = True  # optimizer="megatron": gather updated parameter shards during the next forward (optimizer.py)
+    overlap_param_gather: bool = False  # optimizer="megatron": gather updated parameter shards during the next forward instead of after the step (optimizer.py: off, weight sync and checkpoints read parameters before that forward)
     optimizer_offload_fraction: float = 0.0  # optimizer="megatron": fraction of its state (fp32 masters, Adam moments) and update kept on the host (megatron's HybridDeviceOptimizer; 0: all on the GPU)
     timeout_s: float = 600.0  # timeout of every collective
     export: str = "end"  # Hugging Face export to RUN/export/step-K: "end" (of the run), "checkpoints" (every checkpoint too), "never"

@@ -10,10 +10,12 @@ Invariants:
   (earlier micro-batches run under ``no_sync``), so reductions of late layers run while earlier
   layers still compute their gradients; the step waits for them in ``finish_grad_sync``. The
   values are the same sums as without overlap (one collective per bucket either way).
-- ``trainer.overlap_param_gather`` (default on) applies to megatron's distributed optimizer only
+- ``trainer.overlap_param_gather`` (default off) applies to megatron's distributed optimizer only
   (CUDA): the updated parameter shards are all-gathered bucket by bucket during the next
-  step's forward instead of at the end of the optimizer step. The torch optimizer (CPU) keeps
-  whole parameters, so there is nothing to gather.
+  step's forward instead of at the end of the optimizer step. Off by default because the weight
+  push, exports and checkpoints read the parameters after a step and before the next forward,
+  when other ranks' shards would still be stale with data parallelism > 1. The torch optimizer
+  (CPU) keeps whole parameters, so there is nothing to gather.
 - The global gradient norm counts each distinct parameter element once: TP-sharded parameters on
   every TP rank, replicated ones on TP rank 0; expert parameters over the expert TP x EP group.
 """
