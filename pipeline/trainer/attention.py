@@ -12,6 +12,7 @@ Invariants:
   ``PackedSeqParams(qkv_format="sbhd")`` with ``cu_seqlens_q`` the running sum of the row lengths:
   row i's first ``n_i`` positions are one causal segment, run through the same per-segment call as
   a packed segment of that sequence; its padding is never attended and its output there is 0.
+  Without ``packed_seq_params`` every row is one sequence of length s.
   The result is megatron's attention of each sequence alone (same scale ``1/sqrt(d)``, same GQA
   grouping: query head h reads key/value group ``h // (heads / groups)``).
 - Memory is linear in the packed length: every kernel used keeps per-query statistics (the
@@ -99,10 +100,7 @@ class VarlenAttention(MegatronModule):
                                           int(packed_seq_params.max_seqlen_q), self.softmax_scale)
             return out.reshape(out.shape[0], -1)  # [t, heads * d]
         s, b = query.shape[:2]
-        if packed_seq_params is None or packed_seq_params.qkv_format != "sbhd":
-            raise ValueError("VarlenAttention needs the rows' real lengths: packed_seq_params with "
-                             "qkv_format 'sbhd' and cu_seqlens_q over the rows (trainer.layout=padded)")
-        lengths = packed_seq_params.cu_seqlens_q.diff().tolist()
+        lengths = [s] * b if packed_seq_params is None else packed_seq_params.cu_seqlens_q.diff().tolist()
         if len(lengths) != b or max(lengths) > s:
             raise ValueError(f"padded rows: {len(lengths)} real lengths (longest {max(lengths)}) for "
                              f"{b} rows of {s} positions")
