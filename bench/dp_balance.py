@@ -1,18 +1,24 @@
 """The data-parallel split by cost against measured step times (one megatron rank on CPU/gloo).
 
-    python bench/dp_balance.py --quick     # < 2 minutes on 2 cores
+    python bench/dp_balance.py --quick     # about 2 minutes on 2 cores
     python bench/dp_balance.py --smoke     # seconds: the code path, tiny lengths
 
-1. Cost model: a training step (`Trainer.train_step`, forward + backward + AdamW) on one sample of
-   T tokens, for T in a doubling series; printed side by side: measured time(T) / time(T0), the
-   model's cost(T) / cost(T0) (`StepCost.of_shape`) and the token ratio T / T0.
-2. Split: a long-tailed batch (log-normal lengths) over ``--dp`` ranks, split by tokens
-   (``StepCost()``) and by cost; each rank's share is timed as a step of its own in this process,
-   and the step time of the data-parallel group is the slowest rank's. Printed: both maxima, their
-   ratio (tokens / cost: > 1 means the cost split is faster) and each split's imbalance (max / mean).
+1. Cost models against measured step times: a training step (`Trainer.train_step`, forward +
+   backward + AdamW) on one sample of T tokens (one micro-batch), for T over a length grid
+   (median of ``--reps`` rounds, interleaved over the lengths so load changes hit all of them). Printed side by side: measured time(T) / time(T0), the FLOPs model's
+   cost(T) / cost(T0) (`StepCost.of_shape`) with its error, and the time the measured model
+   predicts: `StepCost.fit` (fixed + k (per_sample + linear T + quadratic T^2) seconds,
+   non-negative least squares) fitted to these grid times and to steps of four samples at the
+   short lengths (which separate each sample's own share from the step's), with its errors.
+2. Split: a long-tailed batch (log-normal lengths, sigma 1.2) over ``--dp`` ranks, split by tokens
+   (``StepCost()``), by FLOPs and by the fitted cost; each rank's share is timed as a step of its
+   own in this process (interleaved rounds over every share of every split), and the step time of the data-parallel group is the slowest rank's.
+   Printed: each split's slowest rank and imbalance (max / mean), the ratios tokens / fitted and
+   FLOPs / fitted (> 1: the fitted split is faster), and the fitted model's error on the ranks'
+   times (samples and batches it was not fitted on).
 
-The model: the tiny dense checkpoint (`pipeline.models.tiny`), fp32, megatron's local attention.
-The last line is one JSON object.
+The model: the tiny dense checkpoint (`pipeline.models.tiny`), fp32, the packed layout (the
+default). The last line is one JSON object; measured figures: bench/results/2026-12-06-trainer.md.
 """
 from __future__ import annotations
 
@@ -50,15 +56,18 @@ def samples_of(lengths, vocab: int, seed: int = 0):
             for i, t in enumerate(lengths)]
 
 
-def step_time(trainer, samples, reps: int) -> float:
-    """Median seconds of ``reps`` train steps on ``samples`` (after one untimed step)."""
-    trainer.train_step(samples)
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
+def step_times(trainer, batches: list, reps: int) -> list[float]:
+    """Median seconds of a train step on each of ``batches``: one untimed step each, then ``reps``
+    rounds over all of them (interleaved, so a change in the machine's load hits every batch)."""
+    for samples in batches:
         trainer.train_step(samples)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times = [[] for _ in batches]
+    for _ in range(reps):
+        for k, samples in enumerate(batches):
+            start = time.perf_counter()
+            trainer.train_step(samples)
+            times[k].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
 def main() -> None:
@@ -72,45 +81,70 @@ def main() -> None:
     from pipeline.plan.shape import ModelShape
 
     if args.smoke:
-        series, batch_n, median_len, longest, reps = [32, 64], 8, 24, 64, 1
+        series, batch_n, median_len, longest, reps = [16, 32, 64], 8, 24, 64, 1
     elif args.quick:
-        series, batch_n, median_len, longest, reps = [128, 256, 512, 1024], 24, 192, 1024, args.reps
+        series, batch_n, median_len, longest, reps = [256, 512, 1024, 2048, 4096], 24, 512, 4096, args.reps
     else:
-        series, batch_n, median_len, longest, reps = [128, 256, 512, 1024, 2048], 48, 128, 2048, args.reps
+        series, batch_n, median_len, longest, reps = [256, 512, 1024, 2048, 3072, 4096, 6144], 48, 384, 6144, args.reps
     trainer = make_trainer(max(series[-1], longest) + 8)
     vocab = trainer.hf_config.vocab_size
-    cost = StepCost.of_shape(ModelShape.from_config(trainer.hf_config.to_dict()))
-    print(f"cost model: linear {cost.linear:.3g} per token, quadratic {cost.quadratic:.3g} per token pair "
-          f"(equal at T = {cost.linear / cost.quadratic:.0f})")
-    rows = []
-    for t in series:
-        rows.append((t, step_time(trainer, samples_of([t], vocab), reps)))
-    t0, s0 = rows[0]
+    flops = StepCost.of_shape(ModelShape.from_config(trainer.hf_config.to_dict()))
+    # steps of one sample at every length, and of four at the short ones (each sample's own share)
+    shapes = [(t, 1) for t in series] + [(t, 4) for t in series if 4 * t <= series[-1]]
+    seconds = step_times(trainer, [samples_of([t] * k, vocab) for t, k in shapes], reps)
+    fitted, fixed = StepCost.fit([t for t, _ in shapes], seconds, [k for _, k in shapes])
+    print(f"FLOPs model: linear {flops.linear:.3g} per token, quadratic {flops.quadratic:.3g} per token pair; "
+          f"fitted: {fixed * 1e3:.1f} ms per step + {fitted.per_sample * 1e3:.1f} ms per sample + "
+          f"{fitted.linear * 1e6:.3g} us per token + {fitted.quadratic * 1e9:.3g} ns per token pair")
+    for (t, k), sec in zip(shapes, seconds):
+        if k > 1:
+            predicted = fixed + k * float(fitted.of([t])[0])
+            print(f"{k} x {t} tokens: {sec:.3f} s, fitted {predicted:.3f} s ({predicted / sec - 1:+.0%})")
+    grid = [(t, sec) for (t, k), sec in zip(shapes, seconds) if k == 1]
+    t0, s0 = grid[0]
     model = []
-    print(f"{'T':>6} {'time s':>8} {'measured':>9} {'cost':>7} {'tokens':>7}")
-    for t, s in rows:
-        predicted = float(cost.of([t])[0] / cost.of([t0])[0])
-        model.append({"tokens": t, "seconds": round(s, 4), "measured_ratio": round(s / s0, 3),
-                      "cost_ratio": round(predicted, 3), "token_ratio": t / t0})
-        print(f"{t:>6} {s:>8.3f} {s / s0:>9.2f} {predicted:>7.2f} {t / t0:>7.2f}")
+    print(f"{'T':>6} {'time s':>8} {'measured':>9} {'FLOPs':>7} {'err':>6} {'fitted s':>9} {'err':>6}")
+    for t, sec in grid:
+        predicted = float(flops.of([t])[0] / flops.of([t0])[0])
+        fit_s = fixed + float(fitted.of([t])[0])
+        model.append({"tokens": t, "seconds": round(sec, 4), "measured_ratio": round(sec / s0, 3),
+                      "cost_ratio": round(predicted, 3), "token_ratio": t / t0,
+                      "flops_ratio_error": round(predicted / (sec / s0) - 1, 3),
+                      "fitted_s": round(fit_s, 4), "fitted_error": round(fit_s / sec - 1, 3)})
+        print(f"{t:>6} {sec:>8.3f} {sec / s0:>9.2f} {predicted:>7.2f} {predicted / (sec / s0) - 1:>+6.0%} "
+              f"{fit_s:>9.3f} {fit_s / sec - 1:>+6.0%}")
     rng = np.random.default_rng(1)
-    lengths = np.clip(rng.lognormal(np.log(median_len), 1.0, batch_n), 8, longest).astype(int)
+    lengths = np.clip(rng.lognormal(np.log(median_len), 1.2, batch_n), 8, longest).astype(int)
     batch = samples_of(lengths, vocab, seed=2)
-    splits = {}
-    for name, c in (("tokens", StepCost()), ("cost", cost)):
-        ranks = split_by_cost(lengths, args.dp, c)
-        times = [step_time(trainer, [batch[i] for i in np.flatnonzero(ranks == r)], reps)
-                 for r in range(args.dp) if (ranks == r).any()]
+    splits, errors = {}, []
+    models = (("tokens", StepCost()), ("flops", flops), ("fitted", fitted))
+    shares = {name: [np.flatnonzero(ranks == r) for r in range(args.dp) if (ranks == r).any()]
+              for name, ranks in ((name, split_by_cost(lengths, args.dp, c)) for name, c in models)}
+    every = [share for name, _ in models for share in shares[name]]
+    measured = iter(step_times(trainer, [[batch[i] for i in share] for share in every], reps))
+    for name, _ in models:
+        times = [next(measured) for _ in shares[name]]
+        errors += [(fixed + float(fitted.of(lengths[share]).sum())) / x - 1 for share, x in zip(shares[name], times)]
+        predicted = max(fixed + float(fitted.of(lengths[share]).sum()) for share in shares[name])
         splits[name] = {"rank_seconds": [round(x, 4) for x in times], "max_s": round(max(times), 4),
-                        "imbalance": round(max(times) / statistics.mean(times), 3)}
+                        "imbalance": round(max(times) / statistics.mean(times), 3),
+                        "fitted_max_s": round(predicted, 4)}
         print(f"split by {name:6s}: rank step times {', '.join(f'{x:.3f}' for x in times)} s; "
-              f"slowest {max(times):.3f} s, max/mean {splits[name]['imbalance']:.2f}")
-    ratio = splits["tokens"]["max_s"] / splits["cost"]["max_s"]
-    print(f"group step time, token split / cost split: {ratio:.2f}")
+              f"slowest {max(times):.3f} s (fitted model: {predicted:.3f} s), max/mean {splits[name]['imbalance']:.2f}")
+    ratio = splits["tokens"]["max_s"] / splits["fitted"]["max_s"]
+    flops_ratio = splits["flops"]["max_s"] / splits["fitted"]["max_s"]
+    worst = max(errors, key=abs)
+    print(f"group step time, token split / fitted split: {ratio:.2f}; FLOPs split / fitted split: "
+          f"{flops_ratio:.2f}; fitted model on the ranks' times: worst error {worst:+.0%}, mean |error| "
+          f"{np.mean(np.abs(errors)):.0%}")
     trainer.close()
     print(json.dumps({"bench": "dp_balance", "mode": "smoke" if args.smoke else "quick" if args.quick else "full",
-                      "dp": args.dp, "lengths": lengths.tolist(), "cost_model": model, "splits": splits,
-                      "token_over_cost_step_time": round(ratio, 3)}))
+                      "dp": args.dp, "lengths": lengths.tolist(), "cost_model": model,
+                      "fitted_cost": {"fixed_s": fixed, "per_sample_s": fitted.per_sample,
+                                      "per_token_s": fitted.linear, "per_token_pair_s": fitted.quadratic},
+                      "splits": splits, "token_over_cost_step_time": round(ratio, 3),
+                      "flops_over_cost_step_time": round(flops_ratio, 3),
+                      "rank_time_error": {"worst": round(worst, 3), "mean_abs": round(float(np.mean(np.abs(errors))), 3)}}))
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@ trainer needs for some layouts; chosen by device AND layout (``select_patches``)
 
 Invariants this package keeps:
 - ``apply_patches()`` is idempotent: a patch is applied at most once per process; a later call
-  for another layout only adds the patches that layout needs.
+  for another configuration only adds the patches it needs.
 - Which patches a configuration gets is a pure function (``select_patches(device,
-  sequence_parallel, norm, packed)``), testable on a CPU machine for a GPU layout.
+  sequence_parallel, norm)``), testable on a CPU machine for a GPU layout.
 - "cpu" patches name the megatron-core version they were written against (``TARGET_VERSION``);
   on CPU, applying them to any other version raises ``RuntimeError`` naming both versions,
   because the patched internals are private and may have moved.
@@ -17,23 +17,21 @@ generator: ``tracker.add(name, seed)`` stores a CPU generator state, and ``track
 swaps the CPU generator to it and back, which is what dropout inside tensor-parallel regions needs.
 
 Patches (each function's docstring says what, why and the version), by condition:
-  always:        moe_te_general_gemm
+  always:        moe_te_general_gemm, varlen_attention - the local spec's core attention becomes
+                 ``pipeline.trainer.attention``'s ``VarlenAttention`` (both batch layouts,
+                 ``trainer.layout``), on CPU and on GPU alike
   cpu:           cuda_current_device, cuda_streams, cuda_rng, default_causal_mask,
                  schedule_token_count
   gloo (= cpu):  moe_split_sizes, gloo_uneven_gather_scatter
   torch_norm_sp: torch_norm_sequence_parallel - sequence parallelism (MoE with TP > 1) with a
                  layer spec whose norm is megatron's ``WrappedTorchNorm`` (the local spec with
                  RMSNorm always is, Apex or not), on CPU and on GPU alike
-  packed:        varlen_attention - the packed (THD) batch layout (``trainer.layout=packed``):
-                 the local spec's core attention becomes ``pipeline.trainer.attention``'s
-                 ``VarlenAttention``, on CPU and on GPU alike
 
 Example::
 
     from megatron_patches import apply_patches, select_patches
-    select_patches("cuda", sequence_parallel=True)  # ['moe_te_general_gemm', 'torch_norm_sequence_parallel']
-    applied = apply_patches("cpu", sequence_parallel=True)   # on CPU: all nine
-    select_patches("cpu", False, packed=True)[-1]  # 'varlen_attention'
+    select_patches("cuda", sequence_parallel=True)  # ['moe_te_general_gemm', 'varlen_attention', 'torch_norm_sequence_parallel']
+    applied = apply_patches("cpu", sequence_parallel=True)   # on CPU: all ten
     # now build megatron-core models with use_cpu_initialization=True and a gloo process group
 
 A later routing-replay patch (Keep Routing, see docs/architecture.md) registers itself in
@@ -327,7 +325,8 @@ def _patch_varlen_attention() -> None:
     Why: megatron-core 0.16.1's ``DotProductAttention`` asserts ``packed_seq_params is None`` and
     materialises the S x S score matrix; packed sequences exist only through TransformerEngine,
     which is absent on CPU and on the GPU machine tested. Models built after this patch (the
-    trainer builds after ``apply_patches``) attend per packed segment in memory linear in length.
+    trainer builds after ``apply_patches``) attend per sequence in memory linear in length, packed
+    and padded batches through the same code (so the two layouts agree to rounding).
     Version: found in 0.16.1; the provider method is public and replaced as a whole.
     """
     from megatron.core.models.backends import LocalSpecProvider
@@ -340,10 +339,10 @@ def _patch_varlen_attention() -> None:
 # name -> (patch, condition). Conditions: "always" (feature-detected fixes, safe on any version),
 # "cpu" (megatron-core 0.16.1 on a machine without CUDA; version-pinned), "gloo" (collectives on
 # a gloo process group), "torch_norm_sp" (sequence parallelism with megatron's torch norm, i.e.
-# the local layer spec without Apex: CPU, or a GPU without Apex - a TP>1 MoE trainer), "packed"
-# (the packed batch layout: a process that applied it builds every later model with VarlenAttention).
+# the local layer spec without Apex: CPU, or a GPU without Apex - a TP>1 MoE trainer).
 _PATCHES: list[tuple[str, Callable[[], None], str]] = [
     ("moe_te_general_gemm", _patch_moe_te_general_gemm, "always"),
+    ("varlen_attention", _patch_varlen_attention, "always"),
     ("cuda_current_device", _patch_cuda_current_device, "cpu"),
     ("cuda_streams", _patch_cuda_streams, "cpu"),
     ("cuda_rng", _patch_cuda_rng, "cpu"),
@@ -352,7 +351,6 @@ _PATCHES: list[tuple[str, Callable[[], None], str]] = [
     ("moe_split_sizes", _patch_moe_split_sizes, "gloo"),
     ("gloo_uneven_gather_scatter", _patch_gloo_uneven_gather_scatter, "gloo"),
     ("torch_norm_sequence_parallel", _patch_torch_norm_sequence_parallel, "torch_norm_sp"),
-    ("varlen_attention", _patch_varlen_attention, "packed"),
 ]
 
 
@@ -360,27 +358,24 @@ TORCH_NORM = "WrappedTorchNorm"
 """Class name of megatron's torch norm, the one that asserts ``not sequence_parallel``."""
 
 
-def select_patches(device: str, sequence_parallel: bool, norm: str = TORCH_NORM,
-                   packed: bool = False) -> list[str]:
+def select_patches(device: str, sequence_parallel: bool, norm: str = TORCH_NORM) -> list[str]:
     """Names of the patches a trainer on ``device`` ("cpu" or "cuda") needs; pure (applies
     nothing), so which patches a GPU layout would get can be checked on a CPU machine. ``norm``:
     the class name of the norm the layer spec uses (what the model is built with, not which
     packages are importable: NGC images ship Apex, yet the local spec's RMSNorm is torch's).
-    ``packed``: the trainer's batch layout is packed (``trainer.layout``).
 
     The backend follows the device (gloo on CPU, NCCL on CUDA). Example: a TP=2 MoE trainer on a
     GPU (sequence parallelism on, local spec: WrappedTorchNorm) gets ``["moe_te_general_gemm",
-    "torch_norm_sequence_parallel"]``; the same layout on CPU gets all nine patches.
+    "varlen_attention", "torch_norm_sequence_parallel"]``; the same layout on CPU gets all ten.
     """
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     wanted = {"always": True, "cpu": device == "cpu", "gloo": device == "cpu",
-              "torch_norm_sp": sequence_parallel and norm == TORCH_NORM, "packed": packed}
+              "torch_norm_sp": sequence_parallel and norm == TORCH_NORM}
     return [name for name, _, condition in _PATCHES if wanted[condition]]
 
 
-def apply_patches(device: str | None = None, sequence_parallel: bool = True, norm: str = TORCH_NORM,
-                  packed: bool = False) -> list[str]:
+def apply_patches(device: str | None = None, sequence_parallel: bool = True, norm: str = TORCH_NORM) -> list[str]:
     """Apply the patches ``select_patches`` names for this machine and layout; return every
     patch applied in this process so far. Idempotent: a patch is applied at most once.
 
@@ -395,7 +390,7 @@ def apply_patches(device: str | None = None, sequence_parallel: bool = True, nor
         raise RuntimeError(
             f"megatron_patches targets megatron-core {TARGET_VERSION} for CPU, but "
             f"{_megatron_version()} is installed; re-check each patch in megatron_patches/ against it")
-    names = select_patches(device, sequence_parallel, norm, packed)
+    names = select_patches(device, sequence_parallel, norm)
     for name, patch, _ in _PATCHES:
         if name in names and name not in _applied:
             patch()

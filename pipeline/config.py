@@ -288,7 +288,7 @@ def validate(cfg: TokenflowConfig) -> None:
                    "scorers.teacher=lagged receives the policy's full weights as one rank of the weight "
                    "group: it needs generator.tensor_parallel_size=1 and trainer.lora.rank=0 (docs/scorers.md)"))
     p = cfg.trainer.parallel
-    model_parallel = p.tp * (p.etp or p.tp) * p.ep
+    model_parallel = p.tp * p.expert_tp * p.ep
     checks.append((cfg.cluster.trainer_ranks % (p.tp * p.ep * p.pp) == 0,
                    f"cluster.trainer_ranks ({cfg.cluster.trainer_ranks}) must be a multiple of "
                    f"trainer.parallel.tp * ep * pp ({p.tp * p.ep * p.pp}); model-parallel size {model_parallel}"))

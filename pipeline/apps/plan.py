@@ -78,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--optimizer", default="megatron", choices=("megatron", "torch"))
     ap.add_argument("--attention", default="flash", choices=("flash", "local"),
-                    help="flash: the packed layout's per-sequence attention, no S x S tensor (trainer.layout=packed, "
-                         "the default); local: megatron's S x S scores (trainer.layout=padded)")
+                    help="flash: the trainer's per-sequence attention, no S x S tensor (both trainer.layout "
+                         "values); local: megatron-core's own local attention with its S x S scores (no "
+                         "trainer layout uses it)")
     ap.add_argument("--logits-chunk", type=int, default=1024,
                     help="tokens whose fp32 logits exist at once (trainer.logprob_chunk_tokens)")
     ap.add_argument("--reference", action="store_true", help="a KL reference model is held")

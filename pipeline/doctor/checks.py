@@ -182,7 +182,7 @@ def trainer(run: Run) -> None:
                    "(megatron_patches/)")
     hf = model_config(cfg.model.name)
     sp = uses_sequence_parallel(hf, cfg.trainer.parallel)
-    patches = select_patches(device, sp, TORCH_NORM, packed=cfg.trainer.layout == "packed")
+    patches = select_patches(device, sp, TORCH_NORM)
     run.uses(f"megatron-core {have} on {device}, sequence parallel {'on' if sp else 'off'}, norm "
              f"{TORCH_NORM} (local spec, RMSNorm); patches: {', '.join(patches)}")
     apex = importlib.util.find_spec("apex")

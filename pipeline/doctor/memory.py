@@ -3,9 +3,8 @@
 The layout is the config's (`trainer.parallel`, ``micro_batch_tokens`` in rows of
 ``generator.max_model_len`` tokens (one row when it is unset or longer), parameter
 dtype, optimizer and its offload, the KL reference model, ``trainer.recompute``) on the trainer's
-ranks, as the trainer runs: log-probabilities in chunks of ``trainer.logprob_chunk_tokens``; the
-packed layout's per-sequence attention holds no ``S x S`` tensor, the padded layout's is megatron's
-local attention (`pipeline.plan.memory`).
+ranks, as the trainer runs: log-probabilities in chunks of ``trainer.logprob_chunk_tokens``; both
+layouts' per-sequence attention holds no ``S x S`` tensor (`pipeline.plan.memory`, attention "flash").
 The memory of a rank: each GPU's (nvidia-smi) when the trainer has GPUs, else this host's memory
 shared by the trainer ranks. A peak above `pipeline.plan.search.USABLE` of it is refused, naming
 what binds.
@@ -41,8 +40,7 @@ def memory(run: Run) -> None:
                     params_dtype=p.params_dtype,
                     optimizer=t.optimizer if t.optimizer != "auto" else ("megatron" if gpu else "torch"),
                     offload=t.optimizer_offload_fraction, reference=t.loss.kl_coef > 0, recompute=t.recompute,
-                    logits_chunk=t.logprob_chunk_tokens,
-                    attention="flash" if t.layout == "packed" else "local")
+                    logits_chunk=t.logprob_chunk_tokens, attention="flash")
     try:
         plan = rank_memory(shape, layout)
     except ValueError as exc:

@@ -40,6 +40,14 @@ class OrchestratorConfig:
     """How often buffer/admission metrics are written to the run's JSONL stream."""
     seed: int = 0
     """Run seed: prompt order and per-request sampling seeds derive from it."""
+    step_cost_per_token: float | None = None
+    """Training seconds per token of a sample, measured on the trainer's hardware
+    (`bench/dp_balance.py` fits and prints it); None: FLOPs from the model's shape
+    (`pipeline.orchestrator.batching`) balance the data-parallel split."""
+    step_cost_per_token_pair: float = 0.0
+    """Seconds per token pair of a sample (attention's quadratic term), with step_cost_per_token."""
+    step_cost_per_sample: float = 0.0
+    """Seconds of a sample whatever its length, with step_cost_per_token."""
     transport: TransportConfig = field(default_factory=TransportConfig)
 
     def staleness_limit(self) -> int:
@@ -51,6 +59,9 @@ class OrchestratorConfig:
         return self.max_staleness
 
     def validate(self) -> None:
+        if min(self.step_cost_per_token or 0.0, self.step_cost_per_token_pair, self.step_cost_per_sample) < 0:
+            raise ValueError("orchestrator.step_cost_per_token, step_cost_per_token_pair and "
+                             "step_cost_per_sample must be >= 0")
         if self.scorer_threads < 0:
             raise ValueError(f"orchestrator.scorer_threads must be >= 0, got {self.scorer_threads}")
         for name in ("group_size", "groups_per_step"):

@@ -23,12 +23,13 @@ stage, the peak, and the pipeline bubble. Components (all per rank):
   (``cp``, packed only: `pipeline.trainer.context_parallel`) divides the tokens of a rank by cp,
   except the attention kernel's tensors: K/V are all-gathered whole and rank 0's query block
   spans the whole row, so the kernel's q, K/V, output and log-sum-exp count cp times per local
-  token (``kv_gather``: the bytes a rank receives per layer and micro-batch). The padded layout's local
-  attention saves its ``S x S`` probabilities per head; ``recompute="full"`` keeps only each
+  token (``kv_gather``: the bytes a rank receives per layer and micro-batch). Megatron's local
+  attention (``attention="local"``; no trainer layout uses it any more) saves its ``S x S``
+  probabilities per head; ``recompute="full"`` keeps only each
   layer's input, ``"selective"`` drops the attention probabilities;
-- ``attention``: the padded layout's megatron local attention: its persistent
+- ``attention``: megatron's local attention (``"local"``): its persistent
   ``[rows*heads/tp, S, S]`` score buffer and causal mask, plus the transient copies of one layer's
-  scores while it runs; the packed layout's per-sequence attention holds none;
+  scores while it runs; the trainer's per-sequence attention (``"flash"``, both layouts) holds none;
 - ``logits``: one chunk of the chunked fused log-probabilities (`pipeline.trainer.logprobs`; the
   trainer has no unchunked path): ``[chunk, V/tp]`` fp32 logits and their softmax / gradient
   (8 B) plus the kept-set mask (1 B) per vocabulary entry, in backward.
@@ -78,7 +79,7 @@ class Layout:
     offload: float = 0.0  # fraction of the optimizer state in host memory (megatron's HybridDeviceOptimizer)
     recompute: str = "none"  # "none", "selective" (attention) or "full" (every layer)
     logits_chunk: int = 1024  # tokens whose fp32 logits exist at once (trainer.logprob_chunk_tokens)
-    attention: str = "flash"  # "flash" (packed layout: per-sequence attention, no S x S tensor) or "local" (padded layout: megatron's S x S scores)
+    attention: str = "flash"  # "flash" (the trainer's per-sequence attention, both layouts: no S x S tensor) or "local" (megatron's own S x S scores)
     reference: bool = False  # a KL reference model is held
 
     @property

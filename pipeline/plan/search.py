@@ -2,7 +2,7 @@
 
 A layout fits when its planned peak (`pipeline.plan.memory.rank_memory`) is at most ``usable`` x the
 GPU's memory (the rest: CUDA context, NCCL buffers, allocator fragmentation). Candidates: every tp,
-pp, cp, ep (etp 1 for MoE, as megatron recommends) whose products divide ``gpus``, recomputation
+pp, cp, ep (etp as the trainer defaults it: 1 for MoE with ep > 1, as megatron recommends, else tp) whose products divide ``gpus``, recomputation
 none / selective / full, and optimizer offload 0 / 0.5 / 1.
 
 Order (cheapest in step time first): less optimizer offload (a host Adam step), then fewer pipeline
@@ -34,7 +34,8 @@ def candidates(shape: ModelShape, base: Layout) -> list[Layout]:
         for recompute, offload in itertools.product(("none", "selective", "full"), (0.0, 0.5, 1.0)):
             if recompute == "selective" and base.attention != "local":
                 continue  # selective recomputation drops the S x S scores, which only local attention saves
-            layout = replace(base, tp=tp, pp=pp, cp=cp, ep=ep, etp=1, recompute=recompute, offload=offload)
+            etp = tp if shape.is_moe and ep == 1 else 1  # the trainer's default (ParallelConfig.expert_tp)
+            layout = replace(base, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, recompute=recompute, offload=offload)
             try:
                 layout.check(shape)
             except ValueError:

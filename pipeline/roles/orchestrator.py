@@ -58,7 +58,9 @@ def build_orchestrator(run_dir: Path, cfg: TokenflowConfig) -> Orchestrator:
                                 refresh_every=cfg.run.checkpoint_every)
     synthetic = isinstance(train, SyntheticPromptSource)
     bounds = RunBounds(train.vocab) if synthetic else RunBounds.of_model(model_dir(run_dir))
-    step_cost = StepCost() if synthetic else StepCost.of_shape(ModelShape.from_file(model_dir(run_dir)))
+    o = cfg.orchestrator
+    step_cost = StepCost() if synthetic else StepCost(o.step_cost_per_token, o.step_cost_per_token_pair, o.step_cost_per_sample) \
+        if o.step_cost_per_token is not None else StepCost.of_shape(ModelShape.from_file(model_dir(run_dir)))
     return Orchestrator(run_dir, cfg.orchestrator, train, scorer, schema, bounds,
                         run_id=cfg.run.name, eval_prompts=evals,
                         replay_source=Path(cfg.replay.source) if cfg.replay.source else None,

@@ -3,14 +3,18 @@
 megatron-core 0.16.1's local ``DotProductAttention`` builds the ``[b, heads, s, s]`` score matrix
 and refuses packed sequences (it asserts ``packed_seq_params is None``; only TransformerEngine
 packs). ``VarlenAttention`` takes its place in the local layer spec (``megatron_patches``, the
-``varlen_attention`` patch, selected for ``trainer.layout=packed``) with the same constructor
-and forward signature.
+``varlen_attention`` patch, applied for every layout) with the same constructor and forward
+signature, so packed and padded batches run the same attention code on the same sequences.
 
 Invariants:
 - Each segment ``cu_seqlens[i] .. cu_seqlens[i+1]`` of a packed micro-batch attends causally to
-  itself only; a padded batch ([s, b, heads, d]) is b causal segments of length s. The result is
-  megatron's attention of each sequence alone (same scale ``1/sqrt(d)``, same GQA grouping: query
-  head h reads key/value group ``h // (heads / groups)``).
+  itself only. A padded batch ([s, b, heads, d]) carries its rows' real lengths as
+  ``PackedSeqParams(qkv_format="sbhd")`` with ``cu_seqlens_q`` the running sum of the row lengths:
+  row i's first ``n_i`` positions are one causal segment, run through the same per-segment call as
+  a packed segment of that sequence; its padding is never attended and its output there is 0.
+  Without ``packed_seq_params`` every row is one sequence of length s.
+  The result is megatron's attention of each sequence alone (same scale ``1/sqrt(d)``, same GQA
+  grouping: query head h reads key/value group ``h // (heads / groups)``).
 - Memory is linear in the packed length: every kernel used keeps per-query statistics (the
   log-sum-exp) instead of the score matrix, in forward and backward. On CPU that is torch's
   flash-attention kernel for CPU, run per segment; on CUDA with fp16/bf16 torch's
@@ -23,7 +27,9 @@ Invariants:
 
 Worked example: cu_seqlens [0, 3, 5] over t = 5 packed tokens: tokens 0..2 attend causally among
 themselves, tokens 3..4 among themselves; token 3 never sees tokens 0..2. The per-query
-statistics are 5 x heads floats; the score matrix would have been 5 x 5 x heads.
+statistics are 5 x heads floats; the score matrix would have been 5 x 5 x heads. The same two
+sequences padded to s = 3 (rows [a0 a1 a2], [b0 b1 pad]) carry cu_seqlens [0, 3, 5]: row 1 runs
+attention over b0 b1 only, exactly as the packed segment 3..4 does, and its position 2 is 0.
 """
 from __future__ import annotations
 
@@ -93,9 +99,7 @@ class VarlenAttention(MegatronModule):
             raise ValueError("VarlenAttention takes no attention bias")
         if attention_mask is not None:
             raise ValueError("VarlenAttention is causal only: an explicit attention mask is not supported")
-        if packed_seq_params is not None:
-            if packed_seq_params.qkv_format != "thd":
-                raise ValueError(f"packed_seq_params.qkv_format must be 'thd', got {packed_seq_params.qkv_format!r}")
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             if self.config.context_parallel_size > 1:
                 from .context_parallel import context_parallel_attention
 
@@ -108,5 +112,13 @@ class VarlenAttention(MegatronModule):
         if self.config.context_parallel_size > 1:
             raise ValueError("context parallelism needs packed sequences (trainer.layout=packed)")
         s, b = query.shape[:2]
-        rows = [_segment_attention(query[:, i], key[:, i], value[:, i], self.softmax_scale) for i in range(b)]
-        return torch.stack(rows, dim=1).reshape(s, b, -1)  # [s, b, heads * d]
+        lengths = [s] * b if packed_seq_params is None else packed_seq_params.cu_seqlens_q.diff().tolist()
+        if len(lengths) != b or max(lengths) > s:
+            raise ValueError(f"padded rows: {len(lengths)} real lengths (longest {max(lengths)}) for "
+                             f"{b} rows of {s} positions")
+        out = query.new_zeros(s, b, query.shape[2] * query.shape[3])
+        for i, n in enumerate(lengths):
+            if n:
+                out[:n, i] = _segment_attention(query[:n, i], key[:n, i], value[:n, i],
+                                                self.softmax_scale).reshape(n, -1)
+        return out  # [s, b, heads * d]

@@ -12,7 +12,7 @@ class ParallelConfig:
     ep: int = 1  # expert-parallel size (MoE only; carved out of data parallelism)
     pp: int = 1  # pipeline-parallel size (stages; megatron's 1F1B schedule)
     cp: int = 1  # context-parallel size (each sequence split over cp ranks)
-    etp: int | None = None  # expert tensor-parallel size (MoE only); None: = tp
+    etp: int | None = None  # expert tensor-parallel size (MoE only); None: 1 when ep > 1, else tp (expert_tp)
     sequence_parallel: bool | None = None  # None: on when tp > 1 and the model is MoE
     moe_dispatcher: str = "alltoall"  # megatron token dispatcher; "allgather" only when tp*ep == 1
     params_dtype: str = "float32"  # "float32" or "bfloat16"
@@ -20,8 +20,13 @@ class ParallelConfig:
 
     @property
     def expert_tp(self) -> int:
-        """The expert tensor-parallel size in effect."""
-        return self.tp if self.etp is None else self.etp
+        """The expert tensor-parallel size in effect: ``etp`` when set; else 1 with expert
+        parallelism (experts stay whole, as megatron advises for MoE) and ``tp`` without it
+        (megatron-core 0.16.1 reduces expert gradients correctly only with etp = tp when ep = 1,
+        `pipeline.trainer.model`). Example: tp 2, ep 2 -> 1; tp 2, ep 1 -> 2."""
+        if self.etp is not None:
+            return self.etp
+        return 1 if self.ep > 1 else self.tp
 
 
 @dataclass
@@ -101,6 +106,8 @@ class TrainerConfig:
     temperature: float = 1.0  # sampling temperature the generator used (logits are divided by it)
     seed: int = 1234  # seed of model-parallel RNG states
     optimizer: str = "auto"  # "torch" (AdamW, CPU) | "megatron" (distributed, CUDA) | "auto"
+    overlap_grad_reduce: bool = True  # start each gradient bucket's DP reduction during the last micro-batch's backward (megatron DDP; optimizer.py)
+    overlap_param_gather: bool = False  # optimizer="megatron": gather updated parameter shards during the next forward instead of after the step (optimizer.py: off, weight sync and checkpoints read parameters before that forward)
     optimizer_offload_fraction: float = 0.0  # optimizer="megatron": fraction of its state (fp32 masters, Adam moments) and update kept on the host (megatron's HybridDeviceOptimizer; 0: all on the GPU)
     timeout_s: float = 600.0  # timeout of every collective
     export: str = "end"  # Hugging Face export to RUN/export/step-K: "end" (of the run), "checkpoints" (every checkpoint too), "never"

@@ -35,6 +35,7 @@ from .config import TrainerConfig
 from .corrections import check_trainer_config
 from .logprobs import hidden_for_output, token_logprobs
 from .loss import group_advantages, policy_loss, reward_to_go, token_advantages
+from .optimizer import apply_update, make_optimizer, wrap_ddp
 from .routing_replay import RoutingReplay, attach_routing
 from .sampling_mask import attach_kept_ids
 
@@ -56,7 +57,7 @@ class Trainer:
         self.hf_config = load_hf_config(cfg.model_dir)
         apply_patches("cuda" if self.cuda else "cpu",
                       sequence_parallel=uses_sequence_parallel(self.hf_config, cfg.parallel),
-                      norm=spec_norm(self.hf_config), packed=cfg.layout == "packed")
+                      norm=spec_norm(self.hf_config))
         if not torch.distributed.is_initialized():
             rank = int(os.environ.get("RANK", 0)) if rank is None else rank
             world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
@@ -93,9 +94,10 @@ class Trainer:
                                           ps.get_pipeline_model_parallel_group() if p.pp > 1 else None)
         self.optimizer_kind = cfg.optimizer if cfg.optimizer != "auto" else (
             "megatron" if self.cuda else "torch")
-        self.model = self._wrap_ddp(model)
-        self.masters = None  # fp32 master weights of a bf16 model on the torch path (masters.py)
-        self.optimizer = self._make_optimizer()
+        self.model = wrap_ddp(model, cfg, self.optimizer_kind)
+        # masters: fp32 master weights of a bf16 model on the torch path (masters.py), else None
+        self.optimizer, self.masters = make_optimizer(cfg, self.optimizer_kind, self.model, self.trainable(),
+                                                      self.cuda)
         self.ref_model = None
         if cfg.loss.kl_coef:
             self.ref_model = build_gpt_model(self.hf_config, p, cfg.moe)
@@ -131,45 +133,9 @@ class Trainer:
         self.sync_bytes = ShardedWeights(self.model, self.hf_config).total_bytes  # what one weight sync moves
 
     # ---------------------------------------------------------------- construction helpers
-    def _wrap_ddp(self, model):
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-            use_distributed_optimizer=self.optimizer_kind == "megatron")
-        return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-
     def trainable(self) -> list:
         """The parameters the optimizer updates (a LoRA model: its adapters only)."""
         return [p for p in self.model.parameters() if p.requires_grad]
-
-    def _make_optimizer(self):
-        import torch
-
-        c = self.cfg
-        if not 0.0 <= c.optimizer_offload_fraction <= 1.0:
-            raise ValueError(f"trainer.optimizer_offload_fraction must be in [0, 1], got {c.optimizer_offload_fraction}")
-        if c.optimizer_offload_fraction and self.optimizer_kind != "megatron":
-            raise ValueError("trainer.optimizer_offload_fraction > 0 needs optimizer='megatron' (CUDA)")
-        if self.optimizer_kind == "torch":  # bf16 parameters: AdamW on fp32 masters (masters.py)
-            from .masters import MasterWeights
-
-            self.masters = MasterWeights(self.trainable()) if c.parallel.params_dtype == "bfloat16" else None
-            return torch.optim.AdamW(self.masters.masters if self.masters else self.trainable(), lr=c.lr,
-                                     betas=c.adam_betas, eps=c.adam_eps, weight_decay=c.weight_decay)
-        if self.optimizer_kind != "megatron":
-            raise ValueError(f"optimizer must be 'torch', 'megatron' or 'auto', got {c.optimizer!r}")
-        if not self.cuda:
-            raise ValueError("optimizer='megatron' needs CUDA (it allocates on device='cuda')")
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-        config = OptimizerConfig(
-            optimizer="adam", lr=c.lr, weight_decay=c.weight_decay, adam_beta1=c.adam_betas[0],
-            adam_beta2=c.adam_betas[1], adam_eps=c.adam_eps, clip_grad=c.grad_clip,
-            bf16=c.parallel.params_dtype == "bfloat16", params_dtype=self.model.module.config.params_dtype,
-            use_distributed_optimizer=True, optimizer_cpu_offload=c.optimizer_offload_fraction > 0,
-            optimizer_offload_fraction=c.optimizer_offload_fraction)
-        return get_megatron_optimizer(config, [self.model])
 
     # ---------------------------------------------------------------- collectives
     def _all_reduce(self, values, group, op=None):
@@ -345,18 +311,20 @@ class Trainer:
                 self.model, micro_batches, lambda mb, hidden, weight: micro_batch_loss(
                     mb, *self._output_logprobs(hidden, weight, mb, want_entropy=True)),
                 False, self.replayer, True, self.routing), self.layout.device)
-        for mb in micro_batches if self.stages is None else ():
+        for k, mb in enumerate(micro_batches if self.stages is None else ()):
             if self.routing is not None:
                 self.routing.track((mb if self.context is None else self.context.local(mb)).real_mask())
-            loss, m = micro_batch_loss(mb, *self._token_logprobs(self.model, mb, want_entropy=True,
-                                                                 count_routing=True))
-            loss.backward()
+            # overlap_grad_reduce: buckets start reducing in the last micro-batch's backward (optimizer.py)
+            with self.model.no_sync() if k < len(micro_batches) - 1 else nullcontext():
+                loss, m = micro_batch_loss(mb, *self._token_logprobs(self.model, mb, want_entropy=True,
+                                                                     count_routing=True))
+                loss.backward()
             for k, v in m.items():
                 sums[k] = max(sums.get(k, 0.0), v) if k.endswith("_max") else sums.get(k, 0.0) + v
         if self.routing is not None:
             self.routing.track(None)
         finalize_model_grads([self.model])
-        grad_norm = self._apply_update()
+        grad_norm = apply_update(self)
         keys = sorted(sums)
         maxed = self._all_reduce([sums[k] for k in keys], self.dp_group, torch.distributed.ReduceOp.MAX)
         summed = self._all_reduce([sums[k] for k in keys], self.dp_group)
@@ -367,46 +335,6 @@ class Trainer:
                 "is_weight_max": g["is_weight_max"], "kl": g["kl"] / tok, "ratio_mean": g["ratio"] / tok,
                 "entropy": g["entropy"] / tok, "grad_norm": grad_norm, "tokens": tok,
                 **({"teacher_kl": g["teacher_kl"] / tok} if "teacher_kl" in g else {})}
-
-    def _apply_update(self) -> float:
-        if self.optimizer_kind == "megatron":
-            _, grad_norm, _ = self.optimizer.step()
-            return float(grad_norm or 0.0)
-        params = self.trainable()
-        for p in params:
-            p.grad = p.main_grad.to(p.dtype)
-        grad_norm = self.grad_norm()
-        scale = 1.0
-        if self.cfg.grad_clip and grad_norm > self.cfg.grad_clip:
-            scale = self.cfg.grad_clip / (grad_norm + 1e-6)
-            for p in params:
-                p.grad.mul_(scale)
-        if self.masters is not None:
-            self.masters.step(self.optimizer, scale)
-        else:
-            self.optimizer.step()
-        return grad_norm
-
-    def grad_norm(self) -> float:
-        """Global L2 norm of the gradient: each distinct parameter element counted once."""
-        from megatron.core import parallel_state as ps
-
-        dense, expert = 0.0, 0.0
-        tp_rank = ps.get_tensor_model_parallel_rank()
-        etp_rank = ps.get_expert_tensor_parallel_rank()
-        for p in self.trainable():
-            sq = float(p.main_grad.double().pow(2).sum())
-            is_sharded = getattr(p, "tensor_model_parallel", False)
-            if not getattr(p, "allreduce", True):  # expert parameter: distinct per EP rank
-                expert += sq if (is_sharded or etp_rank == 0) else 0.0
-            else:
-                dense += sq if (is_sharded or tp_rank == 0) else 0.0
-        dense = float(self._all_reduce([dense], self.tp_group)[0])
-        if self.model.module.config.num_moe_experts:
-            expert = float(self._all_reduce([expert], ps.get_expert_tensor_and_model_parallel_group())[0])
-        if self.stages is not None:  # each stage holds its own layers
-            return float(self._all_reduce([dense + expert], self.stages.group)[0]) ** 0.5
-        return (dense + expert) ** 0.5
 
     # ---------------------------------------------------------------- export / checkpoints
     def export_hf(self, out_dir: str | Path) -> Path | None:

@@ -36,9 +36,10 @@ view the loss sees), and a `MicroBatch`'s placements ``sample_index``/``rows``/`
   context parallelism (``segment_multiple`` = 2 cp) every segment is padded at its end to a
   multiple of ``segment_multiple`` so it splits into 2 cp chunks (`pipeline.trainer.context_parallel`);
   ``micro_batch_tokens`` then bounds the whole row, each rank holding ``1 / cp`` of it.
-- ``PaddedLayout`` right-pads rows to a common length (with ``trainer.layout=padded`` the model
-  keeps megatron-core's own local attention, which builds each row's S x S scores); padding
-  waste is ``1 - real / (rows x width)``.
+- ``PaddedLayout`` right-pads rows to a common length; the rows' real lengths go to the same
+  attention as ``packed_seq_params`` with ``qkv_format="sbhd"`` (row i's first ``n_i`` positions
+  are one sequence, its padding never attended), so both layouts run identical attention calls;
+  padding waste is ``1 - real / (rows x width)``.
 
 Worked example (packed, pad_multiple 4): samples of 3 and 2 fed positions (prompt + completion - 1)
 give input_ids ``[a0 a1 a2 b0 b1 0 0 0]``, cu_seqlens ``[0, 3, 5, 8]``, rows ``[0, 0]``, offsets
@@ -125,7 +126,7 @@ class MicroBatch:
     lengths: list[int]  # per placed sample: completion length
     real_lengths: list[int]  # per row: positions holding real tokens (a prefix of the row; with segment padding, up to the last segment's end)
     attention_mask: "torch.Tensor | None" = None  # None: causal
-    packed_seq_params: object | None = None  # THD layouts only (megatron PackedSeqParams)
+    packed_seq_params: object | None = None  # megatron PackedSeqParams: THD segments (packed) or the rows' real lengths (padded, "sbhd")
     real: "torch.Tensor | None" = None  # [rows, S] bool: positions holding real tokens, where they are no prefix (context parallelism); None: real_lengths
     extras: dict = field(default_factory=dict)  # scattered per-token arrays, e.g. "behaviour"
 
@@ -236,7 +237,16 @@ class PaddedLayout(BatchLayout):
         positions = torch.arange(width, dtype=torch.long).expand(len(order), width).contiguous()
         return MicroBatch(ids.to(self.device), positions.to(self.device), labels.to(self.device),
                           mask.to(self.device), list(order), list(range(len(order))), [0] * len(order),
-                          starts, clens, lengths)
+                          starts, clens, lengths, packed_seq_params=self._row_lengths(lengths, width))
+
+    def _row_lengths(self, lengths, width):
+        """The rows' real lengths for the attention (``qkv_format="sbhd"``, `pipeline.trainer.attention`)."""
+        import torch
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=self.device)
+        return PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=width,
+                               max_seqlen_kv=width)
 
     def micro_batches(self, samples, budget=None):
         budget = budget or self.micro_batch_tokens
@@ -262,6 +272,7 @@ class PaddedLayout(BatchLayout):
         mb.loss_mask.zero_()
         mb.sample_index = [-1]
         mb.real_lengths = [0]
+        mb.packed_seq_params = self._row_lengths([0], mb.input_ids.shape[1])
         mb.extras["behaviour"] = torch.zeros_like(mb.loss_mask)
         mb.extras["advantage"] = torch.zeros(1, device=self.device)
         return mb

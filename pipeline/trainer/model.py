@@ -7,7 +7,7 @@ Invariants:
 - The megatron model computes the same function as the HF model (dropout off, no fusions, local
   layer spec on CPU and GPU; float32 logprobs agree with transformers to ~2e-6 on CPU).
 - Expert parallelism: ``tp`` x ``ep`` x ``etp`` as megatron-core defines them; ``etp`` defaults to
-  ``tp``; with ``ep == 1`` it must equal ``tp`` (megatron-core 0.16.1 would otherwise reduce
+  1 with ``ep > 1`` and to ``tp`` otherwise (``ParallelConfig.expert_tp``); with ``ep == 1`` it must equal ``tp`` (megatron-core 0.16.1 would otherwise reduce
   expert gradients over the wrong group). The ``allgather`` MoE dispatcher is refused with
   ``tp * ep > 1`` (it needs equal micro-batch shapes on every rank).
 - The HF side is always the on-disk / on-the-wire layout: per-expert names

@@ -67,7 +67,8 @@ REPORT_KEYS = {
                       "trainer_idle_frac_async", "shared_prompt_frac", "machine_load_1min", "runs"},
     "recovery": {"bench", "mode", "generators", "two_over_one"},
     "trainer": {"bench", "mode", "throughput", "packing", "memory", "targets", "met"},
-    "dp_balance": {"bench", "mode", "dp", "lengths", "cost_model", "splits", "token_over_cost_step_time"},
+    "dp_balance": {"bench", "mode", "dp", "lengths", "cost_model", "fitted_cost", "splits", "token_over_cost_step_time",
+                   "flops_over_cost_step_time", "rank_time_error"},
     "pipeline_parallel": {"bench", "mode", "steps", "samples", "completion_tokens", "layouts", "machine_load_1min", "wall_s"},
 }
 """Top-level keys of each benchmark's report, in every mode."""
@@ -255,7 +256,8 @@ def test_dp_balance_smoke(smoke_runs):
     assert all(c["seconds"] > 0 and _finite(c["cost_ratio"]) for c in report["cost_model"])
     for split in report["splits"].values():
         assert 0 < len(split["rank_seconds"]) <= report["dp"] and split["max_s"] == max(split["rank_seconds"])
-    assert _finite(report["token_over_cost_step_time"])
+    assert _finite(report["token_over_cost_step_time"]) and set(report["splits"]) == {"tokens", "flops", "fitted"}
+    assert all(v >= 0 for k, v in report["fitted_cost"].items() if k != "fixed_s")
 
 
 def test_pipeline_parallel_smoke(smoke_runs):

@@ -63,3 +63,31 @@ def test_cost_model_matches_flops_torch_counts_on_the_hf_model():
     cost = StepCost.of_shape(ModelShape.from_config(config.to_dict()))
     assert cost.quadratic == pytest.approx(quadratic, rel=0.02)
     assert cost.linear == pytest.approx(linear, rel=0.05)
+
+
+def test_fitted_step_cost_recovers_a_known_polynomial_and_keeps_coefficients_non_negative():
+    rng = np.random.default_rng(0)
+    tokens = np.repeat([128, 256, 512, 1024, 2048], 3)
+    truth = 0.05 + 2e-4 * tokens + 3e-8 * tokens ** 2.0
+    cost, fixed = StepCost.fit(tokens, truth * rng.normal(1.0, 0.01, len(tokens)))
+    assert cost.linear == pytest.approx(2e-4, rel=0.1) and cost.quadratic == pytest.approx(3e-8, rel=0.1)
+    assert fixed == pytest.approx(0.05, rel=0.2)
+    # times that fall with length (noise at one length) would need a negative term: it is left out
+    flat, fixed = StepCost.fit([100, 200, 300, 400], [1.0, 0.99, 0.98, 0.97])
+    assert (flat.linear, flat.quadratic) == (0.0, 0.0) and fixed == pytest.approx(0.985)
+    assert np.bincount(split_by_cost(np.array([100, 200, 300, 400, 500, 600]), 3, flat)).tolist() == [2, 2, 2]
+    # steps of 1 and 4 samples separate each sample's own share from the step's
+    samples = np.tile([1, 4], 5)
+    tokens = np.repeat([128, 256, 512, 1024, 2048], 2)
+    cost, fixed = StepCost.fit(tokens, 0.05 + samples * (0.01 + 2e-4 * tokens), samples)
+    assert (cost.per_sample, cost.linear, cost.quadratic, fixed) == pytest.approx((0.01, 2e-4, 0.0, 0.05), abs=1e-9)
+    with pytest.raises(ValueError, match=">= 3 distinct lengths"):
+        StepCost.fit([100, 100, 200], [1.0, 1.1, 2.0])
+
+
+def test_configured_step_cost_is_checked():
+    from pipeline.orchestrator.config import OrchestratorConfig
+
+    with pytest.raises(ValueError, match="step_cost_per_token"):
+        OrchestratorConfig(step_cost_per_token=-1e-4).validate()
+    OrchestratorConfig(step_cost_per_token=1e-4, step_cost_per_token_pair=1e-8).validate()

@@ -4,7 +4,7 @@ CPU/gloo, on layouts its constants were not set on.
 `CALIBRATION` was set on one-rank fp32 layouts: tiny MoE at 512 tokens (expert block padding), tiny
 dense padded at 512 (score copies) (bench/results/2026-12-06-plan.md). Here: dense TP2 at 768 tokens, MoE EP2 at 640 tokens, and MoE
 on one rank with two 384-token rows and a KL reference model, all in the trainer's default packed
-layout; and (slow-marked: about 20 s more) dense on one rank in the padded layout (local attention)
+layout; and (slow-marked: about 20 s more) dense on one rank in the padded layout (the same attention)
 with two 384-token rows. Each rank's peak is measured by
 `TensorMemory` over its whole life (tests/support/peak_probe.py: construction, a warm step, a
 step) with the trainer's defaults (chunked log-probabilities); the planner's peak for
@@ -48,7 +48,7 @@ def test_planned_peak_is_within_15_percent_of_the_measured_peak(name, tmp_path):
     measured = max(json.loads((tmp_path / "out" / f"rank{r}.json").read_text())["peak_bytes"] for r in range(world))
     layout = Layout(world=world, micro_batch_tokens=seq * rows, seq_len=seq, params_dtype="float32",
                     optimizer="torch", reference=kl > 0,
-                    attention="flash" if trainer_layout == "packed" else "local", **parallel)
+                    attention="flash", **parallel)
     planned = rank_memory(ModelShape.from_config(spec.hf_config().to_dict()), layout).peak
     print(f"{name}: planned {planned / 1e6:.1f} MB, measured {measured / 1e6:.1f} MB, "
           f"ratio {planned / measured:.3f}")

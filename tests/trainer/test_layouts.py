@@ -1,5 +1,5 @@
-"""Four-rank trainer layouts (TP2 x EP2, DP2 x EP2, DP2 x TP2) against one rank, and checkpoints
-that change layout, on a tiny 8-expert MoE over gloo.
+"""Four-rank trainer layouts (TP2 x EP2 at the default expert TP 1, DP2 x EP2, DP2 x TP2 with
+expert TP 2) against one rank, and checkpoints that change layout, on a tiny 8-expert MoE over gloo.
 
 The batches are replayed from a recorded rollout log (written once by the fixture with the real
 HDF5 writer; behaviour logprobs from transformers, perturbed so PPO clipping is active), so every
@@ -170,6 +170,9 @@ def changed_tensors(original: Path, resaved: Path) -> list[tuple[str, str]]:
 @pytest.mark.engine
 @pytest.mark.parametrize("layout", ["tp2ep2", "dp2ep2", "dp2tp2"])
 def test_four_rank_layout_matches_one_rank_for_ten_steps(layout, matrix):
+    from pipeline.trainer.config import ParallelConfig
+
+    assert ParallelConfig(**LAYOUTS[layout][1]).expert_tp == {"tp2ep2": 1, "dp2ep2": 1, "dp2tp2": 2}[layout]
     _, runs = matrix
     ref_dir, got_dir = runs[("tp1", STEPS)], runs[(layout, STEPS)]
     ref = json.loads((ref_dir / "result.json").read_text())["metrics"]

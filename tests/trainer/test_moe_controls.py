@@ -27,8 +27,9 @@ def test_gpu_moe_tp2_gets_the_sequence_parallel_norm_patch():
         model_type = "qwen3"
 
     gpu_moe_tp2 = select_patches("cuda", uses_sequence_parallel(MoE, ParallelConfig(tp=2, ep=2)))
-    assert gpu_moe_tp2 == ["moe_te_general_gemm", "torch_norm_sequence_parallel"]
-    assert select_patches("cuda", uses_sequence_parallel(Dense, ParallelConfig(tp=2))) == ["moe_te_general_gemm"]
+    assert gpu_moe_tp2 == ["moe_te_general_gemm", "varlen_attention", "torch_norm_sequence_parallel"]
+    assert select_patches("cuda", uses_sequence_parallel(Dense, ParallelConfig(tp=2))) == [
+        "moe_te_general_gemm", "varlen_attention"]
     assert "torch_norm_sequence_parallel" not in select_patches("cuda", True, norm="FusedLayerNorm")
     cpu = select_patches("cpu", uses_sequence_parallel(MoE, ParallelConfig(tp=2)))
     assert {"cuda_rng", "gloo_uneven_gather_scatter", "torch_norm_sequence_parallel"} <= set(cpu)
@@ -75,6 +76,25 @@ def test_moe_config_fields_reach_megatron(tmp_path):
         transformer_config(hf, ParallelConfig(), MoEConfig(load_balancing="sinkhorn2"))
     with pytest.raises(ValueError, match="aux_loss_coef"):
         transformer_config(hf, ParallelConfig(), MoEConfig(aux_loss_coef=0.1))
+
+
+def test_expert_tp_is_one_with_expert_parallelism_and_the_planner_searches_what_the_trainer_builds():
+    from pipeline.plan.memory import Layout
+    from pipeline.plan.search import candidates
+    from pipeline.plan.shape import ModelShape
+    from pipeline.models.tiny import resolve_model
+    from pipeline.trainer.config import ParallelConfig
+    from pipeline.trainer.model import load_hf_config, transformer_config
+
+    assert [ParallelConfig(tp=t, ep=e).expert_tp for t, e in ((2, 2), (1, 2), (2, 1), (4, 1))] == [1, 1, 2, 4]
+    assert ParallelConfig(tp=2, ep=2, etp=2).expert_tp == 2
+    hf = load_hf_config(resolve_model("tiny-moe8"))
+    assert transformer_config(hf, ParallelConfig(tp=2, ep=2)).expert_tensor_parallel_size == 1
+    with pytest.raises(ValueError, match="needs ep > 1"):
+        transformer_config(hf, ParallelConfig(tp=2, etp=1))
+    shape = ModelShape.from_config(hf.to_dict())
+    for layout in candidates(shape, Layout(world=8, micro_batch_tokens=512, seq_len=512)):
+        assert layout.etp == ParallelConfig(tp=layout.tp, ep=layout.ep).expert_tp, layout
 
 
 def test_export_names_what_is_missing(tmp_path, capsys):

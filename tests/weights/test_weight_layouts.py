@@ -27,19 +27,21 @@ def test_tp2_ep2_streams_each_expert_from_its_owner_and_receivers_get_the_checkp
         # a streamed receiver holds two bucket buffers (bucket k+1 posted into bucket k-1's while k loads)
         assert 0 < recv["buffers_allocated"] <= 2 * r["trainer"][0]["max_bucket"]
     by_rank = {t["rank"]: t for t in r["trainer"]}
-    # megatron's order tp-ep-dp: TP/ETP groups {0,1} {2,3}; senders are ETP rank 0 of each EP rank
-    assert [by_rank[k]["source"] for k in range(4)] == [0, None, 1, None]
-    assert by_rank[1]["sent"] == [] and by_rank[3]["sent"] == []
+    # megatron's order tp-ep-dp at the default expert TP 1: TP groups {0,1} {2,3}; EP groups {0,1}
+    # {2,3}; experts whole on each rank, ranks 2 and 3 the expert-DP copies of 0 and 1: the senders
+    # are expert-DP rank 0 of each EP rank
+    assert [by_rank[k]["source"] for k in range(4)] == [0, 1, None, None]
+    assert by_rank[2]["sent"] == [] and by_rank[3]["sent"] == []
 
     def experts(names):
         return {int(m.group(1)) for n in names if (m := re.search(r"experts\.(\d+)\.", n))}
 
     assert experts(by_rank[0]["sent"]) == {0, 1}, "rank 0 sent experts it does not own"
-    assert experts(by_rank[2]["sent"]) == {2, 3}, "rank 2 sent experts it does not own"
-    assert all("experts" in n for n in by_rank[2]["sent"]), "only the leader sends dense weights"
-    sent = by_rank[0]["sent"] + by_rank[2]["sent"]
+    assert experts(by_rank[1]["sent"]) == {2, 3}, "rank 1 sent experts it does not own"
+    assert all("experts" in n for n in by_rank[1]["sent"]), "only the leader sends dense weights"
+    sent = by_rank[0]["sent"] + by_rank[1]["sent"]
     assert len(sent) == len(set(sent)) == r["receivers"][0]["checkpoint_tensors"]
-    for t in (by_rank[0], by_rank[2]):  # 0 when every bucket of a sender is one tensor's bytes (sent uncopied)
+    for t in (by_rank[0], by_rank[1]):  # 0 when every bucket of a sender is one tensor's bytes (sent uncopied)
         assert 0 <= t["buffers_allocated"] <= 2 * t["max_bucket"]
     assert by_rank[0]["buffers_allocated"] > 0  # the leader packs the small dense tensors
     # counted, not computed: per update the bytes each receiver counted are what the two sending
@@ -47,14 +49,14 @@ def test_tp2_ep2_streams_each_expert_from_its_owner_and_receivers_get_the_checkp
     # plus the metadata, and the tensors' bytes are what the trainer planned at its start
     # (sync_bytes: every sender's tensors; the padding inside packed runs comes on top)
     for version in range(2):
-        sent = by_rank[0]["wire"][version][0] + by_rank[2]["wire"][version][0]
-        assert by_rank[1]["wire"][version] == by_rank[3]["wire"][version] == [0, 0]
+        sent = by_rank[0]["wire"][version][0] + by_rank[1]["wire"][version][0]
+        assert by_rank[2]["wire"][version] == by_rank[3]["wire"][version] == [0, 0]
         for recv in r["receivers"]:
             planned = recv["planned_wire"][version]
             assert recv["wire"][version] == [0, sent], (version, recv["wire"], sent)
             assert sent == planned["metadata"] + planned["payload"]
             assert planned["tensor_bytes"] == by_rank[0]["sync_bytes"]
-            assert 0 <= planned["payload"] - planned["tensor_bytes"] < 64 * len(by_rank[0]["sent"] + by_rank[2]["sent"])
+            assert 0 <= planned["payload"] - planned["tensor_bytes"] < 64 * len(by_rank[0]["sent"] + by_rank[1]["sent"])
 
 
 
