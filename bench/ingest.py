@@ -204,7 +204,8 @@ def run_raw_h5py(n_groups: int, groups_per_flush: int, root: Path) -> dict:
 def run_ack_latency(n_flushes: int, root: Path) -> dict:
     """Durable flush of one group (8 x 1K-token samples + its group row), as the orchestrator
     does before acknowledging; then one seal of everything flushed."""
-    from pipeline.protocol.record import RecordSchema, SampleBatch
+    from pipeline.protocol.record import RecordSchema
+    from pipeline.protocol.sample_batch import SampleBatch
     from pipeline.rollout_log.writer import RolloutLogWriter
     msg = wire.decode(b"k" * 32, _group_message(b"k" * 32), 1 << 30)
     group = SampleBatch(dict(msg.arrays), RecordSchema(), validate=True)

@@ -25,7 +25,8 @@ import numpy as np
 
 
 def _groups(n_groups: int, group_size: int, completion: int, vocab: int, step_token: int) -> list:
-    from pipeline.protocol.record import RecordSchema, SampleBatch
+    from pipeline.protocol.record import RecordSchema
+    from pipeline.protocol.sample_batch import SampleBatch
 
     rng = np.random.default_rng(0)
     out = []
@@ -53,7 +54,7 @@ def measure(role: str, scfg, groups: list, run: Path) -> dict:
     from pipeline.run_dir import save_run_config
     from pipeline.scorers.pool import RemoteScoring
     from pipeline.scorers.role import build_scorer
-    from pipeline.protocol.record import SampleBatch
+    from pipeline.protocol.sample_batch import SampleBatch
     from pipeline.protocol.transport import TransportConfig
 
     run.mkdir(parents=True)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.protocol.record import FINISH_REASONS, SampleBatch
+from pipeline.protocol.record import FINISH_REASONS
+from pipeline.protocol.sample_batch import SampleBatch
 
 
 def turns(model_mask: np.ndarray) -> list[tuple[int, int, bool]]:

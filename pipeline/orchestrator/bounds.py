@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.orchestrator.clock import PolicyClock
-from pipeline.protocol.record import RecordError, SampleBatch
+from pipeline.protocol.record import RecordError
+from pipeline.protocol.sample_batch import SampleBatch
 
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _CHECKED_ELSEWHERE = frozenset({"reward", "logprobs"})

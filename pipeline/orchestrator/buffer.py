@@ -22,7 +22,7 @@ from typing import Callable
 
 import numpy as np
 
-from pipeline.protocol.record import SampleBatch
+from pipeline.protocol.sample_batch import SampleBatch
 
 
 @dataclass

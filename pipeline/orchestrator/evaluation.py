@@ -40,7 +40,8 @@ from pipeline.protocol.links import prompt_arrays
 from pipeline.protocol.messages import EvalResult, EvalWork, encode
 from pipeline.orchestrator.prompts import PromptItem, PromptSource
 from pipeline.orchestrator.scoring import Scorer
-from pipeline.protocol.record import RecordError, RecordSchema, SampleBatch
+from pipeline.protocol.record import RecordError, RecordSchema
+from pipeline.protocol.sample_batch import SampleBatch
 from pipeline.protocol.transport import MessageServer
 
 log = logging.getLogger(__name__)

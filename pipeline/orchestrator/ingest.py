@@ -43,7 +43,8 @@ from pipeline.orchestrator.buffer import BufferedGroup
 from pipeline.orchestrator.prompts import check_groups
 from pipeline.orchestrator.scoring import with_rewards
 from pipeline.protocol import messages as m
-from pipeline.protocol.record import RecordError, SampleBatch
+from pipeline.protocol.record import RecordError
+from pipeline.protocol.sample_batch import SampleBatch
 from pipeline.rollout_log.writer import GroupOutcome
 
 if TYPE_CHECKING:

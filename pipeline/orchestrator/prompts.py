@@ -17,7 +17,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from pipeline.protocol.record import RecordError, SampleBatch
+from pipeline.protocol.record import RecordError
+from pipeline.protocol.sample_batch import SampleBatch
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import numpy as np
 
 from pipeline.rollout_log.format import GroupOutcome
 from pipeline.rollout_log.reader import RolloutLog
-from pipeline.protocol.record import SampleBatch
+from pipeline.protocol.sample_batch import SampleBatch
 
 
 class LogFeeder:

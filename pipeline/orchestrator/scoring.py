@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from pipeline.orchestrator.prompts import PromptItem
-from pipeline.protocol.record import SampleBatch
+from pipeline.protocol.sample_batch import SampleBatch
 
 
 class Scorer:

@@ -26,7 +26,7 @@ from pipeline.orchestrator.batching import StepCost, split_by_cost
 from pipeline.orchestrator.buffer import BufferedGroup, RolloutBuffer
 from pipeline.protocol.links import batch_arrays
 from pipeline.protocol.messages import Batch, GetBatch
-from pipeline.protocol.record import SampleBatch
+from pipeline.protocol.sample_batch import SampleBatch
 from pipeline.rollout_log.writer import RolloutLogWriter
 
 

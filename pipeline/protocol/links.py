@@ -30,7 +30,8 @@ import numpy as np
 import zmq
 
 from pipeline.protocol import messages as m
-from pipeline.protocol.record import RecordError, RecordSchema, SampleBatch
+from pipeline.protocol.record import RecordError, RecordSchema
+from pipeline.protocol.sample_batch import SampleBatch
 from pipeline.protocol.roles import ORCHESTRATOR_SERVES
 from pipeline.run_files import ORCHESTRATOR_RENDEZVOUS
 from pipeline.protocol.transport import (MessageClient, MessageServer, TransportConfig, TransportError,

@@ -49,7 +49,7 @@ from pipeline.launch.rendezvous import running_attempt
 from pipeline.launch.task import JOINS_RUN
 from pipeline.metrics import MetricsWriter
 from pipeline.protocol.links import Control, EvalItem, GeneratorLink, WorkItem
-from pipeline.protocol.record import SampleBatch
+from pipeline.protocol.sample_batch import SampleBatch
 from pipeline.roles.common import cpu_cores_for, lower_cpu_priority, pin_process, shares_trainer_cores
 from pipeline.roles.weight_take import WeightTaker
 from pipeline.run_dir import load_run_config, model_dir

@@ -34,7 +34,8 @@ from pipeline.rollout_log.format import (
     LogDamageWarning, RELEASE_OUTCOMES, SchemaMismatchError, dataset_layout, resolve_log_path)
 from pipeline.rollout_log.scan import LogScan, open_segments, scan_log
 from pipeline.rollout_log.segment import Segment
-from pipeline.protocol.record import RecordSchema, SampleBatch
+from pipeline.protocol.record import RecordSchema
+from pipeline.protocol.sample_batch import SampleBatch
 
 _MERGE_GAP = 64  # rows read as one range when requested rows are at most this far apart
 

@@ -28,7 +28,8 @@ from pipeline.rollout_log.segment_map import MappedFile, hdf5_damage
 from pipeline.rollout_log.format import (
     SCHEMA_VERSION, TABLES, CorruptSegmentError, ForeignFileError, LogError, NewerSchemaError,
     NotHDF5Error, dataset_layout, stored_name)
-from pipeline.protocol.record import PROMPT_COLUMN, RecordError, RecordSchema, SampleBatch
+from pipeline.protocol.record import PROMPT_COLUMN, RecordError, RecordSchema
+from pipeline.protocol.sample_batch import SampleBatch
 
 _COMMIT_LOOKBACK = 8  # how many trailing commit rows to try when the last one is torn
 # A live (or killed mid-flush) SWMR writer's file may end up to this many bytes before the end

@@ -55,7 +55,8 @@ from pipeline.rollout_log.scan import scan_log
 from pipeline.rollout_log.segment import ArrayFile, Segment
 from pipeline.rollout_log.write_checks import cast_column, check_matches, disk_full
 from pipeline.protocol.journal_entries import CarriedJournal, FlushEntry, JournalHeader, Predecessor
-from pipeline.protocol.record import PROMPT_COLUMN, RecordSchema, SampleBatch
+from pipeline.protocol.record import PROMPT_COLUMN, RecordSchema
+from pipeline.protocol.sample_batch import SampleBatch
 
 
 ArrayLike = int | float | Sequence | np.ndarray

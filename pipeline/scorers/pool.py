@@ -53,7 +53,8 @@ import zmq
 from pipeline.orchestrator.prompts import PromptItem
 from pipeline.orchestrator.scoring import Scorer, Scoring
 from pipeline.protocol.codec import MessageError, encode
-from pipeline.protocol.record import RecordSchema, SampleBatch
+from pipeline.protocol.record import RecordSchema
+from pipeline.protocol.sample_batch import SampleBatch
 from pipeline.protocol.roles import SCORER_POOL_SERVES
 from pipeline.protocol.scorer_pool import (SCORER_POOL, Score, Scored, ScorerHello, ScorerStop, ScorerWho,
                                            WeightsRegroup, WeightsUpdate)

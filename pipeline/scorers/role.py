@@ -38,7 +38,8 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.protocol.codec import MessageError, encode
-from pipeline.protocol.record import RecordSchema, SampleBatch
+from pipeline.protocol.record import RecordSchema
+from pipeline.protocol.sample_batch import SampleBatch
 from pipeline.protocol.scorer_pool import (SCORER_POOL, Score, Scored, ScorerAlive, ScorerHello, ScorerStop,
                                            ScorerWho, WeightsRegroup, WeightsUpdate)
 from pipeline.protocol.transport import MessageClient, TransportConfig, TransportError, load_or_create_secret

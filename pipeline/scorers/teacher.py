@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.protocol.record import SampleBatch
+from pipeline.protocol.sample_batch import SampleBatch
 
 #: Tokens per engine step on CPU (every prompt prefilled whole).
 _CPU_BATCHED_TOKENS = 8192

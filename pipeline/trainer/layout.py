@@ -53,7 +53,8 @@ from typing import Sequence
 
 import numpy as np
 
-from pipeline.protocol.record import SampleBatch, sequence_routing
+from pipeline.protocol.record import sequence_routing
+from pipeline.protocol.sample_batch import SampleBatch
 
 #: Optional per-token columns of a record that a `TrainSample` takes under the same name.
 OPTIONAL_TOKEN_FIELDS = ("sampling_mask", "model_mask", "teacher_logprobs", "token_rewards")

@@ -9,7 +9,8 @@ import pytest
 
 from pipeline.apps.inspect_log import main
 from pipeline.rollout_log.format import GroupOutcome
-from pipeline.protocol.record import FINISH_REASONS, RecordSchema, SampleBatch
+from pipeline.protocol.record import FINISH_REASONS, RecordSchema
+from pipeline.protocol.sample_batch import SampleBatch
 from pipeline.rollout_log.writer import RolloutLogWriter
 from support.log_places import list_segments
 from support.rollout_data import make_batch

@@ -11,7 +11,8 @@ import pytest
 
 from pipeline.envs import CalculatorEnv, Environment, EnvironmentError_, Step, step_with_timeout
 from pipeline.envs.calculator import evaluate, tool_turn
-from pipeline.protocol.record import RecordError, RecordSchema, RolloutSample, SampleBatch
+from pipeline.protocol.record import RecordError, RecordSchema, RolloutSample
+from pipeline.protocol.sample_batch import SampleBatch
 
 EPISODES = RecordSchema(model_mask=True)
 

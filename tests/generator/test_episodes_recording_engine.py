@@ -45,7 +45,8 @@ def test_an_episode_records_step_rewards_kept_sets_and_routing_at_the_right_toke
     from pipeline.generator.engine import Generator
     from pipeline.generator.episodes import EpisodeRunner
     from pipeline.rollout_log.reader import RolloutLog
-    from pipeline.protocol.record import RecordSchema, SampleBatch, sequence_routing
+    from pipeline.protocol.record import RecordSchema, sequence_routing
+    from pipeline.protocol.sample_batch import SampleBatch
     from pipeline.rollout_log.writer import RolloutLogWriter
     from support.oracle import sharpened_checkpoint
 

@@ -419,7 +419,7 @@ def _fail_an_update(loop, gen, other_weights, error):
 
 
 def test_a_sender_dying_mid_update_raises_and_a_rejoin_recovers(engine, loop):
-    from pipeline.generator.engine import WeightReceiveError, WeightUpdateError
+    from pipeline.generator.weight_update import WeightReceiveError, WeightUpdateError
 
     kind, gen, dirs = engine
     if kind == "moe":
@@ -487,7 +487,7 @@ def test_a_generator_killed_mid_broadcast_leaves_none_serving_mixed_weights(engi
     engine either got every bucket (then it serves the new version, whole) or it serves the old
     version untouched (staged), or it stays paused until a complete version is loaded (streamed):
     its weights always equal one complete version's fresh-load checksums while it serves."""
-    from pipeline.generator.engine import WeightReceiveError, WeightUpdateError
+    from pipeline.generator.weight_update import WeightReceiveError, WeightUpdateError
 
     kind, gen, dirs = engine
     if kind == "moe":

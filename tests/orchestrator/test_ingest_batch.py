@@ -15,7 +15,8 @@ from pipeline.orchestrator.scoring import VerifierScorer, last_token_verifier
 from pipeline.orchestrator.service import Orchestrator
 from pipeline.protocol import messages as m
 from pipeline.protocol.links import GeneratorLink, TrainerLink, batch_arrays
-from pipeline.protocol.record import RecordSchema, SampleBatch
+from pipeline.protocol.record import RecordSchema
+from pipeline.protocol.sample_batch import SampleBatch
 from pipeline.rollout_log.reader import RolloutLog
 from support.loadgen import synthetic_group
 

@@ -16,7 +16,8 @@ from pipeline.orchestrator.bounds import RunBounds
 from pipeline.orchestrator.clock import PolicyClock
 from pipeline.protocol.links import WorkItem, read_rendezvous
 from pipeline.protocol.messages import KINDS
-from pipeline.protocol.record import RecordError, RecordSchema, SampleBatch
+from pipeline.protocol.record import RecordError, RecordSchema
+from pipeline.protocol.sample_batch import SampleBatch
 from pipeline.protocol.transport import load_or_create_secret
 from pipeline.rollout_log.reader import RolloutLog
 from support.fuzz import Fuzzer

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from pipeline.protocol import wire
-from pipeline.protocol.record import (FINISH_REASONS, RecordError, RecordSchema, RolloutSample, SampleBatch)
+from pipeline.protocol.record import FINISH_REASONS, RecordError, RecordSchema, RolloutSample
+from pipeline.protocol.sample_batch import SampleBatch
 
 KEY = b"k" * 32
 

@@ -29,7 +29,8 @@ from pipeline.metrics import read_metrics
 from pipeline.orchestrator.config import OrchestratorConfig
 from pipeline.protocol import messages as m
 from pipeline.protocol.links import GeneratorLink, TrainerLink, read_rendezvous
-from pipeline.protocol.record import RecordSchema, SampleBatch
+from pipeline.protocol.record import RecordSchema
+from pipeline.protocol.sample_batch import SampleBatch
 from pipeline.protocol.transport import MessageClient, TransportConfig, TransportError, load_or_create_secret
 from pipeline.rollout_log.reader import RolloutLog
 from pipeline.tasks import TaskConfig

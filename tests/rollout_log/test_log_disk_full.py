@@ -10,7 +10,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from pipeline.protocol.record import RecordSchema, SampleBatch
+from pipeline.protocol.record import RecordSchema
+from pipeline.protocol.sample_batch import SampleBatch
 from pipeline.rollout_log.format import LogFullError
 from pipeline.rollout_log.reader import RolloutLog
 from pipeline.rollout_log.writer import RolloutLogWriter

@@ -10,7 +10,8 @@ from pipeline.rollout_log.format import (
     SCHEMA_VERSION, NewerSchemaError, NotHDF5Error)
 from pipeline.rollout_log.reader import RolloutLog
 from pipeline.rollout_log.scan import recorded_damage
-from pipeline.protocol.record import RecordSchema, SampleBatch
+from pipeline.protocol.record import RecordSchema
+from pipeline.protocol.sample_batch import SampleBatch
 from pipeline.rollout_log.writer import RolloutLogWriter
 from support.log_places import list_segments, readable_rows
 from support.rollout_data import assert_batches_equal, make_batch

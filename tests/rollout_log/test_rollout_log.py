@@ -20,7 +20,8 @@ from pipeline.rollout_log.format import (
     GroupOutcome, LogError, NewerSchemaError, SchemaMismatchError, UnsupportedFilesystemError,
     check_log_filesystem, filesystem_type)
 from pipeline.rollout_log.reader import RolloutLog
-from pipeline.protocol.record import RecordSchema, SampleBatch
+from pipeline.protocol.record import RecordSchema
+from pipeline.protocol.sample_batch import SampleBatch
 from pipeline.rollout_log.writer import RolloutLogWriter
 from support.rollout_data import assert_batches_equal, make_batch
 

@@ -19,7 +19,8 @@ from pipeline.rollout_log.format import GroupOutcome
 from pipeline.rollout_log.reader import RolloutLog
 from pipeline.metrics import read_metrics
 from pipeline.orchestrator.config import OrchestratorConfig
-from pipeline.protocol.record import RecordSchema, SampleBatch
+from pipeline.protocol.record import RecordSchema
+from pipeline.protocol.sample_batch import SampleBatch
 from pipeline.run_dir import save_run_config
 from pipeline.scorers.config import ScorersConfig
 from pipeline.scorers.models import ProcessRewardScorer, RewardModelScorer, step_ends

@@ -24,7 +24,7 @@ from pipeline.rollout_log.format import GroupOutcome
 from pipeline.rollout_log.reader import RolloutLog
 from pipeline.metrics import read_metrics
 from pipeline.orchestrator.config import OrchestratorConfig
-from pipeline.protocol.record import SampleBatch
+from pipeline.protocol.sample_batch import SampleBatch
 from pipeline.run_dir import save_run_config
 from pipeline.run_files import PLAN_FILE
 from pipeline.scorers.config import ScorersConfig

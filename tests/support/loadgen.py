@@ -20,8 +20,9 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.protocol.links import EvalItem, GeneratorLink, TrainerLink, WorkItem
-from pipeline.protocol.record import FINISH_REASONS, RecordSchema, SampleBatch
+from pipeline.protocol.record import FINISH_REASONS, RecordSchema
 from pipeline.protocol.record_schema import SCALAR_COLUMNS
+from pipeline.protocol.sample_batch import SampleBatch
 
 
 def synthetic_group(item: WorkItem, generator_id: int, schema: RecordSchema, min_len: int,

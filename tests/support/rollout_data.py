@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.protocol.record import FINISH_REASONS, RecordSchema, SampleBatch
+from pipeline.protocol.record import FINISH_REASONS, RecordSchema
 from pipeline.protocol.record_schema import SCALAR_COLUMNS
+from pipeline.protocol.sample_batch import SampleBatch
 
 
 def make_batch(schema: RecordSchema, seed: int, n: int, first_group: int = 0, group_size: int = 4,

@@ -43,7 +43,8 @@ def tiny_moe8_spec():
 
 def record_log(model_dir: Path, log_dir: Path) -> None:
     """A rollout log of STEPS step records, SAMPLES_PER_STEP samples each (groups of 4)."""
-    from pipeline.protocol.record import RecordSchema, RolloutSample, SampleBatch
+    from pipeline.protocol.record import RecordSchema, RolloutSample
+    from pipeline.protocol.sample_batch import SampleBatch
     from pipeline.rollout_log.writer import RolloutLogWriter
     from support.oracle import hf_logprobs, make_samples
 
