@@ -33,7 +33,7 @@ def test_the_chosen_network_reaches_every_task_and_bad_choices_are_refused(tmp_p
     validate(cfg)
     assert job_plan(cfg, tmp_path / "run").env == {
         "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo", "TOKENFLOW_NETWORK_ADDRESS": "127.0.0.2",
-        "NCCL_IB_HCA": "mlx5_0", "NCCL_IB_GID_INDEX": "3"}
+        "VLLM_HOST_IP": "127.0.0.2", "NCCL_IB_HCA": "mlx5_0", "NCCL_IB_GID_INDEX": "3"}
     found = run_checks(cfg, job_plan(cfg, tmp_path / "run"))
     assert [f.text for f in found.findings if f.check == "network"][-1] == \
         "this node listens on 127.0.0.2 and reaches it"
