@@ -42,7 +42,7 @@ import logging
 import math
 from pathlib import Path
 
-from pipeline.models.tiny import TINY_MODELS, tiny_spec
+from pipeline.models.tiny import TINY_MODELS, tiny_config, tiny_spec
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +52,10 @@ _DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2
 
 
 def model_config(name: str):
-    """The transformers config of `model.name` (a tiny model's without building it); refuses an
-    unsupported family or option."""
+    """The transformers config of `model.name` (a tiny model's fields without building it or
+    importing transformers: pipeline.models.tiny.tiny_config); refuses an unsupported family or option."""
     if name in TINY_MODELS:
-        return tiny_spec(name).hf_config()
+        return tiny_config(tiny_spec(name))
     from pipeline.models.tiny import resolve_model
     from transformers import AutoConfig
 

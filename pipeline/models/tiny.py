@@ -7,6 +7,9 @@ Invariants:
   FORMAT_VERSION: a spec change creates a new directory, an unchanged spec reuses the old one.
 - The same spec gives bit-identical weights (torch seeded with `spec.seed`, the caller's RNG untouched).
 - Creation is atomic and process-safe (pipeline.models.cache.build_once).
+- `tiny_config(spec)` is `spec.hf_config()`'s fields (``to_dict()``), computed once per spec and
+  transformers version and cached as JSON next to the checkpoints: a process that only reads the
+  config (the launcher's checks) does not import transformers, which imports torch (~6 CPU s).
 
 Worked example (defaults): dense = Qwen3ForCausalLM, hidden 256, 2 layers, 4 query heads and 2 KV heads of
 head_dim 64, MLP 512, vocab 512 (461 tokenizer entries + unused rows), untied embeddings: 1.44 M parameters.
@@ -19,6 +22,7 @@ import functools
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from importlib import metadata
 from pathlib import Path
 
 from pipeline.models.cache import build_once, cache_root
@@ -110,6 +114,35 @@ class TinyModelSpec:
             mlp_only_layers=[],
             architectures=["Qwen3MoeForCausalLM"],
         )
+
+
+class SavedConfig:
+    """A transformers config's fields (its ``to_dict()``) read back from JSON: attribute access (an
+    absent field raises AttributeError, so ``getattr(config, name, default)`` works) and ``to_dict()``."""
+
+    def __init__(self, fields: dict) -> None:
+        self._fields = dict(fields)
+
+    def __getattr__(self, name: str):
+        try:
+            return self.__dict__["_fields"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def to_dict(self) -> dict:
+        return dict(self._fields)
+
+
+def tiny_config(spec: TinyModelSpec, root: Path | None = None) -> SavedConfig:
+    """`spec.hf_config()`'s fields, built with transformers once per spec (module invariants)."""
+
+    def write(out: Path) -> None:
+        (out / "config.json").write_text(spec.hf_config().to_json_string(use_diff=False))
+
+    root = Path(root) if root is not None else default_models_root()
+    transformers = metadata.version("transformers")  # its defaults are part of the fields
+    saved = build_once(root, f"config-tiny-{spec.kind}-{spec.key()}-transformers-{transformers}", write)
+    return SavedConfig(json.loads((saved / "config.json").read_text()))
 
 
 def default_models_root() -> Path:

@@ -9,11 +9,15 @@ Invariants:
   `corpus_digest()` fingerprints the inputs so caches can key on them.
 - The chat template is Qwen-style: "<|im_start|>user\\n37+48=<|im_end|>\\n<|im_start|>assistant\\n"
   for one user turn with `add_generation_prompt=True`; the assistant then writes "85<|im_end|>".
+- `load_tokenizer(dir)` returns what ``AutoTokenizer.from_pretrained(dir)`` returns; a checkpoint whose
+  tokenizer is a plain `tokenizers` one (this one, most current checkpoints) is loaded by that class
+  directly, without AutoTokenizer's import of torch (1.0 instead of 4.6 CPU s).
 """
 from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -107,3 +111,21 @@ def save_tokenizer(out_dir: Path, vocab_size: int = 512) -> int:
     tok = train_tokenizer(vocab_size=vocab_size)
     tok.save_pretrained(str(out_dir))
     return len(tok)
+
+
+#: tokenizer_config.json ``tokenizer_class`` values AutoTokenizer loads as transformers' `tokenizers` backend
+TOKENIZERS_BACKEND_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(model_dir: Path | str):
+    """The tokenizer of the checkpoint in `model_dir` (module invariants)."""
+    path = Path(model_dir)
+    config = path / "tokenizer_config.json"
+    named = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    if named in TOKENIZERS_BACKEND_CLASSES:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))

@@ -27,11 +27,10 @@ def task_sources(cfg: TokenflowConfig, run_dir: Path) -> tuple[PromptSource, Pro
         return (SyntheticPromptSource(seed=seed), SyntheticPromptSource(n_prompts=cfg.task.eval_size,
                                                                          seed=seed + 1),
                 VerifierScorer(last_token_verifier))
-    from transformers import AutoTokenizer
-
+    from pipeline.models.tokenizer import load_tokenizer
     from pipeline.tasks.sources import task_prompt_sources
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir(run_dir))
+    tokenizer = load_tokenizer(model_dir(run_dir))
     train, evals, verify, counts = task_prompt_sources(cfg.task, tokenizer, seed)
     if counts:  # the dataset rows left out: bad rows (task.on_bad_row=skip), prompts over the budget
         metrics = MetricsWriter(run_dir, "orchestrator")

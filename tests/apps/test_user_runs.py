@@ -8,7 +8,7 @@
   (the tiny model's defaults; it answers badly, the point is that the data trains and is evaluated
   by held-out set and data source).
 
-Cost on 2 cores: the demo run ~40 s (its warm-start cached); the three format runs ~120 s at once.
+Cost on 2 cores: the demo run ~35 s (its warm-start cached); the three format runs ~80 s at once.
 """
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ def format_runs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("fmt", ["parquet", "saved", "jsonl"])
 def test_every_format_trains_with_nothing_but_its_path(format_runs, fmt):
-    """~120 s for the three runs at once on 2 cores (module fixture); the formats themselves are
+    """~80 s for the three runs at once on 2 cores (module fixture); the formats themselves are
     checked without engines in tests/tasks/test_user_datasets.py."""
     run = format_runs[fmt]
     steps = list(read_metrics(run, "train_step"))

@@ -18,6 +18,7 @@ import pytest
 from pipeline.generator.config import GeneratorConfig
 from pipeline.generator.engine_plan import engine_plan
 from pipeline.models.defaults import checkpoint_dtype, kv_bytes_per_token, model_config
+from pipeline.models.tiny import tiny_spec
 
 
 def test_auto_is_the_checkpoints_dtype_and_sizes_the_kv_cache_at_it():
@@ -33,7 +34,7 @@ def test_auto_is_the_checkpoints_dtype_and_sizes_the_kv_cache_at_it():
 def test_an_engine_built_without_the_run_config_gets_the_checkpoints_dtype_too(tmp_path):
     from pipeline.generator.vllm_args import engine_dtype
 
-    hf = model_config("tiny-moe")
+    hf = tiny_spec("tiny-moe").hf_config()  # a transformers config, saved as a checkpoint's
     for named in ("float32", "bfloat16"):
         hf.dtype = named
         hf.save_pretrained(tmp_path / named)

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.models.cache import build_once
-from pipeline.models.tiny import TinyModelSpec, ensure_tiny_model, resolve_model
-from pipeline.models.tokenizer import CHAT_TEMPLATE, IM_END, IM_START, PAD, train_tokenizer
+from pipeline.models.tiny import TinyModelSpec, ensure_tiny_model, resolve_model, tiny_config, tiny_spec
+from pipeline.models.tokenizer import CHAT_TEMPLATE, IM_END, IM_START, PAD, load_tokenizer, train_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -140,6 +140,44 @@ def test_moe_architecture_every_layer_routes_top2_of_at_least_4(moe_dir):
             assert f"model.layers.{layer}.mlp.experts.{e}.gate_proj.weight" in names
     out = model(input_ids=torch.tensor([[0, 5, 6, 7]]))
     assert torch.isfinite(out.logits).all()
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "tiny-moe8"])
+def test_tiny_config_has_the_transformers_configs_fields(name, models_root):
+    """The cached fields equal transformers' own config of the spec (every field, the MoE's aliased
+    ``num_experts`` left to getattr's default as on any saved config); read without transformers."""
+    spec = tiny_spec(name)
+    hf = spec.hf_config()
+    saved = tiny_config(spec, models_root)
+    assert saved.to_dict() == json.loads(hf.to_json_string(use_diff=False))
+    for field in ("model_type", "architectures", "num_hidden_layers", "num_key_value_heads", "hidden_size",
+                  "max_position_embeddings", "rope_parameters", "vocab_size", "tie_word_embeddings"):
+        assert getattr(saved, field) == getattr(hf, field), field
+    assert str(saved.dtype) == str(hf.dtype).removeprefix("torch.")
+    assert getattr(saved, "head_dim", None) == getattr(hf, "head_dim", None)
+    assert tiny_config(spec, models_root).to_dict() == saved.to_dict()  # the second read is the cached file
+    code = (f"import sys; from pipeline.models.tiny import tiny_config, tiny_spec; "
+            f"tiny_config(tiny_spec({name!r}), {str(models_root)!r}); "
+            f"assert 'torch' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_load_tokenizer_equals_auto_tokenizer_without_torch(dense_dir):
+    """The orchestrator's tokenizer: the class, ids and chat template AutoTokenizer gives, no torch."""
+    from transformers import AutoTokenizer
+
+    mine, auto = load_tokenizer(dense_dir), AutoTokenizer.from_pretrained(str(dense_dir))
+    assert type(mine) is type(auto)
+    chat = [{"role": "user", "content": "37+48="}]
+    assert mine.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    text = "sort 3 1 2 -> 1 2 3 \\boxed{7} ünï"
+    assert mine(text)["input_ids"] == auto(text)["input_ids"]
+    assert (mine.eos_token_id, mine.pad_token_id, mine.padding_side) == \
+        (auto.eos_token_id, auto.pad_token_id, auto.padding_side)
+    code = (f"import sys; from pipeline.models.tokenizer import load_tokenizer; load_tokenizer({str(dense_dir)!r}); "
+            f"assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def _build_slowly(root: str, log: str) -> str:
