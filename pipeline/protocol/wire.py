@@ -195,8 +195,9 @@ def decode(key: bytes, frames: Sequence[Any], max_bytes: int) -> Message:
         raise FrameError("malformed", f"header declares {len(specs)} arrays, message has {len(body)}")
     arrays: dict[str, np.ndarray] = {}
     for spec, view in zip(specs, body):
-        arrays.update([_array(spec, view)])
-    return Message(kind=kind, meta=meta, arrays=arrays, origin=_origin(h.get("from")))
+        name, arr = _array(spec, view)
+        arrays[name] = arr
+    return Message(kind, meta, arrays, _origin(h.get("from")))
 
 
 def _origin(value: Any) -> Origin | None:
@@ -216,15 +217,21 @@ def _array(spec: Any, view: memoryview) -> tuple[str, np.ndarray]:
     dtype = _DTYPES.get(dtype_str)
     if dtype is None:
         raise FrameError("malformed", f"array {name!r}: dtype {dtype_str!r} not allowed")
-    count = 1
-    for d in shape:
-        if type(d) is not int or not 0 <= d < 2**40:
+    if len(shape) == 1:  # most arrays: one dimension, checked without a loop
+        count = shape[0]
+        if type(count) is not int or not 0 <= count < 2**40:
             raise FrameError("malformed", f"array {name!r}: bad shape {shape}")
-        count *= d
+    else:
+        count = 1
+        for d in shape:
+            if type(d) is not int or not 0 <= d < 2**40:
+                raise FrameError("malformed", f"array {name!r}: bad shape {shape}")
+            count *= d
     if len(shape) > 4 or count * dtype.itemsize != view.nbytes:
         raise FrameError("malformed", f"array {name!r}: {view.nbytes} bytes for shape {shape} {dtype}")
-    arr = np.frombuffer(view, dtype=dtype, count=count)
+    arr = np.frombuffer(view, dtype, count)
     if len(shape) != 1:
         arr = arr.reshape(shape)
-    arr.flags.writeable = False
+    if not view.readonly:
+        arr.flags.writeable = False
     return name, arr
