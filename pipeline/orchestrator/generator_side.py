@@ -7,16 +7,18 @@ and the grants of work. It runs on the orchestrator's single event loop and uses
 (admission, clock, generator pool, prompts, server).
 
 Invariants it keeps (with the service's):
-- work is granted once per flush window (`Orchestrator.turn`), one group at a time to each
-  generator with credit in turn, so none is starved, as one `Work` message per generator and
-  window: a generator's freed slots (its credit, carried by its results) are filled by the next
-  grant after its acknowledgement, not one message per result;
+- work is granted one group at a time to each generator with credit in turn, so none is
+  starved, as one `Work` message per generator and grant; a grant happens in a turn once a
+  generator has `GRANT_MIN` free slots (its credit, carried by its results) or the flush window
+  ends (`Orchestrator.turn`): a few groups per `Work` message, not one per result, and no
+  generator waits a whole window with half its slots idle;
 - a generator silent for ``generator_dead_after_s`` is lost: its leases are re-issued;
 - a planned leave returns the leaver's leases at once; it hears `Stop` once the trainer has
   listed the members without it.
 
-Example: two generators with 8 free slots each and 30 groups of capacity: one window's grant
-sends each an 8-group `Work` (16 leases), alternating between them.
+Example: two generators with 8 free slots each and 30 groups of capacity: one grant sends each
+an 8-group `Work` (16 leases), alternating between them; when 3 results of the first arrive in a
+turn it waits (3 free slots), at the fourth it gets a 4-group `Work`.
 """
 from __future__ import annotations
 
@@ -39,6 +41,9 @@ if TYPE_CHECKING:
     from pipeline.orchestrator.scoring import Scoring
 
 log = logging.getLogger("pipeline.orchestrator.service")
+
+GRANT_MIN = 4
+"""Free slots of one generator that make a turn grant work before its flush window ends."""
 
 
 class GeneratorSide:
@@ -126,6 +131,10 @@ class GeneratorSide:
             log.warning("generator %r silent for %.0fs: its leases are re-issued", peer,
                         self.cfg.generator_dead_after_s)
         return bool(lost)
+
+    def _grant_due(self) -> bool:
+        """Whether a generator has `GRANT_MIN` free slots (a grant before the window ends)."""
+        return any(gen.credit >= GRANT_MIN for gen in self.generators.gens.values())
 
     def _grant_work(self) -> None:
         """One group at a time to each generator with credit in turn, so none is starved."""

@@ -4,9 +4,9 @@ One single-threaded event loop owns all state (scoring runs in a thread pool and
 the loop). Per turn it: receives and handles every waiting message (results wait, and are
 checked as one batch once the flush is due: `pipeline.orchestrator.ingest`); expires leases;
 resolves scored groups (filter, staleness, store); flushes the rollout log once and only then
-acknowledges the results that flush covers; grants work within the admission bound (once per
-flush window, after a message, an expiry or a loss: `pipeline.orchestrator.generator_side`); serves
-a waiting step batch; writes metrics.
+acknowledges the results that flush covers; grants work within the admission bound (after a
+message, an expiry or a loss, once `generator_side.GRANT_MIN` slots of a generator are free or the flush window
+ends: `pipeline.orchestrator.generator_side`); serves a waiting step batch; writes metrics.
 
 Invariants (`docs/architecture.md`, "Staleness, admission and the policy clock", "Crash resume"):
 - each admitted group is resolved once: stored, filtered or dropped (by reason); a result is
@@ -138,8 +138,8 @@ class Orchestrator(TrainerSide, GeneratorSide, ResultIngest):
         self.desk = StepDesk(cfg.groups_per_step, self.writer, self.buffer, state.step_rows, step_cost)
         self._stale_checked_for = -1
         self.stopping = False
-        self._last_flush = self._last_metrics = self._last_expiry = self._last_grant = time.monotonic()
-        self._grant_pending = True  # work is granted once per flush window, after a change
+        self._last_flush = self._last_metrics = self._last_expiry = time.monotonic()
+        self._grant_pending = True  # credit or capacity changed since the last grant
         self._ingested_tokens = self._ingested_total = 0
         self._last_bad_log = 0.0
         self._write_metrics(time.monotonic())
@@ -187,9 +187,9 @@ class Orchestrator(TrainerSide, GeneratorSide, ResultIngest):
             self._flush_and_ack()
         if self.feeder is not None:
             self._feed_from_log()
-        elif self._grant_pending and now - self._last_grant >= window:  # once per flush window
+        elif self._grant_pending and (flush_due or self._grant_due()):
             self._grant_work()
-            self._grant_pending, self._last_grant = False, now
+            self._grant_pending = False
         self._serve_steps()
         if self.evaluator is not None and self.evaluator.round is not None:
             self.evaluator.send_work(self.server, list(self.generators))

@@ -167,12 +167,13 @@ def encode(key: bytes, kind: str, meta: Mapping[str, Any] | None = None,
 
 def decode(key: bytes, frames: Sequence[Any], max_bytes: int) -> Message:
     """Authenticate and parse received frames (bytes, memoryviews or zmq.Frame objects)."""
-    views = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
+    # read-only views: the arrays made of them are read-only (no flag to set on each)
+    views = [(f.buffer if hasattr(f, "buffer") else memoryview(f)).toreadonly() for f in frames]
     if len(views) < 2:
         raise FrameError("malformed", f"{len(views)} frame(s), need at least mac and header")
     if len(views) > MAX_FRAMES + 2:
         raise FrameError("malformed", f"{len(views)} frames exceed the limit of {MAX_FRAMES + 2}")
-    total = sum(v.nbytes for v in views)
+    total = sum([v.nbytes for v in views])
     if total > max_bytes:
         raise FrameError("oversized", f"{total} bytes exceed the limit of {max_bytes}")
     mac, header, body = views[0], views[1], views[2:]
@@ -229,9 +230,5 @@ def _array(spec: Any, view: memoryview) -> tuple[str, np.ndarray]:
             count *= d
     if len(shape) > 4 or count * dtype.itemsize != view.nbytes:
         raise FrameError("malformed", f"array {name!r}: {view.nbytes} bytes for shape {shape} {dtype}")
-    arr = np.frombuffer(view, dtype, count)
-    if len(shape) != 1:
-        arr = arr.reshape(shape)
-    if not view.readonly:
-        arr.flags.writeable = False
-    return name, arr
+    arr = np.frombuffer(view, dtype, count)  # read-only, as ``view`` is
+    return name, (arr if len(shape) == 1 else arr.reshape(shape))
