@@ -62,21 +62,37 @@ def _permutation(seed: int, epoch: int, n: int) -> np.ndarray:
 
 
 class SyntheticPromptSource(PromptSource):
-    """Random token-id prompts: a data-plane load for tests and benchmarks (no tokenizer)."""
+    """Random token-id prompts: a data-plane load for tests and benchmarks (no tokenizer). They
+    are drawn `SYNTHETIC_BLOCK` at a time (one generator per block: a prompt costs a slice, not
+    a generator's construction), each a pure function of (seed, prompt id)."""
 
     def __init__(self, n_prompts: int = 1000, vocab_size: int = 1000, min_len: int = 8,
                  max_len: int = 64, seed: int = 0):
         super().__init__(seed)
         self.n, self.vocab, self.min_len, self.max_len = n_prompts, vocab_size, min_len, max_len
+        self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        """Block -> its prompts' start offsets (and end) and their ids back to back."""
 
     def __len__(self) -> int:
         return self.n
 
     def load(self, prompt_id: int) -> PromptItem:
-        rng = np.random.default_rng([self.seed, 1 << 20, prompt_id])
-        n = int(rng.integers(self.min_len, self.max_len + 1))
-        ids = rng.integers(0, self.vocab, n, dtype=np.int32)
+        block, i = divmod(prompt_id, SYNTHETIC_BLOCK)
+        if block not in self._blocks:
+            if len(self._blocks) >= 256:  # as many prompts as `PromptSource._cached` keeps
+                self._blocks.clear()
+            rng = np.random.default_rng([self.seed, 1 << 20, block])
+            lens = rng.integers(self.min_len, self.max_len + 1, SYNTHETIC_BLOCK)
+            ids = rng.integers(0, self.vocab, int(lens.sum()), dtype=np.int32)
+            ids.flags.writeable = False
+            self._blocks[block] = (np.concatenate(([0], np.cumsum(lens))), ids)
+        offsets, all_ids = self._blocks[block]
+        ids = all_ids[offsets[i]:offsets[i + 1]]
         return PromptItem(prompt_id, ids, answer=int(ids[-1]))
+
+
+SYNTHETIC_BLOCK = 256
+"""Synthetic prompts drawn together (consecutive prompt ids)."""
 
 
 class TextPromptSource(PromptSource):

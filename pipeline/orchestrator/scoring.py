@@ -91,17 +91,18 @@ class AsyncScoring(Scoring):
         self.pool = (ThreadPoolExecutor(max_workers=threads, thread_name_prefix="scorer")
                      if threads > 0 else None)
         self.pending: dict[Any, tuple[Future, SampleBatch]] = {}
+        """The pool's groups being scored."""
+        self.scored: list[tuple[Any, SampleBatch, np.ndarray | None, BaseException | None]] = []
+        """Groups scored inline, not yet handed back (no `Future`: its lock costs more than the scoring)."""
 
     def submit(self, key: Any, group: SampleBatch, prompt: PromptItem) -> None:
         if self.pool is not None:
-            fut = self.pool.submit(self._score, group, prompt)
-        else:
-            fut = Future()
-            try:
-                fut.set_result(self._score(group, prompt))
-            except Exception as exc:  # reported per group, like a pool's failure
-                fut.set_exception(exc)
-        self.pending[key] = (fut, group)
+            self.pending[key] = (self.pool.submit(self._score, group, prompt), group)
+            return
+        try:
+            self.scored.append((key, group, self._score(group, prompt), None))
+        except Exception as exc:  # reported per group, like a pool's failure
+            self.scored.append((key, group, None, exc))
 
     def _score(self, group: SampleBatch, prompt: PromptItem) -> np.ndarray:
         rewards = np.asarray(self.scorer.score(group, prompt), dtype=np.float32)
@@ -113,6 +114,8 @@ class AsyncScoring(Scoring):
 
     def completed(self) -> Iterator[tuple[Any, SampleBatch, np.ndarray | None, BaseException | None]]:
         """(key, group, rewards, error) of every finished group, removing it from pending."""
+        scored, self.scored = self.scored, []
+        yield from scored
         done = [k for k, (f, _) in self.pending.items() if f.done()]
         for key in done:
             fut, group = self.pending.pop(key)

@@ -4,8 +4,9 @@ One single-threaded event loop owns all state (scoring runs in a thread pool and
 the loop). Per turn it: receives and handles every waiting message (results wait, and are
 checked as one batch once the flush is due: `pipeline.orchestrator.ingest`); expires leases;
 resolves scored groups (filter, staleness, store); flushes the rollout log once and only then
-acknowledges the results that flush covers; grants work within the admission bound; serves a
-waiting step batch; writes metrics.
+acknowledges the results that flush covers; grants work within the admission bound (after a
+message, an expiry or a loss, once `generator_side.GRANT_MIN` slots of a generator are free or the flush window
+ends: `pipeline.orchestrator.generator_side`); serves a waiting step batch; writes metrics.
 
 Invariants (`docs/architecture.md`, "Staleness, admission and the policy clock", "Crash resume"):
 - each admitted group is resolved once: stored, filtered or dropped (by reason); a result is
@@ -57,8 +58,9 @@ from pipeline.orchestrator.buffer import RolloutBuffer
 from pipeline.orchestrator.clock import PolicyClock
 from pipeline.orchestrator.config import OrchestratorConfig
 from pipeline.orchestrator.evaluation import Evaluator
+from pipeline.orchestrator.generator_side import GeneratorSide
 from pipeline.orchestrator.ingest import ResultIngest
-from pipeline.protocol.links import bind_server, prompt_arrays, write_rendezvous
+from pipeline.protocol.links import bind_server, write_rendezvous
 from pipeline.orchestrator.members import GeneratorPool
 from pipeline.orchestrator.prompts import PromptSource
 from pipeline.orchestrator.replay import LogFeeder
@@ -75,9 +77,10 @@ from pipeline.protocol.wire import Message
 log = logging.getLogger(__name__)
 
 
-class Orchestrator(TrainerSide, ResultIngest):
+class Orchestrator(TrainerSide, GeneratorSide, ResultIngest):
     """The orchestrator's state and event loop; its trainer side (step batches, rollbacks,
-    evaluations) is `pipeline.orchestrator.trainer_side`, its result side (checks, resolution,
+    evaluations) is `pipeline.orchestrator.trainer_side`, its generator side (membership, credit,
+    work grants) `pipeline.orchestrator.generator_side`, its result side (checks, resolution,
     log flush, acknowledgements) `pipeline.orchestrator.ingest`."""
 
     def __init__(self, run_dir: Path, cfg: OrchestratorConfig, prompts: PromptSource,
@@ -136,6 +139,7 @@ class Orchestrator(TrainerSide, ResultIngest):
         self._stale_checked_for = -1
         self.stopping = False
         self._last_flush = self._last_metrics = self._last_expiry = time.monotonic()
+        self._grant_pending = True  # credit or capacity changed since the last grant
         self._ingested_tokens = self._ingested_total = 0
         self._last_bad_log = 0.0
         self._write_metrics(time.monotonic())
@@ -161,26 +165,31 @@ class Orchestrator(TrainerSide, ResultIngest):
 
     def turn(self) -> None:
         # Sleep in the socket poll, but never past the flush that pending acknowledgements await.
-        poll_s = self.cfg.flush_interval_s if self.to_ack or self.results_waiting else 0.05
+        window = self.cfg.flush_interval_s
+        poll_s = window if self.to_ack or self.results_waiting or self._grant_pending else 0.05
         got = self.server.recv(poll_s)
         while got is not None:
+            self._grant_pending = True  # credit or capacity may have changed
             self.handle(*got)
             got = self.server.recv(0)
         now = time.monotonic()
-        flush_due = now - self._last_flush >= self.cfg.flush_interval_s
+        flush_due = now - self._last_flush >= window
         if flush_due:  # the results of the flush window, checked as one batch
             self._check_results()
         if now - self._last_expiry >= 0.1:
-            self.counts["lease_expired"] += len(self.admission.expire(time.time()))
-            self._reap_dead()
+            expired = len(self.admission.expire(time.time()))
+            self.counts["lease_expired"] += expired
+            lost = self._reap_dead()
+            self._grant_pending |= expired > 0 or lost
             self._last_expiry = now
         self._resolve_scored()
         if self.to_ack and (flush_due or len(self.to_ack) > 64):
             self._flush_and_ack()
         if self.feeder is not None:
             self._feed_from_log()
-        else:
+        elif self._grant_pending and (flush_due or self._grant_due()):
             self._grant_work()
+            self._grant_pending = False
         self._serve_steps()
         if self.evaluator is not None and self.evaluator.round is not None:
             self.evaluator.send_work(self.server, list(self.generators))
@@ -236,98 +245,6 @@ class Orchestrator(TrainerSide, ResultIngest):
     def _send(self, peer: bytes, msg) -> None:
         self.server.send(peer, *m.encode(msg))
 
-    # -- generators ------------------------------------------------------------------------
-    def _on_start_progress(self, peer: bytes, msg: m.StartProgress) -> None:
-        """A starting generator's heartbeat, from its own ``gen-<id>-start`` socket only."""
-        if peer != f"gen-{msg.generator_id}-start".encode():
-            self._bad_message(peer, msg.KIND, f"start progress of generator {msg.generator_id} from another socket")
-            return
-        self.generators.start_progress(f"gen-{msg.generator_id}".encode(), msg)
-
-    def _on_hello(self, peer: bytes, msg: m.Hello) -> None:
-        restarted = self.generators.hello(peer)
-        if restarted:  # the old process's leases never come back
-            self.counts["leases_released"] += self.admission.release_holder(peer)
-        self._membership("restart" if restarted else "join", msg.generator_id, job=msg.job)
-        self.clock.generator_joined(peer)
-        if self.weight_epoch is not None:  # it must join the weight group before taking weights
-            self._send(peer, m.Regroup(self.weight_epoch))
-        if self.clock.announced is not None:
-            self._send(peer, m.Update(self.clock.announced, self.announced_weight_epoch))
-
-    def _on_leave(self, peer: bytes, msg: m.Leave) -> None:
-        """A planned departure: its leases are re-issued now, it is no member from now on; it hears
-        `Stop` once the trainer has listed the members without it (`_on_members`)."""
-        self.generators.leave(peer)
-        self.clock.generator_lost(peer)
-        returned = self.admission.release_holder(peer)
-        self.counts["leases_released"] += returned
-        self.counts["generators_left"] += 1
-        self._membership("leave", msg.generator_id, leases_returned=returned)
-        log.info("generator %r leaves: %d lease(s) returned", peer, returned)
-
-    def _membership(self, event: str, generator_id: int, **values) -> None:
-        """One ``membership`` record in the metrics stream: a join, restart, leave, loss or regroup."""
-        self.metrics.log("membership", event=event, generator_id=generator_id,
-                         members=len(self.generators), **values)
-
-    def _on_want(self, peer: bytes, msg: m.Want) -> None:
-        self._credit(peer, msg.credit)
-
-    def _credit(self, peer: bytes, credit: m.Credit) -> None:
-        self.generators.set_credit(peer, credit, self.incarnation)
-        self.clock.generator_loaded(peer, credit.loaded)
-
-    def _on_members(self, peer: bytes, msg: m.ListMembers) -> None:
-        """The trainer asks which generators are alive (to build the weight group)."""
-        self._reap_dead()
-        members = self.generators.members()
-        members = {**members, **self.scoring.weight_members()}  # a lagged teacher receives the weights too
-        self._send(peer, m.Members(members, self.generators.starts()))
-        for gen in self.generators.released():  # the trainer's next group is built without them
-            self._send(gen, m.Stop())
-
-    def _on_regroup(self, peer: bytes, msg: m.Regroup) -> None:
-        """The trainer rebuilt the weight group: every generator must join it."""
-        self.weight_epoch = msg.weight_epoch
-        self._membership("regroup", None, epoch=msg.weight_epoch)
-        for gen in self.generators.listeners():
-            self._send(gen, msg)
-        self.scoring.regroup(msg.weight_epoch)
-
-    def _reap_dead(self) -> None:
-        for peer in self.generators.reap():
-            self.counts["generators_lost"] += 1
-            self.clock.generator_lost(peer)
-            self.counts["leases_released"] += self.admission.release_holder(peer)
-            self._membership("lost", _generator_id(peer))
-            log.warning("generator %r silent for %.0fs: its leases are re-issued", peer,
-                        self.cfg.generator_dead_after_s)
-
-    def _grant_work(self) -> None:
-        """One group at a time to each generator with credit in turn, so none is starved."""
-        now = time.time()
-        grants: dict[bytes, tuple[list, list]] = {}
-        progress = True
-        while progress:
-            progress = False
-            for peer, gen in self.generators.items():
-                if gen.credit <= 0:
-                    continue
-                lease = self.admission.issue(peer, now)
-                if lease is None:
-                    break
-                prompt = self.prompts.for_group(lease.group_id)
-                items, prompts = grants.setdefault(peer, ([], []))
-                items.append([lease.group_id, lease.attempt, prompt.prompt_id, self.cfg.group_size])
-                prompts.append(prompt.token_ids)
-                gen.credit -= 1
-                gen.granted += 1
-                progress = True
-        for peer, (items, prompts) in grants.items():
-            self._send(peer, m.Work(self.incarnation, self.clock.admission_version, items,
-                                    prompt_arrays(prompts)))
-
     def _feed_from_log(self) -> None:
         """Replay: keep two steps' worth of recorded groups buffered, as generators would."""
         while len(self.buffer) < 2 * self.cfg.groups_per_step:
@@ -341,7 +258,7 @@ class Orchestrator(TrainerSide, ResultIngest):
                 return
             gid, group = nxt
             self.admission.resolve(gid, kept=True)
-            self._store(gid, int(group.columns["attempt"][0]), group)
+            self._store([(gid, int(group.columns["attempt"][0]), group, int(group.min_versions().min()))])
 
     def _on_weights(self, peer: bytes, msg: m.WeightsAnnounced) -> None:
         self.clock.weights_announced(msg.version)
@@ -389,12 +306,6 @@ class Orchestrator(TrainerSide, ResultIngest):
         self.writer.close()
         self.server.close()
         self.metrics.close()
-
-
-def _generator_id(peer: bytes) -> int | None:
-    """The rank in a generator's identity ``gen-<rank>`` (None: not one)."""
-    name = peer.decode(errors="replace")
-    return int(name[4:]) if name.startswith("gen-") and name[4:].isdigit() else None
 
 
 def _cpu_seconds() -> float:

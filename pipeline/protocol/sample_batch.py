@@ -35,7 +35,7 @@ class SampleBatch:
     to a numpy array. Arrays may be read-only views of network frames or HDF5 reads.
     """
 
-    __slots__ = ("columns", "schema", "_p_off", "_c_off")
+    __slots__ = ("columns", "schema", "_offs")
 
     def __init__(self, columns: Mapping[str, np.ndarray], schema: RecordSchema,
                  validate: bool = True):
@@ -43,8 +43,21 @@ class SampleBatch:
         self.schema = schema
         if validate:
             self.validate()
-        self._p_off = _offsets(self.columns["prompt_len"])
-        self._c_off = _offsets(self.columns["completion_len"])
+        self._offs: tuple[np.ndarray, np.ndarray] | None = None  # counted when first needed
+
+    @property
+    def _p_off(self) -> np.ndarray:
+        """Where each row's prompt tokens start (and the end): ``N + 1`` offsets."""
+        return (self._offs or self._count_offsets())[0]
+
+    @property
+    def _c_off(self) -> np.ndarray:
+        """Where each row's completion tokens start (and the end): ``N + 1`` offsets."""
+        return (self._offs or self._count_offsets())[1]
+
+    def _count_offsets(self) -> tuple[np.ndarray, np.ndarray]:
+        self._offs = (_offsets(self.columns["prompt_len"]), _offsets(self.columns["completion_len"]))
+        return self._offs
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -189,7 +202,7 @@ class SampleBatch:
     def _derived(self, columns: dict[str, np.ndarray], p_off: np.ndarray, c_off: np.ndarray) -> "SampleBatch":
         """A batch of ``columns`` whose offsets are known (no validation, no recount)."""
         out = SampleBatch.__new__(SampleBatch)
-        out.columns, out.schema, out._p_off, out._c_off = columns, self.schema, p_off, c_off
+        out.columns, out.schema, out._offs = columns, self.schema, (p_off, c_off)
         return out
 
     def prompt(self, i: int, name: str = "prompt_ids") -> np.ndarray:

@@ -167,12 +167,13 @@ def encode(key: bytes, kind: str, meta: Mapping[str, Any] | None = None,
 
 def decode(key: bytes, frames: Sequence[Any], max_bytes: int) -> Message:
     """Authenticate and parse received frames (bytes, memoryviews or zmq.Frame objects)."""
-    views = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
+    # read-only views: the arrays made of them are read-only (no flag to set on each)
+    views = [(f.buffer if hasattr(f, "buffer") else memoryview(f)).toreadonly() for f in frames]
     if len(views) < 2:
         raise FrameError("malformed", f"{len(views)} frame(s), need at least mac and header")
     if len(views) > MAX_FRAMES + 2:
         raise FrameError("malformed", f"{len(views)} frames exceed the limit of {MAX_FRAMES + 2}")
-    total = sum(v.nbytes for v in views)
+    total = sum([v.nbytes for v in views])
     if total > max_bytes:
         raise FrameError("oversized", f"{total} bytes exceed the limit of {max_bytes}")
     mac, header, body = views[0], views[1], views[2:]
@@ -195,8 +196,9 @@ def decode(key: bytes, frames: Sequence[Any], max_bytes: int) -> Message:
         raise FrameError("malformed", f"header declares {len(specs)} arrays, message has {len(body)}")
     arrays: dict[str, np.ndarray] = {}
     for spec, view in zip(specs, body):
-        arrays.update([_array(spec, view)])
-    return Message(kind=kind, meta=meta, arrays=arrays, origin=_origin(h.get("from")))
+        name, arr = _array(spec, view)
+        arrays[name] = arr
+    return Message(kind, meta, arrays, _origin(h.get("from")))
 
 
 def _origin(value: Any) -> Origin | None:
@@ -216,15 +218,17 @@ def _array(spec: Any, view: memoryview) -> tuple[str, np.ndarray]:
     dtype = _DTYPES.get(dtype_str)
     if dtype is None:
         raise FrameError("malformed", f"array {name!r}: dtype {dtype_str!r} not allowed")
-    count = 1
-    for d in shape:
-        if type(d) is not int or not 0 <= d < 2**40:
+    if len(shape) == 1:  # most arrays: one dimension, checked without a loop
+        count = shape[0]
+        if type(count) is not int or not 0 <= count < 2**40:
             raise FrameError("malformed", f"array {name!r}: bad shape {shape}")
-        count *= d
+    else:
+        count = 1
+        for d in shape:
+            if type(d) is not int or not 0 <= d < 2**40:
+                raise FrameError("malformed", f"array {name!r}: bad shape {shape}")
+            count *= d
     if len(shape) > 4 or count * dtype.itemsize != view.nbytes:
         raise FrameError("malformed", f"array {name!r}: {view.nbytes} bytes for shape {shape} {dtype}")
-    arr = np.frombuffer(view, dtype=dtype, count=count)
-    if len(shape) != 1:
-        arr = arr.reshape(shape)
-    arr.flags.writeable = False
-    return name, arr
+    arr = np.frombuffer(view, dtype, count)  # read-only, as ``view`` is
+    return name, (arr if len(shape) == 1 else arr.reshape(shape))

@@ -31,11 +31,12 @@ class PendingAppends:
         self.parts: dict[str, list[np.ndarray]] = {name: [] for name in layout}
         self.counts = dict.fromkeys(TABLES, 0)
 
-    def push(self, table: str, cols: dict[str, np.ndarray], rows: int | None = None) -> None:
-        """Append columns of ``table`` (``rows`` of them; default: the first column's length)."""
+    def push(self, table: str, cols: dict[str, list[np.ndarray]], rows: int | None = None) -> None:
+        """Append the parts of each column of ``table`` (``rows`` rows in all; default: the first
+        column's parts' length)."""
         for k, v in cols.items():
-            self.parts[f"{table}/{k}"].append(v)
-        self.counts[table] += len(next(iter(cols.values()))) if rows is None else rows
+            self.parts[f"{table}/{k}"] += v
+        self.counts[table] += sum(map(len, next(iter(cols.values())))) if rows is None else rows
 
     def joined(self) -> dict[str, np.ndarray]:
         """One array per dataset of everything pushed (module invariants)."""

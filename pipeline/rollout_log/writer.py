@@ -96,6 +96,8 @@ class RolloutLogWriter:
             for p in self.problems:
                 warnings.warn(f"rollout log: {p}", LogDamageWarning, stacklevel=2)
             self._layout = dataset_layout(schema)
+            self._sample_columns = (*schema.scalar_columns(), PROMPT_COLUMN[0],
+                                    *schema.prompt_token_fields(), *schema.token_fields())
             self._chunks: dict[str, list[np.ndarray]] = {n: [] for n in self._layout}
             self._arrays: dict[str, np.ndarray] = {}  # _chunks joined, when a read or seal needs it
             self._written = dict.fromkeys(TABLES, 0)  # this generation's flushed counts
@@ -206,35 +208,30 @@ class RolloutLogWriter:
             self._log.segments = self._sealed + self._carried_segs + [self._live]
 
     # -- appends (buffered) -------------------------------------------------------------------
-    def append_samples(self, batch: SampleBatch) -> np.ndarray:
-        """Buffer a batch of samples; returns their global row ids (int64). The batch's arrays
-        are kept by reference until the next seal: do not modify them in place."""
+    def append_samples(self, *batches: SampleBatch) -> np.ndarray:
+        """Buffer batches of samples, in order, in one pass; returns the global row ids (int64) of
+        their samples one after another. The arrays are kept by reference until the next seal:
+        do not modify them in place."""
         self._check_open()
-        if batch.schema != self.schema:
-            raise SchemaMismatchError(f"batch has record schema {batch.schema}, the log {self.schema}")
-        n = len(batch)
+        for batch in batches:
+            if batch.schema is not self.schema and batch.schema != self.schema:
+                raise SchemaMismatchError(f"batch has record schema {batch.schema}, the log {self.schema}")
+        cols = [b.columns for b in batches if len(b)]
+        n = sum(len(c["group_id"]) for c in cols)
         rows = np.arange(self.num_rows, self.num_rows + n, dtype=np.int64)
         if not n:
             return rows
-        c = batch.columns
+        lens = {k: np.concatenate([c[k] for c in cols]).astype(np.int64) for k in ("prompt_len", "completion_len")}
         for table, length, off_name in (("prompt_tokens", "prompt_len", "prompt_offset"),
                                         ("completion_tokens", "completion_len", "completion_offset")):
-            start = self._written[table] + self._pending.counts[table]
-            lens = c[length].astype(np.int64)
-            off = np.empty(n, dtype=np.int64)
-            off[0] = start
-            np.cumsum(lens[:-1], out=off[1:])
-            off[1:] += start
-            self._pending.push("samples", {off_name: off}, 0)
-            self._pending.counts[table] += int(lens.sum())
-        self._pending.push("samples", {name: c[name] for name in (
-            *self.schema.scalar_columns(), PROMPT_COLUMN[0], *self.schema.prompt_token_fields(),
-            *self.schema.token_fields())}, n)
-        if rows[-1] >= len(self._row_tokens):
-            grown = np.zeros(max(2 * len(self._row_tokens), rows[-1] + 1), dtype=np.int64)
-            grown[:len(self._row_tokens)] = self._row_tokens
-            self._row_tokens = grown
-        self._row_tokens[rows] = c["prompt_len"].astype(np.int64) + c["completion_len"]
+            ends = np.cumsum(lens[length]) + (self._written[table] + self._pending.counts[table])
+            self._pending.push("samples", {off_name: [ends - lens[length]]}, 0)
+            self._pending.counts[table] = int(ends[-1]) - self._written[table]
+        self._pending.push("samples", {name: [c[name] for c in cols] for name in self._sample_columns}, n)
+        if rows[-1] >= len(self._row_tokens):  # grown to at least twice its length
+            grow = max(len(self._row_tokens), rows[-1] + 1 - len(self._row_tokens))
+            self._row_tokens = np.concatenate((self._row_tokens, np.zeros(grow, np.int64)))
+        self._row_tokens[rows] = lens["prompt_len"] + lens["completion_len"]
         return rows
 
     def append_groups(self, group_id: ArrayLike, attempt: ArrayLike, outcome: ArrayLike,
@@ -251,7 +248,7 @@ class RolloutLogWriter:
         fr = cols["first_row"]
         if ((fr < -1) | (fr >= self.num_rows)).any():
             raise LogError(f"groups.first_row {fr.tolist()} outside -1..{self.num_rows - 1}")
-        self._pending.push("groups", cols)
+        self._pending.push("groups", {k: [v] for k, v in cols.items()})
 
     def append_steps(self, step: int, rows: ArrayLike, dp_ranks: ArrayLike, trainer_step: int,
                      t: float) -> None:
@@ -263,14 +260,14 @@ class RolloutLogWriter:
         if rows.ndim != 1 or (len(rows) and (rows.min() < 0 or rows.max() >= self.num_rows)):
             raise LogError(f"step {step}: rows must be 1-d within 0..{self.num_rows - 1}")
         ranks = cast_column("steps.dp_rank", np.broadcast_to(dp_ranks, rows.shape), STEP_COLUMNS["dp_rank"])
-        self._pending.push("steps", {"step": np.full(len(rows), step, STEP_COLUMNS["step"]), "row": rows,
-                             "dp_rank": ranks})
+        self._pending.push("steps", {"step": [np.full(len(rows), step, STEP_COLUMNS["step"])],
+                                     "row": [rows], "dp_rank": [ranks]})
         self._pending.push("step_meta", {
-            "step": np.array([step], STEP_META_COLUMNS["step"]),
-            "trainer_step": np.array([trainer_step], STEP_META_COLUMNS["trainer_step"]),
-            "n_samples": np.array([len(rows)], STEP_META_COLUMNS["n_samples"]),
-            "n_tokens": np.array([self._row_tokens[rows].sum()], STEP_META_COLUMNS["n_tokens"]),
-            "t": np.array([t], STEP_META_COLUMNS["t"])})
+            "step": [np.array([step], STEP_META_COLUMNS["step"])],
+            "trainer_step": [np.array([trainer_step], STEP_META_COLUMNS["trainer_step"])],
+            "n_samples": [np.array([len(rows)], STEP_META_COLUMNS["n_samples"])],
+            "n_tokens": [np.array([self._row_tokens[rows].sum()], STEP_META_COLUMNS["n_tokens"])],
+            "t": [np.array([t], STEP_META_COLUMNS["t"])]})
 
     # -- flush and reads ----------------------------------------------------------------------
     def flush(self) -> None:

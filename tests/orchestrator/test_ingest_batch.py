@@ -1,7 +1,8 @@
 """A turn's results are checked as one batch (`pipeline/orchestrator/ingest.py`): an orchestrator in
 this process, driven turn by turn, with a real generator link over ZeroMQ. A bad result among good
 ones is refused alone and the others are stored as sent; a result re-sent within the turn is
-judged after the first."""
+judged after the first; freed slots are granted a few at a time
+(`pipeline/orchestrator/generator_side.py`)."""
 from __future__ import annotations
 
 import time
@@ -10,6 +11,7 @@ import numpy as np
 
 from pipeline.orchestrator.bounds import RunBounds
 from pipeline.orchestrator.config import OrchestratorConfig
+from pipeline.orchestrator.generator_side import GRANT_MIN
 from pipeline.orchestrator.prompts import SyntheticPromptSource
 from pipeline.orchestrator.scoring import VerifierScorer, last_token_verifier
 from pipeline.orchestrator.service import Orchestrator
@@ -24,8 +26,8 @@ SCHEMA = RecordSchema()
 GROUPS = 6
 
 
-def _orchestrator(run_dir):
-    cfg = OrchestratorConfig(group_size=4, groups_per_step=2, max_async=100, flush_interval_s=0.05)
+def _orchestrator(run_dir, flush_interval_s=0.05):
+    cfg = OrchestratorConfig(group_size=4, groups_per_step=2, max_async=100, flush_interval_s=flush_interval_s)
     return Orchestrator(run_dir, cfg, SyntheticPromptSource(vocab_size=1000), VerifierScorer(last_token_verifier),
                         SCHEMA, RunBounds(1000), run_id="t")
 
@@ -101,6 +103,28 @@ def test_a_result_resent_within_the_turn_counts_as_a_duplicate(tmp_path):
         time.sleep(0.2)
         _turns_until(orch, lambda: orch.counts["stored"] == 1 and orch.counts["duplicate"] == 1)
         assert orch.counts["invalid_result"] == 0 and orch.counts["handler_error"] == 0
+    finally:
+        orch.close()
+        link.close()
+
+
+def test_freed_slots_are_granted_once_grant_min_are_free(tmp_path):
+    """The flush window (60 s here) never ends in the test: three results free three slots and
+    bring no work; the fourth brings one `Work` of four groups."""
+    orch = _orchestrator(tmp_path, flush_interval_s=60.0)
+    link = GeneratorLink(tmp_path, 0, slots=8, schema=SCHEMA)
+    try:
+        items = _granted_work(orch, link, 8)
+        gen = orch.generators.gens[b"gen-0"]
+        assert GRANT_MIN == 4 and gen.granted == 8
+        for item in items[:3]:
+            link.send_result(item, synthetic_group(item, 0, SCHEMA, 16, 32))
+        _turns_until(orch, lambda: gen.credit == 3)
+        assert gen.granted == 8 and not link.poll(0.2)
+        link.send_result(items[3], synthetic_group(items[3], 0, SCHEMA, 16, 32))
+        _turns_until(orch, lambda: gen.granted == 12)
+        granted = link.poll(5.0)
+        assert len(granted) == 4 and {i.group_id for i in granted}.isdisjoint(i.group_id for i in items)
     finally:
         orch.close()
         link.close()

@@ -37,9 +37,10 @@ schemas = st.builds(
 @given(schema=schemas, sizes=st.lists(st.integers(0, 12), min_size=1, max_size=6),
        flushes=st.lists(st.sampled_from(["", "flush", "seal"]), min_size=6, max_size=6),
        seed=st.integers(0, 2**31),
-       long=st.booleans())
+       long=st.booleans(), joined=st.booleans())
 @settings(max_examples=25, deadline=None)
-def test_round_trip_sample_batches_through_the_log(schema, sizes, flushes, seed, long):
+def test_round_trip_sample_batches_through_the_log(schema, sizes, flushes, seed, long, joined):
+    """``joined``: the batches between two flushes are appended in one `append_samples` call."""
     clen = (1, 15_000) if long else (1, 40)  # long: crosses 64k-token chunks and regrowths
     batches = [make_batch(schema, seed + i, n, first_group=100 * i, completion_len=clen)
                for i, n in enumerate(sizes)]
@@ -48,11 +49,15 @@ def test_round_trip_sample_batches_through_the_log(schema, sizes, flushes, seed,
     with tempfile.TemporaryDirectory() as tmp:
         log_dir = Path(tmp) / "rollouts"
         with RolloutLogWriter(log_dir, schema, "prop", {"k": 1}) as w:
-            start = 0
-            for b, flush in zip(batches, flushes):
-                rows = w.append_samples(b)
-                np.testing.assert_array_equal(rows, np.arange(start, start + len(b)))
-                start += len(b)
+            start, run = 0, []
+            for i, (b, flush) in enumerate(zip(batches, flushes)):
+                run.append(b)
+                if joined and not flush and i < len(batches) - 1:
+                    continue
+                rows = w.append_samples(*run)
+                n = sum(map(len, run))
+                np.testing.assert_array_equal(rows, np.arange(start, start + n))
+                start, run = start + n, []
                 if flush:  # a seal with rows still buffered flushes them first
                     getattr(w, flush)()
             assert w.num_rows == len(expected)
