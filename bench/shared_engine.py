@@ -5,14 +5,15 @@ one core on a 2-core CPU machine), far more than a smoke mode's work. Here the n
 (bench/<name>.py, each with ``parse(argv)``, ``engine_setup(args) -> (GeneratorConfig, Generator
 keyword arguments)`` and ``async measure(gen, args) -> report``) share one `Generator`:
 
-- each parses the arguments given after the names (e.g. ``--smoke``: its own smoke sizes);
+- each parses the options given (e.g. ``--smoke``: its own smoke sizes);
 - the engine starts once with the first benchmark's config, widened to the longest
   ``max_model_len``, the most ``max_num_seqs`` and the largest ``kv_cache_gib`` of them all; every
   setting fixed at engine start (model, dtype, eager, prefix caching, routing record, seed) must
   be equal, else a ValueError names it;
 - each benchmark then runs in turn with its own config (per-request sampling settings: stop
   tokens, ignore_eos, token budgets), record schema and episode runner, exactly as on an engine of
-  its own (the benchmarks' requests are all seeded per request).
+  its own (the benchmarks' requests are all seeded per request); generator's ``engine_start_s`` is
+  the shared start.
 
 Example: generator (``max_model_len`` 72, 4 sequences) and episodes (96, 4 sequences, stop tokens,
 a tool environment) in smoke mode run on one engine of ``max_model_len`` 96 and 4 sequences.
