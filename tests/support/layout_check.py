@@ -138,15 +138,15 @@ def _receiver(index: int, a: dict) -> dict:
     from safetensors import safe_open
 
     from pipeline.models.tiny import resolve_model
+    from pipeline.trainer.model import load_hf_config
     from pipeline.weights.adapters import AdapterMerger
     from pipeline.weights.group import TorchDistChannel
 
     torch.set_num_threads(1)
-    model_dir = resolve_model(a["model_dir"])
-    experts = json.loads((model_dir / "config.json").read_text()).get("num_experts", 0)  # no transformers import
+    hf = load_hf_config(a["model_dir"])
     merger = AdapterMerger(a["model_dir"]) if a.get("lora_rank") else None
-    senders = (a["ep"] if experts else 1) * a.get("pp", 1)  # one per stage and EP rank
-    files = sorted(model_dir.glob("*.safetensors"))
+    senders = (a["ep"] if getattr(hf, "num_experts", 0) else 1) * a.get("pp", 1)  # one per stage and EP rank
+    files = sorted(resolve_model(a["model_dir"]).glob("*.safetensors"))
     handles = [safe_open(str(f), framework="pt") for f in files]
     where = {n: h for h in handles for n in h.keys()}
     expected = set(where) if merger is None else {  # LoRA with every target: each projection
