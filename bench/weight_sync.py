@@ -47,6 +47,8 @@ both, run right before the adapters').
     python bench/weight_sync.py --quick                  # < 1 minute on an idle 2-core machine
     python bench/weight_sync.py --quick --part bandwidth # (a) only
     python bench/weight_sync.py                          # full: more repetitions, the 1.3 B set
+    python bench/weight_sync.py --smoke                  # the report's keys: every part at its smallest,
+                                                         # (c) and (d)'s runs at once beside (a) and (b)
 
 The last line printed is one JSON object. The machine may be shared with other work: both sides of
 every ratio are measured alternately so drift hits both, but single figures vary between runs.
@@ -61,6 +63,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -249,25 +252,34 @@ def bandwidth(big_layers: int, big_vocab: int, reps: int) -> dict:
 
 
 # -- (c) layouts -----------------------------------------------------------------------------------
-def layout_run(done: dict, reps: int, tp: int = 1, ep: int = 1, lora: int = 0) -> dict:
-    """`support.layout_check.run` of the tiny MoE model to one receiver, once per (tp, ep, lora) in
-    ``done``: the TP1 full-weight sync serves as layout (c)'s tp1 and as LoRA (d)'s full."""
+LAYOUT_RUNS = {"layouts": ((2, 2, 0), (1, 1, 0)), "lora": ((1, 1, 0), (1, 1, 8))}
+"""The `support.layout_check` runs, (tp, ep, lora rank), of parts (c) and (d): (1, 1, 0), the TP1
+full-weight sync, serves as layout (c)'s tp1 and as LoRA (d)'s full."""
+
+
+def layout_check(reps: int, tp: int, ep: int, lora: int) -> dict:
+    """`support.layout_check.run` of the tiny MoE model to one receiver; raises when a tensor is wrong or missing."""
     from pipeline.models.tiny import resolve_model
     from support.layout_check import run
 
+    r = run(str(resolve_model("tiny-moe")), tp=tp, ep=ep, receivers=1, reps=reps + 1, lora_rank=lora)
+    recv = r["receivers"][0]
+    if recv["mismatched_count"] or recv["missing"]:
+        raise RuntimeError(f"tp={tp} ep={ep} lora={lora}: the receiver got wrong or missing tensors: {recv}")
+    return r
+
+
+def layout_run(done: dict, reps: int, tp: int = 1, ep: int = 1, lora: int = 0) -> dict:
+    """`layout_check`, once per (tp, ep, lora) in ``done``."""
     if (tp, ep, lora) not in done:
-        r = run(str(resolve_model("tiny-moe")), tp=tp, ep=ep, receivers=1, reps=reps + 1, lora_rank=lora)
-        recv = r["receivers"][0]
-        if recv["mismatched_count"] or recv["missing"]:
-            raise RuntimeError(f"tp={tp} ep={ep} lora={lora}: the receiver got wrong or missing tensors: {recv}")
-        done[tp, ep, lora] = r
+        done[tp, ep, lora] = layout_check(reps, tp, ep, lora)
     return done[tp, ep, lora]
 
 
 def layouts(reps: int, done: dict) -> dict:
     """Sync time of the tiny MoE model from TP2 x EP2 and from TP1 trainer ranks (one receiver)."""
     out: dict = {"model": "tiny-moe"}
-    for name, tp, ep in (("tp2xep2", 2, 2), ("tp1", 1, 1)):
+    for name, (tp, ep, _) in zip(("tp2xep2", "tp1"), LAYOUT_RUNS["layouts"]):
         lead = layout_run(done, reps, tp, ep)["trainer"]
         out[name] = {"sync_median_s": statistics.median(lead[0]["sync_s"][1:]),
                      "senders": sum(1 for t in lead if t["source"] is not None),
@@ -279,9 +291,10 @@ def layouts(reps: int, done: dict) -> dict:
 
 
 # -- (d) LoRA: adapter-only sync against full sync ----------------------------------------------
-def lora_sync(reps: int, done: dict, rank: int = 8) -> dict:
-    """Full-weight sync against adapter-only sync (LoRA rank ``rank``, every target) of the tiny
-    MoE model from one trainer rank; the receiver of the adapter sync merges them into the base."""
+def lora_sync(reps: int, done: dict) -> dict:
+    """Full-weight sync against adapter-only sync (LoRA rank 8, every target) of the tiny MoE model
+    from one trainer rank; the receiver of the adapter sync merges them into the base."""
+    rank = LAYOUT_RUNS["lora"][1][2]
     out: dict = {"model": "tiny-moe", "lora_rank": rank}
     for name, lora in (("full", 0), ("adapters", rank)):
         r = layout_run(done, reps, lora=lora)
@@ -337,6 +350,13 @@ def main() -> dict:
         stall_sender("127.0.0.1", args._port, args._store_port, args.model, args.updates)
         sys.exit(0)
     t0 = time.monotonic()
+    done: dict = {}  # layout_check runs, by (tp, ep, lora)
+    early: dict = {}
+    if args.smoke:  # the layout and LoRA runs (megatron-core ranks, no timing checked) start at once, beside (a) and (b)
+        wanted = {key for part in ("layouts", "lora") if args.part in ("all", part) for key in LAYOUT_RUNS[part]}
+        pool = ThreadPoolExecutor(max(1, len(wanted)))
+        early = {key: pool.submit(layout_check, args.reps, *key) for key in wanted}
+        pool.shutdown(wait=False)
     out = {"bench": "weight_sync", "quick": args.quick, "model": args.model, "bucket_bytes": BUCKET_BYTES}
     if args.part in ("all", "bandwidth"):
         out["bandwidth"] = bandwidth(args.big_layers, args.big_vocab, args.reps)
@@ -348,7 +368,7 @@ def main() -> dict:
         out["stall_target"] = "median stall (pause to resume) <= 1 decode step on CPU, default mode"
         out["stall_met"] = out["stall"][out["stall"]["default"]]["stall_decode_steps"] <= 1.0
         out["engine_gap_met"] = out["stall"][out["stall"]["default"]]["engine_gap_decode_steps"] <= 1.0
-    done: dict = {}  # layout_check runs, by (tp, ep, lora)
+    done.update({key: future.result() for key, future in early.items()})
     if args.part in ("all", "layouts"):
         out["layouts"] = layouts(args.reps, done)
     if args.part in ("all", "lora"):

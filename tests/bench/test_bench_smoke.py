@@ -211,7 +211,7 @@ def test_routing_mismatch_smoke(smoke_runs):
 
 @pytest.mark.slow
 def test_weight_sync_smoke(smoke_runs):
-    """Slow: 110 s alone on a 2-core machine (87 CPU s), 125-200 s beside the others: a vLLM engine and
+    """Slow: 73-83 s alone on a 2-core machine (87-95 CPU s), 137 s beside the ten others: a vLLM engine and
     eleven megatron-core or gloo processes (the bandwidth part alone is in the default suite: the test below)."""
     report = _smoke(smoke_runs, "weight_sync")
     assert set(report["bandwidth"]["sets"]) == {"tiny-dense", "tiny-moe", "big"}
