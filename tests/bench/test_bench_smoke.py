@@ -16,7 +16,7 @@ each test waits for its own. generator and episodes run on one engine start
 trainer, pipeline_parallel, generator, episodes, routing_mismatch, recovery); weight_sync (a vLLM
 engine and eleven megatron-core or gloo processes, ~87 s of CPU) and async_vs_sync (two whole
 `tokenflow train` runs, ~86 s of CPU) are slow-marked: the whole module is CPU-bound on two cores
-(~350 CPU s for all eleven, 180 s wall; bench/results/2026-12-06-smoke.md, "Session 4"), over
+(336 CPU s for all eleven, 173 s wall; bench/results/2026-12-06-smoke.md, "Session 4"), over
 #28's 2 minutes.
 Besides, the weight_sync bandwidth part at quick sizes is checked in detail (every mode moved
 every byte).
