@@ -55,11 +55,11 @@ async def _single(gen, episodes, round_id: int) -> int:
     return sum(len(c.token_ids) for c in done)
 
 
-async def main(args) -> dict:
+def engine_setup(args) -> tuple:
+    """(engine config, `Generator` keyword arguments) of this benchmark: the tool environment's runner."""
     from pipeline.envs import ENVIRONMENTS, Environment, EpisodeConfig, Step
     from pipeline.envs.calculator import tool_turn
     from pipeline.generator.config import GeneratorConfig
-    from pipeline.generator.engine import Generator
     from pipeline.generator.episodes import EpisodeRunner
     from pipeline.models.tiny import ensure_tiny_model
     from pipeline.protocol.record import RecordSchema
@@ -78,42 +78,54 @@ async def main(args) -> dict:
                           max_num_seqs=args.groups * args.group_size, seed=0,
                           stop_token_ids=list(range(0, len(tokenizer), 2)))
     runner = EpisodeRunner("bench_tool", EpisodeConfig(max_turns=args.turns), tokenizer)
-    gen = await Generator(cfg, schema=RecordSchema(model_mask=True), episodes=runner).start()
+    return cfg, {"schema": RecordSchema(model_mask=True), "episodes": runner}
+
+
+async def measure(gen, args) -> dict:
+    """The benchmark on a started engine (``gen`` as `engine_setup` configures it)."""
+    prompts = _prompts(args.groups, len(gen.episodes.tokenizer), seed=1)
+    await _episodes(gen, prompts[:2], args.group_size, 0)  # warm-up
+    totals = {"episodes": [0, 0.0], "single": [0, 0.0]}
+    model_tokens, turns = 0, []
+    for r in range(args.rounds):
+        t0 = time.perf_counter()
+        eps = await _episodes(gen, prompts, args.group_size, r + 1)
+        dt = time.perf_counter() - t0
+        n = sum(len(e.completion_ids) for e in eps)
+        model_tokens += sum(int(e.model_mask.sum()) for e in eps)
+        turns += [int(e.model_mask[0] + ((e.model_mask[1:] == 1) & (e.model_mask[:-1] == 0)).sum())
+                  for e in eps]
+        totals["episodes"][0] += n
+        totals["episodes"][1] += dt
+        print(f"round {r} episodes: {n} tokens in {dt:.2f} s = {n / dt:,.0f} tok/s", flush=True)
+        t0 = time.perf_counter()
+        m = await _single(gen, eps, r + 1)
+        dt = time.perf_counter() - t0
+        totals["single"][0] += m
+        totals["single"][1] += dt
+        print(f"round {r}   single: {m} tokens in {dt:.2f} s = {m / dt:,.0f} tok/s", flush=True)
+    rates = {side: n / dt for side, (n, dt) in totals.items()}
+    return {"bench": "episodes", "groups": args.groups, "group_size": args.group_size,
+            "max_turns": args.turns, "max_tokens": args.max_tokens, "rounds": args.rounds,
+            "mean_model_turns": round(sum(turns) / len(turns), 2),
+            "env_token_share": round(1 - model_tokens / totals["episodes"][0], 3),
+            "episode_tok_s": round(rates["episodes"], 1), "single_tok_s": round(rates["single"], 1),
+            "episode_model_tok_s": round(model_tokens / totals["episodes"][1], 1),
+            "ratio": round(rates["episodes"] / rates["single"], 4)}
+
+
+async def main(args) -> dict:
+    from pipeline.generator.engine import Generator
+
+    config, extra = engine_setup(args)
+    gen = await Generator(config, **extra).start()
     try:
-        prompts = _prompts(args.groups, len(tokenizer), seed=1)
-        await _episodes(gen, prompts[:2], args.group_size, 0)  # warm-up
-        totals = {"episodes": [0, 0.0], "single": [0, 0.0]}
-        model_tokens, turns = 0, []
-        for r in range(args.rounds):
-            t0 = time.perf_counter()
-            eps = await _episodes(gen, prompts, args.group_size, r + 1)
-            dt = time.perf_counter() - t0
-            n = sum(len(e.completion_ids) for e in eps)
-            model_tokens += sum(int(e.model_mask.sum()) for e in eps)
-            turns += [int(e.model_mask[0] + ((e.model_mask[1:] == 1) & (e.model_mask[:-1] == 0)).sum())
-                       for e in eps]
-            totals["episodes"][0] += n
-            totals["episodes"][1] += dt
-            print(f"round {r} episodes: {n} tokens in {dt:.2f} s = {n / dt:,.0f} tok/s", flush=True)
-            t0 = time.perf_counter()
-            m = await _single(gen, eps, r + 1)
-            dt = time.perf_counter() - t0
-            totals["single"][0] += m
-            totals["single"][1] += dt
-            print(f"round {r}   single: {m} tokens in {dt:.2f} s = {m / dt:,.0f} tok/s", flush=True)
-        rates = {side: n / dt for side, (n, dt) in totals.items()}
-        return {"bench": "episodes", "groups": args.groups, "group_size": args.group_size,
-                "max_turns": args.turns, "max_tokens": args.max_tokens, "rounds": args.rounds,
-                "mean_model_turns": round(sum(turns) / len(turns), 2),
-                "env_token_share": round(1 - model_tokens / totals["episodes"][0], 3),
-                "episode_tok_s": round(rates["episodes"], 1), "single_tok_s": round(rates["single"], 1),
-                "episode_model_tok_s": round(model_tokens / totals["episodes"][1], 1),
-                "ratio": round(rates["episodes"] / rates["single"], 4)}
+        return await measure(gen, args)
     finally:
         gen.shutdown()
 
 
-def cli() -> None:
+def parse(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="small workload, eager engine (< 1 minute)")
@@ -125,14 +137,17 @@ def cli() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--kv-cache-gib", type=int, default=2)
     p.add_argument("--eager", action="store_true", help="enforce_eager (skip torch.compile)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.quick:
         args.groups, args.group_size, args.turns, args.max_tokens, args.rounds, args.eager = 8, 4, 4, 128, 2, True
     if args.smoke:
         args.groups, args.group_size, args.turns, args.max_tokens, args.rounds, args.eager = 2, 2, 2, 32, 1, True
         args.kv_cache_gib = 1
-    result = asyncio.run(main(args))
-    print(json.dumps(result))
+    return args
+
+
+def cli() -> None:
+    print(json.dumps(asyncio.run(main(parse()))))
 
 
 if __name__ == "__main__":

@@ -53,40 +53,51 @@ async def _driver(gen, prompts, group_size: int, round_id: int) -> int:
     return sum(len(s.completion_ids) for g in groups for s in g)
 
 
-async def main(args) -> dict:
+def engine_setup(args) -> tuple:
+    """(engine config, `Generator` keyword arguments) of this benchmark."""
     from pipeline.generator.config import GeneratorConfig
-    from pipeline.generator.engine import Generator
     from pipeline.models.tiny import ensure_tiny_model
 
     model = args.model or str(ensure_tiny_model("dense"))
-    cfg = GeneratorConfig(model=model, max_model_len=args.max_tokens + 64, max_tokens=args.max_tokens,
-                          ignore_eos=True, enforce_eager=args.eager, kv_cache_gib=args.kv_cache_gib,
-                          max_num_seqs=args.groups * args.group_size, seed=0)
-    gen = await Generator(cfg).start()
+    return GeneratorConfig(model=model, max_model_len=args.max_tokens + 64, max_tokens=args.max_tokens,
+                           ignore_eos=True, enforce_eager=args.eager, kv_cache_gib=args.kv_cache_gib,
+                           max_num_seqs=args.groups * args.group_size, seed=0), {}
+
+
+async def measure(gen, args) -> dict:
+    """The benchmark on a started engine (``gen`` as `engine_setup` configures it)."""
+    vocab = gen.engine.model_config.get_vocab_size()
+    prompts = _prompts(args.groups, vocab, seed=1)
+    await _driver(gen, prompts[:2], args.group_size, 0)  # warm-up
+    totals = {"vllm": [0, 0.0], "driver": [0, 0.0]}
+    for r in range(args.rounds):
+        for side, fn in (("vllm", _baseline), ("driver", _driver)):
+            t0 = time.perf_counter()
+            n = await fn(gen, prompts, args.group_size, r + 1)
+            dt = time.perf_counter() - t0
+            totals[side][0] += n
+            totals[side][1] += dt
+            print(f"round {r} {side:>6}: {n} tokens in {dt:.2f} s = {n / dt:,.0f} tok/s", flush=True)
+    rates = {side: n / dt for side, (n, dt) in totals.items()}
+    return {"bench": "generator", "model": gen.config.model, "groups": args.groups, "group_size": args.group_size,
+            "max_tokens": args.max_tokens, "rounds": args.rounds, "enforce_eager": args.eager,
+            "engine_start_s": round(gen.start_s, 1), "vllm_tok_s": round(rates["vllm"], 1),
+            "driver_tok_s": round(rates["driver"], 1),
+            "ratio": round(rates["driver"] / rates["vllm"], 4), "target": 0.95}
+
+
+async def main(args) -> dict:
+    from pipeline.generator.engine import Generator
+
+    config, extra = engine_setup(args)
+    gen = await Generator(config, **extra).start()
     try:
-        vocab = gen.engine.model_config.get_vocab_size()
-        prompts = _prompts(args.groups, vocab, seed=1)
-        await _driver(gen, prompts[:2], args.group_size, 0)  # warm-up
-        totals = {"vllm": [0, 0.0], "driver": [0, 0.0]}
-        for r in range(args.rounds):
-            for side, fn in (("vllm", _baseline), ("driver", _driver)):
-                t0 = time.perf_counter()
-                n = await fn(gen, prompts, args.group_size, r + 1)
-                dt = time.perf_counter() - t0
-                totals[side][0] += n
-                totals[side][1] += dt
-                print(f"round {r} {side:>6}: {n} tokens in {dt:.2f} s = {n / dt:,.0f} tok/s", flush=True)
-        rates = {side: n / dt for side, (n, dt) in totals.items()}
-        return {"bench": "generator", "model": model, "groups": args.groups, "group_size": args.group_size,
-                "max_tokens": args.max_tokens, "rounds": args.rounds, "enforce_eager": args.eager,
-                "engine_start_s": round(gen.start_s, 1), "vllm_tok_s": round(rates["vllm"], 1),
-                "driver_tok_s": round(rates["driver"], 1),
-                "ratio": round(rates["driver"] / rates["vllm"], 4), "target": 0.95}
+        return await measure(gen, args)
     finally:
         gen.shutdown()
 
 
-def cli() -> None:
+def parse(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="small workload, eager engine (< 1 minute)")
@@ -98,13 +109,16 @@ def cli() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--kv-cache-gib", type=int, default=2)
     p.add_argument("--eager", action="store_true", help="enforce_eager (skip torch.compile)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.quick:
         args.groups, args.group_size, args.max_tokens, args.rounds, args.eager = 12, 8, 64, 2, True
     if args.smoke:
         args.groups, args.group_size, args.max_tokens, args.rounds, args.eager, args.kv_cache_gib = 2, 2, 8, 1, True, 1
-    result = asyncio.run(main(args))
-    print(json.dumps(result))
+    return args
+
+
+def cli() -> None:
+    print(json.dumps(asyncio.run(main(parse()))))
 
 
 if __name__ == "__main__":

@@ -37,13 +37,14 @@ LAYOUTS = {"tp1": (1, {}), "pp2": (2, {"pp": 2}), "pp2tp2": (4, {"pp": 2, "tp": 
            "pp2ep2": (4, {"pp": 2, "ep": 2}), "cp2": (2, {"cp": 2}), "cp2ep2": (4, {"cp": 2, "ep": 2})}
 
 
-def bench_model(root: Path) -> Path:
+def bench_model() -> Path:
+    """The 4-layer, 8-expert tiny MoE, built once and cached beside the tiny models (keyed by its spec)."""
     from pipeline.models.tiny import TinyModelSpec, ensure_tiny_model
 
     spec = TinyModelSpec(kind="moe", hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
                          intermediate_size=256, moe_intermediate_size=64, num_experts=8,
                          experts_per_token=2, vocab_size=512, num_layers=4)
-    return ensure_tiny_model("moe", root=root, spec=spec)
+    return ensure_tiny_model("moe", spec=spec)
 
 
 def rank_main(args: dict) -> None:
@@ -151,7 +152,7 @@ def main() -> dict:
     names = ["tp1", "pp2"] if a.smoke else list(LAYOUTS)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tf-bench-pp-") as tmp:
-        model = bench_model(Path(tmp) / "model")
+        model = bench_model()
         layouts = {n: run_layout(n, model, Path(tmp), steps, samples, length) for n in names}
     base = layouts["tp1"]["step_s"]
     for name, r in layouts.items():

@@ -9,13 +9,15 @@ positive where they count something); no timing is asserted. Each benchmark chec
 it left behind (`bench/leftovers.py`) and exits 1 if it finds one.
 
 The selected ones run `CONCURRENT` at a time (a smoke run is mostly start-ups: one process
-importing vLLM or megatron-core after another, one core each), longest first, each under a
-process marker of its own: started by the module's first test, each test waits for its own. The
-default suite runs eight (ingest, dp_balance, scorers, trainer, pipeline_parallel, generator,
-episodes, routing_mismatch); weight_sync (a vLLM engine and eleven megatron-core or gloo
-processes) and async_vs_sync and recovery (whole `tokenflow train` runs) are slow-marked, their
-costs in their docstrings: all eleven took 183-269 s two at a time (bench/results/2026-12-06-smoke.md),
-over #28's 2 minutes.
+importing vLLM or megatron-core after another; three at once keep both cores busy while one
+waits), longest first, each under a process marker of its own: started by the module's first test,
+each test waits for its own. generator and episodes run on one engine start
+(`bench/shared_engine.py`, `ONE_ENGINE`). The default suite runs nine (ingest, dp_balance, scorers,
+trainer, pipeline_parallel, generator, episodes, routing_mismatch, recovery); weight_sync (a vLLM
+engine and eleven megatron-core or gloo processes, ~87 s of CPU) and async_vs_sync (two whole
+`tokenflow train` runs, ~86 s of CPU) are slow-marked: the whole module is CPU-bound on two cores
+(336 CPU s for all eleven, 173 s wall; bench/results/2026-12-06-smoke.md, "Session 4"), over
+#28's 2 minutes.
 Besides, the weight_sync bandwidth part at quick sizes is checked in detail (every mode moved
 every byte).
 """
@@ -74,27 +76,36 @@ REPORT_KEYS = {
 """Top-level keys of each benchmark's report, in every mode."""
 
 
-CONCURRENT = 2
-"""Smoke benchmarks running at once (the CI machine has two cores)."""
+CONCURRENT = 3
+"""Smoke runs at once (the CI machine has two cores; the third fills a core while a run waits)."""
 
 LONGEST_FIRST = ("async_vs_sync", "weight_sync", "recovery", "pipeline_parallel", "routing_mismatch", "episodes",
                  "generator", "trainer", "scorers", "dp_balance", "ingest")
-"""The order they start in: the longest first, so that the two lanes end together."""
+"""The order they start in: the longest first, so that the lanes end together."""
+
+
+SHARED = {"leftovers", "weight_stall", "shared_engine"}
+"""bench/ modules that are no benchmark: the leftover-process check, weight_sync's stall part, the
+harness that runs engine benchmarks on one engine start."""
+
+ONE_ENGINE = ("episodes", "generator")
+"""Smoke benchmarks run together on one engine start (``bench/shared_engine.py --smoke episodes generator``:
+one vLLM engine start less, ~15 s of a core); the others run their own script."""
 
 
 def test_every_benchmark_has_a_smoke_test():
-    benches = {p.stem for p in BENCH.glob("*.py")} - {"leftovers"}  # leftovers.py is their shared check
+    benches = {p.stem for p in BENCH.glob("*.py")} - SHARED
     assert benches == set(REPORT_KEYS) == set(LONGEST_FIRST)
 
 
-def _run_smoke(name: str, env: dict, *extra: str) -> subprocess.CompletedProcess:
+def _run_smoke(script: str, env: dict, *extra: str) -> subprocess.CompletedProcess:
     t0 = time.monotonic()
     from pipeline.supervise import die_with_parent
 
     # dies with this process (a killed pytest ends its smoke runs; each benchmark ends its own children)
-    proc = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--smoke", *extra], capture_output=True,
+    proc = subprocess.run([sys.executable, str(BENCH / f"{script}.py"), "--smoke", *extra], capture_output=True,
                           text=True, timeout=600, env=env, preexec_fn=die_with_parent)
-    print(f"bench/{name}.py --smoke: {time.monotonic() - t0:.1f} s", flush=True)  # shown with -s
+    print(f"bench/{script}.py --smoke {' '.join(extra)}: {time.monotonic() - t0:.1f} s", flush=True)  # shown with -s
     return proc
 
 
@@ -107,26 +118,41 @@ def _selected(request) -> list[str]:
 
 @pytest.fixture(scope="module")
 def smoke_runs(request, tmp_path_factory):
-    """name -> the future of its smoke run; every run has ended (and left nothing) at the module's end."""
+    """name -> (the future of its smoke run, whether it ran on a shared engine); every run has ended
+    (and left nothing) at the module's end."""
     from pipeline.supervise import MARKER_ENV
     from support.leftovers import leftovers
 
-    extra = {"ingest": ("--local", str(tmp_path_factory.mktemp("ingest")))}
-    markers = {name: uuid.uuid4().hex for name in _selected(request)}
+    selected = _selected(request)
+    together = [name for name in selected if name in ONE_ENGINE]
+    shared = set(together) if len(together) > 1 else set()
+    jobs: dict[str, tuple[str, ...]] = {}  # the first benchmark of each run -> script and arguments, longest first
+    for name in selected:
+        if name not in shared:
+            jobs[name] = (name,)
+        elif name == together[0]:
+            jobs[name] = ("shared_engine", *together)
+    if "ingest" in jobs:
+        jobs["ingest"] += ("--local", str(tmp_path_factory.mktemp("ingest")))
+    markers = {name: uuid.uuid4().hex for name in jobs}
     pool = ThreadPoolExecutor(CONCURRENT)
-    futures = {name: pool.submit(_run_smoke, name, {**os.environ, MARKER_ENV: marker}, *extra.get(name, ()))
-               for name, marker in markers.items()}
-    yield futures
+    futures = {name: pool.submit(_run_smoke, job[0], {**os.environ, MARKER_ENV: markers[name]}, *job[1:])
+               for name, job in jobs.items()}
+    runs = {name: (futures[together[0] if name in shared else name], name in shared) for name in selected}
+    yield runs
     pool.shutdown(wait=True)
     left = {pid: cmd for marker in markers.values() for pid, cmd in leftovers(marker, wait_s=5.0).items()}
     assert not left, f"smoke benchmarks left processes behind (killed now): {left}"
 
 
 def _smoke(smoke_runs, name: str) -> dict:
-    proc = smoke_runs[name].result()
+    future, shared = smoke_runs[name]
+    proc = future.result()
     assert proc.returncode == 0, \
         f"{name} --smoke exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     report = json.loads(proc.stdout.strip().splitlines()[-1])
+    if shared:
+        report = report[name]
     assert set(report) - {"netfs"} == REPORT_KEYS[name], set(report) ^ REPORT_KEYS[name]
     return report
 
@@ -185,8 +211,8 @@ def test_routing_mismatch_smoke(smoke_runs):
 
 @pytest.mark.slow
 def test_weight_sync_smoke(smoke_runs):
-    """~70-200 s on a 2-core machine beside the others: a vLLM engine and eleven megatron-core or gloo processes
-    (the bandwidth part alone is in the default suite: the test below)."""
+    """Slow: 73-83 s alone on a 2-core machine (87-95 CPU s), 137 s beside the ten others: a vLLM engine and
+    eleven megatron-core or gloo processes (the bandwidth part alone is in the default suite: the test below)."""
     report = _smoke(smoke_runs, "weight_sync")
     assert set(report["bandwidth"]["sets"]) == {"tiny-dense", "tiny-moe", "big"}
     assert set(report["layouts"]) >= {"tp1", "tp2xep2"} and set(report["lora"]) >= {"full", "adapters"}
@@ -197,18 +223,18 @@ def test_weight_sync_smoke(smoke_runs):
 
 @pytest.mark.slow
 def test_async_vs_sync_smoke(smoke_runs):
-    """~75-95 s on a 2-core machine: two `tokenflow train` runs of one step at once (each a launcher,
-    a trainer, an orchestrator and a vLLM engine's two processes, most of it their imports)."""
+    """Slow: 66 s alone on a 2-core machine (86 CPU s), 78-86 s beside the others: two `tokenflow train`
+    runs of one step at once (each a launcher, a trainer, an orchestrator and a vLLM engine's two
+    processes, most of it their imports)."""
     report = _smoke(smoke_runs, "async_vs_sync")
     assert report["steps"] == 1 and set(report["runs"]) == {"sync", "async"}
     assert all(r["steps"] == 1 for r in report["runs"].values())
     assert _finite(report["S"], report["B"]) and report["T_sync_s"] > 0 and report["T_async_s"] > 0
 
 
-@pytest.mark.slow
 def test_recovery_smoke(smoke_runs):
-    """~50-55 s on a 2-core machine: a one-generator run, trained until its orchestrator is killed at
-    step 3 and trains again. Also the old failure of the script itself: it put tests/support/ first on its path, so its
+    """28 s alone on a 2-core machine (29 CPU s): a one-generator run, trained until its orchestrator
+    is killed at step 3 and trains again. Also the old failure of the script itself: it put tests/support/ first on its path, so its
     ``leftovers`` was the tests' module (no ``no_process_left``) and it exited 1 at once."""
     report = _smoke(smoke_runs, "recovery")
     pauses = report["generators"]["1"]

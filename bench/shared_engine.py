@@ -1,0 +1,86 @@
+"""Engine benchmarks on one engine start: ``python bench/shared_engine.py --smoke generator episodes``.
+
+A vLLM engine start costs a process importing vLLM beside the driver's own import (about 15 s of
+one core on a 2-core CPU machine), far more than a smoke mode's work. Here the named benchmarks
+(bench/<name>.py, each with ``parse(argv)``, ``engine_setup(args) -> (GeneratorConfig, Generator
+keyword arguments)`` and ``async measure(gen, args) -> report``) share one `Generator`:
+
+- each parses the options given (e.g. ``--smoke``: its own smoke sizes);
+- the engine starts once with the first benchmark's config, widened to the longest
+  ``max_model_len``, the most ``max_num_seqs`` and the largest ``kv_cache_gib`` of them all; every
+  setting fixed at engine start (model, dtype, eager, prefix caching, routing record, seed) must
+  be equal, else a ValueError names it;
+- each benchmark then runs in turn with its own config (per-request sampling settings: stop
+  tokens, ignore_eos, token budgets), record schema and episode runner, exactly as on an engine of
+  its own (the benchmarks' requests are all seeded per request); generator's ``engine_start_s`` is
+  the shared start.
+
+Example: generator (``max_model_len`` 72, 4 sequences) and episodes (96, 4 sequences, stop tokens,
+a tool environment) in smoke mode run on one engine of ``max_model_len`` 96 and 4 sequences.
+The last line printed is one JSON object, benchmark name -> its report (the keys of its own run).
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+ENGINE_FIXED = ("model", "dtype", "enforce_eager", "prefix_caching", "record_routing", "seed", "tensor_parallel_size")
+"""GeneratorConfig fields an engine fixes at start: the shared benchmarks must agree on them."""
+WIDENED = ("max_model_len", "max_num_seqs", "kv_cache_gib")
+"""Fields the shared engine takes the largest of (unset in all of them: unset)."""
+
+
+def load(name: str):
+    """bench/<name>.py as a module (not run as a script)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def shared_config(configs: dict):
+    """The first config widened to every benchmark's needs; ValueError if an engine-fixed field differs."""
+    first = next(iter(configs.values()))
+    for field in ENGINE_FIXED:
+        values = {name: getattr(c, field) for name, c in configs.items()}
+        if len(set(map(str, values.values()))) > 1:
+            raise ValueError(f"these benchmarks cannot share an engine: generator.{field} differs: {values}")
+    return replace(first, **{f: max((getattr(c, f) for c in configs.values() if getattr(c, f) is not None), default=None)
+                             for f in WIDENED})  # None: the engine's default
+
+
+async def run(names: list[str], argv: list[str]) -> dict:
+    from pipeline.generator.engine import Generator
+    from pipeline.protocol.record import RecordSchema
+
+    modules = {name: load(name) for name in names}
+    args = {name: m.parse(argv) for name, m in modules.items()}
+    setups = {name: modules[name].engine_setup(args[name]) for name in names}
+    gen = await Generator(shared_config({name: cfg for name, (cfg, _) in setups.items()})).start()
+    reports = {}
+    try:
+        for name in names:
+            config, extra = setups[name]
+            gen.config, gen.schema, gen.episodes = config, extra.get("schema", RecordSchema()), extra.get("episodes")
+            reports[name] = await modules[name].measure(gen, args[name])
+    finally:
+        gen.shutdown()
+    return reports
+
+
+def cli() -> None:
+    names = [a for a in sys.argv[1:] if not a.startswith("-")]
+    if not names:
+        sys.exit(f"usage: python {sys.argv[0]} [--smoke | --quick] NAME... (engine benchmarks: generator episodes)")
+    print(json.dumps(asyncio.run(run(names, [a for a in sys.argv[1:] if a.startswith("-")]))))
+
+
+if __name__ == "__main__":
+    from leftovers import no_process_left  # bench/ is this script's directory
+
+    with no_process_left():
+        cli()
