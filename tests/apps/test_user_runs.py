@@ -8,7 +8,9 @@
   (the tiny model's defaults; it answers badly, the point is that the data trains and is evaluated
   by held-out set and data source).
 
-Cost on 2 cores: the four runs at once ~XX s (the demo's warm-start cached).
+Cost on 2 cores (module fixture): the four runs at once 94-121 s under `heavy-all` (load 12-22 with
+their own processes), against 100-128 s for the demo and then the three formats (the warm-start
+cached; bench/results/2026-12-06-startup.md).
 """
 from __future__ import annotations
 
