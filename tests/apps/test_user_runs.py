@@ -8,9 +8,10 @@
   (the tiny model's defaults; it answers badly, the point is that the data trains and is evaluated
   by held-out set and data source).
 
-Cost on 2 cores (module fixture): the four runs at once 94-121 s under `heavy-all` (load 12-22 with
-their own processes), against 100-128 s for the demo and then the three formats (the warm-start
-cached; bench/results/2026-12-06-startup.md).
+Cost on 2 cores (module fixture): the four runs at once, one OpenMP thread per process, 80-86 s
+under `heavy-all` (load 5-17), the whole module with tests/tasks/test_user_datasets.py 86-92 s;
+before, the demo and then the three formats, two torch threads each: 100-128 s, the two files
+109-138 s (bench/results/2026-12-06-startup.md; the demo's warm-start cached).
 """
 from __future__ import annotations
 
@@ -32,8 +33,10 @@ COMMON = ["run.steps=2", "run.eval_every=2", "run.checkpoint_every=2", "run.mism
 
 
 def start_train(run_dir: Path, *overrides: str) -> subprocess.Popen:
-    """`tokenflow train` of a short run in ``run_dir`` (its output in ``run_dir``.out)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    """`tokenflow train` of a short run in ``run_dir`` (its output in ``run_dir``.out). One OpenMP
+    thread per process: the runs share the cores unpinned, and a two-thread torch pool whose other
+    thread waits for a core spins (the four runs at once: 206 -> 173 CPU s, 108 -> 92 s)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "pipeline.cli", "train", f"run.name={run_dir.name}", f"hydra.run.dir={run_dir}",
            *COMMON, *overrides]
     with open(run_dir.with_suffix(".out"), "w") as out:
