@@ -9,7 +9,7 @@
   by held-out set and data source).
 
 Cost on 2 cores (module fixture): the four runs at once, one OpenMP thread per process, 80-86 s
-under `heavy-all` (load 5-17), the whole module with tests/tasks/test_user_datasets.py 86-92 s;
+under `heavy-all` (load 4-17), the whole module with tests/tasks/test_user_datasets.py 86-93 s;
 before, the demo and then the three formats, two torch threads each: 100-128 s, the two files
 109-138 s (bench/results/2026-12-06-startup.md; the demo's warm-start cached).
 """
