@@ -8,7 +8,10 @@
   (the tiny model's defaults; it answers badly, the point is that the data trains and is evaluated
   by held-out set and data source).
 
-Cost on 2 cores: the demo run ~35 s (its warm-start cached); the three format runs ~80 s at once.
+Cost on 2 cores (module fixture): the four runs at once, one OpenMP thread per process, 80-86 s
+under `heavy-all` (load 4-17), the whole module with tests/tasks/test_user_datasets.py 86-93 s;
+before, the demo and then the three formats, two torch threads each: 100-128 s, the two files
+109-138 s (bench/results/2026-12-06-startup.md; the demo's warm-start cached).
 """
 from __future__ import annotations
 
@@ -30,8 +33,10 @@ COMMON = ["run.steps=2", "run.eval_every=2", "run.checkpoint_every=2", "run.mism
 
 
 def start_train(run_dir: Path, *overrides: str) -> subprocess.Popen:
-    """`tokenflow train` of a short run in ``run_dir`` (its output in ``run_dir``.out)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    """`tokenflow train` of a short run in ``run_dir`` (its output in ``run_dir``.out). One OpenMP
+    thread per process: the runs share the cores unpinned, and a two-thread torch pool whose other
+    thread waits for a core spins (the four runs at once: 206 -> 173 CPU s, 108 -> 92 s)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "pipeline.cli", "train", f"run.name={run_dir.name}", f"hydra.run.dir={run_dir}",
            *COMMON, *overrides]
     with open(run_dir.with_suffix(".out"), "w") as out:
@@ -48,24 +53,55 @@ def finish_train(run_dir: Path, proc: subprocess.Popen) -> None:
     assert rc == 0, f"train {run_dir.name} failed:\n{run_dir.with_suffix('.out').read_text()[-6000:]}"
 
 
-def train(run_dir: Path, *overrides: str) -> None:
-    finish_train(run_dir, start_train(run_dir, *overrides))
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Four `tokenflow train` runs started at once, placed by the OS (no core plan: with one, every
+    run's generator would share core 0): the demo with pass@k and every tracker, and the same 200
+    problems as verl's GSM8K Parquet, a `datasets` directory and JSONL, each trained (2 steps, no
+    tracker) with nothing but ``task=dataset task.path=...`` (the tiny model's budgets, warm-start
+    and engine are the defaults'; the held-out evaluation in the Parquet run only, by held-out set
+    and data source). One run alone leaves a core idle while its processes wait for each other."""
+    import datasets
+
+    from test_user_datasets import gsm8k_rows, write_gsm8k_parquet
+
+    root = tmp_path_factory.mktemp("users")
+    parquet = write_gsm8k_parquet(root / "gsm8k.parquet")
+    saved = root / "saved"
+    datasets.Dataset.from_parquet(str(parquet)).save_to_disk(str(saved))
+    jsonl = root / "flat.jsonl"
+    jsonl.write_text("".join(json.dumps({"prompt": r["prompt"][0]["content"],
+                                         "answer": r["reward_model"]["ground_truth"]}) + "\n" for r in gsm8k_rows(200)))
+    overrides = {"demo": ["eval.samples=4", "eval.temperature=1.0", "logger=[tensorboard,wandb,mlflow]"]}
+    for fmt, path in {"parquet": parquet, "saved": saved, "jsonl": jsonl}.items():
+        overrides[fmt] = ["task=dataset", f"task.path={path}", "logger=[]",
+                          *([] if fmt == "parquet" else ["run.eval_every=0"])]
+    started, failed = {}, []
+    try:
+        for name, extra in overrides.items():
+            started[name] = start_train(root / name, "cluster.cpu_plan=none", *extra)
+    finally:
+        for name, proc in started.items():  # every run waited for (or killed) before any failure is reported
+            try:
+                finish_train(root / name, proc)
+            except (AssertionError, subprocess.TimeoutExpired) as e:
+                failed.append(str(e))
+    assert not failed, "\n".join(failed)
+    return {name: root / name for name in overrides}
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("users") / "demo"
-    train(run, "eval.samples=4", "eval.temperature=1.0", "logger=[tensorboard,wandb,mlflow]")
-    return run
+def demo(runs) -> Path:
+    return runs["demo"]
 
 
 def test_pass_at_k_equals_a_count_of_the_recorded_answers(demo):
-    from transformers import AutoTokenizer
+    from tokenizers import Tokenizer
 
     from pipeline.run_dir import model_dir
     from pipeline.tasks import TaskConfig, make_task
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir(demo))
+    tokenizer = Tokenizer.from_file(str(model_dir(demo) / "tokenizer.json"))  # the `tokenizers` library itself
     task = make_task(TaskConfig())
     prompts = task.eval_prompts()
     answers = [json.loads(line) for line in (demo / "eval" / "answers.jsonl").read_text().splitlines()]
@@ -76,7 +112,7 @@ def test_pass_at_k_equals_a_count_of_the_recorded_answers(demo):
         assert sorted(mine) == list(range(len(prompts))) == list(range(record["n"]))
         greedy, passed, sampled = [], [], []
         for i, a in mine.items():
-            scores = [task.score(prompts[i], tokenizer.decode(ids, skip_special_tokens=True))
+            scores = [task.score(prompts[i], tokenizer.decode(list(ids), skip_special_tokens=True))
                       for ids in a["completion_ids"]]
             assert len(scores) == 5 and scores == [a["greedy"], *a["samples"]]
             greedy.append(scores[0])
@@ -118,37 +154,10 @@ def test_trackers_and_compare_show_every_step(demo, monkeypatch):
     assert (demo / "training.png").exists()
 
 
-@pytest.fixture(scope="module")
-def format_runs(tmp_path_factory) -> dict[str, Path]:
-    """The same 200 problems as verl's GSM8K Parquet, a `datasets` directory and JSONL, each trained
-    (2 steps, no tracker) with nothing but ``task=dataset task.path=...``: the tiny model's budgets,
-    warm-start and engine are the defaults'. The three runs go at once, placed by the OS."""
-    import datasets
-
-    from test_user_datasets import gsm8k_rows, write_gsm8k_parquet
-
-    root = tmp_path_factory.mktemp("formats")
-    parquet = write_gsm8k_parquet(root / "gsm8k.parquet")
-    saved = root / "saved"
-    datasets.Dataset.from_parquet(str(parquet)).save_to_disk(str(saved))
-    jsonl = root / "flat.jsonl"
-    jsonl.write_text("".join(json.dumps({"prompt": r["prompt"][0]["content"],
-                                         "answer": r["reward_model"]["ground_truth"]}) + "\n" for r in gsm8k_rows(200)))
-    paths = {"parquet": parquet, "saved": saved, "jsonl": jsonl}
-    # no core plan: with one, the three runs' generators (two processes importing vLLM each) would share core 0;
-    # the held-out evaluation in the Parquet run only (by held-out set and data source)
-    started = {fmt: start_train(root / fmt, "task=dataset", f"task.path={path}", "logger=[]", "cluster.cpu_plan=none",
-                                *([] if fmt == "parquet" else ["run.eval_every=0"])) for fmt, path in paths.items()}
-    for run, proc in started.items():
-        finish_train(root / run, proc)
-    return {fmt: root / fmt for fmt in paths}
-
-
 @pytest.mark.parametrize("fmt", ["parquet", "saved", "jsonl"])
-def test_every_format_trains_with_nothing_but_its_path(format_runs, fmt):
-    """~80 s for the three runs at once on 2 cores (module fixture); the formats themselves are
-    checked without engines in tests/tasks/test_user_datasets.py."""
-    run = format_runs[fmt]
+def test_every_format_trains_with_nothing_but_its_path(runs, fmt):
+    """The formats themselves are checked without engines in tests/tasks/test_user_datasets.py."""
+    run = runs[fmt]
     steps = list(read_metrics(run, "train_step"))
     assert [s["step"] for s in steps] == [0, 1] and all(np.isfinite(s["reward_mean"]) for s in steps)
     assert all(s["samples"] == 8 for s in steps)  # 2 groups of 4
