@@ -120,17 +120,15 @@ class GeneratorSide:
             self._send(gen, msg)
         self.scoring.regroup(msg.weight_epoch)
 
-    def _reap_dead(self) -> bool:
-        """Release the leases of generators silent too long; whether any was."""
-        lost = self.generators.reap()
-        for peer in lost:
+    def _reap_dead(self) -> None:
+        """Release the leases of generators silent too long."""
+        for peer in self.generators.reap():
             self.counts["generators_lost"] += 1
             self.clock.generator_lost(peer)
             self.counts["leases_released"] += self.admission.release_holder(peer)
             self._membership("lost", _generator_id(peer))
             log.warning("generator %r silent for %.0fs: its leases are re-issued", peer,
                         self.cfg.generator_dead_after_s)
-        return bool(lost)
 
     def _grant_due(self) -> bool:
         """Whether a generator has `GRANT_MIN` free slots (a grant before the window ends)."""

@@ -4,9 +4,9 @@ One single-threaded event loop owns all state (scoring runs in a thread pool and
 the loop). Per turn it: receives and handles every waiting message (results wait, and are
 checked as one batch once the flush is due: `pipeline.orchestrator.ingest`); expires leases;
 resolves scored groups (filter, staleness, store); flushes the rollout log once and only then
-acknowledges the results that flush covers; grants work within the admission bound (after a
-message, an expiry or a loss, once `generator_side.GRANT_MIN` slots of a generator are free or the flush window
-ends: `pipeline.orchestrator.generator_side`); serves a waiting step batch; writes metrics.
+acknowledges the results that flush covers; grants work within the admission bound (once
+`generator_side.GRANT_MIN` slots of a generator are free or the flush window ends:
+`pipeline.orchestrator.generator_side`); serves a waiting step batch; writes metrics.
 
 Invariants (`docs/architecture.md`, "Staleness, admission and the policy clock", "Crash resume"):
 - each admitted group is resolved once: stored, filtered or dropped (by reason); a result is
@@ -139,7 +139,6 @@ class Orchestrator(TrainerSide, GeneratorSide, ResultIngest):
         self._stale_checked_for = -1
         self.stopping = False
         self._last_flush = self._last_metrics = self._last_expiry = time.monotonic()
-        self._grant_pending = True  # credit or capacity changed since the last grant
         self._ingested_tokens = self._ingested_total = 0
         self._last_bad_log = 0.0
         self._write_metrics(time.monotonic())
@@ -166,10 +165,9 @@ class Orchestrator(TrainerSide, GeneratorSide, ResultIngest):
     def turn(self) -> None:
         # Sleep in the socket poll, but never past the flush that pending acknowledgements await.
         window = self.cfg.flush_interval_s
-        poll_s = window if self.to_ack or self.results_waiting or self._grant_pending else 0.05
+        poll_s = window if self.to_ack or self.results_waiting else 0.05
         got = self.server.recv(poll_s)
         while got is not None:
-            self._grant_pending = True  # credit or capacity may have changed
             self.handle(*got)
             got = self.server.recv(0)
         now = time.monotonic()
@@ -177,19 +175,16 @@ class Orchestrator(TrainerSide, GeneratorSide, ResultIngest):
         if flush_due:  # the results of the flush window, checked as one batch
             self._check_results()
         if now - self._last_expiry >= 0.1:
-            expired = len(self.admission.expire(time.time()))
-            self.counts["lease_expired"] += expired
-            lost = self._reap_dead()
-            self._grant_pending |= expired > 0 or lost
+            self.counts["lease_expired"] += len(self.admission.expire(time.time()))
+            self._reap_dead()
             self._last_expiry = now
         self._resolve_scored()
         if self.to_ack and (flush_due or len(self.to_ack) > 64):
             self._flush_and_ack()
         if self.feeder is not None:
             self._feed_from_log()
-        elif self._grant_pending and (flush_due or self._grant_due()):
+        elif flush_due or self._grant_due():
             self._grant_work()
-            self._grant_pending = False
         self._serve_steps()
         if self.evaluator is not None and self.evaluator.round is not None:
             self.evaluator.send_work(self.server, list(self.generators))
