@@ -218,16 +218,11 @@ def _array(spec: Any, view: memoryview) -> tuple[str, np.ndarray]:
     dtype = _DTYPES.get(dtype_str)
     if dtype is None:
         raise FrameError("malformed", f"array {name!r}: dtype {dtype_str!r} not allowed")
-    if len(shape) == 1:  # most arrays: one dimension, checked without a loop
-        count = shape[0]
-        if type(count) is not int or not 0 <= count < 2**40:
+    count = 1
+    for d in shape:
+        if type(d) is not int or not 0 <= d < 2**40:
             raise FrameError("malformed", f"array {name!r}: bad shape {shape}")
-    else:
-        count = 1
-        for d in shape:
-            if type(d) is not int or not 0 <= d < 2**40:
-                raise FrameError("malformed", f"array {name!r}: bad shape {shape}")
-            count *= d
+        count *= d
     if len(shape) > 4 or count * dtype.itemsize != view.nbytes:
         raise FrameError("malformed", f"array {name!r}: {view.nbytes} bytes for shape {shape} {dtype}")
     arr = np.frombuffer(view, dtype, count)  # read-only, as ``view`` is
