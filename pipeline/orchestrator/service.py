@@ -131,7 +131,8 @@ class Orchestrator(TrainerSide, GeneratorSide, ResultIngest):
         self.metrics = MetricsWriter(self.run_dir, "orchestrator")
         self.generators = GeneratorPool(cfg.generator_dead_after_s)
         self.to_ack: list[tuple[bytes, int, int, str]] = []
-        self.results_waiting: list[tuple[bytes, int, int, SampleBatch]] = []  # the turn's groups, checked together
+        self.results_waiting: list[tuple[bytes, int, int, SampleBatch, int]] = []  # the turn's groups: peer, id,
+        # attempt, their message's samples, their place in it
         self._waiting_groups: set[int] = set()
         self.group_rows: list[tuple] = []  # resolutions waiting for the next flush
         self.weight_epoch: int | None = None  # the trainer's newest weight group
