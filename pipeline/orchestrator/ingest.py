@@ -21,8 +21,9 @@ batch's values (`SampleBatch.check_values`), its samples against their leases an
 (`check_groups`: a group whose ``group_id``/``attempt`` columns differ from its pair is refused)
 and the run's bounds (`RunBounds.check`) are checked in one vectorised pass each. If a batch fails
 anywhere, each of its groups is checked alone, so a bad one is named and refused (``invalid``) and
-the others, those of its own message included, go on as if each had been checked on arrival. Classification, checks, scoring, leases and acknowledgements are per group;
-the credit, the MAC, the counter, the role check and the layout check are per message.
+the others, those of its own message included, go on as if each had been checked on arrival.
+Classification, checks, scoring, leases and acknowledgements are per group; the credit, the MAC,
+the counter, the role check and the layout check are per message.
 
 Invariants:
 - the order of effects is the arrival order: results are checked before any other message is

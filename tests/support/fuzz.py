@@ -5,8 +5,9 @@ credential, stamped origins) and sends, message by message, one of: a record of 
 with fields dropped, added, retyped or set to extreme values, or frames added; a well-formed
 `Result` of several groups with one group (or the cut into groups) spoiled, its other groups
 honest answers to work leased to the fuzzer (`Fuzzer.join`: they are stored, the spoiled one
-refused alone); a kind sent from a role that may not send it; a replay of an earlier message; a message stamped with another
-identity; a wrong MAC; random bytes. It counts what it tried per kind and per way.
+refused alone); a kind sent from a role that may not send it; a replay of an earlier message; a
+message stamped with another identity; a wrong MAC; random bytes. It counts what it tried per kind
+and per way.
 
 Test code, not part of the package.
 """
