@@ -8,9 +8,12 @@ side by side in one run, on the same bytes, for each filesystem:
 
 - ``orchestrator``: the orchestrator process's own CPU time (getrusage, from its metrics stream)
   while it ingests;
-- ``(a) zmq``: CPU time of a process that only receives the same multipart messages;
-- ``(b) h5py``: CPU time of resizable-dataset appends of the same arrays into a file on that
-  filesystem, durable at the orchestrator's own cadence: after every ``groups_per_flush`` groups
+- ``(a) zmq``: CPU time of a process that only receives the same multipart messages: `Result`s
+  of ``groups_per_message`` groups each (the orchestrator's measured groups per message, from its
+  ``count_result_groups`` / ``count_result_messages`` metrics: generators send the groups finished
+  together in one message, `pipeline.protocol.links`);
+- ``(b) h5py``: CPU time of resizable-dataset appends of the same arrays (those messages' columns)
+  into a file on that filesystem, durable at the orchestrator's own cadence: after every ``groups_per_flush`` groups
   (the orchestrator's measured groups per journal flush, from its ``log_flush_seq`` metric) an
   HDF5 flush and an ``fdatasync`` of the file. That is the honest raw baseline: the cheapest way to
   give each acknowledged group the durability the orchestrator gives it (a raw writer that never
@@ -126,12 +129,15 @@ def run_orchestrator(groups: int, producers: int, root: Path) -> dict:
     if not tokens:
         raise RuntimeError(f"all {groups} groups were stored within one metrics interval: ingest more")
     return {"cpu_s": m[-1]["cpu_s"] - m[0]["cpu_s"], "tokens": tokens, "wall_s": wall,
-            "groups": stored, "groups_per_flush": max(1, round(stored / max(1, flushes)))}
+            "groups": stored, "groups_per_flush": max(1, round(stored / max(1, flushes))),
+            "groups_per_message": (m[-1].get("count_result_groups", 0) - m[0].get("count_result_groups", 0))
+            / max(1, m[-1].get("count_result_messages", 0) - m[0].get("count_result_messages", 0))}
 
 
-def _group_message(key: bytes) -> list[bytes]:
+def _group_message(key: bytes, groups: int) -> list[bytes]:
+    """A `Result` of ``groups`` groups of 8 x 1K-token samples, as a generator sends them."""
     rng = np.random.default_rng(0)
-    n, t = GROUP, GROUP * COMPLETION
+    n, t = GROUP * groups, GROUP * groups * COMPLETION
     cols = {"group_id": np.zeros(n, np.int64), "sample_index": np.arange(n, dtype=np.int32),
             "prompt_id": np.zeros(n, np.int64), "attempt": np.zeros(n, np.int32),
             "finish_reason": np.zeros(n, np.uint8), "reward": np.zeros(n, np.float32),
@@ -140,7 +146,8 @@ def _group_message(key: bytes) -> list[bytes]:
             "prompt_ids": rng.integers(0, 1000, n * PROMPT, dtype=np.int32),
             "completion_ids": rng.integers(0, 1000, t, dtype=np.int32),
             "logprobs": -rng.random(t, dtype=np.float32), "versions": np.zeros(t, np.int32)}
-    return [bytes(f) for f in wire.encode(key, "result", {"group_id": 0, "attempt": 0}, cols)]
+    header = {"groups": [[g, 0] for g in range(groups)], "credit": None}
+    return [bytes(f) for f in wire.encode(key, "result", header, cols)]
 
 
 def raw_receiver(addr_file: str, n_msgs: int) -> None:
@@ -155,40 +162,48 @@ def raw_receiver(addr_file: str, n_msgs: int) -> None:
     print(json.dumps({"cpu_s": _cpu() - c0}), flush=True)
 
 
-def raw_sender(port: int, n_msgs: int) -> None:
+def raw_sender(port: int, n_msgs: int, groups_per_message: int) -> None:
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.connect(f"tcp://127.0.0.1:{port}")
-    frames = _group_message(b"k" * 32)
+    frames = _group_message(b"k" * 32, groups_per_message)
     for _ in range(n_msgs):
         s.send_multipart(frames)
     s.close(linger=-1)
 
 
-def run_raw_zmq(n_msgs: int) -> dict:
+def run_raw_zmq(n_groups: int, groups_per_message: int) -> dict:
+    """CPU of receiving ``n_groups`` groups as messages of ``groups_per_message`` groups."""
+    n_msgs = max(2, round(n_groups / groups_per_message))
     addr = tempfile.mktemp()
     me = [sys.executable, __file__]
     rx = subprocess.Popen(me + ["--raw-receiver", addr, str(n_msgs)], stdout=subprocess.PIPE, text=True)
     while not Path(addr).exists() or not Path(addr).read_text():
         time.sleep(0.02)
-    subprocess.run(me + ["--raw-sender", Path(addr).read_text(), str(n_msgs)], check=True)
+    subprocess.run(me + ["--raw-sender", Path(addr).read_text(), str(n_msgs), str(groups_per_message)], check=True)
     out = json.loads(rx.communicate(timeout=300)[0].strip().splitlines()[-1])
-    return {"cpu_s": out["cpu_s"] * n_msgs / max(1, n_msgs - 1)}
+    return {"cpu_s": out["cpu_s"] / (n_msgs - 1) * n_groups / groups_per_message}
 
 
-def run_raw_h5py(n_groups: int, groups_per_flush: int, root: Path) -> dict:
-    frames = _group_message(b"k" * 32)
+def run_raw_h5py(n_groups: int, groups_per_flush: int, root: Path, groups_per_message: int) -> dict:
+    """Appends of ``n_groups`` groups' columns, as messages of ``groups_per_message`` groups
+    arrive, synced after every ``groups_per_flush`` groups."""
+    frames = _group_message(b"k" * 32, groups_per_message)
     msg = wire.decode(b"k" * 32, frames, 1 << 30)
     cols = dict(msg.arrays)
+    per_flush = max(1, round(groups_per_flush / groups_per_message))  # messages per flush
     path = tempfile.mktemp(suffix=".h5", dir=root)
     c0 = _cpu()
     with h5py.File(path, "w", libver="latest") as f:
         ds = {k: f.create_dataset(k, shape=(0,), maxshape=(None,), dtype=v.dtype,
-                                  chunks=(65536 if len(v) > GROUP else 1024,)) for k, v in cols.items()}
+                                  chunks=(65536 if len(v) > GROUP * groups_per_message else 1024,))
+              for k, v in cols.items()}
         f.swmr_mode = True
         fd = f.id.get_vfd_handle()
-        for start in range(0, n_groups, groups_per_flush):
-            k = min(groups_per_flush, n_groups - start)
+        written = 0
+        while written < n_groups:
+            k = max(1, min(per_flush, round((n_groups - written) / groups_per_message)))
+            written += k * groups_per_message
             for name, d in ds.items():
                 a = np.concatenate([cols[name]] * k) if k > 1 else cols[name]
                 n0 = d.shape[0]
@@ -196,7 +211,7 @@ def run_raw_h5py(n_groups: int, groups_per_flush: int, root: Path) -> dict:
                 d[n0:] = a
             f.flush()
             os.fdatasync(fd)  # durable as an acknowledged flush of the orchestrator's log
-    cpu = _cpu() - c0
+    cpu = (_cpu() - c0) * n_groups / written
     os.unlink(path)
     return {"cpu_s": cpu}
 
@@ -207,7 +222,7 @@ def run_ack_latency(n_flushes: int, root: Path) -> dict:
     from pipeline.protocol.record import RecordSchema
     from pipeline.protocol.sample_batch import SampleBatch
     from pipeline.rollout_log.writer import RolloutLogWriter
-    msg = wire.decode(b"k" * 32, _group_message(b"k" * 32), 1 << 30)
+    msg = wire.decode(b"k" * 32, _group_message(b"k" * 32, 1), 1 << 30)
     group = SampleBatch(dict(msg.arrays), RecordSchema(), validate=True)
     log_dir = Path(tempfile.mkdtemp(prefix="tf-acklat-", dir=root))
     lat = []
@@ -234,19 +249,21 @@ def measure(root: Path, groups: int, producers: int, ack_flushes: int, rounds: i
     for r in range(rounds):
         orch = run_orchestrator(groups, producers, root)
         n, gpf = orch["groups"], orch["groups_per_flush"]
-        raws = [lambda: run_raw_zmq(n), lambda: run_raw_h5py(n, gpf, root)]
+        gpm = max(1, round(orch["groups_per_message"]))  # the raw baselines' messages: as many groups
+        raws = [lambda: run_raw_zmq(n, gpm), lambda: run_raw_h5py(n, gpf, root, gpm)]
         zmq_raw, h5_raw = (f() for f in (raws if r % 2 == 0 else raws[::-1]))  # rotated order
         mtok = orch["tokens"] / 1e6
         per_round.append({"orch": orch["cpu_s"] / mtok, "zmq": zmq_raw["cpu_s"] / mtok,
                           "h5py": h5_raw["cpu_s"] / mtok, "tokens": orch["tokens"], "groups": n,
-                          "groups_per_flush": gpf, "wall_tokens_per_s": orch["tokens"] / orch["wall_s"]})
+                          "groups_per_flush": gpf, "groups_per_message": orch["groups_per_message"],
+                          "wall_tokens_per_s": orch["tokens"] / orch["wall_s"]})
         per_round[-1]["efficiency"] = max(per_round[-1]["zmq"], per_round[-1]["h5py"]) / per_round[-1]["orch"]
 
     def med(k: str) -> float:
         return float(np.median([x[k] for x in per_round]))
     return {
         "dir": str(root), "rounds": rounds, "tokens": int(med("tokens")), "groups": int(med("groups")),
-        "groups_per_flush": med("groups_per_flush"),
+        "groups_per_flush": med("groups_per_flush"), "groups_per_message": round(med("groups_per_message"), 2),
         "orchestrator_cpu_s_per_1M_tokens": round(med("orch"), 4),
         "raw_zmq_cpu_s_per_1M_tokens": round(med("zmq"), 4),
         "raw_h5py_cpu_s_per_1M_tokens": round(med("h5py"), 4),
@@ -282,7 +299,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--local", help="local-disk directory for the run (default: the temp dir)")
     p.add_argument("--netfs", help="network-filesystem directory (default: scripts/netfs.sh's mount)")
     p.add_argument("--raw-receiver", nargs=2, help=argparse.SUPPRESS)
-    p.add_argument("--raw-sender", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--raw-sender", nargs=3, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -303,7 +320,8 @@ def main(a: argparse.Namespace) -> None:
     for where, x in results.items():
         print(f"{where} ({x['fstype']}): orchestrator {x['orchestrator_cpu_s_per_1M_tokens']:.3f} s CPU"
               f" / 1M tokens ({x['groups']} groups); raw zmq {x['raw_zmq_cpu_s_per_1M_tokens']}, raw "
-              f"h5py {x['raw_h5py_cpu_s_per_1M_tokens']} (synced every {x['groups_per_flush']} groups); "
+              f"h5py {x['raw_h5py_cpu_s_per_1M_tokens']} (synced every {x['groups_per_flush']} groups, "
+              f"{x['groups_per_message']} groups a message); "
               f"efficiency {x['efficiency_vs_slower_baseline']} (rounds {x['efficiency_per_round']}); ack flush median {x['ack_flush_ms_median']} ms, "
               f"p99 {x['ack_flush_ms_p99']} ms; seal of {x['seal_mb']} MB {x['seal_s']} s")
     if not netfs:
@@ -321,7 +339,7 @@ if __name__ == "__main__":
     if args.raw_receiver:  # a helper of a running benchmark, whose own check covers it (module docstring)
         raw_receiver(args.raw_receiver[0], int(args.raw_receiver[1]))
     elif args.raw_sender:
-        raw_sender(int(args.raw_sender[0]), int(args.raw_sender[1]))
+        raw_sender(int(args.raw_sender[0]), int(args.raw_sender[1]), int(args.raw_sender[2]))
     else:
         with no_process_left():
             main(args)

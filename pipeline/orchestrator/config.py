@@ -72,6 +72,9 @@ class OrchestratorConfig:
         if self.log_seal_interval_s <= 0 or self.log_seal_bytes <= 0 or self.flush_interval_s <= 0:
             raise ValueError("orchestrator.log_seal_interval_s, log_seal_bytes and flush_interval_s "
                              "must be > 0")
+        if self.transport.max_groups_per_result < 1:
+            raise ValueError("orchestrator.transport.max_groups_per_result must be >= 1, got "
+                             f"{self.transport.max_groups_per_result}")
         if self.lease_timeout_s <= 0 or self.memory_token_budget < 0:
             raise ValueError("orchestrator.lease_timeout_s must be > 0 and memory_token_budget >= 0")
         from pipeline.orchestrator.scoring import GROUP_FILTERS

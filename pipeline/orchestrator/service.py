@@ -70,6 +70,7 @@ from pipeline.orchestrator.steps import StepDesk
 from pipeline.orchestrator.trainer_side import TrainerSide
 from pipeline.protocol.record import RecordSchema
 from pipeline.protocol.roles import may_send
+from pipeline.protocol.sample_batch import SampleBatch
 from pipeline.rollout_log.writer import RolloutLogWriter
 from pipeline.run_files import EVAL_ANSWERS_FILE, ROLLOUTS_DIR
 from pipeline.protocol.wire import Message
@@ -130,7 +131,8 @@ class Orchestrator(TrainerSide, GeneratorSide, ResultIngest):
         self.metrics = MetricsWriter(self.run_dir, "orchestrator")
         self.generators = GeneratorPool(cfg.generator_dead_after_s)
         self.to_ack: list[tuple[bytes, int, int, str]] = []
-        self.results_waiting: list[tuple[bytes, m.Result]] = []  # the turn's results, checked together
+        self.results_waiting: list[tuple[bytes, int, int, SampleBatch, int]] = []  # the turn's groups: peer, id,
+        # attempt, their message's samples, their place in it
         self._waiting_groups: set[int] = set()
         self.group_rows: list[tuple] = []  # resolutions waiting for the next flush
         self.weight_epoch: int | None = None  # the trainer's newest weight group

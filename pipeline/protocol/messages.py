@@ -111,16 +111,23 @@ class Want:
 @message
 @dataclass(frozen=True)
 class Result:
-    """A generated group; ``arrays`` are its SampleBatch columns."""
+    """Generated groups, one or more; ``arrays`` are their samples' SampleBatch columns, ordered by
+    group as ``groups`` lists them, each group's samples contiguous (the orchestrator cuts them at
+    every ``group_size`` samples; a group whose ``group_id``/``attempt`` columns differ from its
+    pair here is refused as invalid). At most ``orchestrator.transport.max_groups_per_result``
+    groups: the generator packs no more, the orchestrator refuses a message with more."""
     KIND: ClassVar[str] = "result"
-    group_id: int
-    attempt: int
+    groups: list[list[int]]
+    """[group_id, attempt] per group, in the order of their samples; no group id twice."""
     credit: Credit | None = None
-    """The freed slot travels with the result (None on a re-send)."""
+    """The freed slots travel with the results (None on a re-send)."""
     arrays: dict[str, np.ndarray] = arrays_field()
 
     def __post_init__(self) -> None:
-        at_least(self, 0, "group_id", "attempt")
+        if not self.groups or any(len(g) != 2 or min(g) < 0 for g in self.groups):
+            raise ValueError("groups must be one or more [group_id, attempt] of non-negative ints")
+        if len({g[0] for g in self.groups}) != len(self.groups):
+            raise ValueError("groups names a group id twice")
 
 
 @message

@@ -68,6 +68,9 @@ class TransportConfig:
     max_message_mb: float = 256.0
     """Messages larger than this are dropped as oversized (a larger frame ends its connection
     before it is buffered)."""
+    max_groups_per_result: int = 16
+    """Groups one `Result` message carries at most (a generator packs no more, the orchestrator
+    refuses more); a generator also starts a new message before one would pass max_message_mb."""
     send_hwm: int = 1000
     """Per-peer queue of outgoing messages; beyond it a send is dropped and counted."""
     recv_hwm: int = 16

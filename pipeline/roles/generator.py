@@ -246,7 +246,7 @@ class GeneratorRole:
         finally:
             self._busy(-1)
         self.tokens += sum(len(s.completion_ids) for s in samples)
-        self.link.send_result(item, SampleBatch.from_samples(samples, self.schema))
+        self.link.queue_result(item, SampleBatch.from_samples(samples, self.schema))
 
     async def _eval(self, item: EvalItem) -> None:
         """A held-out prompt's greedy answer (sample 0) and `eval.samples` sampled ones (1..k), sent together."""

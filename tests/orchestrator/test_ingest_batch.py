@@ -1,7 +1,9 @@
 """A turn's results are checked as one batch (`pipeline/orchestrator/ingest.py`): an orchestrator in
 this process, driven turn by turn, with a real generator link over ZeroMQ. A bad result among good
 ones is refused alone and the others are stored as sent; a result re-sent within the turn is
-judged after the first; freed slots are granted a few at a time
+judged after the first; a `Result` of several groups is cut into its groups at arrival, a bad
+group (or one whose columns disagree with the header) refused alone, a message past
+``max_groups_per_result`` refused whole; freed slots are granted a few at a time
 (`pipeline/orchestrator/generator_side.py`)."""
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from pipeline.protocol import messages as m
 from pipeline.protocol.links import GeneratorLink, TrainerLink, batch_arrays
 from pipeline.protocol.record import RecordSchema
 from pipeline.protocol.sample_batch import SampleBatch
+from pipeline.protocol.transport import TransportConfig
 from pipeline.rollout_log.reader import RolloutLog
 from support.loadgen import synthetic_group
 
@@ -26,8 +29,9 @@ SCHEMA = RecordSchema()
 GROUPS = 6
 
 
-def _orchestrator(run_dir, flush_interval_s=0.05):
-    cfg = OrchestratorConfig(group_size=4, groups_per_step=2, max_async=100, flush_interval_s=flush_interval_s)
+def _orchestrator(run_dir, flush_interval_s=0.05, max_groups_per_result=16):
+    cfg = OrchestratorConfig(group_size=4, groups_per_step=2, max_async=100, flush_interval_s=flush_interval_s,
+                             transport=TransportConfig(max_groups_per_result=max_groups_per_result))
     return Orchestrator(run_dir, cfg, SyntheticPromptSource(vocab_size=1000), VerifierScorer(last_token_verifier),
                         SCHEMA, RunBounds(1000), run_id="t")
 
@@ -55,7 +59,7 @@ def _granted_work(orch, link, n):
 
 def _send_all(link, results):
     for item, batch in results:
-        link.send(m.Result(item.group_id, item.attempt, None, batch_arrays(batch)))
+        link.send(m.Result([[item.group_id, item.attempt]], None, batch_arrays(batch)))
 
 
 def test_one_bad_result_in_a_turn_is_refused_alone_and_the_rest_stored_as_sent(tmp_path):
@@ -118,13 +122,96 @@ def test_freed_slots_are_granted_once_grant_min_are_free(tmp_path):
         gen = orch.generators.gens[b"gen-0"]
         assert GRANT_MIN == 4 and gen.granted == 8
         for item in items[:3]:
-            link.send_result(item, synthetic_group(item, 0, SCHEMA, 16, 32))
+            link.queue_result(item, synthetic_group(item, 0, SCHEMA, 16, 32))
+        link.send_results()
         _turns_until(orch, lambda: gen.credit == 3)
         assert gen.granted == 8 and not link.poll(0.2)
-        link.send_result(items[3], synthetic_group(items[3], 0, SCHEMA, 16, 32))
+        link.queue_result(items[3], synthetic_group(items[3], 0, SCHEMA, 16, 32))
+        link.send_results()
         _turns_until(orch, lambda: gen.granted == 12)
         granted = link.poll(5.0)
         assert len(granted) == 4 and {i.group_id for i in granted}.isdisjoint(i.group_id for i in items)
+    finally:
+        orch.close()
+        link.close()
+
+
+def _stored_by_group(run_dir) -> dict[int, SampleBatch]:
+    with RolloutLog.open(run_dir / "rollouts") as log:
+        stored = SampleBatch.concat(list(log.iter_batches()))
+    return {int(g): stored.take(np.flatnonzero(stored.columns["group_id"] == g))
+            for g in np.unique(stored.columns["group_id"])}
+
+
+def _poisoned(batch, name, index, value):
+    cols = {k: v.copy() for k, v in batch.columns.items()}
+    cols[name][index] = value
+    return SampleBatch(cols, SCHEMA, validate=False)
+
+
+def _acks(link, n):
+    deadline = time.monotonic() + 10
+    while sum(link.outcomes.values()) < n and time.monotonic() < deadline:
+        link.poll(0.05)
+    return link.outcomes
+
+
+def test_a_multi_group_result_is_cut_at_arrival_and_its_bad_groups_refused_alone(tmp_path):
+    """One `Result` of 6 groups: group 2 holds a token beyond the vocabulary, group 4's samples
+    carry another attempt than the header names for it; the 4 others are stored byte for byte."""
+    orch = _orchestrator(tmp_path)
+    link = GeneratorLink(tmp_path, 0, slots=GROUPS, schema=SCHEMA)
+    try:
+        items = _granted_work(orch, link, GROUPS)
+        results = [(i, synthetic_group(i, 0, SCHEMA, 16, 32)) for i in items]
+        results[2] = (items[2], _poisoned(results[2][1], "completion_ids", 5, 1000))
+        results[4] = (items[4], _poisoned(results[4][1], "attempt", 1, items[4].attempt + 1))
+        for item, batch in results:
+            link.queue_result(item, batch)
+        link.send_results()  # one message: 6 <= max_groups_per_result
+        _turns_until(orch, lambda: orch.counts["stored"] + orch.counts["invalid_result"] == GROUPS)
+        assert orch.counts["result_messages"] == 1 and orch.counts["result_groups"] == GROUPS
+        assert orch.counts["invalid_result"] == 2 and orch.counts["stored"] == GROUPS - 2
+        assert orch.counts["handler_error"] == 0 and orch.counts["bad_message"] == 0
+        _turns_until(orch, lambda: not orch.to_ack)
+        assert _acks(link, GROUPS) == {"stored": GROUPS - 2, "invalid": 2}
+        assert set(link.unacked) == set()
+    finally:
+        orch.close()
+        link.close()
+    by_group = _stored_by_group(tmp_path)
+    sent = {i.group_id: b for k, (i, b) in enumerate(results) if k not in (2, 4)}
+    assert set(by_group) == set(sent)
+    for gid, batch in sent.items():
+        for name in ("completion_ids", "logprobs", "versions", "prompt_ids", "completion_len", "attempt"):
+            np.testing.assert_array_equal(by_group[gid].columns[name], batch.columns[name])
+
+
+def test_a_result_cut_wrong_or_past_the_group_bound_is_refused_and_the_orchestrator_goes_on(tmp_path):
+    """A 3-group `Result` with a bound of 2 is a bad message (an `Error`, nothing taken); one whose
+    samples are not 2 groups of 4, or miss a column, refuses each of its groups as invalid; the
+    same groups sent right afterwards are stored."""
+    orch = _orchestrator(tmp_path, max_groups_per_result=2)
+    link = GeneratorLink(tmp_path, 0, slots=4, schema=SCHEMA, cfg=TransportConfig(max_groups_per_result=2))
+    try:
+        items = _granted_work(orch, link, 3)
+        groups = [synthetic_group(i, 0, SCHEMA, 16, 32) for i in items]
+        pairs = [[i.group_id, i.attempt] for i in items]
+        three = SampleBatch.concat(groups)
+        link.send(m.Result(pairs, None, batch_arrays(three)))
+        short = SampleBatch.concat(groups[:2]).take(range(7))  # 7 samples for 2 groups of 4
+        link.send(m.Result(pairs[:2], None, batch_arrays(short)))
+        no_logprobs = {k: v for k, v in batch_arrays(SampleBatch.concat(groups[1:])).items() if k != "logprobs"}
+        link.send(m.Result(pairs[1:], None, no_logprobs))
+        _turns_until(orch, lambda: orch.counts["invalid_result"] == 4)
+        assert orch.counts["bad_message"] == 1 and orch.counts["result_messages"] == 2
+        link.poll(0.5)
+        assert link.errors == 1  # the Error answer to the 3-group message
+        for item, batch in zip(items, groups):
+            link.queue_result(item, batch)
+        link.send_results()  # packed by the link's own bound: 2 + 1 groups
+        _turns_until(orch, lambda: orch.counts["stored"] == 3)
+        assert orch.counts["result_messages"] == 4 and orch.counts["handler_error"] == 0
     finally:
         orch.close()
         link.close()

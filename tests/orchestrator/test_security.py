@@ -36,9 +36,10 @@ def _rss_mib(pid: int, field: str = "VmRSS") -> float:
 def fuzz_live_orchestrator(run_dir: Path, messages: int) -> dict:
     write_spec(run_dir)
     orch = start_orchestrator(run_dir)
-    gen = start_generator(run_dir, 0)
     key = load_or_create_secret(run_dir)
     fuzzer = Fuzzer(key, read_rendezvous(run_dir, 5)["address"])
+    fuzzer.join()  # work leased to the fuzzer: honest groups beside the spoiled ones
+    gen = start_generator(run_dir, 0)
     start_rss = _rss_mib(orch.pid)
     try:
         for i in range(messages):
@@ -53,29 +54,35 @@ def fuzz_live_orchestrator(run_dir: Path, messages: int) -> dict:
         stop(orch)
     assert len(steps) == 4
     check_log_invariants(run_dir, max_staleness=1)
+    stored_by_fuzzer = 0
     with RolloutLog.open(run_dir / "rollouts") as log:
         for batch in log.iter_batches():  # nothing impossible was stored
             c = batch.columns
+            stored_by_fuzzer += int((c["generator_id"] == 7).sum())
             assert c["completion_ids"].max() < 1000 and c["versions"].max() <= 5
             assert np.isfinite(c["t_start"]).all() and (c["t_start"] <= c["t_end"]).all()
     last = list(read_metrics(run_dir, "orchestrator"))[-1]
     figures = {"tried_per_kind": dict(sorted(fuzzer.tried.items())), "ways": dict(fuzzer.ways),
+               "multi_group_results_spoiled": dict(sorted(fuzzer.spoiled.items())),
                "rejected": {k: v for k, v in last.items()
                             if k.startswith("frames_dropped_") or k in (
                                 "count_bad_message", "count_invalid_result", "count_invalid_eval_result",
-                                "count_handler_error")},
-               "orchestrator_restarts": 0,
+                                "count_handler_error", "count_result_messages", "count_result_groups",
+                                "count_unleased")},
+               "samples_stored_from_the_fuzzer": stored_by_fuzzer, "orchestrator_restarts": 0,
                "rss_start_mib": round(start_rss, 1), "rss_peak_mib": round(peak, 1)}
     print(json.dumps(figures))
     assert set(fuzzer.tried) == set(KINDS) and sum(fuzzer.tried.values()) == messages
+    assert len(fuzzer.spoiled) == 7, figures  # every way of spoiling a multi-group result was tried
+    assert last["count_invalid_result"] > 0 and stored_by_fuzzer > 0, figures  # refused alone, the rest stored
     assert last.get("count_handler_error", 0) == 0, figures  # every bad value caught by a check
     assert peak - start_rss < 256, figures  # bounded: no queue grows with the messages sent
     return figures
 
 
 def test_signed_fuzzing_never_stops_the_orchestrator_nor_reaches_the_log(tmp_path):
-    """5,000 signed mutations of every kind, replays, forged stamps and roles, wrong MACs and random
-    bytes against a live orchestrator; then a trainer runs 4 steps (~10 s)."""
+    """5,000 signed mutations of every kind (multi-group results with a group spoiled among them),
+    replays, forged stamps and roles, wrong MACs and random bytes against a live orchestrator; then a trainer runs 4 steps (~10 s)."""
     fuzz_live_orchestrator(tmp_path, 5_000)
 
 

@@ -21,7 +21,8 @@ def through_wire(kind: str, meta: dict, arrays: dict | None) -> wire.Message:
 PROMPTS = {"prompt_ids": np.arange(7, dtype=np.int32), "prompt_len": np.array([3, 4], np.int32)}
 EXAMPLES = [
     m.Hello(3), m.Hello(4, "genjob-0"), m.Leave(4, 2), m.Want(m.Credit(2, 5, "ab12", None)), m.Want(m.Credit(0, 0, None, 4)),
-    m.Result(7, 1, m.Credit(1, 9, "e", 2), {"reward": np.zeros(4, np.float32)}), m.Result(7, 2),
+    m.Result([[7, 1]], m.Credit(1, 9, "e", 2), {"reward": np.zeros(4, np.float32)}), m.Result([[7, 2]]),
+    m.Result([[7, 1], [9, 0], [8, 3]], m.Credit(3, 9, "e", 2), {"group_id": np.repeat([7, 9, 8], 2)}),
     m.EvalResult(3, {"eval_index": np.arange(2)}), m.Work("e", 4, [[1, 0, 11, 8], [2, 1, 12, 8]], PROMPTS),
     m.Ack([[1, 0, "stored"], [2, 1, "filtered"]]), m.EvalWork(6, [0, 1], PROMPTS), m.Update(5), m.Stop(),
     m.GetBatch(4, 3, 2, 1), m.GetBatch(4, 3, 1), m.Batch(4, 1, {"dp_rank": np.zeros(3, np.int16)}),
@@ -57,7 +58,12 @@ def test_the_worked_example_of_the_module_docstring():
     ("want", {"credit": {"free": 1, "received": 0, "incarnation": None}}, None, "missing field credit.loaded"),
     ("hello", {"generator_id": True}, None, "generator_id: expected int, got bool"),
     ("hello", {"generator_id": 1, "x": 2}, None, "unknown field(s) x"),
-    ("result", {"group_id": 1, "attempt": "x"}, None, "attempt: expected int, got str"),
+    ("result", {"groups": [[1, "x"]]}, None, "groups[0][1]: expected int, got str"),
+    ("result", {"group_id": 1, "attempt": 0}, None, "unknown field(s) attempt, group_id"),
+    ("result", {"groups": []}, None, "groups must be one or more [group_id, attempt]"),
+    ("result", {"groups": [[1, 0, 2]]}, None, "groups must be one or more [group_id, attempt]"),
+    ("result", {"groups": [[1, -1]]}, None, "groups must be one or more [group_id, attempt]"),
+    ("result", {"groups": [[1, 0], [2, 0], [1, 1]]}, None, "groups names a group id twice"),
     ("work", {"incarnation": "e", "version": 1, "items": [[1, 0, 2, 4]]}, {"prompt_ids": np.zeros(2, np.int32)},
      "missing array frame(s) prompt_len"),
     ("work", {"incarnation": "e", "version": 1, "items": [[1, "a"]]}, PROMPTS, "items[0][1]: expected int"),
@@ -70,7 +76,7 @@ def test_the_worked_example_of_the_module_docstring():
     ("work", {"incarnation": "e", "version": 1, "items": [[1, 0, 2]]}, PROMPTS, "items must be"),
     ("ack", {"groups": [[1, 0]]}, None, "groups must be"),
     ("resume", {"step": -1}, None, "step must be >= 0, got -1"),
-    ("result", {"group_id": 1, "attempt": 0, "credit": {"free": -1, "received": 0, "incarnation": None,
+    ("result", {"groups": [[1, 0]], "credit": {"free": -1, "received": 0, "incarnation": None,
                                                         "loaded": None}}, None, "free must be >= 0"),
 ])
 def test_malformed_messages_raise_one_clear_error(kind, meta, arrays, problem):

@@ -233,7 +233,8 @@ def test_signed_results_with_impossible_values_are_refused_and_honest_ones_store
                 cols = {k: np.array(v) for k, v in group.columns.items()}
                 POISONS[name](cols)
                 group = SampleBatch(cols, RecordSchema(), validate=False)
-            gen.send_result(item, group)
+            gen.queue_result(item, group)
+        gen.send_results()  # one message: a good group and the poisoned ones, each judged alone
         deadline = time.monotonic() + 20
         while gen.unacked and time.monotonic() < deadline:
             gen.poll(0.2, send_credit=False)

@@ -2,15 +2,19 @@
 
 A `Fuzzer` holds authenticated connections to a live orchestrator (the run secret, the PLAIN
 credential, stamped origins) and sends, message by message, one of: a record of a random kind
-with fields dropped, added, retyped or set to extreme values, or frames added; a kind sent from a
-role that may not send it; a replay of an earlier message; a message stamped with another
-identity; a wrong MAC; random bytes. It counts what it tried per kind and per way.
+with fields dropped, added, retyped or set to extreme values, or frames added; a well-formed
+`Result` of several groups with one group (or the cut into groups) spoiled, its other groups
+honest answers to work leased to the fuzzer (`Fuzzer.join`: they are stored, the spoiled one
+refused alone); a kind sent from a role that may not send it; a replay of an earlier message; a
+message stamped with another identity; a wrong MAC; random bytes. It counts what it tried per kind
+and per way.
 
 Test code, not part of the package.
 """
 from __future__ import annotations
 
 import dataclasses
+import time
 import typing
 from collections import Counter
 
@@ -19,7 +23,11 @@ import zmq
 
 from pipeline.protocol import messages as m
 from pipeline.protocol import wire
+from pipeline.protocol.links import WorkItem
+from pipeline.protocol.record import RecordSchema
+from pipeline.protocol.sample_batch import SampleBatch
 from pipeline.protocol.transport import connect_credential
+from support.loadgen import synthetic_group
 
 EXTREMES = [0, -1, 1, 2**31 - 1, 2**62, -2**63, 10**6, 1.5, float("nan"), float("inf"), "x", "", None,
             True, [], {}, [1, 2], {"a": 1}, b"\x00" * 3]
@@ -61,6 +69,36 @@ def _arrays(rng: np.random.Generator) -> dict[str, np.ndarray]:
     return out
 
 
+def _spoiled_groups(rng: np.random.Generator, work: list[WorkItem]) -> tuple[dict, dict[str, np.ndarray], str]:
+    """A multi-group `Result` of 2-4 groups (answers to ``work``, the fuzzer's leased groups, while
+    it holds 2; else groups of 4 samples with random ids) with one group's samples spoiled (a
+    header/column mismatch, an impossible value) or the cut into groups wrong (a sample or a
+    column missing): its meta, arrays and what was spoiled."""
+    if len(work) >= 2:
+        picked = rng.choice(len(work), min(len(work), int(rng.integers(2, 5))), replace=False)
+        items = [work[int(k)] for k in picked]
+    else:
+        items = [WorkItem(int(g), 0, int(g), 4, rng.integers(0, 1000, 6, dtype=np.int32), 0)
+                 for g in rng.choice(64, int(rng.integers(2, 5)), replace=False)]
+    batch = SampleBatch.concat([synthetic_group(i, 7, RecordSchema(), 2, 6) for i in items])
+    cols = {name: a.copy() for name, a in batch.columns.items()}
+    row = int(rng.integers(items[0].n))  # in the first group: the others stay honest
+    spoil = str(rng.choice(["attempt", "group_id", "token", "version", "time", "column", "sample"]))
+    if spoil in ("attempt", "group_id"):  # the sample's column disagrees with the header
+        cols[spoil][row] += 1
+    elif spoil == "token":
+        cols["completion_ids"][int(rng.integers(int(cols["completion_len"][0])))] = 2**31 - 1
+    elif spoil == "version":
+        cols["versions"][:int(cols["completion_len"][:items[0].n].sum())] = 10**6
+    elif spoil == "time":
+        cols["t_start"][row] = np.nan
+    elif spoil == "column":
+        cols.pop(str(rng.choice(sorted(cols))))
+    else:  # one sample short of whole groups
+        cols = dict(batch.take(range(len(batch) - 1)).columns)
+    return {"groups": [[i.group_id, i.attempt] for i in items], "credit": None}, cols, spoil
+
+
 class Fuzzer:
     def __init__(self, key: bytes, address: str, seed: int = 0):
         self.key, self.rng = key, np.random.default_rng(seed)
@@ -80,25 +118,63 @@ class Fuzzer:
             self.senders[identity] = wire.Sender(identity, "trainer" if identity.startswith("t") else "generator")
         self.tried: Counter[str] = Counter()
         self.ways: Counter[str] = Counter()
+        self.spoiled: Counter[str] = Counter()
+        """Multi-group results sent, by what was spoiled in them."""
+        self.work: list[WorkItem] = []
+        """Groups leased to the fuzzer's generator ``gen-7`` (`join`)."""
+
         self.last: tuple[str, list[bytes]] | None = None
         """The last signed message sent with its connection's own stamp (what "replay" sends again)."""
+
+    def join(self, timeout_s: float = 10.0) -> None:
+        """Join as generator ``gen-7`` with 8 free slots and open admission (a trainer's version
+        report): the orchestrator leases it work, whose honest answers go beside spoiled groups."""
+        for identity, msg in (("gen-7", m.Hello(7)), ("gen-7", m.Want(m.Credit(8, 0, None, 0))),
+                              ("trainer-7", m.TrainerVersion(0))):
+            self._send(identity, wire.encode(self.key, *m.encode(msg), self.senders[identity]))
+        deadline = time.monotonic() + timeout_s
+        while len(self.work) < 2:
+            assert time.monotonic() < deadline, "the orchestrator leased the fuzzer no work"
+            time.sleep(0.05)
+            self._drain("gen-7")
+
+    def _drain(self, identity: str) -> None:
+        """Take the answers waiting on a connection (`Error` records, work for ``gen-7``)."""
+        sock = self.socks[identity]
+        try:
+            while True:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+                try:
+                    msg = m.decode(wire.decode(self.key, frames, 1 << 26))
+                except (wire.FrameError, m.MessageError):
+                    continue
+                if isinstance(msg, m.Work) and identity == "gen-7":
+                    ends = np.cumsum(msg.arrays["prompt_len"])
+                    for (gid, attempt, pid, n), prompt in zip(msg.items, np.split(msg.arrays["prompt_ids"], ends[:-1])):
+                        self.work.append(WorkItem(gid, attempt, pid, n, prompt, msg.version))
+                    del self.work[:-16]  # the newest leases
+        except zmq.Again:
+            pass
 
     def _send(self, identity: str, frames: list, replayable: bool = False) -> None:
         frames = [bytes(f) for f in frames]
         self.socks[identity].send_multipart(frames)
         if replayable:
             self.last = identity, frames
-        self.socks[identity].setsockopt(zmq.RCVTIMEO, 0)
-        try:  # drain answers (Error records) so nothing piles up here
-            while True:
-                self.socks[identity].recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            pass
+        self._drain(identity)  # so nothing piles up here
 
     def one(self) -> None:
         rng = self.rng
         way = str(rng.choice(["mutate", "mutate", "mutate", "mutate", "role", "replay", "stamp", "mac",
-                              "bytes"], p=[.2, .2, .2, .15, .07, .06, .04, .04, .04]))
+                              "bytes", "groups"], p=[.18, .18, .18, .14, .07, .06, .04, .04, .04, .07]))
+        if way == "groups":  # a multi-group result, one group or the cut spoiled
+            meta, arrays, spoil = _spoiled_groups(rng, self.work)
+            self.tried[m.Result.KIND] += 1
+            self.ways["groups"] += 1
+            self.spoiled[spoil] += 1
+            self._send("gen-7", wire.encode(self.key, m.Result.KIND, meta, arrays, self.senders["gen-7"]),
+                       replayable=True)
+            return
         kind = str(rng.choice(sorted(m.KINDS)))
         cls = m.KINDS[kind]
         meta = _baseline(cls, rng)

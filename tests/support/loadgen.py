@@ -76,7 +76,7 @@ def run_generator(run_dir: Path, generator_id: int, slots: int, min_len: int, ma
                 link.send_eval_result(item.step, np.array([item.index]),
                                       synthetic_group(one, generator_id, schema, min_len, max_len))
                 continue
-            link.send_result(item, synthetic_group(item, generator_id, schema, min_len, max_len))
+            link.queue_result(item, synthetic_group(item, generator_id, schema, min_len, max_len))
             sent += 1
     link.close()
     return {"sent": sent, "unacked": len(link.unacked), "outcomes": link.outcomes}
