@@ -11,7 +11,10 @@ side by side in one run, on the same bytes, for each filesystem:
   ingested in between: the window ends after its close seals the journal into an HDF5 segment, so
   writing every byte a second time (sealed, digested) is in it, as it is in a long run's (the
   rounds are smaller than the default ``log_seal_bytes``, and an earlier window that ended at the
-  last record before the stop left every seal out);
+  last record before the stop left every seal out). The orchestrator runs its defaults but for admission (no bound, no trainer consumes) and the
+  metrics interval: its buffer holds ``memory_token_budget`` (4M tokens, ~470 groups) in memory
+  and keeps the rest as log rows, as a run's does (an earlier window held every group in memory, a
+  state no run reaches, and paid the page faults of an ever-growing heap);
 - ``(a) zmq``: CPU time of a process that only receives the same multipart messages;
 - ``(b) h5py``: CPU time of resizable-dataset appends of the same arrays into a file on that
   filesystem, durable at the orchestrator's own cadence: after every ``groups_per_flush`` groups
@@ -88,7 +91,7 @@ def run_orchestrator(groups: int, producers: int, root: Path) -> dict:
     save_run_config(run, TokenflowConfig(
         run=RunConfig(name="bench", dir=str(run)), task=TaskConfig(name="synthetic"),
         orchestrator=OrchestratorConfig(group_size=GROUP, groups_per_step=1, max_async=10**6,
-                                        metrics_interval_s=0.2, memory_token_budget=10**9)))
+                                        metrics_interval_s=0.2)))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     orch = subprocess.Popen([sys.executable, "-m", "pipeline.apps.orchestrator", str(run)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
