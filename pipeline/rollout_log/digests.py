@@ -20,6 +20,7 @@ reads and checks rows 16,384-32,767 (block 1) only.
 from __future__ import annotations
 
 import zlib
+from typing import Sequence
 
 import numpy as np
 
@@ -36,24 +37,41 @@ class BlockDamage(Exception):
         self.name, self.a, self.b = name, a, b
 
 
-def block_rows(arr: np.ndarray) -> int:
-    """Rows per digested block of ``arr`` (see module invariants)."""
+def block_rows(arr) -> int:
+    """Rows per digested block of ``arr`` (an array or a dataset; see module invariants)."""
     row_bytes = max(1, arr.dtype.itemsize * int(np.prod(arr.shape[1:], dtype=np.int64)))
     return max(1, BLOCK_BYTES // row_bytes)
 
 
-def digest(arr: np.ndarray, rows: int) -> np.ndarray:
-    """crc32 of each block of ``rows`` rows of ``arr`` (uint32, one per block)."""
-    arr = np.ascontiguousarray(arr)
-    flat = memoryview(arr).cast("B") if arr.size else memoryview(b"")
-    step = rows * (arr.nbytes // len(arr)) if len(arr) else 1
-    return np.array([zlib.crc32(flat[i:i + step]) for i in range(0, arr.nbytes, step)], np.uint32)
+def digest(parts: Sequence[np.ndarray], rows: int) -> np.ndarray:
+    """crc32 of each block of ``rows`` rows of ``parts`` read as one array, in order (uint32, one
+    per block): a dataset's rows in one array, or in the pieces a seal writes (a flush each),
+    which are digested where they lie, never joined (a block may span pieces)."""
+    out: list[int] = []
+    crc = filled = step = 0
+    for part in parts:
+        part = np.ascontiguousarray(part)
+        if not part.nbytes:
+            continue
+        flat = memoryview(part).cast("B")
+        step = step or rows * (part.nbytes // len(part))
+        at = 0
+        while at < len(flat):
+            take = min(step - filled, len(flat) - at)
+            crc = zlib.crc32(flat[at:at + take], crc)
+            filled, at = filled + take, at + take
+            if filled == step:
+                out.append(crc)
+                crc = filled = 0
+    if filled:
+        out.append(crc)
+    return np.array(out, np.uint32)
 
 
-def write_digests(f, name: str, arr: np.ndarray) -> None:
-    """Store the digests of dataset ``name`` (data ``arr``) in open HDF5 file ``f``."""
-    rows = block_rows(arr)
-    ds = f.create_dataset(f"{DIGESTS_GROUP}/{name}", data=digest(arr, rows))
+def write_digests(f, name: str, parts: Sequence[np.ndarray]) -> None:
+    """Store the digests of dataset ``name`` of open HDF5 file ``f``, whose rows are ``parts``."""
+    rows = block_rows(f[name])
+    ds = f.create_dataset(f"{DIGESTS_GROUP}/{name}", data=digest(parts, rows))
     ds.attrs["rows"] = rows
 
 
@@ -73,7 +91,7 @@ def _blocks(f, name: str) -> tuple[int, int]:
 def _check(f, name: str, n: int, rows: int, first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
     """Blocks ``first:last`` of dataset ``name``: (their data, indices of the bad ones)."""
     data = f[name][first * rows:min(last * rows, n)]
-    bad = np.flatnonzero(digest(data, rows) != f[f"{DIGESTS_GROUP}/{name}"][first:last])
+    bad = np.flatnonzero(digest([data], rows) != f[f"{DIGESTS_GROUP}/{name}"][first:last])
     return data, first + bad
 
 

@@ -38,6 +38,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -234,12 +235,14 @@ def segment_attrs(schema: RecordSchema, run_id: str, index: int, first_row: int,
 
 
 def write_sealed_segment(path: Path, schema: RecordSchema, attrs: dict,
-                         data: dict[str, np.ndarray], counts: dict[str, int]) -> None:
-    """Write an immutable segment holding ``data[name][:rows of its table]`` for every dataset
-    of the layout, each with its digests (`digests`) and the map of where they lie
-    (`segment_map`): aside as ``*.tmp``, fsync'd, renamed to ``path``, the directory fsync'd.
-    Raises ENOSPC before HDF5 writes anything when the filesystem cannot hold it (HDF5 may crash
-    the process on a failed write); a failure removes the ``*.tmp`` file."""
+                         data: dict[str, Sequence[np.ndarray]], counts: dict[str, int]) -> None:
+    """Write an immutable segment holding, for every dataset of the layout, the first rows (its
+    table's count) of ``data[name]``: its rows in order, in one array or in pieces (a flush's
+    chunks each; written in runs, `SEAL_RUN_BYTES`, never joined into one copy), each dataset with its digests
+    (`digests`) and the map of where they lie (`segment_map`): aside as ``*.tmp``, fsync'd, renamed
+    to ``path``, the directory fsync'd. Raises ENOSPC before HDF5 writes anything when the
+    filesystem cannot hold it (HDF5 may crash the process on a failed write); a failure removes the
+    ``*.tmp`` file."""
     import h5py
 
     from pipeline.rollout_log.digests import write_digests
@@ -248,8 +251,9 @@ def write_sealed_segment(path: Path, schema: RecordSchema, attrs: dict,
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     layout = dataset_layout(schema)
     userblock = userblock_size(2 * len(layout) + 2)
+    parts = {name: _runs(data[name], counts[spec.table]) for name, spec in layout.items()}
     need = userblock + (1 << 20) + sum(
-        int(data[name][:counts[spec.table]].nbytes) * 102 // 100 for name, spec in layout.items())
+        sum(int(p.nbytes) for p in pieces) * 102 // 100 for pieces in parts.values())
     st = os.statvfs(path.parent)
     if st.f_bavail * st.f_frsize < need:  # HDF5 may crash on a write that fails: never let it
         raise OSError(errno.ENOSPC, f"No space left: the segment needs ~{need} bytes, "
@@ -259,11 +263,17 @@ def write_sealed_segment(path: Path, schema: RecordSchema, attrs: dict,
             for key, value in attrs.items():
                 f.attrs[key] = value
             for name, spec in layout.items():
-                f.create_dataset(name, data=data[name][:counts[spec.table]])
-                write_digests(f, name, data[name][:counts[spec.table]])
+                pieces = parts[name]
+                like = pieces[0] if pieces else np.zeros((0, *spec.trail), spec.dtype)
+                ds = f.create_dataset(name, shape=(sum(map(len, pieces)), *like.shape[1:]), dtype=like.dtype)
+                at = 0
+                for piece in pieces:
+                    ds.write_direct(np.ascontiguousarray(piece), dest_sel=np.s_[at:at + len(piece)])
+                    at += len(piece)
+                write_digests(f, name, pieces)
             commits = np.array([[1, *(counts[t] for t in TABLES)]], np.int64)
             f.create_dataset("commits", data=commits)
-            write_digests(f, "commits", commits)
+            write_digests(f, "commits", [commits])
             places = describe(f)
         write_map(tmp, places, userblock)
         fd = os.open(tmp, os.O_RDONLY)
@@ -276,6 +286,40 @@ def write_sealed_segment(path: Path, schema: RecordSchema, attrs: dict,
         tmp.unlink(missing_ok=True)  # nothing half-written stays (a disk full, a bad array)
         raise
     fsync_dir(path.parent)
+
+
+SEAL_RUN_BYTES = 4 << 20
+"""A seal writes a dataset in runs of at least this many bytes (but its last): a flush's chunk this
+large is written where it lies; smaller consecutive ones are joined into one run first (one HDF5
+write per run: a run of 4 MiB costs ~0.5 ms to write, a write call ~0.05 ms)."""
+
+
+def _runs(pieces: Sequence[np.ndarray], n: int) -> list[np.ndarray]:
+    """The first ``n`` rows of ``pieces`` read in order, in runs (`SEAL_RUN_BYTES`)."""
+    out: list[np.ndarray] = []
+    small: list[np.ndarray] = []
+    size = 0
+
+    def join() -> None:
+        nonlocal small, size
+        if small:
+            out.append(small[0] if len(small) == 1 else np.concatenate(small))
+            small, size = [], 0
+    for piece in pieces:
+        if n <= 0:
+            break
+        piece = piece[:n]
+        n -= len(piece)
+        if piece.nbytes >= SEAL_RUN_BYTES:
+            join()
+            out.append(piece)
+        elif len(piece):
+            small.append(piece)
+            size += piece.nbytes
+            if size >= SEAL_RUN_BYTES:
+                join()
+    join()
+    return out
 
 
 def check_log_filesystem(log_dir: Path, mounts_text: str | None = None) -> str:

@@ -112,7 +112,7 @@ class RolloutLogWriter:
             tail = scan.tail
             if scan.damaged:
                 self._carried.append(_quarantine(scan))
-            self._rotate(scan.max_index + 1, tail.file.arrays if tail else {},
+            self._rotate(scan.max_index + 1, {n: [a] for n, a in (tail.file.arrays if tail else {}).items()},
                          tail.counts if tail else dict.fromkeys(TABLES, 0),
                          tail.first_row if tail else self.first_row,
                          scan.header.start_seq if tail else self.seq, predecessor)
@@ -141,8 +141,9 @@ class RolloutLogWriter:
     # -- generations --------------------------------------------------------------------------
     def _rotate(self, gen: int, data: dict, counts: dict[str, int], first_row: int,
                 first_seq: int, predecessor: Predecessor | None = None) -> None:
-        """Claim generation ``gen``, seal ``data`` (flushed rows not yet in a segment) into its
-        segment, write its journal header, then drop older journals (module invariants)."""
+        """Claim generation ``gen``, seal ``data`` (flushed rows not yet in a segment, per dataset
+        in pieces: this generation's flushed chunks) into its segment, write its journal header,
+        then drop older journals (module invariants)."""
         try:
             journal = JournalFile(self.log_dir / journal_name(gen))
         except OSError as e:
@@ -331,7 +332,7 @@ class RolloutLogWriter:
 
     def _seal(self) -> None:
         if any(self._written.values()):
-            self._rotate(self.gen + 1, self._joined(), dict(self._written), self._gen_first_row,
+            self._rotate(self.gen + 1, self._chunks, dict(self._written), self._gen_first_row,
                          self._gen_first_seq)
         else:
             self._sealed_at = time.monotonic()
@@ -353,7 +354,7 @@ class RolloutLogWriter:
 
     def _joined(self) -> dict[str, np.ndarray]:
         """This generation's flushed chunks as one array per dataset (also what the live segment
-        reads); joined only when a read of unsealed rows or a seal needs it."""
+        reads); joined only when a read of unsealed rows needs it (a seal writes the chunks)."""
         for name, chunks in self._chunks.items():
             if len(chunks) > 1:
                 chunks[:] = [np.concatenate(chunks)]
