@@ -90,6 +90,20 @@ def arrays_field() -> dict[str, np.ndarray]:
     return field(default_factory=dict, repr=False)
 
 
+MAX_VERSION = 2**31 - 1
+"""The largest policy version a message may name: versions travel and are stored as int32 (a
+token's ``versions`` column), so a larger one would wrap where a generator stamps its tokens."""
+
+
+def version_fields(record: Any, *names: str) -> None:
+    """`at_least` 0 and at most `MAX_VERSION`: `ValueError` naming the field."""
+    at_least(record, 0, *names)
+    for name in names:
+        value = getattr(record, name)
+        if value is not None and value > MAX_VERSION:
+            raise ValueError(f"{name} must be <= {MAX_VERSION} (int32), got {value}")
+
+
 def at_least(record: Any, low: int, *names: str) -> None:
     """Value checks of a record (run when it is built, on either end): `ValueError` naming the field."""
     for name in names:

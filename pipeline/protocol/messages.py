@@ -33,7 +33,7 @@ from typing import ClassVar, Union
 import numpy as np
 
 # MessageError and encode are this channel's codec for its users (`m.encode`, `m.MessageError`).
-from pipeline.protocol.codec import Channel, MessageError, arrays_field, at_least, encode  # noqa: F401
+from pipeline.protocol.codec import Channel, MessageError, arrays_field, at_least, encode, version_fields  # noqa: F401
 
 ORCHESTRATOR = Channel("orchestrator")
 """The orchestrator's control plane (generators and trainer on one side, the orchestrator on the other)."""
@@ -57,7 +57,8 @@ class Credit:
     """Weights version the generator holds (None: it does not say)."""
 
     def __post_init__(self) -> None:
-        at_least(self, 0, "free", "received", "loaded")
+        at_least(self, 0, "free", "received")
+        version_fields(self, "loaded")
 
 
 @message
@@ -158,7 +159,7 @@ class Work:
     arrays: dict[str, np.ndarray] = arrays_field()
 
     def __post_init__(self) -> None:
-        at_least(self, 0, "version")
+        version_fields(self, "version")
         if any(len(item) != 4 or min(item) < 0 for item in self.items):
             raise ValueError("items must be [group_id, attempt, prompt_id, n] of non-negative ints")
 
@@ -195,7 +196,7 @@ class Update:
     """The weight group the broadcast goes into (0: not told)."""
 
     def __post_init__(self) -> None:
-        at_least(self, 0, "version")
+        version_fields(self, "version")
 
 
 @message
@@ -219,7 +220,8 @@ class GetBatch:
     """Only this data-parallel rank's share (None: the whole batch)."""
 
     def __post_init__(self) -> None:
-        at_least(self, 0, "step", "version", "dp_rank")
+        at_least(self, 0, "step", "dp_rank")
+        version_fields(self, "version")
         at_least(self, 1, "dp_size")
         if self.dp_rank is not None and self.dp_rank >= self.dp_size:
             raise ValueError(f"dp_rank {self.dp_rank} is not below dp_size {self.dp_size}")
@@ -246,7 +248,7 @@ class TrainerVersion:
     version: int
 
     def __post_init__(self) -> None:
-        at_least(self, 0, "version")
+        version_fields(self, "version")
 
 
 @message
@@ -268,7 +270,8 @@ class EvalRequest:
     version: int
 
     def __post_init__(self) -> None:
-        at_least(self, 0, "step", "version")
+        at_least(self, 0, "step")
+        version_fields(self, "version")
 
 
 @message
@@ -281,7 +284,7 @@ class WeightsAnnounced:
     """The weight group it broadcasts into (0: not told)."""
 
     def __post_init__(self) -> None:
-        at_least(self, 0, "version")
+        version_fields(self, "version")
 
 
 @message

@@ -76,6 +76,11 @@ def test_the_worked_example_of_the_module_docstring():
     ("work", {"incarnation": "e", "version": 1, "items": [[1, 0, 2]]}, PROMPTS, "items must be"),
     ("ack", {"groups": [[1, 0]]}, None, "groups must be"),
     ("resume", {"step": -1}, None, "step must be >= 0, got -1"),
+    # a trainer-key holder's version past int32 would wrap where generators stamp their tokens
+    ("get_batch", {"step": 1, "version": 2**62, "dp_size": 1}, None, "version must be <= 2147483647 (int32)"),
+    ("version", {"version": 2**31}, None, "version must be <= 2147483647 (int32)"),
+    ("result", {"groups": [[1, 0]], "credit": {"free": 1, "received": 0, "incarnation": None,
+                                                        "loaded": 2**31}}, None, "loaded must be <= 2147483647"),
     ("result", {"groups": [[1, 0]], "credit": {"free": -1, "received": 0, "incarnation": None,
                                                         "loaded": None}}, None, "free must be >= 0"),
 ])
