@@ -27,14 +27,11 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]  # run as a script: the package and the tests' helpers
 
 from pipeline.launch.rendezvous import free_port  # noqa: E402
-from support.zygote import Zygote  # noqa: E402
+from support.zygote import TRAINER_PRELOAD, Zygote  # noqa: E402
 
 
-PRELOAD = ["torch", "megatron.core.parallel_state", "megatron.core.tensor_parallel", "megatron.core.distributed",
-           "megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs", "megatron_patches",
-           "pipeline.trainer.engine", "pipeline.trainer.model", "pipeline.trainer.lora", "pipeline.trainer.conversion",
-           "pipeline.trainer.grouped_experts", "pipeline.weights.group", "pipeline.weights.shards",
-           "pipeline.weights.adapters", "safetensors", "transformers", "support.layout_check"]
+PRELOAD = [*TRAINER_PRELOAD, "pipeline.weights.group", "pipeline.weights.adapters", "safetensors",
+           "support.layout_check"]
 """What the zygote imports once for every trainer rank and receiver (~6 CPU s, most of a rank's)."""
 
 

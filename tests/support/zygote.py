@@ -38,6 +38,16 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
 
+TRAINER_PRELOAD = ["torch", "megatron.core.parallel_state", "megatron.core.tensor_parallel",
+                   "megatron.core.distributed", "megatron.core.pipeline_parallel.schedules", "megatron.core.models.gpt",
+                   "megatron.core.models.gpt.gpt_layer_specs", "megatron_patches", "pipeline.trainer.engine",
+                   "pipeline.trainer.model", "pipeline.trainer.lora", "pipeline.trainer.conversion",
+                   "pipeline.trainer.grouped_experts", "pipeline.trainer.layout", "pipeline.weights.shards",
+                   "transformers"]
+"""What a megatron-core `Trainer` rank imports (~6 CPU s, most of a tiny model's rank): a zygote's
+``preload`` for harnesses of trainer ranks (environment ``OMP_NUM_THREADS`` set before: torch reads it
+when imported)."""
+
 
 class Zygote:
     """The parent's end: start workers, wait for them, kill them. Thread-safe (one request at a time)."""
@@ -70,9 +80,10 @@ class Zygote:
             self._proc.stdin.flush()
             return self._reply()
 
-    def start(self, target: str, kwargs: dict, log: Path) -> int:
-        """Fork a worker that runs ``target`` ('module:function') with ``kwargs``, its output to ``log``; its pid."""
-        reply = self._ask(op="start", target=target, kwargs=kwargs, log=str(log))
+    def start(self, target: str, kwargs: dict, log: Path, env: dict[str, str] | None = None) -> int:
+        """Fork a worker that runs ``target`` ('module:function') with ``kwargs``, its output to ``log``,
+        ``env`` added to its environment; its pid."""
+        reply = self._ask(op="start", target=target, kwargs=kwargs, log=str(log), env=env or {})
         if "error" in reply:
             raise RuntimeError(f"the zygote refused to start {target}: {reply['error']}")
         return reply["pid"]
@@ -179,6 +190,7 @@ def _work(request: dict) -> int:
     os.dup2(null, 0)
     os.close(null)
     sys.stdin = open(os.devnull)
+    os.environ.update(request["env"])
     module, function = request["target"].split(":")
     try:
         getattr(importlib.import_module(module), function)(**request["kwargs"])
