@@ -3,8 +3,9 @@ and the measured pipeline bubble.
 
 Each layout trains the same synthetic batches (random tokens, fixed lengths, behaviour logprobs
 -5) on a 4-layer, 8-expert tiny MoE (random weights, fp32) in fresh gloo rank processes (real
-megatron-core `Trainer`s, forked from one zygote that imported them once, `support.zygote`): one rank (the reference), then PP2 and CP2
-(2 ranks), PP2 x TP2, PP2 x EP2 and CP2 x EP2 (4 ranks), in one run, side by side. Reported per layout: the median
+megatron-core `Trainer`s, forked from one zygote that imported them once, `support.zygote`): one
+rank (the reference), then PP2 and CP2 (2 ranks), PP2 x TP2, PP2 x EP2 and CP2 x EP2 (4 ranks), in
+one run, side by side. Reported per layout: the median
 ``step_time_s`` of the steps after the first, ``speedup`` = one rank's median / the layout's
 (ranks share the machine's cores, so on 2 cores a 4-rank layout cannot be faster: this measures
 the pipeline's overhead, not its scaling), micro-batches per pipeline ``m``, and the bubble: each

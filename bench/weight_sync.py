@@ -259,8 +259,8 @@ full-weight sync, serves as layout (c)'s tp1 and as LoRA (d)'s full."""
 
 
 def layout_check(zygote, reps: int, tp: int, ep: int, lora: int) -> dict:
-    """`support.layout_check.run` of the tiny MoE model to one receiver, its processes forked from
-    ``zygote``; raises when a tensor is wrong or missing."""
+    """`support.layout_check.run` of the tiny MoE to one receiver, forked from ``zygote``; raises on a
+    wrong or missing tensor."""
     from pipeline.models.tiny import resolve_model
     from support.layout_check import run
 
@@ -352,26 +352,24 @@ def main() -> dict:
         stall_sender("127.0.0.1", args._port, args._store_port, args.model, args.updates)
         sys.exit(0)
     t0 = time.monotonic()
-    done: dict = {}  # layout_check runs, by (tp, ep, lora), and the zygote their processes are forked from
-    early: dict = {}
+    done: dict = {}  # layout_check runs, by (tp, ep, lora), and "zygote": the one their processes fork from
     if args.part in ("all", "layouts", "lora"):  # started here: it dies with the thread that starts it
         from support.layout_check import start_zygote
 
         done["zygote"] = start_zygote(Path(tempfile.mkdtemp(prefix="tf-weight-sync-")) / "zygote.log")
     try:
-        if args.smoke:  # the layout and LoRA runs (megatron-core ranks, no timing checked) start at once, beside (a) and (b)
-            wanted = {key for part in ("layouts", "lora") if args.part in ("all", part) for key in LAYOUT_RUNS[part]}
-            pool = ThreadPoolExecutor(max(1, len(wanted)))
-            early = {key: pool.submit(layout_check, done["zygote"], args.reps, *key) for key in wanted}
-            pool.shutdown(wait=False)
-        return measure(args, t0, done, early)
+        return measure(args, t0, done)
     finally:
         if "zygote" in done:
             done["zygote"].close()
 
 
-def measure(args, t0: float, done: dict, early: dict) -> dict:
-    """Parts (a) to (d) as ``args.part`` says, the early (smoke) layout runs joined into ``done``."""
+def measure(args, t0: float, done: dict) -> dict:
+    """Parts (a) to (d) as ``args.part`` says; smoke: the layout and LoRA runs start at once, beside (a) and (b)."""
+    wanted = {k for part in ("layouts", "lora") if args.smoke and args.part in ("all", part) for k in LAYOUT_RUNS[part]}
+    pool = ThreadPoolExecutor(max(1, len(wanted)))  # megatron-core ranks, no timing checked
+    early = {k: pool.submit(layout_check, done["zygote"], args.reps, *k) for k in wanted}
+    pool.shutdown(wait=False)
     out = {"bench": "weight_sync", "quick": args.quick, "model": args.model, "bucket_bytes": BUCKET_BYTES}
     if args.part in ("all", "bandwidth"):
         out["bandwidth"] = bandwidth(args.big_layers, args.big_vocab, args.reps)

@@ -57,7 +57,7 @@ def test_workers_run_preloaded_code_with_their_own_output_and_exit_status(tmp_pa
             zygote.wait([sleeping], timeout_s=0.2)
         zygote.kill(sleeping)
         assert zygote.wait([sleeping], timeout_s=60) == {sleeping: -signal.SIGKILL}
-        zygote_pid = zygote._proc.pid
+        zygote_pid = zygote.pid
     got = json.loads((tmp_path / "ok.json").read_text())
     assert got["pid"] == ok and got["ppid"] == zygote_pid and got["threads"] == 1
     assert got["imported_in"] == zygote_pid, "the worker imported its module again"
@@ -85,7 +85,7 @@ def test_workers_die_with_the_zygote_and_the_zygote_with_its_parent(tmp_path):
         [sys.executable, "-c", "import sys, json, time; from support.zygote import Zygote\n"
          f"z = Zygote(['test_zygote'], {str(tmp_path / 'zygote.log')!r})\n"
          f"pid = z.start('test_zygote:sleep', {{}}, {str(tmp_path / 'w.log')!r})\n"
-         "print(json.dumps([z._proc.pid, pid]), flush=True); time.sleep(600)"],
+         "print(json.dumps([z.pid, pid]), flush=True); time.sleep(600)"],
         stdout=subprocess.PIPE, text=True, cwd=tests,
         env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests)])))
     try:

@@ -64,6 +64,11 @@ class Zygote:
                                           stdout=subprocess.PIPE, stderr=err, env=env, text=True,
                                           preexec_fn=lambda: die_with_parent(signal.SIGKILL))
 
+    @property
+    def pid(self) -> int:
+        """The zygote's process id (its workers' parent)."""
+        return self._proc.pid
+
     def _reply(self) -> dict:
         ready, _, _ = select.select([self._proc.stdout], [], [], self.timeout_s)
         line = self._proc.stdout.readline() if ready else ""
