@@ -15,7 +15,7 @@ each test waits for its own. generator and episodes run on one engine start
 (`bench/shared_engine.py`, `ONE_ENGINE`); the megatron-core ranks of weight_sync and
 pipeline_parallel are forked from one preloaded zygote each (`support.zygote`). The default suite
 runs ten (ingest, dp_balance, scorers, trainer, pipeline_parallel, generator, episodes,
-routing_mismatch, recovery, weight_sync: 115 s under `heavy-all`, 204 CPU s); async_vs_sync (two
+routing_mismatch, recovery, weight_sync: 101-116 s under `heavy-all`, 190-204 CPU s); async_vs_sync (two
 whole `tokenflow train` runs, ~75-85 s of CPU) is slow-marked: the module is CPU-bound on two
 cores, and all eleven (~300 CPU s, 198 s wall; bench/results/2026-12-06-smoke.md, "Session 5")
 are over #28's 2 minutes.
