@@ -3,8 +3,9 @@ and the measured pipeline bubble.
 
 Each layout trains the same synthetic batches (random tokens, fixed lengths, behaviour logprobs
 -5) on a 4-layer, 8-expert tiny MoE (random weights, fp32) in fresh gloo rank processes (real
-megatron-core `Trainer`s, this file re-run per rank): one rank (the reference), then PP2 and CP2
-(2 ranks), PP2 x TP2, PP2 x EP2 and CP2 x EP2 (4 ranks), in one run, side by side. Reported per layout: the median
+megatron-core `Trainer`s, forked from one zygote that imported them once, `support.zygote`): one
+rank (the reference), then PP2 and CP2 (2 ranks), PP2 x TP2, PP2 x EP2 and CP2 x EP2 (4 ranks), in
+one run, side by side. Reported per layout: the median
 ``step_time_s`` of the steps after the first, ``speedup`` = one rank's median / the layout's
 (ranks share the machine's cores, so on 2 cores a 4-rank layout cannot be faster: this measures
 the pipeline's overhead, not its scaling), micro-batches per pipeline ``m``, and the bubble: each
@@ -24,14 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # the package, the tests' helpers (support.zygote)
 
 LAYOUTS = {"tp1": (1, {}), "pp2": (2, {"pp": 2}), "pp2tp2": (4, {"pp": 2, "tp": 2}),
            "pp2ep2": (4, {"pp": 2, "ep": 2}), "cp2": (2, {"cp": 2}), "cp2ep2": (4, {"cp": 2, "ep": 2})}
@@ -95,33 +95,28 @@ def rank_main(args: dict) -> None:
     trainer.close()
 
 
-def run_layout(name: str, model: Path, workdir: Path, steps: int, samples: int, length: int) -> dict:
+def run_layout(name: str, model: Path, workdir: Path, steps: int, samples: int, length: int, zygote) -> dict:
+    """One layout's ranks, forked from ``zygote`` (`support.zygote`: torch and megatron-core imported once)."""
     import numpy as np
 
     from pipeline.launch.rendezvous import free_port
 
     world, parallel = LAYOUTS[name]
     port = free_port("127.0.0.1")
-    procs = []
-    for rank in range(world):
-        args = {"model": str(model), "parallel": parallel, "steps": steps, "samples": samples, "length": length,
-                "micro_batch_tokens": 4 * (16 + length), "out": str(workdir / f"{name}-{rank}.json")}
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(world), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                   PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
-        log = open(workdir / f"{name}-{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, __file__, "--_rank", json.dumps(args)], env=env,
-                                       stdout=log, stderr=subprocess.STDOUT), log))
+    pids = []
     try:
-        for proc, _ in procs:
-            proc.wait(timeout=900)
+        for rank in range(world):
+            args = {"model": str(model), "parallel": parallel, "steps": steps, "samples": samples, "length": length,
+                    "micro_batch_tokens": 4 * (16 + length), "out": str(workdir / f"{name}-{rank}.json")}
+            env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world)}
+            pids.append(zygote.start("bench.pipeline_parallel:rank_main", {"args": args},
+                                     workdir / f"{name}-{rank}.log", env))
+        status = zygote.wait(pids, timeout_s=900)
     finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
-    failed = [r for r, (p, _) in enumerate(procs) if p.returncode != 0]
+        for pid in pids:
+            if pid not in zygote.exited:
+                zygote.kill(pid)
+    failed = [r for r, pid in enumerate(pids) if status[pid] != 0]
     if failed:
         raise RuntimeError(f"{name}: ranks {failed} failed:\n" + (workdir / f"{name}-{failed[0]}.log").read_text()[-3000:])
     ranks = [json.loads((workdir / f"{name}-{r}.json").read_text()) for r in range(world)]
@@ -142,18 +137,18 @@ def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--_rank")
     a = ap.parse_args()
-    if a._rank:
-        rank_main(json.loads(a._rank))
-        return {}
     mode = "smoke" if a.smoke else "quick" if a.quick else "full"
     steps, samples, length = {"smoke": (2, 4, 8), "quick": (4, 16, 32), "full": (8, 32, 64)}[mode]
     names = ["tp1", "pp2"] if a.smoke else list(LAYOUTS)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tf-bench-pp-") as tmp:
-        model = bench_model()
-        layouts = {n: run_layout(n, model, Path(tmp), steps, samples, length) for n in names}
+        from support.zygote import TRAINER_PRELOAD, Zygote
+
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        with Zygote([*TRAINER_PRELOAD, "bench.pipeline_parallel"], Path(tmp) / "zygote.log", env) as zygote:
+            model = bench_model()
+            layouts = {n: run_layout(n, model, Path(tmp), steps, samples, length, zygote) for n in names}
     base = layouts["tp1"]["step_s"]
     for name, r in layouts.items():
         r["speedup"] = round(base / r["step_s"], 3)
@@ -165,11 +160,8 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
-    if "--_rank" in sys.argv:
-        main()
-    else:
-        from leftovers import no_process_left
+    from leftovers import no_process_left
 
-        with no_process_left():
-            report = main()
-        print(json.dumps(report))
+    with no_process_left():
+        report = main()
+    print(json.dumps(report))

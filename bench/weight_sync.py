@@ -62,6 +62,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -257,12 +258,13 @@ LAYOUT_RUNS = {"layouts": ((2, 2, 0), (1, 1, 0)), "lora": ((1, 1, 0), (1, 1, 8))
 full-weight sync, serves as layout (c)'s tp1 and as LoRA (d)'s full."""
 
 
-def layout_check(reps: int, tp: int, ep: int, lora: int) -> dict:
-    """`support.layout_check.run` of the tiny MoE model to one receiver; raises when a tensor is wrong or missing."""
+def layout_check(zygote, reps: int, tp: int, ep: int, lora: int) -> dict:
+    """`support.layout_check.run` of the tiny MoE to one receiver, forked from ``zygote``; raises on a
+    wrong or missing tensor."""
     from pipeline.models.tiny import resolve_model
     from support.layout_check import run
 
-    r = run(str(resolve_model("tiny-moe")), tp=tp, ep=ep, receivers=1, reps=reps + 1, lora_rank=lora)
+    r = run(str(resolve_model("tiny-moe")), tp=tp, ep=ep, receivers=1, reps=reps + 1, lora_rank=lora, zygote=zygote)
     recv = r["receivers"][0]
     if recv["mismatched_count"] or recv["missing"]:
         raise RuntimeError(f"tp={tp} ep={ep} lora={lora}: the receiver got wrong or missing tensors: {recv}")
@@ -270,9 +272,9 @@ def layout_check(reps: int, tp: int, ep: int, lora: int) -> dict:
 
 
 def layout_run(done: dict, reps: int, tp: int = 1, ep: int = 1, lora: int = 0) -> dict:
-    """`layout_check`, once per (tp, ep, lora) in ``done``."""
+    """`layout_check`, once per (tp, ep, lora) in ``done`` (its processes forked from ``done["zygote"]``)."""
     if (tp, ep, lora) not in done:
-        done[tp, ep, lora] = layout_check(reps, tp, ep, lora)
+        done[tp, ep, lora] = layout_check(done["zygote"], reps, tp, ep, lora)
     return done[tp, ep, lora]
 
 
@@ -350,13 +352,24 @@ def main() -> dict:
         stall_sender("127.0.0.1", args._port, args._store_port, args.model, args.updates)
         sys.exit(0)
     t0 = time.monotonic()
-    done: dict = {}  # layout_check runs, by (tp, ep, lora)
-    early: dict = {}
-    if args.smoke:  # the layout and LoRA runs (megatron-core ranks, no timing checked) start at once, beside (a) and (b)
-        wanted = {key for part in ("layouts", "lora") if args.part in ("all", part) for key in LAYOUT_RUNS[part]}
-        pool = ThreadPoolExecutor(max(1, len(wanted)))
-        early = {key: pool.submit(layout_check, args.reps, *key) for key in wanted}
-        pool.shutdown(wait=False)
+    done: dict = {}  # layout_check runs, by (tp, ep, lora), and "zygote": the one their processes fork from
+    if args.part in ("all", "layouts", "lora"):  # started here: it dies with the thread that starts it
+        from support.layout_check import start_zygote
+
+        done["zygote"] = start_zygote(Path(tempfile.mkdtemp(prefix="tf-weight-sync-")) / "zygote.log")
+    try:
+        return measure(args, t0, done)
+    finally:
+        if "zygote" in done:
+            done["zygote"].close()
+
+
+def measure(args, t0: float, done: dict) -> dict:
+    """Parts (a) to (d) as ``args.part`` says; smoke: the layout and LoRA runs start at once, beside (a) and (b)."""
+    wanted = {k for part in ("layouts", "lora") if args.smoke and args.part in ("all", part) for k in LAYOUT_RUNS[part]}
+    pool = ThreadPoolExecutor(max(1, len(wanted)))  # megatron-core ranks, no timing checked
+    early = {k: pool.submit(layout_check, done["zygote"], args.reps, *k) for k in wanted}
+    pool.shutdown(wait=False)
     out = {"bench": "weight_sync", "quick": args.quick, "model": args.model, "bucket_bytes": BUCKET_BYTES}
     if args.part in ("all", "bandwidth"):
         out["bandwidth"] = bandwidth(args.big_layers, args.big_vocab, args.reps)

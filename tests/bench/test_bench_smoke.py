@@ -12,12 +12,13 @@ The selected ones run `CONCURRENT` at a time (a smoke run is mostly start-ups: o
 importing vLLM or megatron-core after another; three at once keep both cores busy while one
 waits), longest first, each under a process marker of its own: started by the module's first test,
 each test waits for its own. generator and episodes run on one engine start
-(`bench/shared_engine.py`, `ONE_ENGINE`). The default suite runs nine (ingest, dp_balance, scorers,
-trainer, pipeline_parallel, generator, episodes, routing_mismatch, recovery); weight_sync (a vLLM
-engine and eleven megatron-core or gloo processes, ~87 s of CPU) and async_vs_sync (two whole
-`tokenflow train` runs, ~86 s of CPU) are slow-marked: the whole module is CPU-bound on two cores
-(336 CPU s for all eleven, 173 s wall; bench/results/2026-12-06-smoke.md, "Session 4"), over
-#28's 2 minutes.
+(`bench/shared_engine.py`, `ONE_ENGINE`); the megatron-core ranks of weight_sync and
+pipeline_parallel are forked from one preloaded zygote each (`support.zygote`). The default suite
+runs ten (ingest, dp_balance, scorers, trainer, pipeline_parallel, generator, episodes,
+routing_mismatch, recovery, weight_sync: 101-116 s under `heavy-all`, 190-204 CPU s); async_vs_sync (two
+whole `tokenflow train` runs, ~75-85 s of CPU) is slow-marked: the module is CPU-bound on two
+cores, and all eleven (~300 CPU s, 198 s wall; bench/results/2026-12-06-smoke.md, "Session 5")
+are over #28's 2 minutes.
 Besides, the weight_sync bandwidth part at quick sizes is checked in detail (every mode moved
 every byte).
 """
@@ -79,8 +80,8 @@ REPORT_KEYS = {
 CONCURRENT = 3
 """Smoke runs at once (the CI machine has two cores; the third fills a core while a run waits)."""
 
-LONGEST_FIRST = ("async_vs_sync", "weight_sync", "recovery", "pipeline_parallel", "routing_mismatch", "episodes",
-                 "generator", "trainer", "scorers", "dp_balance", "ingest")
+LONGEST_FIRST = ("async_vs_sync", "weight_sync", "recovery", "routing_mismatch", "episodes", "generator",
+                 "dp_balance", "scorers", "trainer", "pipeline_parallel", "ingest")
 """The order they start in: the longest first, so that the lanes end together."""
 
 
@@ -209,10 +210,9 @@ def test_routing_mismatch_smoke(smoke_runs):
     assert report["routing_bytes_per_completion_token"] > 0
 
 
-@pytest.mark.slow
 def test_weight_sync_smoke(smoke_runs):
-    """Slow: 73-83 s alone on a 2-core machine (87-95 CPU s), 137 s beside the ten others: a vLLM engine and
-    eleven megatron-core or gloo processes (the bandwidth part alone is in the default suite: the test below)."""
+    """38 s alone on a 2-core machine (43 CPU s): a vLLM engine, two gloo senders and nine megatron-core or
+    gloo processes forked from one zygote (`support.zygote`)."""
     report = _smoke(smoke_runs, "weight_sync")
     assert set(report["bandwidth"]["sets"]) == {"tiny-dense", "tiny-moe", "big"}
     assert set(report["layouts"]) >= {"tp1", "tp2xep2"} and set(report["lora"]) >= {"full", "adapters"}

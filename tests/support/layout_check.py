@@ -6,9 +6,10 @@ generator worker joins), then syncs the weights ``reps`` times with the roles' o
 `ShardedWeights` + `BucketPlan.from_specs` + `send_stream`. Each receiver compares every tensor,
 bit for bit, with the checkpoint the trainer loaded (an independent reference) and records what
 it got; each trainer rank records which tensors it sent and its streaming-buffer bytes. Returns
-the merged JSON-able results. Every process is a child of the caller, dies with it
-(PR_SET_PDEATHSIG) and is killed on any failure or after ``timeout_s``. Used by the tests and
-``bench/weight_sync.py``:
+the merged JSON-able results. Every process is forked from a zygote that imported torch,
+megatron-core and the roles' modules once (`support.zygote`: ~6 CPU s saved per process), dies with
+it as the zygote dies with the caller (PR_SET_PDEATHSIG), and is killed on any failure or after
+``timeout_s``. Used by the tests and ``bench/weight_sync.py``:
 
     python tests/support/layout_check.py tiny-moe --tp 2 --ep 2    # prints one JSON object
 """
@@ -18,30 +19,37 @@ import argparse
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))  # run as a script: the package beside the tests
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # run as a script: the package and the tests' helpers
 
 from pipeline.launch.rendezvous import free_port  # noqa: E402
-from pipeline.supervise import die_with_parent  # noqa: E402
+from support.zygote import TRAINER_PRELOAD, Zygote  # noqa: E402
 
 
-def _killed_with_parent() -> None:
-    die_with_parent(signal.SIGKILL)
+PRELOAD = [*TRAINER_PRELOAD, "pipeline.weights.group", "pipeline.weights.adapters", "safetensors",
+           "support.layout_check"]
+"""What the zygote imports once for every trainer rank and receiver (~6 CPU s, most of a rank's)."""
+
+
+def start_zygote(log: Path) -> Zygote:
+    """A zygote for `run`'s processes (one thread of OpenMP each, warnings off), its stderr to ``log``;
+    several runs may share one (``run(..., zygote=...)``)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return Zygote(PRELOAD, log, env)
 
 
 def run(model_dir: str, tp: int = 1, ep: int = 1, receivers: int = 1, bucket_mb: float = 1.0,
         reps: int = 2, timeout_s: float = 300.0, outdir: Path | None = None, lora_rank: int = 0,
-        pp: int = 1) -> dict:
+        pp: int = 1, zygote: Zygote | None = None) -> dict:
     """Sync ``reps`` times; returns {"trainer": [per rank], "receivers": [per receiver]}.
     ``lora_rank`` > 0: the trainer trains LoRA adapters of that rank (all targets, B = 0 at
     start) and syncs only them; each receiver merges them into the base (``AdapterMerger``) and
-    compares the merged weights with the checkpoint (equal: B is 0)."""
+    compares the merged weights with the checkpoint (equal: B is 0). The processes are forked from
+    ``zygote`` (default: one of this run's, closed at its end)."""
     import tempfile
 
     world = tp * ep * pp
@@ -51,36 +59,39 @@ def run(model_dir: str, tp: int = 1, ep: int = 1, receivers: int = 1, bucket_mb:
     common = {"model_dir": str(model_dir), "tp": tp, "ep": ep, "pp": pp, "world": world, "receivers": receivers,
               "bucket_bytes": int(bucket_mb * 2**20), "reps": reps, "dist_port": dist_port,
               "weight_port": weight_port, "timeout_s": timeout_s, "out": str(out), "lora_rank": lora_rank}
-    procs = []
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    own = zygote is None
+    forks = start_zygote(out / "zygote.log") if own else zygote
+    workers: dict[int, str] = {}
     try:
         for role, count in (("trainer", world), ("receiver", receivers)):
             for i in range(count):
-                log = open(out / f"{role}{i}.log", "w")
-                procs.append((subprocess.Popen(
-                    [sys.executable, __file__, "--_role", role, "--_index", str(i),
-                     "--_args", json.dumps(common)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                    preexec_fn=_killed_with_parent), log, f"{role}{i}"))
-        deadline = time.monotonic() + timeout_s
-        for proc, _, name in procs:
-            try:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"{name} did not finish within {timeout_s:.0f} s") from None
-        failed = [(name, p.returncode) for p, _, name in procs if p.returncode != 0]
+                pid = forks.start("support.layout_check:serve_role", {"role": role, "index": i, "a": common},
+                                  out / f"{role}{i}.log")
+                workers[pid] = f"{role}{i}"
+        try:
+            status = forks.wait(list(workers), timeout_s)
+        except TimeoutError:
+            left = [name for pid, name in workers.items() if pid not in forks.exited]
+            raise RuntimeError(f"{left} did not finish within {timeout_s:.0f} s") from None
+        failed = [(workers[pid], rc) for pid, rc in status.items() if rc != 0]
         if failed:
             tails = "\n".join(f"--- {n} (rc {rc})\n" + (out / f"{n}.log").read_text()[-3000:] for n, rc in failed)
             raise RuntimeError(f"layout check tp={tp} ep={ep} failed in {failed}:\n{tails}")
     finally:
-        for proc, log, _ in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
+        for pid in workers:
+            if pid not in forks.exited:
+                forks.kill(pid)
+        if own:
+            forks.close()
     return {"tp": tp, "ep": ep, "pp": pp,
             "trainer": [json.loads((out / f"trainer{i}.json").read_text()) for i in range(world)],
             "receivers": [json.loads((out / f"receiver{i}.json").read_text()) for i in range(receivers)]}
+
+
+def serve_role(role: str, index: int, a: dict) -> None:
+    """A forked worker: trainer rank or receiver ``index``; its results to ``<out>/<role><index>.json``."""
+    result = (_trainer_rank if role == "trainer" else _receiver)(index, a)
+    (Path(a["out"]) / f"{role}{index}.json").write_text(json.dumps(result))
 
 
 def _trainer_rank(rank: int, a: dict) -> dict:
@@ -201,15 +212,7 @@ def main() -> None:
     ap.add_argument("--receivers", type=int, default=1)
     ap.add_argument("--bucket-mb", type=float, default=1.0)
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--_role", choices=("trainer", "receiver"))
-    ap.add_argument("--_index", type=int)
-    ap.add_argument("--_args")
     args = ap.parse_args()
-    if args._role:
-        a = json.loads(args._args)
-        result = (_trainer_rank if args._role == "trainer" else _receiver)(args._index, a)
-        (Path(a["out"]) / f"{args._role}{args._index}.json").write_text(json.dumps(result))
-        return
     from pipeline.models.tiny import resolve_model
 
     print(json.dumps(run(str(resolve_model(args.model)), args.tp, args.ep, args.receivers, args.bucket_mb,
