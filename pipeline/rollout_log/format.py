@@ -238,7 +238,7 @@ def write_sealed_segment(path: Path, schema: RecordSchema, attrs: dict,
                          data: dict[str, Sequence[np.ndarray]], counts: dict[str, int]) -> None:
     """Write an immutable segment holding, for every dataset of the layout, the first rows (its
     table's count) of ``data[name]``: its rows in order, in one array or in pieces (a flush's
-    chunks each; written in runs, `SEAL_RUN_BYTES`, never joined into one copy), each dataset with its digests
+    chunks each; written in runs, `_write_rows`, never joined into one copy), each dataset with its digests
     (`digests`) and the map of where they lie (`segment_map`): aside as ``*.tmp``, fsync'd, renamed
     to ``path``, the directory fsync'd. Raises ENOSPC before HDF5 writes anything when the
     filesystem cannot hold it (HDF5 may crash the process on a failed write); a failure removes the
@@ -251,7 +251,7 @@ def write_sealed_segment(path: Path, schema: RecordSchema, attrs: dict,
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     layout = dataset_layout(schema)
     userblock = userblock_size(2 * len(layout) + 2)
-    parts = {name: _runs(data[name], counts[spec.table]) for name, spec in layout.items()}
+    parts = {name: _first_rows(data[name], counts[spec.table]) for name, spec in layout.items()}
     need = userblock + (1 << 20) + sum(
         sum(int(p.nbytes) for p in pieces) * 102 // 100 for pieces in parts.values())
     st = os.statvfs(path.parent)
@@ -259,6 +259,7 @@ def write_sealed_segment(path: Path, schema: RecordSchema, attrs: dict,
         raise OSError(errno.ENOSPC, f"No space left: the segment needs ~{need} bytes, "
                       f"{st.f_bavail * st.f_frsize} are free", str(path))
     try:
+        scratch = np.empty(0, np.uint8)  # `_write_rows`'s buffer, one for the whole segment
         with h5py.File(tmp, "w", libver="latest", userblock_size=userblock) as f:
             for key, value in attrs.items():
                 f.attrs[key] = value
@@ -266,10 +267,7 @@ def write_sealed_segment(path: Path, schema: RecordSchema, attrs: dict,
                 pieces = parts[name]
                 like = pieces[0] if pieces else np.zeros((0, *spec.trail), spec.dtype)
                 ds = f.create_dataset(name, shape=(sum(map(len, pieces)), *like.shape[1:]), dtype=like.dtype)
-                at = 0
-                for piece in pieces:
-                    ds.write_direct(np.ascontiguousarray(piece), dest_sel=np.s_[at:at + len(piece)])
-                    at += len(piece)
+                scratch = _write_rows(ds, pieces, scratch)
                 write_digests(f, name, pieces)
             commits = np.array([[1, *(counts[t] for t in TABLES)]], np.int64)
             f.create_dataset("commits", data=commits)
@@ -290,36 +288,52 @@ def write_sealed_segment(path: Path, schema: RecordSchema, attrs: dict,
 
 SEAL_RUN_BYTES = 4 << 20
 """A seal writes a dataset in runs of at least this many bytes (but its last): a flush's chunk this
-large is written where it lies; smaller consecutive ones are joined into one run first (one HDF5
-write per run: a run of 4 MiB costs ~0.5 ms to write, a write call ~0.05 ms)."""
+large is written where it lies; smaller consecutive ones are copied into one reused buffer first
+(one HDF5 write per run: a run of 4 MiB costs ~0.5 ms to write, a write call ~0.05 ms; fresh memory
+for each run would cost as much again in page faults)."""
 
 
-def _runs(pieces: Sequence[np.ndarray], n: int) -> list[np.ndarray]:
-    """The first ``n`` rows of ``pieces`` read in order, in runs (`SEAL_RUN_BYTES`)."""
-    out: list[np.ndarray] = []
-    small: list[np.ndarray] = []
-    size = 0
-
-    def join() -> None:
-        nonlocal small, size
-        if small:
-            out.append(small[0] if len(small) == 1 else np.concatenate(small))
-            small, size = [], 0
+def _first_rows(pieces: Sequence[np.ndarray], n: int) -> list[np.ndarray]:
+    """The first ``n`` rows of ``pieces`` read in order, as views of its non-empty pieces."""
+    out = []
     for piece in pieces:
         if n <= 0:
             break
-        piece = piece[:n]
-        n -= len(piece)
-        if piece.nbytes >= SEAL_RUN_BYTES:
-            join()
-            out.append(piece)
-        elif len(piece):
-            small.append(piece)
-            size += piece.nbytes
-            if size >= SEAL_RUN_BYTES:
-                join()
-    join()
+        if len(piece):
+            out.append(piece[:n])
+            n -= len(piece)
     return out
+
+
+def _write_rows(ds, pieces: list[np.ndarray], scratch: np.ndarray) -> np.ndarray:
+    """Write ``pieces`` one after another into dataset ``ds`` in runs (`SEAL_RUN_BYTES`), small
+    ones gathered in ``scratch`` (grown when it must be); returns the scratch buffer to reuse."""
+    at = held = 0  # rows written; rows gathered in scratch (not yet written)
+    gathered = None
+
+    def write_gathered() -> None:
+        nonlocal at, held
+        if held:
+            ds.write_direct(gathered[:held], dest_sel=np.s_[at:at + held])
+            at, held = at + held, 0
+    for piece in pieces:
+        piece = np.ascontiguousarray(piece)
+        if piece.nbytes >= SEAL_RUN_BYTES:
+            write_gathered()
+            ds.write_direct(piece, dest_sel=np.s_[at:at + len(piece)])
+            at += len(piece)
+            continue
+        if gathered is None:
+            if scratch.nbytes < 2 * SEAL_RUN_BYTES:
+                scratch = np.empty(2 * SEAL_RUN_BYTES, np.uint8)
+            row_bytes = piece.nbytes // len(piece)
+            gathered = scratch[:scratch.nbytes // row_bytes * row_bytes].view(piece.dtype).reshape(-1, *piece.shape[1:])
+        gathered[held:held + len(piece)] = piece
+        held += len(piece)
+        if held * piece.nbytes // len(piece) >= SEAL_RUN_BYTES:
+            write_gathered()
+    write_gathered()
+    return scratch
 
 
 def check_log_filesystem(log_dir: Path, mounts_text: str | None = None) -> str:

@@ -1,9 +1,10 @@
-"""Block digests of a dataset written in pieces equal those of the dataset read back whole.
+"""A seal writes and digests each dataset from the flushes' chunks where they lie.
 
-A seal writes each dataset from the flushes' chunks where they lie (`write_sealed_segment`), and
-digests them in the same pieces; a reader digests the stored rows in one piece
-(`pipeline.rollout_log.digests.verified`). The reference here is zlib's crc32 of each block's bytes,
-cut from one joined copy by hand.
+A seal writes each dataset from the flushes' chunks (`write_sealed_segment`: a chunk of at least
+`SEAL_RUN_BYTES` as it is, smaller ones gathered into runs) and digests them in the same pieces; a
+reader digests the stored rows in one piece (`pipeline.rollout_log.digests.verified`). The
+references here: zlib's crc32 of each block's bytes, cut from one joined copy by hand, and the
+batches the writer was given.
 """
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ import zlib
 import numpy as np
 import pytest
 
+from pipeline.protocol.record import RecordSchema
+from pipeline.protocol.sample_batch import SampleBatch
 from pipeline.rollout_log.digests import block_rows, digest
+from pipeline.rollout_log.format import SEAL_RUN_BYTES
+from pipeline.rollout_log.reader import RolloutLog
+from pipeline.rollout_log.writer import RolloutLogWriter
+from support.rollout_data import assert_batches_equal, make_batch
 
 
 def _by_hand(whole: np.ndarray, rows: int) -> list[int]:
@@ -42,3 +49,23 @@ def test_a_flipped_byte_changes_only_its_block():
     flipped[rows + 5] ^= 1
     a, b = digest([whole[:rows + 7], whole[rows + 7:]], rows), digest([flipped], rows)
     assert np.flatnonzero(a != b).tolist() == [1]
+
+
+def test_a_seal_of_large_and_small_flushes_reads_back_whole_and_verified(tmp_path):
+    """Flushes whose token chunks are past `SEAL_RUN_BYTES` (written as they are) between small
+    ones (gathered into runs, across the 4 MiB mark); every row read back from the sealed segment,
+    each block checked against its digest, equals what was appended."""
+    schema = RecordSchema(token_rewards=True)
+    big = SEAL_RUN_BYTES // 4 // 8 + 1000  # int32 tokens a sample: 8 samples pass 4 MiB a column
+    sizes = [(5, (1, 3000))] * 3 + [(8, (big, big))] + [(6, (1, 9000))] * 30 + [(8, (big, big))] + [(3, (1, 5))]
+    batches = []
+    with RolloutLogWriter(tmp_path / "rollouts", schema, "seal-runs", {}, seal_interval_s=3600) as w:
+        for k, (n, lens) in enumerate(sizes):
+            batches.append(make_batch(schema, k, n, first_group=1000 * k, completion_len=lens))
+            w.append_samples(batches[-1])
+            w.flush()
+        w.seal()
+        total = w.num_rows
+    with RolloutLog.open(tmp_path / "rollouts") as log:
+        assert not log.problems and log.num_samples == total == sum(n for n, _ in sizes)
+        assert_batches_equal(log.read(np.arange(total)), SampleBatch.concat(batches))
