@@ -113,9 +113,7 @@ def run_layout(name: str, model: Path, workdir: Path, steps: int, samples: int, 
                                      workdir / f"{name}-{rank}.log", env))
         status = zygote.wait(pids, timeout_s=900)
     finally:
-        for pid in pids:
-            if pid not in zygote.exited:
-                zygote.kill(pid)
+        zygote.kill_left(pids)
     failed = [r for r, pid in enumerate(pids) if status[pid] != 0]
     if failed:
         raise RuntimeError(f"{name}: ranks {failed} failed:\n" + (workdir / f"{name}-{failed[0]}.log").read_text()[-3000:])
@@ -143,10 +141,9 @@ def main() -> dict:
     names = ["tp1", "pp2"] if a.smoke else list(LAYOUTS)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tf-bench-pp-") as tmp:
-        from support.zygote import TRAINER_PRELOAD, Zygote
+        from support.zygote import TRAINER_ENV, TRAINER_PRELOAD, Zygote
 
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        with Zygote([*TRAINER_PRELOAD, "bench.pipeline_parallel"], Path(tmp) / "zygote.log", env) as zygote:
+        with Zygote([*TRAINER_PRELOAD, "bench.pipeline_parallel"], Path(tmp) / "zygote.log", TRAINER_ENV) as zygote:
             model = bench_model()
             layouts = {n: run_layout(n, model, Path(tmp), steps, samples, length, zygote) for n in names}
     base = layouts["tp1"]["step_s"]

@@ -71,7 +71,7 @@ def test_zygote_refuses_to_fork_once_an_import_started_a_thread(tmp_path):
 
     (tmp_path / "threaded.py").write_text("import threading, time\n"
                                           "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     with Zygote(["threaded"], tmp_path / "zygote.log", env) as zygote:
         with pytest.raises(RuntimeError, match="2 threads; it forks only with one"):
             zygote.start("test_zygote:report", {"path": str(tmp_path / "never.json")}, tmp_path / "never.log")

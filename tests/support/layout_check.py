@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import time
@@ -27,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]  # run as a script: the package and the tests' helpers
 
 from pipeline.launch.rendezvous import free_port  # noqa: E402
-from support.zygote import TRAINER_PRELOAD, Zygote  # noqa: E402
+from support.zygote import TRAINER_ENV, TRAINER_PRELOAD, Zygote  # noqa: E402
 
 
 PRELOAD = [*TRAINER_PRELOAD, "pipeline.weights.group", "pipeline.weights.adapters", "safetensors",
@@ -38,8 +37,7 @@ PRELOAD = [*TRAINER_PRELOAD, "pipeline.weights.group", "pipeline.weights.adapter
 def start_zygote(log: Path) -> Zygote:
     """A zygote for `run`'s processes (one thread of OpenMP each, warnings off), its stderr to ``log``;
     several runs may share one (``run(..., zygote=...)``)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return Zygote(PRELOAD, log, env)
+    return Zygote(PRELOAD, log, TRAINER_ENV)
 
 
 def run(model_dir: str, tp: int = 1, ep: int = 1, receivers: int = 1, bucket_mb: float = 1.0,
@@ -78,9 +76,7 @@ def run(model_dir: str, tp: int = 1, ep: int = 1, receivers: int = 1, bucket_mb:
             tails = "\n".join(f"--- {n} (rc {rc})\n" + (out / f"{n}.log").read_text()[-3000:] for n, rc in failed)
             raise RuntimeError(f"layout check tp={tp} ep={ep} failed in {failed}:\n{tails}")
     finally:
-        for pid in workers:
-            if pid not in forks.exited:
-                forks.kill(pid)
+        forks.kill_left(list(workers))
         if own:
             forks.close()
     return {"tp": tp, "ep": ep, "pp": pp,

@@ -45,14 +45,18 @@ TRAINER_PRELOAD = ["torch", "megatron.core.parallel_state", "megatron.core.tenso
                    "pipeline.trainer.grouped_experts", "pipeline.trainer.layout", "pipeline.weights.shards",
                    "transformers"]
 """What a megatron-core `Trainer` rank imports (~6 CPU s, most of a tiny model's rank): a zygote's
-``preload`` for harnesses of trainer ranks (environment ``OMP_NUM_THREADS`` set before: torch reads it
-when imported)."""
+``preload`` for harnesses of trainer ranks (with `TRAINER_ENV`: torch reads ``OMP_NUM_THREADS`` when
+imported)."""
+TRAINER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+"""The environment a zygote of trainer ranks adds: one OpenMP thread per rank, warnings off."""
 
 
 class Zygote:
     """The parent's end: start workers, wait for them, kill them. Thread-safe (one request at a time)."""
 
-    def __init__(self, preload: list[str], log: Path, env: dict | None = None, timeout_s: float = 300.0):
+    def __init__(self, preload: list[str], log: Path, env: dict[str, str] | None = None, timeout_s: float = 300.0):
+        """Start the zygote: it imports ``preload`` with ``env`` added to this process's environment,
+        its stderr to ``log``."""
         from pipeline.supervise import die_with_parent
 
         self.timeout_s = timeout_s  # the longest a request may take (the first: the imports)
@@ -61,7 +65,7 @@ class Zygote:
         self._ready = False  # read with the first request: the caller goes on while the zygote imports
         with open(log, "w") as err:
             self._proc = subprocess.Popen([sys.executable, __file__, *preload], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, stderr=err, env=env, text=True,
+                                          stdout=subprocess.PIPE, stderr=err, env={**os.environ, **(env or {})}, text=True,
                                           preexec_fn=lambda: die_with_parent(signal.SIGKILL))
 
     @property
@@ -108,6 +112,12 @@ class Zygote:
     def kill(self, pid: int) -> None:
         """SIGKILL to worker ``pid`` unless it ended."""
         self._ask(op="kill", pid=pid)
+
+    def kill_left(self, pids: list[int]) -> None:
+        """SIGKILL to those of ``pids`` that have not ended (a harness's clean-up after a failure)."""
+        for pid in pids:
+            if pid not in self.exited:
+                self.kill(pid)
 
     def close(self) -> None:
         """End the zygote and every worker it still has."""
