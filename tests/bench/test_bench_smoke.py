@@ -14,11 +14,10 @@ waits), longest first, each under a process marker of its own: started by the mo
 each test waits for its own. generator and episodes run on one engine start
 (`bench/shared_engine.py`, `ONE_ENGINE`); the megatron-core ranks of weight_sync and
 pipeline_parallel are forked from one preloaded zygote each (`support.zygote`). The default suite
-runs ten (ingest, dp_balance, scorers, trainer, pipeline_parallel, generator, episodes,
-routing_mismatch, recovery, weight_sync: 101-116 s under `heavy-all`, 190-204 CPU s); async_vs_sync (two
-whole `tokenflow train` runs, ~75-85 s of CPU) is slow-marked: the module is CPU-bound on two
-cores, and all eleven (~300 CPU s, 198 s wall; bench/results/2026-12-06-smoke.md, "Session 5")
-are over #28's 2 minutes.
+runs all eleven: 144-152 s under `heavy-all`, ~286 CPU s (bench/results/2026-12-06-smoke.md, "Session 6"),
+over #28's 2 minutes: the module is CPU-bound on two cores, and nearly all of its CPU is start-ups'
+imports (vLLM twice per engine, megatron-core per trainer); async_vs_sync alone is two whole
+`tokenflow train` runs, ~85 CPU s.
 Besides, the weight_sync bandwidth part at quick sizes is checked in detail (every mode moved
 every byte).
 """
@@ -221,11 +220,9 @@ def test_weight_sync_smoke(smoke_runs):
     assert default["updates"] >= 1 and _finite(default["stall_decode_steps"])
 
 
-@pytest.mark.slow
 def test_async_vs_sync_smoke(smoke_runs):
-    """Slow: 66 s alone on a 2-core machine (86 CPU s), 78-86 s beside the others: two `tokenflow train`
-    runs of one step at once (each a launcher, a trainer, an orchestrator and a vLLM engine's two
-    processes, most of it their imports)."""
+    """Two `tokenflow train` runs of one step at once (each a launcher, a trainer, an orchestrator and a
+    vLLM engine's two processes; 50 s alone on a 2-core machine, 85 CPU s, most of it their imports)."""
     report = _smoke(smoke_runs, "async_vs_sync")
     assert report["steps"] == 1 and set(report["runs"]) == {"sync", "async"}
     assert all(r["steps"] == 1 for r in report["runs"].values())
