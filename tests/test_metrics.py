@@ -30,6 +30,8 @@ WRITER = """
 import sys, time
 from pathlib import Path
 from pipeline.metrics import MetricsWriter
+from pipeline.supervise import die_with_parent
+die_with_parent()  # a writer never outlives the test
 run, role, start, life, count, pad = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), *map(int, sys.argv[4:])
 stop = Path(f"{start}.stop")
 while not start.exists():
