@@ -20,7 +20,7 @@ the asynchronous run keeps the next step's groups decoding meanwhile. The measur
 percentiles are reported from the rollout log. The warm-start for this file is built (cached) before
 either run is timed.
 
-Definitions (all from the runs' own records: RUN/metrics.jsonl and the rollout log):
+Definitions (all from the runs' own records: RUN/metrics/ and the rollout log):
 - process time: wall time of the `tokenflow train` subprocess, start to exit (includes model load,
   engine start, megatron initialisation, the final checkpoint and shutdown);
 - steady-state time T: from the first moment either side works on step 0 (the earlier of the trainer

@@ -1,12 +1,17 @@
-"""Incremental reading of a run's metrics JSONL (the file grows while the run writes it), and the
-scalars every mirror (TensorBoard, experiment trackers) takes from one record (`record_scalars`)."""
+"""Incremental reading of a run's metrics files (they grow, and new ones appear, while the run
+writes them: pipeline.metrics), and the scalars every mirror (TensorBoard, experiment trackers)
+takes from one record (`record_scalars`).
+
+Invariant: `MetricsFollower.poll` returns each complete line of every file once, in the order
+`pipeline.metrics.read_metrics` would (each poll's new records merged by time); a file that appears
+later (a restarted role's new life) is read from its start.
+"""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.run_files import METRICS_FILE
+from pipeline.metrics import merge_by_time, metrics_files, parse_record
 
 
 #: Fields of a metrics record that are not scalars of it.
@@ -30,26 +35,25 @@ class MetricsFollower:
     """Returns the records appended since the last call; a partial last line waits for its end."""
 
     def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / METRICS_FILE
-        self.offset = 0
+        self.run_dir = Path(run_dir)
+        self.offsets: dict[Path, int] = {}  # bytes of each file read so far
         self.latest: dict[tuple[str, Any], dict[str, Any]] = {}
 
     def poll(self) -> list[dict[str, Any]]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        end = data.rfind(b"\n") + 1
-        self.offset += end
-        out = []
-        for line in data[:end].splitlines():
+        batches = []
+        for path in metrics_files(self.run_dir):
+            offset = self.offsets.get(path, 0)
             try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    data = f.read()
+            except FileNotFoundError:
                 continue
-            out.append(rec)
+            end = data.rfind(b"\n") + 1
+            self.offsets[path] = offset + end
+            batches.append([rec for line in data[:end].splitlines() if (rec := parse_record(line)) is not None])
+        out = list(merge_by_time(batches))
+        for rec in out:
             self.latest[(rec.get("kind"), rec.get("generator_id"))] = rec
         return out
 

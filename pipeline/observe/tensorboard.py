@@ -2,7 +2,7 @@
 
 Every numeric field of a ``train_step`` or ``eval`` record becomes a scalar ``<kind>/<field>`` at
 its step; ``generator`` and ``orchestrator`` records go under their kind at the trainer's latest
-step (`pipeline.observe.follow.record_scalars`, shared with the experiment trackers). The mirror follows the file, so it can run beside the training job or after it.
+step (`pipeline.observe.follow.record_scalars`, shared with the experiment trackers). The mirror follows the files, so it can run beside the training job or after it.
 
 When the mirror closes (the run ended, failed or was interrupted) it writes the run's HParams
 session given by its caller (`pipeline.apps.ops.summary.run_hparams`: the command-line overrides

@@ -5,7 +5,7 @@ follows a run; this module is the W&B and MLflow ones (TensorBoard: pipeline.obs
 
 Invariants:
 - The same scalars as TensorBoard, at the same steps (`pipeline.observe.follow.record_scalars`):
-  every numeric field of every ``metrics.jsonl`` record, ``<kind>/<field>``. W&B gets the step as
+  every numeric field of every metrics record (``RUN/metrics/``), ``<kind>/<field>``. W&B gets the step as
   the metric ``trainer_step`` (every other metric's x-axis), not as its own ``step``, which must
   only grow: an evaluation of step 3 often arrives after the training record of step 4.
 - Parameters: the run's resolved ``config.yaml``, flattened to dotted keys; nothing named like a
@@ -20,7 +20,7 @@ Invariants:
   MLflow experiment are the sweep directory's name; a run resumed in the same directory continues
   the same W&B run id and the same MLflow run (tag ``tokenflow.run_dir``).
 - A tracker's failure never stops the run or the other mirrors: each failure is counted and written
-  to ``metrics.jsonl`` as a ``tracker`` record (tracker, failures, error), which ``tokenflow status``
+  to the run's metrics as a ``tracker`` record (tracker, failures, error), which ``tokenflow status``
   shows; a tracker that failed to start is not retried. The libraries are imported only when chosen.
 """
 from __future__ import annotations
@@ -178,6 +178,7 @@ class TrackerMirror:
     def __init__(self, run_dir: Path, names: list[str], settings: TrackingConfig):
         self.run_dir = Path(run_dir)
         self.follow = MetricsFollower(run_dir)
+        self.writer: MetricsWriter | None = None  # the failure records, opened at the first failure
         self.failures: Counter[str] = Counter()
         self.step = 0
         self.trackers: list[Any] = []
@@ -194,9 +195,9 @@ class TrackerMirror:
         except Exception as exc:  # noqa: BLE001 - a tracker never stops the run
             self.failures[name] += 1
             log.warning("tracker %s failed: %r", name, exc)
-            writer = MetricsWriter(self.run_dir, "trackers")
-            writer.log("tracker", tracker=name, failures=self.failures[name], error=repr(exc)[:500])
-            writer.close()
+            if self.writer is None:
+                self.writer = MetricsWriter(self.run_dir, "trackers")
+            self.writer.log("tracker", tracker=name, failures=self.failures[name], error=repr(exc)[:500])
             return None
 
     def update(self) -> None:
@@ -212,3 +213,5 @@ class TrackerMirror:
         self.update()
         for tracker in self.trackers:
             self._attempt(tracker.name, tracker.close)
+        if self.writer is not None:
+            self.writer.close()

@@ -4,7 +4,7 @@ The unit tests build run directories the way a run leaves them: the resolved con
 `save_run_config`, Hydra's override record, the launch record and plan, task results, and a metrics
 stream written by the real `MetricsWriter`; expected numbers are computed here from the values the
 test wrote. The engine test runs a real two-point sweep and checks the printed table against each
-point's metrics.jsonl, read here line by line.
+point's metrics records (`read_metrics`).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import TokenflowConfig
-from pipeline.metrics import MetricsWriter
+from pipeline.metrics import MetricsWriter, read_metrics
 from pipeline.apps.ops import status_main
 from pipeline.apps.ops.compare import compare_runs, format_table, main as compare_main
 from pipeline.apps.ops.summary import metric_summary, run_hparams, wall_seconds
@@ -226,8 +226,7 @@ def test_a_local_sweep_ends_with_its_points_compared(tmp_path):
     header = next(i for i, line in enumerate(lines) if line.startswith("run ") and "trainer.lr" in line)
     rows = [line.split() for line in lines[header + 1:header + 3]]
     for point, lr, row in (("0", "0.0001", rows[0]), ("1", "0.0003", rows[1])):
-        records = [json.loads(line) for line in (sweep / point / "metrics.jsonl").read_text().splitlines()]
-        final = [r for r in records if r["kind"] == "eval"][-1]
+        final = list(read_metrics(sweep / point, "eval"))[-1]
         assert final["step"] == 2
         assert row[:3] == [point, lr, f"{final['accuracy']:.3f}"], lines[header:header + 3]
         assert row[-1] == "finished" and row[-7] == "2/2"  # steps, then tok/s idle stale drops wall state

@@ -16,6 +16,7 @@ import random
 
 import pytest
 
+from pipeline.metrics import read_metrics
 from support.resume_driver import run_killed_and_resumed, waste
 
 pytestmark = pytest.mark.engine
@@ -23,22 +24,13 @@ pytestmark = pytest.mark.engine
 STEPS, CHECKPOINT_EVERY, GROUPS_PER_STEP, MAX_ASYNC = 16, 4, 4, 1
 
 
-def resume_point(run_dir, killed_lines: int) -> tuple[int, int]:
-    """(checkpoint step k the trainer resumed from, last step done before the kill), from the metric
-    lines of the killed run (the first ``killed_lines``) and of the resumed one. The trainer may
-    have checkpointed the step it was killed in (then k = last + 1 and no step repeats)."""
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-
-    def steps(part):  # a line cut by the kill is skipped
-        recs = []
-        for line in part:
-            try:
-                recs.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return [r["step"] for r in recs if r.get("kind") == "train_step"]
-
-    before, after = steps(lines[:killed_lines]), steps(lines[killed_lines:])
+def resume_point(run_dir, killed_at: float) -> tuple[int, int]:
+    """(checkpoint step k the trainer resumed from, last step done before the kill), from the
+    ``train_step`` records of the killed run (written before ``killed_at``) and of the resumed one.
+    The trainer may have checkpointed the step it was killed in (then k = last + 1 and no step repeats)."""
+    records = list(read_metrics(run_dir, "train_step"))
+    before = [r["step"] for r in records if r["t"] <= killed_at]
+    after = [r["step"] for r in records if r["t"] > killed_at]
     assert before and after, f"steps before the kill {before}, after the resume {after}"
     return after[0], before[-1]
 
@@ -49,10 +41,10 @@ def test_a_trainer_killed_after_a_checkpoint_resumes_without_extra_waste(tmp_pat
     kill_after = random.Random(seed).randrange(CHECKPOINT_EVERY + 1, STEPS - 5)
     print(f"seed {seed}: SIGKILL the trainer after step {kill_after}")
     run_dir = tmp_path / "resume"
-    killed_lines = run_killed_and_resumed(run_dir, STEPS, kill_after)
+    killed_at = run_killed_and_resumed(run_dir, STEPS, kill_after)
     got = waste(run_dir)
     print(json.dumps(got))
-    k, last = resume_point(run_dir, killed_lines)
+    k, last = resume_point(run_dir, killed_at)
     assert k % CHECKPOINT_EVERY == 0 and k <= last + 1, (k, last)
     assert got["steps"] == list(range(STEPS)) and got["stored_twice"] == 0
     assert got["evicted_stale"] + got["dropped_stale"] <= 2, got  # an uninterrupted run's level

@@ -25,7 +25,7 @@ import torch.distributed as torch_dist
 from pipeline.apps.train import prepare_run_dir
 from pipeline.config import RunConfig, TokenflowConfig
 from pipeline.generator.receive_post import ReceivePostListener
-from pipeline.metrics import read_metrics
+from pipeline.metrics import MetricsWriter, read_metrics
 from pipeline.orchestrator.config import OrchestratorConfig
 from pipeline.protocol import messages as m
 from pipeline.protocol.links import GeneratorLink, TrainerLink, read_rendezvous
@@ -63,7 +63,11 @@ def test_another_user_reads_no_file_of_a_run(shared_dir):
     prepare_run_dir(cfg)  # what `tokenflow train` does first
     orch = start_orchestrator(run_dir)
     try:
-        names = ["config.yaml", "rendezvous/orchestrator.json", "secret", "metrics.jsonl"]
+        launcher = MetricsWriter(run_dir, "launcher")  # a metrics file surely there
+        launcher.log("probe")
+        launcher.close()
+        names = ["config.yaml", "rendezvous/orchestrator.json", "secret", str(launcher.path.relative_to(run_dir))]
+        folders = [str(run_dir / "rollouts"), str(run_dir / "metrics")]
         out = as_nobody(f"""
 import os
 for name in {names!r}:
@@ -71,10 +75,11 @@ for name in {names!r}:
         print(name, open(os.path.join({str(run_dir)!r}, name), 'rb').read(200))
     except OSError as e:
         pass
-try:
-    print('listed', os.listdir({str(run_dir / 'rollouts')!r}))
-except OSError:
-    pass
+for folder in {folders!r}:
+    try:
+        print('listed', os.listdir(folder))
+    except OSError:
+        pass
 """)
     finally:
         stop(orch)

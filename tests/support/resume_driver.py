@@ -31,17 +31,9 @@ def _command(run_dir: Path, steps: int) -> list[str]:
 
 
 def _last_step(run_dir: Path) -> int:
-    last = -1
-    path = run_dir / "metrics.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if rec.get("kind") == "train_step":
-                last = max(last, int(rec["step"]))
-    return last
+    from pipeline.metrics import read_metrics
+
+    return max((int(rec["step"]) for rec in read_metrics(run_dir, "train_step")), default=-1)
 
 
 def _trainer_pid(run_dir: Path) -> int:
@@ -55,10 +47,10 @@ def _trainer_pid(run_dir: Path) -> int:
     return pid
 
 
-def run_killed_and_resumed(run_dir: Path, steps: int, kill_after: int, timeout_s: float = 900) -> int:
+def run_killed_and_resumed(run_dir: Path, steps: int, kill_after: int, timeout_s: float = 900) -> float:
     """Start the run, SIGKILL its trainer once step ``kill_after`` is logged, resume to the end.
-    Returns how many lines ``metrics.jsonl`` held when the killed run had ended (the resumed run's
-    lines follow them)."""
+    Returns the time (``t`` of the metrics records) when the killed run had ended: the resumed run's
+    records come after it."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log = open(run_dir.with_suffix(".driver.log"), "a")
     proc = subprocess.Popen(_command(run_dir, steps), stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -77,12 +69,12 @@ def run_killed_and_resumed(run_dir: Path, steps: int, kill_after: int, timeout_s
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    killed_lines = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    killed_at = time.time()
     out = subprocess.run(_command(run_dir, steps), stdout=log, stderr=subprocess.STDOUT, env=env,
                          timeout=timeout_s)
     if out.returncode != 0:
         raise RuntimeError(f"the resumed run failed (rc {out.returncode}); see {log.name}")
-    return killed_lines
+    return killed_at
 
 
 def waste(run_dir: Path) -> dict:
@@ -102,8 +94,9 @@ def waste(run_dir: Path) -> dict:
                   "resolved": int(len(np.unique(g["group_id"]))),
                   "dropped_rollback": int((outcome == rollback).sum()) if rollback is not None else None,
                   "steps": sorted(log.resume_state().step_rows)}
-    kept = [json.loads(line).get("kept") for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if '"orchestrator"' in line]
+    from pipeline.metrics import read_metrics
+
+    kept = [rec.get("kept") for rec in read_metrics(run_dir, "orchestrator")]
     result["min_kept"] = min(k for k in kept if k is not None)
     return result
 

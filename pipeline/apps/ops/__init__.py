@@ -2,7 +2,7 @@
 
 Everything is read from the run directory and the launcher it records, never from a process that
 must still be alive: `RUN/launch/launches.jsonl` (the latest launch: Slurm job id or local task
-pids), `RUN/launch/plan.json` (the components, in heterogeneous-job order), `RUN/metrics.jsonl`
+pids), `RUN/launch/plan.json` (the components, in heterogeneous-job order), `RUN/metrics/`
 (step, policy versions, buffer depth, evaluations), `RUN/results/` and `RUN/logs/` (errors).
 
 Worked example (a Slurm run after one requeue):

@@ -1,7 +1,7 @@
 """One run summed up from its directory: the numbers `tokenflow compare` tabulates and TensorBoard's
 HParams view gets, and the run's state (running, pending, finished, failed with its error).
 
-Everything is read from files the run writes (`RUN/metrics.jsonl`, `RUN/launch/launches.jsonl`,
+Everything is read from files the run writes (`RUN/metrics/`, `RUN/launch/launches.jsonl`,
 `RUN/results/`, `RUN/COMPLETE`; Slurm states through `pipeline.apps.ops.run_status`), so a run still
 going is summed up as it stands, and a killed one as far as it got.
 
