@@ -110,27 +110,29 @@ SMALL_PART = 4096
 """Parts up to this size are fed to GHASH joined with their neighbours (one call for many)."""
 
 
-def _ghash(ctx, parts: Sequence[memoryview | bytes]) -> None:
-    """Feed the length-prefixed parts to GHASH (the same tag as over their concatenation): small
-    parts copied together with the length prefixes, large ones from their own memory."""
+def _ghash(ctx, frames: Sequence[memoryview | bytes | list]) -> None:
+    """Feed the length-prefixed frames to GHASH (the same tag as over their concatenation), a
+    frame given as a buffer or as a list of its pieces: small pieces copied together with the
+    length prefixes, large ones from their own memory."""
     joined = bytearray()
-    for p in parts:
-        n = len(p)
-        joined += n.to_bytes(8, "little")
-        if n <= SMALL_PART:
-            joined += p
-            continue
-        ctx.authenticate_additional_data(bytes(joined))
-        joined.clear()
-        ctx.authenticate_additional_data(p)
+    for frame in frames:
+        pieces = frame if type(frame) is list else (frame,)
+        joined += sum(len(p) for p in pieces).to_bytes(8, "little")
+        for p in pieces:
+            if len(p) <= SMALL_PART:
+                joined += p
+                continue
+            ctx.authenticate_additional_data(bytes(joined))
+            joined.clear()
+            ctx.authenticate_additional_data(p)
     if joined:
         ctx.authenticate_additional_data(bytes(joined))
 
 
-def _mac(key: bytes, parts: Sequence[memoryview | bytes], nonce: bytes | None = None) -> bytes:
+def _mac(key: bytes, frames: Sequence[memoryview | bytes | list], nonce: bytes | None = None) -> bytes:
     nonce = os.urandom(NONCE_BYTES) if nonce is None else nonce
     ctx = Cipher(_aes(key), modes.GCM(nonce)).encryptor()
-    _ghash(ctx, parts)
+    _ghash(ctx, frames)
     ctx.finalize()
     return nonce + ctx.tag
 
@@ -146,23 +148,53 @@ def _verify(key: bytes, mac: memoryview, parts: Sequence[memoryview]) -> bool:
     return True
 
 
-def encode(key: bytes, kind: str, meta: Mapping[str, Any] | None = None,
-           arrays: Mapping[str, np.ndarray] | None = None,
-           sender: Sender | None = None) -> list[bytes | memoryview]:
-    """Frames of one message (``sender``: stamped with its next `Origin`). Arrays are sent from
-    their own memory (made contiguous if needed)."""
+class Pieces:
+    """An array given as its pieces, rows of one dtype and trailing shape in order, to be sent (or
+    written) as ONE frame gathered from their own memory: the frame's bytes are the pieces' bytes
+    one after another, never joined into a copy (`encode_frames`)."""
+
+    def __init__(self, parts: Sequence[np.ndarray]):
+        if not parts:
+            raise ValueError("Pieces needs at least one piece")
+        self.parts = [np.ascontiguousarray(p) for p in parts]
+        first = self.parts[0]
+        if any(p.dtype != first.dtype or p.shape[1:] != first.shape[1:] for p in self.parts):
+            raise ValueError("pieces differ in dtype or trailing shape")
+        self.dtype = first.dtype
+        self.shape = (sum(len(p) for p in self.parts), *first.shape[1:])
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+
+def encode_frames(key: bytes, kind: str, meta: Mapping[str, Any] | None = None,
+                  arrays: Mapping[str, np.ndarray | Pieces] | None = None,
+                  sender: Sender | None = None) -> list[list[bytes | memoryview]]:
+    """Frames of one message (``sender``: stamped with its next `Origin`), each as the buffers
+    it is made of: one for the MAC, the header and each array (sent from its own memory, made
+    contiguous if needed), one per piece of a `Pieces`."""
     specs, frames = [], []
     for name, arr in (arrays or {}).items():
-        arr = np.ascontiguousarray(arr)
+        arr = arr if isinstance(arr, Pieces) else np.ascontiguousarray(arr)
+        parts = arr.parts if isinstance(arr, Pieces) else [arr]
         if arr.dtype.str not in ALLOWED_DTYPES:
             raise TypeError(f"array {name!r} has dtype {arr.dtype}, which cannot cross the wire")
         specs.append([name, arr.dtype.str, list(arr.shape)])
-        frames.append(memoryview(arr).cast("B") if arr.size else b"")
+        frames.append([memoryview(p).cast("B") for p in parts if p.size] or [b""])
     head = {"v": PROTOCOL_VERSION, "kind": kind, "meta": dict(meta or {}), "arrays": specs}
     if sender is not None:
         head["from"] = sender.next()
     header = msgpack.packb(head, use_bin_type=True)
-    return [_mac(key, [header, *frames]), header, *frames]
+    return [[_mac(key, [header, *frames])], [header], *frames]
+
+
+def encode(key: bytes, kind: str, meta: Mapping[str, Any] | None = None,
+           arrays: Mapping[str, np.ndarray] | None = None,
+           sender: Sender | None = None) -> list[bytes | memoryview]:
+    """Frames of one message (``sender``: stamped with its next `Origin`), one buffer each, as a
+    ZeroMQ multipart message sends them. Arrays are sent from their own memory (made contiguous
+    if needed)."""
+    return [f[0] if len(f) == 1 else b"".join(f) for f in encode_frames(key, kind, meta, arrays, sender)]
 
 
 def decode(key: bytes, frames: Sequence[Any], max_bytes: int) -> Message:

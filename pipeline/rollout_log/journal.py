@@ -65,6 +65,8 @@ _HEADER_AREA = 1 << 20
 #: Fixed, public: the GMAC under this key is a checksum, not an authenticator.
 JOURNAL_KEY = hashlib.sha256(b"tokenflow rollout log journal checksum v1").digest()
 _MAX_ENTRY_BYTES = 1 << 40
+IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
+"""Most buffers one ``writev`` takes (an entry of more parts is written in several calls)."""
 
 
 def journal_name(gen: int) -> str:
@@ -82,11 +84,12 @@ def list_journals(log_dir: Path) -> list[tuple[int, Path]]:
 
 
 def encode_entry(entry: Entry) -> list[bytes | memoryview]:
-    """The byte parts of one entry (written with one ``writev``; arrays are not copied)."""
-    frames = wire.encode(JOURNAL_KEY, *codec.encode(entry))
-    lens = [memoryview(f).nbytes for f in frames]
+    """The byte parts of one entry (written with ``writev``; arrays are not copied, and an array
+    given as `wire.Pieces` is written from its pieces: a frame may be several parts)."""
+    frames = wire.encode_frames(JOURNAL_KEY, *codec.encode(entry))
+    lens = [sum(memoryview(p).nbytes for p in f) for f in frames]
     prefix = MAGIC + struct.pack(f"<I{len(lens)}Q", len(lens), *lens)
-    return [prefix + struct.pack("<I", zlib.crc32(prefix)), *frames]
+    return [prefix + struct.pack("<I", zlib.crc32(prefix)), *(p for f in frames for p in f)]
 
 
 @dataclass
@@ -219,20 +222,11 @@ class JournalFile:
         self.end = 0
 
     def append(self, parts: list) -> None:
-        """Write one entry and ``fdatasync`` it (see module invariants)."""
-        total = sum(memoryview(p).nbytes for p in parts)
+        """Write one entry and ``fdatasync`` it (see module invariants); ``writev`` calls of at
+        most `IOV_MAX` parts each."""
         try:
-            done = os.writev(self.fd, parts)
-            while done < total:  # a short write: write the rest
-                rest, skip = [], done
-                for p in parts:
-                    m = memoryview(p).cast("B")
-                    if skip >= m.nbytes:
-                        skip -= m.nbytes
-                        continue
-                    rest.append(m[skip:])
-                    skip = 0
-                parts, total, done = rest, total - done, os.writev(self.fd, rest)
+            for at in range(0, len(parts), IOV_MAX):
+                _write_all(self.fd, parts[at:at + IOV_MAX])
             os.fdatasync(self.fd)
         except OSError:
             os.ftruncate(self.fd, self.end)
@@ -244,6 +238,22 @@ class JournalFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _write_all(fd: int, parts: list) -> None:
+    """``writev`` every byte of ``parts`` (after a short write, the rest)."""
+    total = sum(memoryview(p).nbytes for p in parts)
+    done = os.writev(fd, parts)
+    while done < total:
+        rest, skip = [], done
+        for p in parts:
+            m = memoryview(p).cast("B")
+            if skip >= m.nbytes:
+                skip -= m.nbytes
+                continue
+            rest.append(m[skip:])
+            skip = 0
+        parts, total, done = rest, total - done, os.writev(fd, rest)
 
 
 def fsync_dir(path: Path) -> None:

@@ -57,6 +57,7 @@ from pipeline.rollout_log.write_checks import cast_column, check_matches, disk_f
 from pipeline.protocol.journal_entries import CarriedJournal, FlushEntry, JournalHeader, Predecessor
 from pipeline.protocol.record import PROMPT_COLUMN, RecordSchema
 from pipeline.protocol.sample_batch import SampleBatch
+from pipeline.protocol.wire import Pieces
 
 
 ArrayLike = int | float | Sequence | np.ndarray
@@ -277,7 +278,7 @@ class RolloutLogWriter:
         self._check_open()
         if not any(self._pending.counts.values()):
             return
-        entry = self._pending.joined()  # one chunk per dataset, copied only where it must be
+        entry = self._pending.joined()  # one chunk (or its pieces) per dataset, copied only where small
         parts = encode_entry(FlushEntry(
             self.seq, time.time(), self._gen_first_row + self._written["samples"],
             self._written["prompt_tokens"], self._written["completion_tokens"],
@@ -291,7 +292,7 @@ class RolloutLogWriter:
         self.seq += 1
         self._journal_bytes += sum(memoryview(p).nbytes for p in parts)
         for name, chunk in entry.items():
-            self._chunks[name].append(chunk)
+            self._chunks[name] += chunk.parts if isinstance(chunk, Pieces) else [chunk]
         for table in TABLES:
             self._written[table] += self._pending.counts[table]
         self._pending.clear()
