@@ -38,7 +38,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -246,7 +246,7 @@ def write_sealed_segment(path: Path, schema: RecordSchema, attrs: dict,
     import h5py
 
     from pipeline.rollout_log.digests import write_digests
-    from pipeline.rollout_log.journal import fsync_dir
+    from pipeline.rollout_log.journal import drop_cached, fsync_dir
     from pipeline.rollout_log.segment_map import describe, userblock_size, write_map
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     layout = dataset_layout(schema)
@@ -261,13 +261,22 @@ def write_sealed_segment(path: Path, schema: RecordSchema, attrs: dict,
     try:
         scratch = np.empty(0, np.uint8)  # `_write_rows`'s buffer, one for the whole segment
         with h5py.File(tmp, "w", libver="latest", userblock_size=userblock) as f:
+            h5_fd, unsynced = f.id.get_vfd_handle(), 0
+
+            def release(nbytes: int) -> None:  # written runs leave the page cache (`drop_cached`)
+                nonlocal unsynced
+                unsynced += nbytes
+                if unsynced >= SEAL_RUN_BYTES:
+                    os.fdatasync(h5_fd)
+                    drop_cached(h5_fd)
+                    unsynced = 0
             for key, value in attrs.items():
                 f.attrs[key] = value
             for name, spec in layout.items():
                 pieces = parts[name]
                 like = pieces[0] if pieces else np.zeros((0, *spec.trail), spec.dtype)
                 ds = f.create_dataset(name, shape=(sum(map(len, pieces)), *like.shape[1:]), dtype=like.dtype)
-                scratch = _write_rows(ds, pieces, scratch)
+                scratch = _write_rows(ds, pieces, scratch, release)
                 write_digests(f, name, pieces)
             commits = np.array([[1, *(counts[t] for t in TABLES)]], np.int64)
             f.create_dataset("commits", data=commits)
@@ -277,6 +286,7 @@ def write_sealed_segment(path: Path, schema: RecordSchema, attrs: dict,
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
+            drop_cached(fd)
         finally:
             os.close(fd)
         os.rename(tmp, path)
@@ -305,9 +315,11 @@ def _first_rows(pieces: Sequence[np.ndarray], n: int) -> list[np.ndarray]:
     return out
 
 
-def _write_rows(ds, pieces: list[np.ndarray], scratch: np.ndarray) -> np.ndarray:
+def _write_rows(ds, pieces: list[np.ndarray], scratch: np.ndarray,
+                written: Callable[[int], None]) -> np.ndarray:
     """Write ``pieces`` one after another into dataset ``ds`` in runs (`SEAL_RUN_BYTES`), small
-    ones gathered in ``scratch`` (grown when it must be); returns the scratch buffer to reuse."""
+    ones gathered in ``scratch`` (grown when it must be), calling ``written`` with the bytes of
+    each run; returns the scratch buffer to reuse."""
     at = held = 0  # rows written; rows gathered in scratch (not yet written)
     gathered = None
 
@@ -315,12 +327,14 @@ def _write_rows(ds, pieces: list[np.ndarray], scratch: np.ndarray) -> np.ndarray
         nonlocal at, held
         if held:
             ds.write_direct(gathered[:held], dest_sel=np.s_[at:at + held])
+            written(gathered[:held].nbytes)
             at, held = at + held, 0
     for piece in pieces:
         piece = np.ascontiguousarray(piece)
         if piece.nbytes >= SEAL_RUN_BYTES:
             write_gathered()
             ds.write_direct(piece, dest_sel=np.s_[at:at + len(piece)])
+            written(piece.nbytes)
             at += len(piece)
             continue
         if gathered is None:
