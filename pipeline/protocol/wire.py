@@ -117,7 +117,7 @@ def _ghash(ctx, frames: Sequence[memoryview | bytes | list]) -> None:
     joined = bytearray()
     for frame in frames:
         pieces = frame if type(frame) is list else (frame,)
-        joined += sum(len(p) for p in pieces).to_bytes(8, "little")
+        joined += (sum(map(len, pieces)) if len(pieces) > 1 else len(pieces[0])).to_bytes(8, "little")
         for p in pieces:
             if len(p) <= SMALL_PART:
                 joined += p

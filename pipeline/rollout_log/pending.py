@@ -47,8 +47,8 @@ class PendingAppends:
         entry = {}
         for name, parts in self.parts.items():
             spec = self.layout[name]
-            entry[name] = (join([np.asarray(p, dtype=spec.dtype) for p in parts]) if parts
-                           else np.zeros((0, *spec.trail), spec.dtype))
+            entry[name] = (join([p if p.dtype == spec.dtype else p.astype(spec.dtype) for p in parts])
+                           if parts else np.zeros((0, *spec.trail), spec.dtype))
         return entry
 
     def clear(self) -> None:

@@ -77,6 +77,7 @@ class RolloutLogWriter:
         self.log_dir, self.schema, self.run_id = Path(log_dir), schema, run_id
         self.meta, self.seal_interval_s, self.seal_bytes = meta or {}, seal_interval_s, seal_bytes
         self.fstype = check_log_filesystem(self.log_dir)
+        import h5py  # noqa: F401 - the seal's library, loaded with the writer (not by its first seal)
         self._full: LogFullError | None = None
         self.writer_id = uuid.uuid4().hex[:16]
         scan = scan_log(self.log_dir)
