@@ -245,9 +245,9 @@ def write_sealed_segment(path: Path, schema: RecordSchema, attrs: dict,
     ``*.tmp`` file."""
     import h5py
 
-    from pipeline.rollout_log.digests import write_digests
+    from pipeline.rollout_log.digests import DIGESTS_GROUP, write_digests
     from pipeline.rollout_log.journal import drop_cached, fsync_dir
-    from pipeline.rollout_log.segment_map import describe, userblock_size, write_map
+    from pipeline.rollout_log.segment_map import place, userblock_size, write_map
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     layout = dataset_layout(schema)
     userblock = userblock_size(2 * len(layout) + 2)
@@ -260,6 +260,7 @@ def write_sealed_segment(path: Path, schema: RecordSchema, attrs: dict,
                       f"{st.f_bavail * st.f_frsize} are free", str(path))
     try:
         scratch = np.empty(0, np.uint8)  # `_write_rows`'s buffer, one for the whole segment
+        places: dict[str, list] = {}  # the segment map (`segment_map.place` of each dataset)
         with h5py.File(tmp, "w", libver="latest", userblock_size=userblock) as f:
             h5_fd, unsynced = f.id.get_vfd_handle(), 0
 
@@ -277,11 +278,12 @@ def write_sealed_segment(path: Path, schema: RecordSchema, attrs: dict,
                 like = pieces[0] if pieces else np.zeros((0, *spec.trail), spec.dtype)
                 ds = f.create_dataset(name, shape=(sum(map(len, pieces)), *like.shape[1:]), dtype=like.dtype)
                 scratch = _write_rows(ds, pieces, scratch, release)
-                write_digests(f, name, pieces)
+                places[name] = place(ds)
+                places[f"{DIGESTS_GROUP}/{name}"] = place(*write_digests(f, name, pieces, ds))
             commits = np.array([[1, *(counts[t] for t in TABLES)]], np.int64)
-            f.create_dataset("commits", data=commits)
-            write_digests(f, "commits", [commits])
-            places = describe(f)
+            ds = f.create_dataset("commits", data=commits)
+            places["commits"] = place(ds)
+            places[f"{DIGESTS_GROUP}/commits"] = place(*write_digests(f, "commits", [commits], ds))
         write_map(tmp, places, userblock)
         fd = os.open(tmp, os.O_RDONLY)
         try:

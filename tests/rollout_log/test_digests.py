@@ -16,8 +16,9 @@ import pytest
 from pipeline.protocol.record import RecordSchema
 from pipeline.protocol.sample_batch import SampleBatch
 from pipeline.rollout_log.digests import block_rows, digest
-from pipeline.rollout_log.format import SEAL_RUN_BYTES
+from pipeline.rollout_log.format import SEAL_RUN_BYTES, dataset_layout
 from pipeline.rollout_log.reader import RolloutLog
+from pipeline.rollout_log.segment_map import MappedFile, hdf5_damage
 from pipeline.rollout_log.writer import RolloutLogWriter
 from support.rollout_data import assert_batches_equal, make_batch
 
@@ -54,7 +55,8 @@ def test_a_flipped_byte_changes_only_its_block():
 def test_a_seal_of_large_and_small_flushes_reads_back_whole_and_verified(tmp_path):
     """Flushes whose token chunks are past `SEAL_RUN_BYTES` (written as they are) between small
     ones (gathered into runs, across the 4 MiB mark); every row read back from the sealed segment,
-    each block checked against its digest, equals what was appended."""
+    each block checked against its digest, equals what was appended; the segment map agrees with
+    HDF5's own metadata."""
     schema = RecordSchema(token_rewards=True)
     big = SEAL_RUN_BYTES // 4 // 8 + 1000  # int32 tokens a sample: 8 samples pass 4 MiB a column
     sizes = [(5, (1, 3000))] * 3 + [(8, (big, big))] + [(6, (1, 9000))] * 30 + [(8, (big, big))] + [(3, (1, 5))]
@@ -69,3 +71,7 @@ def test_a_seal_of_large_and_small_flushes_reads_back_whole_and_verified(tmp_pat
     with RolloutLog.open(tmp_path / "rollouts") as log:
         assert not log.problems and log.num_samples == total == sum(n for n, _ in sizes)
         assert_batches_equal(log.read(np.arange(total)), SampleBatch.concat(batches))
+    # the map the seal built as it wrote is the one HDF5 reads: every dataset's place, dtype, shape
+    (segment,) = (tmp_path / "rollouts").glob("*.h5")
+    mapped = MappedFile(segment)
+    assert len(mapped.entries) == 2 * (len(dataset_layout(schema)) + 1) and not hdf5_damage(segment, mapped)
