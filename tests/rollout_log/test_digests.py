@@ -1,7 +1,7 @@
 """A seal writes and digests each dataset from the flushes' chunks where they lie.
 
-A seal writes each dataset from the flushes' chunks (`write_sealed_segment`: a chunk of at least
-`SEAL_RUN_BYTES` as it is, smaller ones gathered into runs) and digests them in the same pieces; a
+A seal writes each dataset from the flushes' chunks (`write_sealed_segment`: every chunk where it
+lies, at the dataset's place in the file, synced every `SEAL_SYNC_BYTES`) and digests them in the same pieces; a
 reader digests the stored rows in one piece (`pipeline.rollout_log.digests.verified`). The
 references here: zlib's crc32 of each block's bytes, cut from one joined copy by hand, and the
 batches the writer was given.
@@ -16,7 +16,7 @@ import pytest
 from pipeline.protocol.record import RecordSchema
 from pipeline.protocol.sample_batch import SampleBatch
 from pipeline.rollout_log.digests import block_rows, digest
-from pipeline.rollout_log.format import SEAL_RUN_BYTES, dataset_layout
+from pipeline.rollout_log.format import SEAL_SYNC_BYTES, dataset_layout
 from pipeline.rollout_log.reader import RolloutLog
 from pipeline.rollout_log.segment_map import MappedFile, hdf5_damage
 from pipeline.rollout_log.writer import RolloutLogWriter
@@ -53,12 +53,12 @@ def test_a_flipped_byte_changes_only_its_block():
 
 
 def test_a_seal_of_large_and_small_flushes_reads_back_whole_and_verified(tmp_path):
-    """Flushes whose token chunks are past `SEAL_RUN_BYTES` (written as they are) between small
-    ones (gathered into runs, across the 4 MiB mark); every row read back from the sealed segment,
+    """Flushes whose token chunks are past `SEAL_SYNC_BYTES` between small ones (synced across the
+    4 MiB mark); every row read back from the sealed segment,
     each block checked against its digest, equals what was appended; the segment map agrees with
     HDF5's own metadata."""
     schema = RecordSchema(token_rewards=True)
-    big = SEAL_RUN_BYTES // 4 // 8 + 1000  # int32 tokens a sample: 8 samples pass 4 MiB a column
+    big = SEAL_SYNC_BYTES // 4 // 8 + 1000  # int32 tokens a sample: 8 samples pass 4 MiB a column
     sizes = [(5, (1, 3000))] * 3 + [(8, (big, big))] + [(6, (1, 9000))] * 30 + [(8, (big, big))] + [(3, (1, 5))]
     batches = []
     with RolloutLogWriter(tmp_path / "rollouts", schema, "seal-runs", {}, seal_interval_s=3600) as w:
