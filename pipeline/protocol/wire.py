@@ -25,6 +25,9 @@ Invariants:
   raises `FrameError` with a short machine-readable ``reason`` (``unauthenticated``, ``oversized``,
   ``malformed``, ``bad_version``); it never raises anything else on bad input.
 - Only plain numeric dtypes in `ALLOWED_DTYPES` cross the wire (no object arrays).
+- an array given as `Pieces` is one frame whose bytes are its pieces' in order: `encode_frames`
+  returns every frame as the buffers it is made of (the rollout log's journal writes them with
+  one ``writev``), `encode` one buffer a frame; the MAC is the same either way.
 
 Worked example: a 64-sample batch of 1K-token completions carries ~64K tokens as int32 ids, float32
 logprobs and int32 versions: 3 frames of 256 KB plus the prompt and scalar columns; the header is

@@ -22,9 +22,10 @@ Invariants:
 - the log's first new row is where the readable log ended, so rows handed out never change meaning.
 
 Metadata load: a flush is one write + ``fdatasync`` of an open file (no namespace operation; at
-most one ``fstat`` a second); a seal is ~8 (create, rename, directory fsync x2, exclusive create, remove). With the defaults
-(``flush_interval_s`` 0.02, ``seal_interval_s`` 60) a busy run sends at most 3000 data syncs and
-~8 namespace operations per minute to the filesystem (docs/rollout-log.md).
+most one ``fstat`` a second); a seal is ~8 (create, rename, directory fsync x2, exclusive create, remove)
+and a data sync per `SEAL_SYNC_BYTES` it writes. With the defaults (``flush_interval_s`` 0.02,
+``seal_interval_s`` 60, ``seal_bytes`` 256 MiB) a busy run sends at most ~3000 flush syncs (and
+<= 64 a seal) and ~8 namespace operations per minute to the filesystem (docs/rollout-log.md).
 
 Worked example: a log whose segments hold 140 rows and whose journal holds 2 valid flushes of 8 rows
 (seqs 15, 16) plus a torn third one: a start seals rows 140-155 into its segment, its header says
