@@ -26,8 +26,8 @@ Invariants:
   ``malformed``, ``bad_version``); it never raises anything else on bad input.
 - Only plain numeric dtypes in `ALLOWED_DTYPES` cross the wire (no object arrays).
 - an array given as `Pieces` is one frame whose bytes are its pieces' in order: `encode_frames`
-  returns every frame as the buffers it is made of (the rollout log's journal writes them with
-  one ``writev``), `encode` one buffer a frame; the MAC is the same either way.
+  returns that frame as the list of its buffers (the rollout log's journal writes them with one
+  ``writev``), `encode` as one buffer; the MAC is the same either way.
 
 Worked example: a 64-sample batch of 1K-token completions carries ~64K tokens as int32 ids, float32
 logprobs and int32 versions: 3 frames of 256 KB plus the prompt and scalar columns; the header is
@@ -172,23 +172,26 @@ class Pieces:
 
 def encode_frames(key: bytes, kind: str, meta: Mapping[str, Any] | None = None,
                   arrays: Mapping[str, np.ndarray | Pieces] | None = None,
-                  sender: Sender | None = None) -> list[list[bytes | memoryview]]:
-    """Frames of one message (``sender``: stamped with its next `Origin`), each as the buffers
-    it is made of: one for the MAC, the header and each array (sent from its own memory, made
-    contiguous if needed), one per piece of a `Pieces`."""
+                  sender: Sender | None = None) -> list[bytes | memoryview | list]:
+    """Frames of one message (``sender``: stamped with its next `Origin`): the MAC, the header and
+    each array as one buffer (sent from the array's own memory, made contiguous if needed), a
+    `Pieces`' frame as the list of its pieces' buffers."""
     specs, frames = [], []
     for name, arr in (arrays or {}).items():
-        arr = arr if isinstance(arr, Pieces) else np.ascontiguousarray(arr)
-        parts = arr.parts if isinstance(arr, Pieces) else [arr]
+        pieces = isinstance(arr, Pieces)
+        arr = arr if pieces else np.ascontiguousarray(arr)
         if arr.dtype.str not in ALLOWED_DTYPES:
             raise TypeError(f"array {name!r} has dtype {arr.dtype}, which cannot cross the wire")
         specs.append([name, arr.dtype.str, list(arr.shape)])
-        frames.append([memoryview(p).cast("B") for p in parts if p.size] or [b""])
+        if pieces:
+            frames.append([memoryview(p).cast("B") for p in arr.parts if p.size] or [b""])
+        else:
+            frames.append(memoryview(arr).cast("B") if arr.size else b"")
     head = {"v": PROTOCOL_VERSION, "kind": kind, "meta": dict(meta or {}), "arrays": specs}
     if sender is not None:
         head["from"] = sender.next()
     header = msgpack.packb(head, use_bin_type=True)
-    return [[_mac(key, [header, *frames])], [header], *frames]
+    return [_mac(key, [header, *frames]), header, *frames]
 
 
 def encode(key: bytes, kind: str, meta: Mapping[str, Any] | None = None,
@@ -197,7 +200,7 @@ def encode(key: bytes, kind: str, meta: Mapping[str, Any] | None = None,
     """Frames of one message (``sender``: stamped with its next `Origin`), one buffer each, as a
     ZeroMQ multipart message sends them. Arrays are sent from their own memory (made contiguous
     if needed)."""
-    return [f[0] if len(f) == 1 else b"".join(f) for f in encode_frames(key, kind, meta, arrays, sender)]
+    return [b"".join(f) if type(f) is list else f for f in encode_frames(key, kind, meta, arrays, sender)]
 
 
 def decode(key: bytes, frames: Sequence[Any], max_bytes: int) -> Message:

@@ -26,9 +26,9 @@ Invariants:
   ``completion_at``: the first global row and the generation's token offsets; ``steps_at``: the step
   records before them in this generation);
 - `append` returns only after ``fdatasync``: an entry it wrote survives ``kill -9`` of the writer
-  and a crash of its node (then its pages leave the page cache, `drop_cached`); a failed append
-  (disk full) truncates the file back to its previous end,
-  so the entry can be retried and nothing after a torn entry is ever written;
+  and a crash of its node (its pages then leave the page cache, `DROP_EVERY_BYTES` at a time); a
+  failed append (disk full) truncates the file back to its previous end, so the entry can be
+  retried and nothing after a torn entry is ever written;
 - `read_entries` returns the valid entries: a bad entry (damaged marker, lengths or payload, or a
   sequence number out of order) followed by valid entries is *damage* (``damage``, the missing
   sequence numbers counted in ``lost_seqs``): reading goes on at the next valid entry; a bad entry
@@ -66,6 +66,9 @@ _HEADER_AREA = 1 << 20
 #: Fixed, public: the GMAC under this key is a checksum, not an authenticator.
 JOURNAL_KEY = hashlib.sha256(b"tokenflow rollout log journal checksum v1").digest()
 _MAX_ENTRY_BYTES = 1 << 40
+DROP_EVERY_BYTES = 4 << 20
+"""The journal's synced pages leave the page cache (`drop_cached`) once this many bytes were written
+since the last time: one call per ~4 MiB, not one per flush on the acknowledgement's path."""
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 """Most buffers one ``writev`` takes (an entry of more parts is written in several calls)."""
 
@@ -87,10 +90,13 @@ def list_journals(log_dir: Path) -> list[tuple[int, Path]]:
 def encode_entry(entry: Entry) -> list[bytes | memoryview]:
     """The byte parts of one entry (written with ``writev``; arrays are not copied, and an array
     given as `wire.Pieces` is written from its pieces: a frame may be several parts)."""
-    frames = wire.encode_frames(JOURNAL_KEY, *codec.encode(entry))
-    lens = [sum(memoryview(p).nbytes for p in f) for f in frames]
+    frames = wire.encode_frames(JOURNAL_KEY, *codec.encode(entry))  # buffers of bytes ('B')
+    lens = [sum(map(len, f)) if type(f) is list else len(f) for f in frames]
     prefix = MAGIC + struct.pack(f"<I{len(lens)}Q", len(lens), *lens)
-    return [prefix + struct.pack("<I", zlib.crc32(prefix)), *(p for f in frames for p in f)]
+    parts = [prefix + struct.pack("<I", zlib.crc32(prefix))]
+    for f in frames:
+        parts += f if type(f) is list else (f,)
+    return parts
 
 
 @dataclass
@@ -220,7 +226,7 @@ class JournalFile:
         """Claim ``path`` exclusively; raises FileExistsError if another writer has it."""
         self.path = path
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        self.end = 0
+        self.end = self.dropped = 0  # bytes written; of them, given back to the kernel (`drop_cached`)
 
     def append(self, parts: list) -> None:
         """Write one entry and ``fdatasync`` it (see module invariants); ``writev`` calls of at
@@ -233,8 +239,10 @@ class JournalFile:
             os.ftruncate(self.fd, self.end)
             os.lseek(self.fd, self.end, os.SEEK_SET)
             raise
-        start, self.end = self.end, os.lseek(self.fd, 0, os.SEEK_CUR)
-        drop_cached(self.fd, start, self.end - start)
+        self.end = os.lseek(self.fd, 0, os.SEEK_CUR)
+        if self.end - self.dropped >= DROP_EVERY_BYTES:  # synced: its pages can go
+            drop_cached(self.fd, self.dropped, self.end - self.dropped)
+            self.dropped = self.end
 
     def close(self) -> None:
         if self.fd >= 0:

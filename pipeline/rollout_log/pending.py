@@ -7,9 +7,9 @@ Invariants:
   per dataset of the layout (empty where nothing was appended), its rows the parts' in order;
 - joining copies only what is small: parts that are adjacent views of one array (the groups of
   one checked batch, `SampleBatch.rows`) become one view of it; a dataset whose parts are then
-  one array is that array; one of `JOIN_VIEWS_MIN_BYTES` or more in several arrays stays in them
-  (`wire.Pieces`: the journal writes them where they lie, the seal too); smaller ones are
-  concatenated.
+  one array is that array; one of `JOIN_VIEWS_MIN_BYTES` or more in several arrays of one dtype
+  stays in them (`wire.Pieces`: the journal writes them where they lie, the seal too); smaller
+  ones (and parts of mixed dtypes) are concatenated.
 
 Worked example: a turn's 40 groups of 8 x 1K tokens from 5 messages of 8 groups each, checked as 5
 64-sample batches and stored group by group, leave 40 8K-token views of those batches'
@@ -47,8 +47,16 @@ class PendingAppends:
         entry = {}
         for name, parts in self.parts.items():
             spec = self.layout[name]
-            entry[name] = (join([p if p.dtype == spec.dtype else p.astype(spec.dtype) for p in parts])
-                           if parts else np.zeros((0, *spec.trail), spec.dtype))
+            if not parts:
+                entry[name] = np.zeros((0, *spec.trail), spec.dtype)
+                continue
+            joined = join(parts)
+            if not isinstance(joined, Pieces):
+                entry[name] = np.asarray(joined, dtype=spec.dtype)
+            elif joined.dtype != spec.dtype:
+                entry[name] = Pieces([p.astype(spec.dtype) for p in joined.parts])
+            else:
+                entry[name] = joined
         return entry
 
     def clear(self) -> None:
@@ -63,8 +71,10 @@ def join(parts: list[np.ndarray]) -> np.ndarray | Pieces:
     adjacent views as `Pieces`, or (when small) a copy."""
     if len(parts) == 1:
         return parts[0]
-    if sum(p.nbytes for p in parts) < JOIN_VIEWS_MIN_BYTES:
-        return np.concatenate(parts)
+    first = parts[0]
+    if (sum([p.nbytes for p in parts]) < JOIN_VIEWS_MIN_BYTES
+            or any(p.dtype != first.dtype or p.shape[1:] != first.shape[1:] for p in parts)):
+        return np.concatenate(parts)  # (parts of other dtypes: numpy's promotion, as one array)
     runs = adjacent_runs(parts)
     return runs[0] if len(runs) == 1 else Pieces(runs)
 

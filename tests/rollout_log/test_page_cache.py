@@ -1,5 +1,5 @@
 """The log's files leave the page cache once durable (`pipeline.rollout_log.journal.drop_cached`):
-a journal entry after its ``fdatasync``, a sealed segment's data every `SEAL_SYNC_BYTES` and at its
+every 4 MiB of journal entries after their ``fdatasync``, a sealed segment's data every `SEAL_SYNC_BYTES` and at its
 end. Residency is read with ``mincore(2)`` over a mapping of the file; the reference is a file
 written and synced the same way without the hint, whose pages stay cached."""
 from __future__ import annotations

@@ -54,6 +54,12 @@ def test_large_parts_that_are_not_back_to_back_stay_in_place_as_pieces():
     np.testing.assert_array_equal(_values(strided), base[::2])
 
 
+def test_large_parts_of_different_dtypes_are_concatenated_with_numpys_promotion():
+    joined = join([np.arange(ROWS, dtype=np.int32), np.arange(ROWS, dtype=np.int64)])
+    assert isinstance(joined, np.ndarray) and joined.dtype == np.int64
+    np.testing.assert_array_equal(joined, np.concatenate([np.arange(ROWS)] * 2))
+
+
 def test_small_parts_are_concatenated():
     base = np.arange(64, dtype=np.int32)
     joined = join([base[0:8], base[8:16], base[20:24]])
