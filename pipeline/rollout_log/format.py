@@ -240,9 +240,9 @@ def write_sealed_segment(path: Path, schema: RecordSchema, attrs: dict,
     table's count) of ``data[name]``: its rows in order, in one array or in pieces (a flush's
     chunks each, written where HDF5 allocated the dataset, `_SealWrites`: never joined into one
     copy), each dataset with its digests (`digests`) and the map of where they lie
-    (`segment_map`): aside as ``*.tmp``, fsync'd, renamed to ``path``, the directory fsync'd. Raises ENOSPC before HDF5 writes anything when the
-    filesystem cannot hold it (HDF5 may crash the process on a failed write); a failure removes the
-    ``*.tmp`` file."""
+    (`segment_map`): aside as ``*.tmp``, fsync'd, renamed to ``path``, the directory fsync'd.
+    Raises ENOSPC before HDF5 writes anything when the filesystem cannot hold it (HDF5 may crash
+    the process on a failed write); a failure removes the ``*.tmp`` file."""
     import h5py
 
     from pipeline.rollout_log.digests import DIGESTS_GROUP, write_digests
@@ -334,14 +334,14 @@ class _SealWrites:
         """Write every byte of ``bufs`` at ``offset`` (after a short write, the rest); the end."""
         while bufs:
             done = os.pwritev(self.fd, bufs, offset)
+            if not done:
+                raise OSError(errno.EIO, "pwritev wrote nothing")
             offset += done
-            while bufs and done >= bufs[0].nbytes:
+            while bufs and done >= bufs[0].nbytes:  # (no empty buffers: `put` leaves them out)
                 done -= bufs[0].nbytes
                 bufs = bufs[1:]
-            if bufs and done:
+            if done:
                 bufs = [bufs[0][done:], *bufs[1:]]
-            elif bufs and not done:
-                raise OSError(errno.EIO, "pwritev wrote nothing")
         return offset
 
 

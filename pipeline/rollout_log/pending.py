@@ -80,8 +80,8 @@ def join(parts: list[np.ndarray]) -> np.ndarray | Pieces:
 
 
 def adjacent_runs(parts: list[np.ndarray]) -> list[np.ndarray]:
-    """``parts`` (the empty ones left out) with every run of C-contiguous, back-to-back slices along the first axis of one
-    C-contiguous array replaced by one view of it."""
+    """``parts`` (the empty ones left out) with every run of C-contiguous, back-to-back slices
+    along the first axis of one C-contiguous array replaced by one view of it."""
     runs: list[np.ndarray] = []
     base = None  # the array the current run is a view of
     for p in parts:

@@ -8,6 +8,7 @@ batches the writer was given.
 """
 from __future__ import annotations
 
+import os
 import zlib
 
 import numpy as np
@@ -75,3 +76,30 @@ def test_a_seal_of_large_and_small_flushes_reads_back_whole_and_verified(tmp_pat
     (segment,) = (tmp_path / "rollouts").glob("*.h5")
     mapped = MappedFile(segment)
     assert len(mapped.entries) == 2 * (len(dataset_layout(schema)) + 1) and not hdf5_damage(segment, mapped)
+
+
+def test_a_seal_writes_on_after_short_writes(tmp_path, monkeypatch):
+    """`os.pwritev` may write less than asked (a signal, a full pipe on some filesystems): the
+    seal writes the rest, from inside a buffer or from a buffer's boundary, and the segment reads
+    back whole."""
+    import pipeline.rollout_log.format as fmt
+    real, calls = os.pwritev, []
+
+    def short(fd, bufs, offset):  # every other call: at most 1000 bytes, or exactly the first buffer
+        kind = "whole" if len(calls) % 2 == 0 else "first" if len(calls) % 4 == 3 and len(bufs) > 1 else "1000"
+        calls.append(kind)
+        if kind == "first":
+            return real(fd, bufs[:1], offset)
+        return real(fd, bufs if kind == "whole" else [memoryview(bufs[0])[:1000]], offset)
+    monkeypatch.setattr(fmt.os, "pwritev", short)
+    schema = RecordSchema()
+    batches = [make_batch(schema, k, 6, first_group=10 * k, completion_len=(300, 3000)) for k in range(5)]
+    with RolloutLogWriter(tmp_path / "rollouts", schema, "short", {}, seal_interval_s=3600) as w:
+        for b in batches:
+            w.append_samples(b)
+            w.flush()
+    assert {"first", "1000"} <= set(calls)
+    monkeypatch.undo()
+    with RolloutLog.open(tmp_path / "rollouts") as log:
+        assert not log.problems
+        assert_batches_equal(log.read(np.arange(30)), SampleBatch.concat(batches))
