@@ -48,7 +48,10 @@ class PromptSource:
         epoch, pos = divmod(group_id, n)
         return int(_permutation(self.seed, epoch, n)[pos])
 
+    @lru_cache(maxsize=4096)
     def for_group(self, group_id: int) -> PromptItem:
+        """Group ``group_id``'s prompt (a group's is looked up ~4 times, from its grant to its
+        resolution: the recent groups' are kept)."""
         return self._cached(self.prompt_id_for_group(group_id))
 
     @lru_cache(maxsize=65536)

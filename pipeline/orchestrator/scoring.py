@@ -37,8 +37,9 @@ class VerifierScorer(Scorer):
         self.verify = verify
 
     def score(self, group: SampleBatch, prompt: PromptItem) -> np.ndarray:
-        return np.array([self.verify(prompt, group.tokens("completion_ids", i))
-                         for i in range(len(group))], dtype=np.float32)
+        ids, ends = group.columns["completion_ids"], np.cumsum(group.columns["completion_len"]).tolist()
+        return np.array([self.verify(prompt, ids[a:b]) for a, b in zip([0, *ends], ends)],
+                        dtype=np.float32)
 
 
 def last_token_verifier(prompt: PromptItem, completion_ids: np.ndarray) -> float:

@@ -97,4 +97,5 @@ class FlushEntry:
     steps_at: int | None = None
     """Step records before it in this generation (None: where the previous flush ended)."""
     arrays: dict[str, np.ndarray] = arrays_field()
-    """The new rows of every dataset of the log layout."""
+    """The new rows of every dataset of the log layout (a writer may give a dataset as its
+    `pipeline.protocol.wire.Pieces`, written as one frame; read back, each is one array)."""

@@ -25,6 +25,9 @@ Invariants:
   raises `FrameError` with a short machine-readable ``reason`` (``unauthenticated``, ``oversized``,
   ``malformed``, ``bad_version``); it never raises anything else on bad input.
 - Only plain numeric dtypes in `ALLOWED_DTYPES` cross the wire (no object arrays).
+- an array given as `Pieces` is one frame whose bytes are its pieces' in order: `encode_frames`
+  returns that frame as the list of its buffers (the rollout log's journal writes them with one
+  ``writev``), `encode` as one buffer; the MAC is the same either way.
 
 Worked example: a 64-sample batch of 1K-token completions carries ~64K tokens as int32 ids, float32
 logprobs and int32 versions: 3 frames of 256 KB plus the prompt and scalar columns; the header is
@@ -110,27 +113,29 @@ SMALL_PART = 4096
 """Parts up to this size are fed to GHASH joined with their neighbours (one call for many)."""
 
 
-def _ghash(ctx, parts: Sequence[memoryview | bytes]) -> None:
-    """Feed the length-prefixed parts to GHASH (the same tag as over their concatenation): small
-    parts copied together with the length prefixes, large ones from their own memory."""
+def _ghash(ctx, frames: Sequence[memoryview | bytes | list]) -> None:
+    """Feed the length-prefixed frames to GHASH (the same tag as over their concatenation), a
+    frame given as a buffer or as a list of its pieces: small pieces copied together with the
+    length prefixes, large ones from their own memory."""
     joined = bytearray()
-    for p in parts:
-        n = len(p)
-        joined += n.to_bytes(8, "little")
-        if n <= SMALL_PART:
-            joined += p
-            continue
-        ctx.authenticate_additional_data(bytes(joined))
-        joined.clear()
-        ctx.authenticate_additional_data(p)
+    for frame in frames:
+        pieces = frame if type(frame) is list else (frame,)
+        joined += (sum(map(len, pieces)) if len(pieces) > 1 else len(pieces[0])).to_bytes(8, "little")
+        for p in pieces:
+            if len(p) <= SMALL_PART:
+                joined += p
+                continue
+            ctx.authenticate_additional_data(bytes(joined))
+            joined.clear()
+            ctx.authenticate_additional_data(p)
     if joined:
         ctx.authenticate_additional_data(bytes(joined))
 
 
-def _mac(key: bytes, parts: Sequence[memoryview | bytes], nonce: bytes | None = None) -> bytes:
+def _mac(key: bytes, frames: Sequence[memoryview | bytes | list], nonce: bytes | None = None) -> bytes:
     nonce = os.urandom(NONCE_BYTES) if nonce is None else nonce
     ctx = Cipher(_aes(key), modes.GCM(nonce)).encryptor()
-    _ghash(ctx, parts)
+    _ghash(ctx, frames)
     ctx.finalize()
     return nonce + ctx.tag
 
@@ -146,23 +151,56 @@ def _verify(key: bytes, mac: memoryview, parts: Sequence[memoryview]) -> bool:
     return True
 
 
-def encode(key: bytes, kind: str, meta: Mapping[str, Any] | None = None,
-           arrays: Mapping[str, np.ndarray] | None = None,
-           sender: Sender | None = None) -> list[bytes | memoryview]:
-    """Frames of one message (``sender``: stamped with its next `Origin`). Arrays are sent from
-    their own memory (made contiguous if needed)."""
+class Pieces:
+    """An array given as its pieces, rows of one dtype and trailing shape in order, to be sent (or
+    written) as ONE frame gathered from their own memory: the frame's bytes are the pieces' bytes
+    one after another, never joined into a copy (`encode_frames`)."""
+
+    def __init__(self, parts: Sequence[np.ndarray]):
+        if not parts:
+            raise ValueError("Pieces needs at least one piece")
+        self.parts = [np.ascontiguousarray(p) for p in parts]
+        first = self.parts[0]
+        if any(p.dtype != first.dtype or p.shape[1:] != first.shape[1:] for p in self.parts):
+            raise ValueError("pieces differ in dtype or trailing shape")
+        self.dtype = first.dtype
+        self.shape = (sum(len(p) for p in self.parts), *first.shape[1:])
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+
+def encode_frames(key: bytes, kind: str, meta: Mapping[str, Any] | None = None,
+                  arrays: Mapping[str, np.ndarray | Pieces] | None = None,
+                  sender: Sender | None = None) -> list[bytes | memoryview | list]:
+    """Frames of one message (``sender``: stamped with its next `Origin`): the MAC, the header and
+    each array as one buffer (sent from the array's own memory, made contiguous if needed), a
+    `Pieces`' frame as the list of its pieces' buffers."""
     specs, frames = [], []
     for name, arr in (arrays or {}).items():
-        arr = np.ascontiguousarray(arr)
+        pieces = isinstance(arr, Pieces)
+        arr = arr if pieces else np.ascontiguousarray(arr)
         if arr.dtype.str not in ALLOWED_DTYPES:
             raise TypeError(f"array {name!r} has dtype {arr.dtype}, which cannot cross the wire")
         specs.append([name, arr.dtype.str, list(arr.shape)])
-        frames.append(memoryview(arr).cast("B") if arr.size else b"")
+        if pieces:
+            frames.append([memoryview(p).cast("B") for p in arr.parts if p.size] or [b""])
+        else:
+            frames.append(memoryview(arr).cast("B") if arr.size else b"")
     head = {"v": PROTOCOL_VERSION, "kind": kind, "meta": dict(meta or {}), "arrays": specs}
     if sender is not None:
         head["from"] = sender.next()
     header = msgpack.packb(head, use_bin_type=True)
     return [_mac(key, [header, *frames]), header, *frames]
+
+
+def encode(key: bytes, kind: str, meta: Mapping[str, Any] | None = None,
+           arrays: Mapping[str, np.ndarray] | None = None,
+           sender: Sender | None = None) -> list[bytes | memoryview]:
+    """Frames of one message (``sender``: stamped with its next `Origin`), one buffer each, as a
+    ZeroMQ multipart message sends them. Arrays are sent from their own memory (made contiguous
+    if needed)."""
+    return [b"".join(f) if type(f) is list else f for f in encode_frames(key, kind, meta, arrays, sender)]
 
 
 def decode(key: bytes, frames: Sequence[Any], max_bytes: int) -> Message:

@@ -56,6 +56,9 @@ def digest(parts: Sequence[np.ndarray], rows: int) -> np.ndarray:
         flat = memoryview(part).cast("B")
         step = step or rows * (part.nbytes // len(part))
         at = 0
+        if not filled:  # whole blocks from the part's start: one call each, no bookkeeping
+            at = len(flat) // step * step
+            out += [zlib.crc32(flat[k:k + step]) for k in range(0, at, step)]
         while at < len(flat):
             take = min(step - filled, len(flat) - at)
             crc = zlib.crc32(flat[at:at + take], crc)
@@ -68,11 +71,13 @@ def digest(parts: Sequence[np.ndarray], rows: int) -> np.ndarray:
     return np.array(out, np.uint32)
 
 
-def write_digests(f, name: str, parts: Sequence[np.ndarray]) -> None:
-    """Store the digests of dataset ``name`` of open HDF5 file ``f``, whose rows are ``parts``."""
-    rows = block_rows(f[name])
-    ds = f.create_dataset(f"{DIGESTS_GROUP}/{name}", data=digest(parts, rows))
-    ds.attrs["rows"] = rows
+def write_digests(f, name: str, parts: Sequence[np.ndarray], ds) -> tuple:
+    """Store the digests of dataset ``name`` (``ds``) of open HDF5 file ``f``, whose rows are
+    ``parts``; returns the digest dataset and its rows per block."""
+    rows = block_rows(ds)
+    dg = f.create_dataset(f"{DIGESTS_GROUP}/{name}", data=digest(parts, rows))
+    dg.attrs["rows"] = rows
+    return dg, rows
 
 
 def _blocks(f, name: str) -> tuple[int, int]:

@@ -238,16 +238,16 @@ def write_sealed_segment(path: Path, schema: RecordSchema, attrs: dict,
                          data: dict[str, Sequence[np.ndarray]], counts: dict[str, int]) -> None:
     """Write an immutable segment holding, for every dataset of the layout, the first rows (its
     table's count) of ``data[name]``: its rows in order, in one array or in pieces (a flush's
-    chunks each; written in runs, `_write_rows`, never joined into one copy), each dataset with its digests
-    (`digests`) and the map of where they lie (`segment_map`): aside as ``*.tmp``, fsync'd, renamed
-    to ``path``, the directory fsync'd. Raises ENOSPC before HDF5 writes anything when the
-    filesystem cannot hold it (HDF5 may crash the process on a failed write); a failure removes the
-    ``*.tmp`` file."""
+    chunks each, written where HDF5 allocated the dataset, `_SealWrites`: never joined into one
+    copy), each dataset with its digests (`digests`) and the map of where they lie
+    (`segment_map`): aside as ``*.tmp``, fsync'd, renamed to ``path``, the directory fsync'd.
+    Raises ENOSPC before HDF5 writes anything when the filesystem cannot hold it (HDF5 may crash
+    the process on a failed write); a failure removes the ``*.tmp`` file."""
     import h5py
 
-    from pipeline.rollout_log.digests import write_digests
-    from pipeline.rollout_log.journal import fsync_dir
-    from pipeline.rollout_log.segment_map import describe, userblock_size, write_map
+    from pipeline.rollout_log.digests import DIGESTS_GROUP, write_digests
+    from pipeline.rollout_log.journal import drop_cached, fsync_dir
+    from pipeline.rollout_log.segment_map import place, userblock_size, write_map
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     layout = dataset_layout(schema)
     userblock = userblock_size(2 * len(layout) + 2)
@@ -259,24 +259,30 @@ def write_sealed_segment(path: Path, schema: RecordSchema, attrs: dict,
         raise OSError(errno.ENOSPC, f"No space left: the segment needs ~{need} bytes, "
                       f"{st.f_bavail * st.f_frsize} are free", str(path))
     try:
-        scratch = np.empty(0, np.uint8)  # `_write_rows`'s buffer, one for the whole segment
         with h5py.File(tmp, "w", libver="latest", userblock_size=userblock) as f:
+            fd, places = f.id.get_vfd_handle(), {}  # places: the segment map, `segment_map.place`
+            writes = _SealWrites(fd)
             for key, value in attrs.items():
                 f.attrs[key] = value
             for name, spec in layout.items():
                 pieces = parts[name]
                 like = pieces[0] if pieces else np.zeros((0, *spec.trail), spec.dtype)
-                ds = f.create_dataset(name, shape=(sum(map(len, pieces)), *like.shape[1:]), dtype=like.dtype)
-                scratch = _write_rows(ds, pieces, scratch)
-                write_digests(f, name, pieces)
+                dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+                dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)  # its place known now, never filled
+                ds = f.create_dataset(name, shape=(sum(map(len, pieces)), *like.shape[1:]), dtype=like.dtype,
+                                      dcpl=dcpl, fill_time="never")
+                places[name] = place(ds)
+                writes.put(pieces, places[name][0])
+                places[f"{DIGESTS_GROUP}/{name}"] = place(*write_digests(f, name, pieces, ds))
             commits = np.array([[1, *(counts[t] for t in TABLES)]], np.int64)
-            f.create_dataset("commits", data=commits)
-            write_digests(f, "commits", [commits])
-            places = describe(f)
+            ds = f.create_dataset("commits", data=commits)
+            places["commits"] = place(ds)
+            places[f"{DIGESTS_GROUP}/commits"] = place(*write_digests(f, "commits", [commits], ds))
         write_map(tmp, places, userblock)
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
+            drop_cached(fd)
         finally:
             os.close(fd)
         os.rename(tmp, path)
@@ -286,11 +292,9 @@ def write_sealed_segment(path: Path, schema: RecordSchema, attrs: dict,
     fsync_dir(path.parent)
 
 
-SEAL_RUN_BYTES = 4 << 20
-"""A seal writes a dataset in runs of at least this many bytes (but its last): a flush's chunk this
-large is written where it lies; smaller consecutive ones are copied into one reused buffer first
-(one HDF5 write per run: a run of 4 MiB costs ~0.5 ms to write, a write call ~0.05 ms; fresh memory
-for each run would cost as much again in page faults)."""
+SEAL_SYNC_BYTES = 4 << 20
+"""A seal syncs what it wrote, and gives those pages back (`journal.drop_cached`), after every
+this many bytes: a segment's pages are written once, and recycled pages cost less to write into."""
 
 
 def _first_rows(pieces: Sequence[np.ndarray], n: int) -> list[np.ndarray]:
@@ -305,35 +309,40 @@ def _first_rows(pieces: Sequence[np.ndarray], n: int) -> list[np.ndarray]:
     return out
 
 
-def _write_rows(ds, pieces: list[np.ndarray], scratch: np.ndarray) -> np.ndarray:
-    """Write ``pieces`` one after another into dataset ``ds`` in runs (`SEAL_RUN_BYTES`), small
-    ones gathered in ``scratch`` (grown when it must be); returns the scratch buffer to reuse."""
-    at = held = 0  # rows written; rows gathered in scratch (not yet written)
-    gathered = None
+class _SealWrites:
+    """A seal's data writes: each dataset's pieces written where HDF5 allocated it (``pwritev``
+    from their own memory: no gathered copy), synced and dropped from the page cache every
+    `SEAL_SYNC_BYTES`."""
 
-    def write_gathered() -> None:
-        nonlocal at, held
-        if held:
-            ds.write_direct(gathered[:held], dest_sel=np.s_[at:at + held])
-            at, held = at + held, 0
-    for piece in pieces:
-        piece = np.ascontiguousarray(piece)
-        if piece.nbytes >= SEAL_RUN_BYTES:
-            write_gathered()
-            ds.write_direct(piece, dest_sel=np.s_[at:at + len(piece)])
-            at += len(piece)
-            continue
-        if gathered is None:
-            if scratch.nbytes < 2 * SEAL_RUN_BYTES:
-                scratch = np.empty(2 * SEAL_RUN_BYTES, np.uint8)
-            row_bytes = piece.nbytes // len(piece)
-            gathered = scratch[:scratch.nbytes // row_bytes * row_bytes].view(piece.dtype).reshape(-1, *piece.shape[1:])
-        gathered[held:held + len(piece)] = piece
-        held += len(piece)
-        if held * piece.nbytes // len(piece) >= SEAL_RUN_BYTES:
-            write_gathered()
-    write_gathered()
-    return scratch
+    def __init__(self, fd: int):
+        from pipeline.rollout_log.journal import IOV_MAX, drop_cached
+        self.fd, self.unsynced, self.iov_max, self.drop_cached = fd, 0, IOV_MAX, drop_cached
+
+    def put(self, pieces: list[np.ndarray], offset: int) -> None:
+        bufs = [memoryview(np.ascontiguousarray(p)).cast("B") for p in pieces if p.size]
+        at = 0
+        while at < len(bufs):  # batches of `journal.IOV_MAX` buffers
+            batch, at = bufs[at:at + self.iov_max], at + self.iov_max
+            offset = self._pwrite_all(batch, offset)
+            self.unsynced += sum(b.nbytes for b in batch)
+            if self.unsynced >= SEAL_SYNC_BYTES:
+                os.fdatasync(self.fd)
+                self.drop_cached(self.fd)
+                self.unsynced = 0
+
+    def _pwrite_all(self, bufs: list[memoryview], offset: int) -> int:
+        """Write every byte of ``bufs`` at ``offset`` (after a short write, the rest); the end."""
+        while bufs:
+            done = os.pwritev(self.fd, bufs, offset)
+            if not done:
+                raise OSError(errno.EIO, "pwritev wrote nothing")
+            offset += done
+            while bufs and done >= bufs[0].nbytes:  # (no empty buffers: `put` leaves them out)
+                done -= bufs[0].nbytes
+                bufs = bufs[1:]
+            if done:
+                bufs = [bufs[0][done:], *bufs[1:]]
+        return offset
 
 
 def check_log_filesystem(log_dir: Path, mounts_text: str | None = None) -> str:

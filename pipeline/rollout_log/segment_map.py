@@ -42,13 +42,16 @@ def describe(f) -> dict:
 
     def visit(name, obj):
         if hasattr(obj, "id") and hasattr(obj.id, "get_offset"):
-            offset = obj.id.get_offset()
-            entry = [int(offset) if offset is not None else -1, obj.dtype.str, list(obj.shape)]
-            if "rows" in obj.attrs:
-                entry.append(int(obj.attrs["rows"]))
-            out[name] = entry
+            out[name] = place(obj, int(obj.attrs["rows"]) if "rows" in obj.attrs else None)
     f.visititems(visit)
     return out
+
+
+def place(ds, rows: int | None = None) -> list:
+    """Dataset ``ds``'s map entry: [offset (-1: no storage), dtype, shape(, digest block rows)]."""
+    offset = ds.id.get_offset()
+    entry = [int(offset) if offset is not None else -1, ds.dtype.str, list(ds.shape)]
+    return entry + [rows] if rows is not None else entry
 
 
 def write_map(path: Path, entries: dict, size: int) -> None:

@@ -22,9 +22,10 @@ Invariants:
 - the log's first new row is where the readable log ended, so rows handed out never change meaning.
 
 Metadata load: a flush is one write + ``fdatasync`` of an open file (no namespace operation; at
-most one ``fstat`` a second); a seal is ~8 (create, rename, directory fsync x2, exclusive create, remove). With the defaults
-(``flush_interval_s`` 0.02, ``seal_interval_s`` 60) a busy run sends at most 3000 data syncs and
-~8 namespace operations per minute to the filesystem (docs/rollout-log.md).
+most one ``fstat`` a second); a seal is ~8 (create, rename, directory fsync x2, exclusive create, remove)
+and a data sync per `SEAL_SYNC_BYTES` it writes. With the defaults (``flush_interval_s`` 0.02,
+``seal_interval_s`` 60, ``seal_bytes`` 256 MiB) a busy run sends at most ~3000 flush syncs (and
+<= 64 a seal) and ~8 namespace operations per minute to the filesystem (docs/rollout-log.md).
 
 Worked example: a log whose segments hold 140 rows and whose journal holds 2 valid flushes of 8 rows
 (seqs 15, 16) plus a torn third one: a start seals rows 140-155 into its segment, its header says
@@ -57,6 +58,7 @@ from pipeline.rollout_log.write_checks import cast_column, check_matches, disk_f
 from pipeline.protocol.journal_entries import CarriedJournal, FlushEntry, JournalHeader, Predecessor
 from pipeline.protocol.record import PROMPT_COLUMN, RecordSchema
 from pipeline.protocol.sample_batch import SampleBatch
+from pipeline.protocol.wire import Pieces
 
 
 ArrayLike = int | float | Sequence | np.ndarray
@@ -76,6 +78,7 @@ class RolloutLogWriter:
         self.log_dir, self.schema, self.run_id = Path(log_dir), schema, run_id
         self.meta, self.seal_interval_s, self.seal_bytes = meta or {}, seal_interval_s, seal_bytes
         self.fstype = check_log_filesystem(self.log_dir)
+        import h5py  # noqa: F401 - the seal's library, loaded with the writer (not by its first seal)
         self._full: LogFullError | None = None
         self.writer_id = uuid.uuid4().hex[:16]
         scan = scan_log(self.log_dir)
@@ -277,7 +280,7 @@ class RolloutLogWriter:
         self._check_open()
         if not any(self._pending.counts.values()):
             return
-        entry = self._pending.joined()  # one chunk per dataset, copied only where it must be
+        entry = self._pending.joined()  # one chunk (or its pieces) per dataset, copied only where small
         parts = encode_entry(FlushEntry(
             self.seq, time.time(), self._gen_first_row + self._written["samples"],
             self._written["prompt_tokens"], self._written["completion_tokens"],
@@ -291,7 +294,7 @@ class RolloutLogWriter:
         self.seq += 1
         self._journal_bytes += sum(memoryview(p).nbytes for p in parts)
         for name, chunk in entry.items():
-            self._chunks[name].append(chunk)
+            self._chunks[name] += chunk.parts if isinstance(chunk, Pieces) else [chunk]
         for table in TABLES:
             self._written[table] += self._pending.counts[table]
         self._pending.clear()

@@ -18,7 +18,7 @@ from pipeline.orchestrator.prompts import SyntheticPromptSource
 from pipeline.orchestrator.scoring import VerifierScorer, last_token_verifier
 from pipeline.orchestrator.service import Orchestrator
 from pipeline.protocol import messages as m
-from pipeline.protocol.links import GeneratorLink, TrainerLink, batch_arrays
+from pipeline.protocol.links import GeneratorLink, TrainerLink, WorkItem, batch_arrays
 from pipeline.protocol.record import RecordSchema
 from pipeline.protocol.sample_batch import SampleBatch
 from pipeline.protocol.transport import TransportConfig
@@ -215,3 +215,20 @@ def test_a_result_cut_wrong_or_past_the_group_bound_is_refused_and_the_orchestra
     finally:
         orch.close()
         link.close()
+
+
+def test_the_verifier_scores_each_sample_on_its_own_completion():
+    """`VerifierScorer` hands the verifier each sample's completion tokens, whatever the lengths."""
+    seen = []
+
+    def verify(prompt, completion_ids):
+        seen.append(completion_ids.copy())
+        return float(len(completion_ids) + 0.5 * (completion_ids[0] == prompt.answer))
+    group = synthetic_group(WorkItem(3, 0, 5, 5, np.arange(9, dtype=np.int32), 0), 0, SCHEMA, 1, 40)
+    prompt = SyntheticPromptSource().load(5)
+    rewards = VerifierScorer(verify).score(group, prompt)
+    clen = group.columns["completion_len"]
+    assert len(set(clen.tolist())) > 1 and rewards.dtype == np.float32
+    for i in range(len(group)):
+        np.testing.assert_array_equal(seen[i], group.tokens("completion_ids", i))
+        assert rewards[i] == clen[i] + 0.5 * (group.tokens("completion_ids", i)[0] == prompt.answer)

@@ -77,6 +77,23 @@ def test_decoded_arrays_are_zero_copy_views():
     np.testing.assert_array_equal(msg.arrays["a"], arr)
 
 
+def test_an_array_in_pieces_is_one_frame_of_their_bytes_under_one_mac():
+    """`wire.Pieces`: the frame is the pieces' bytes in order, sent from their memory, and its MAC
+    is the MAC of the joined frame (decode checks it over the joined bytes)."""
+    rng = np.random.default_rng(1)
+    parts = [rng.integers(0, 99, (n, 2), dtype=np.int32) for n in (3000, 1, 0, 700)]  # large, small, empty
+    frames = wire.encode_frames(KEY, "x", {"k": 1}, {"a": wire.Pieces(parts), "b": np.arange(5.0)})
+    assert [len(f) for f in frames[2:]] == [3, 5 * 8]  # a's non-empty pieces; b's bytes
+    assert np.shares_memory(np.frombuffer(frames[2][0], np.int32), parts[0])
+    msg = wire.decode(KEY, [b"".join(bytes(p) for p in f) if type(f) is list else f for f in frames], 1 << 20)
+    np.testing.assert_array_equal(msg.arrays["a"], np.concatenate(parts))
+    np.testing.assert_array_equal(msg.arrays["b"], np.arange(5.0))
+    joined = wire.encode(KEY, "x", {}, {"a": wire.Pieces(parts)})  # one buffer a frame
+    np.testing.assert_array_equal(wire.decode(KEY, joined, 1 << 20).arrays["a"], np.concatenate(parts))
+    with pytest.raises(ValueError, match="dtype or trailing shape"):
+        wire.Pieces([parts[0], parts[1].astype(np.int64)])
+
+
 def _sample(**kw):
     base = dict(group_id=0, sample_index=0, prompt_id=0, attempt=0, prompt_ids=[1, 2],
                 completion_ids=[3, 4], logprobs=[-0.5, -0.1], versions=[0, 1], finish_reason="stop")
