@@ -93,7 +93,7 @@ class Evaluator:
         return out
 
     def prompt(self, index: int) -> PromptItem:
-        return self.prompts._cached(index)
+        return self.prompts.by_id(index)
 
     def send_work(self, server: MessageServer, generators: list[bytes]) -> None:
         """Send the round's unsent (or overdue) prompts to the generators."""

@@ -52,10 +52,11 @@ class PromptSource:
     def for_group(self, group_id: int) -> PromptItem:
         """Group ``group_id``'s prompt (a group's is looked up ~4 times, from its grant to its
         resolution: the recent groups' are kept)."""
-        return self._cached(self.prompt_id_for_group(group_id))
+        return self.by_id(self.prompt_id_for_group(group_id))
 
     @lru_cache(maxsize=65536)
-    def _cached(self, prompt_id: int) -> PromptItem:
+    def by_id(self, prompt_id: int) -> PromptItem:
+        """Prompt ``prompt_id``, tokenized once (the most recent 65,536 are kept)."""
         return self.load(prompt_id)
 
 
@@ -82,7 +83,7 @@ class SyntheticPromptSource(PromptSource):
     def load(self, prompt_id: int) -> PromptItem:
         block, i = divmod(prompt_id, SYNTHETIC_BLOCK)
         if block not in self._blocks:
-            if len(self._blocks) >= 256:  # as many prompts as `PromptSource._cached` keeps
+            if len(self._blocks) >= 256:  # as many prompts as `PromptSource.by_id` keeps
                 self._blocks.clear()
             rng = np.random.default_rng([self.seed, 1 << 20, block])
             lens = rng.integers(self.min_len, self.max_len + 1, SYNTHETIC_BLOCK)
