@@ -133,10 +133,15 @@ def test_stalled_late_and_killed_scorers_cost_no_group_and_score_once(tmp_path, 
     procs = [_start(["-m", "pipeline.apps.orchestrator", str(run)], run / "orch.log")]
     try:
         _wait(lambda: (run / "rendezvous" / "scorers.json").exists(), "the scorer pool", procs=procs)
-        a, b = _scorer(run, 0, "a"), _scorer(run, 1, "b")
-        procs += [a, b,
-                  _start([LOADGEN, "generator", str(run), "--id=0", "--duration=300", "--max-len=40"],
-                         run / "gen.log")]
+        # A joins first, so the pool offers each request to A before B (it dispatches in joining order):
+        # a stopped A is then always sent work that times out (with B first, B could take every request
+        # while A stood stopped, and no timeout came: a CI failure)
+        a = _scorer(run, 0, "a")
+        procs.append(a)
+        _wait(lambda: _metric(run, "scorers_live_reward") == 1, "scorer A", procs=procs)
+        b = _scorer(run, 1, "b")
+        procs += [b, _start([LOADGEN, "generator", str(run), "--id=0", "--duration=300", "--max-len=40"],
+                            run / "gen.log")]
         _wait(lambda: _metric(run, "scorers_live_reward") == 2, "two scorers", procs=procs)
         # enough steps that groups still need scoring after the second stall, however fast the first
         # part went (with 10 the trainer could be done before the stopped scorer was sent anything)
