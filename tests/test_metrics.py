@@ -7,20 +7,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import stat
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
 import pipeline
 from pipeline.metrics import MetricsWriter, read_metrics
-from support.log_places import netfs_mounts
+from support.log_places import netfs_dir
 
 #: A writer process: `role` logs `count` ``probe`` records (seq 0, 1, ...; count -1: until
 #: ``<start>.stop`` exists or it is killed) once the start file exists, and creates
@@ -98,15 +96,8 @@ def test_each_writer_owns_a_new_file_in_a_private_directory(tmp_path):
 @pytest.fixture
 def netfs_run():
     """(the run directory through the first mount, the same through the second)."""
-    mounts, why = netfs_mounts()
-    if why:
-        pytest.skip(why)
-    name = f"metrics-{uuid.uuid4().hex[:10]}"
-    (mounts[0] / name).mkdir()
-    try:
-        yield mounts[0] / name, mounts[1] / name
-    finally:
-        shutil.rmtree(mounts[0] / name, ignore_errors=True)
+    with netfs_dir("metrics") as pair:
+        yield pair
 
 
 def test_writers_on_two_clients_of_a_network_filesystem_lose_no_record(netfs_run, tmp_path):

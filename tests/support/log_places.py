@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -36,10 +38,18 @@ def place(request, tmp_path):
     if request.param == "local":
         yield tmp_path, tmp_path
         return
+    with netfs_dir("test") as pair:
+        yield pair
+
+
+@contextmanager
+def netfs_dir(prefix: str) -> Iterator[tuple[Path, Path]]:
+    """A fresh directory on the network filesystem, (through the writer's mount, through the
+    reader's), removed afterwards; the test is skipped, saying why, when the mounts are absent."""
     mounts, why = netfs_mounts()
     if why:
         pytest.skip(why)
-    name = f"test-{uuid.uuid4().hex[:10]}"
+    name = f"{prefix}-{uuid.uuid4().hex[:10]}"
     (mounts[0] / name).mkdir()
     try:
         yield mounts[0] / name, mounts[1] / name
