@@ -23,14 +23,17 @@ from support.log_places import netfs_dir
 #: A writer process: `role` logs `count` ``probe`` records (seq 0, 1, ...; count -1: until
 #: ``<start>.stop`` exists or it is killed) once the start file exists, and creates
 #: ``<start>.<role>.<life>`` after its 2nd; each record `pad` bytes and about 110 more (330 in
-#: all: a trainer step's; 1 MB: a kill most likely lands inside a write).
+#: all: a trainer step's; 1 MB: a kill most likely lands inside a write), `gap_ms` apart. A writer
+#: that never stops is paced (a trainer logs per step): sshfs queues writes without bound, and the
+#: sftp server, whose input buffer is copied on each read, fell ~40 MB behind an unpaced one and
+#: took minutes to drain it (seen on a fresh mount: every later write and lookup waited).
 WRITER = """
 import sys, time
 from pathlib import Path
 from pipeline.metrics import MetricsWriter
 from pipeline.supervise import die_with_parent
 die_with_parent()  # a writer never outlives the test
-run, role, start, life, count, pad = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), *map(int, sys.argv[4:])
+run, role, start, life, count, pad, gap_ms = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), *map(int, sys.argv[4:])
 stop = Path(f"{start}.stop")
 while not start.exists():
     time.sleep(0.005)
@@ -41,13 +44,15 @@ while seq != count and not stop.exists():
     seq += 1
     if seq == 2:
         Path(f"{start}.{role}.{life}").touch()
+    time.sleep(gap_ms / 1000)
 m.close()
 """
 
 
-def writer(run: Path, role: str, life: int, count: int, start: Path, pad: int = 220) -> subprocess.Popen:
+def writer(run: Path, role: str, life: int, count: int, start: Path, pad: int = 220, gap_ms: int = 0) -> subprocess.Popen:
     root = str(Path(pipeline.__file__).resolve().parents[1])
-    return subprocess.Popen([sys.executable, "-c", WRITER, str(run), role, str(start), str(life), str(count), str(pad)],
+    args = [str(run), role, str(start), str(life), str(count), str(pad), str(gap_ms)]
+    return subprocess.Popen([sys.executable, "-c", WRITER, *args],
                             env={**os.environ, "PYTHONPATH": root}, cwd=root)
 
 
@@ -130,7 +135,7 @@ def test_a_role_killed_mid_stream_then_restarted_keeps_every_record_of_its_new_l
     run, restarted_in = request.getfixturevalue("netfs_run") if where == "netfs" else (tmp_path / "run",) * 2
     run.mkdir(exist_ok=True)
     start, lives = tmp_path / "start", 6
-    other = writer(run, "trainer", 1, -1, start)  # goes on writing through the kills
+    other = writer(run, "trainer", 1, -1, start, gap_ms=2)  # goes on writing through the kills
     started = [other]
     start.touch()
     try:
