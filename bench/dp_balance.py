@@ -70,13 +70,14 @@ def step_times(trainer, batches: list, reps: int) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
+    """The benchmark; its report."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--dp", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from pipeline.orchestrator.batching import StepCost, split_by_cost
     from pipeline.plan.shape import ModelShape
 
@@ -138,14 +139,14 @@ def main() -> None:
           f"{flops_ratio:.2f}; fitted model on the ranks' times: worst error {worst:+.0%}, mean |error| "
           f"{np.mean(np.abs(errors)):.0%}")
     trainer.close()
-    print(json.dumps({"bench": "dp_balance", "mode": "smoke" if args.smoke else "quick" if args.quick else "full",
+    return {"bench": "dp_balance", "mode": "smoke" if args.smoke else "quick" if args.quick else "full",
                       "dp": args.dp, "lengths": lengths.tolist(), "cost_model": model,
                       "fitted_cost": {"fixed_s": fixed, "per_sample_s": fitted.per_sample,
                                       "per_token_s": fitted.linear, "per_token_pair_s": fitted.quadratic},
                       "splits": splits, "token_over_cost_step_time": round(ratio, 3),
                       "flops_over_cost_step_time": round(flops_ratio, 3),
-                      "rank_time_error": {"worst": round(worst, 3), "mean_abs": round(float(np.mean(np.abs(errors))), 3)}}))
+                      "rank_time_error": {"worst": round(worst, 3), "mean_abs": round(float(np.mean(np.abs(errors))), 3)}}
 
 
 if __name__ == "__main__":
-    main()
+    print(json.dumps(main()))

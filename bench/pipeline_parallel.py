@@ -28,6 +28,7 @@ import os
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,21 +132,25 @@ def run_layout(name: str, model: Path, workdir: Path, steps: int, samples: int, 
     return result
 
 
-def main() -> dict:
+def main(argv: list[str] | None = None, zygote=None) -> dict:
+    """The benchmark; its report. ``zygote``: the `support.zygote.Zygote` to fork its ranks from
+    (preloading `TRAINER_PRELOAD` and this module; None: one of its own)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--smoke", action="store_true")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     mode = "smoke" if a.smoke else "quick" if a.quick else "full"
     steps, samples, length = {"smoke": (2, 4, 8), "quick": (4, 16, 32), "full": (8, 32, 64)}[mode]
     names = ["tp1", "pp2"] if a.smoke else list(LAYOUTS)
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="tf-bench-pp-") as tmp:
-        from support.zygote import TRAINER_ENV, TRAINER_PRELOAD, Zygote
+    with tempfile.TemporaryDirectory(prefix="tf-bench-pp-") as tmp, ExitStack() as own:
+        if zygote is None:
+            from support.zygote import TRAINER_ENV, TRAINER_PRELOAD, Zygote
 
-        with Zygote([*TRAINER_PRELOAD, "bench.pipeline_parallel"], Path(tmp) / "zygote.log", TRAINER_ENV) as zygote:
-            model = bench_model()
-            layouts = {n: run_layout(n, model, Path(tmp), steps, samples, length, zygote) for n in names}
+            zygote = own.enter_context(Zygote([*TRAINER_PRELOAD, "bench.pipeline_parallel"], Path(tmp) / "zygote.log",
+                                              TRAINER_ENV))
+        model = bench_model()
+        layouts = {n: run_layout(n, model, Path(tmp), steps, samples, length, zygote) for n in names}
     base = layouts["tp1"]["step_s"]
     for name, r in layouts.items():
         r["speedup"] = round(base / r["step_s"], 3)

@@ -87,13 +87,14 @@ def timed(fn, reps):
     return float(np.median(times))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
+    """The benchmark; its report."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true")
     size.add_argument("--smoke", action="store_true", help="short lengths, one repetition: the report's keys")
     ap.add_argument("--reps", type=int, default=5)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -170,8 +171,8 @@ def main() -> None:
         "memory": max(report["memory"]["growth_per_doubling"]) <= 2.2 and not report["memory"]["square_tensors"],
         "packing": report["packing"]["packed_over_padded"] >= report["targets"]["packed_over_padded_min"],
         "throughput": report["throughput"]["ratio"] >= 0.8}
-    print(json.dumps(report))
+    return report
 
 
 if __name__ == "__main__":
-    main()
+    print(json.dumps(main()))

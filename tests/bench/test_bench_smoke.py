@@ -79,23 +79,32 @@ REPORT_KEYS = {
 CONCURRENT = 3
 """Smoke runs at once (the CI machine has two cores; the third fills a core while a run waits)."""
 
-LONGEST_FIRST = ("async_vs_sync", "weight_sync", "recovery", "routing_mismatch", "episodes", "generator",
-                 "dp_balance", "scorers", "trainer", "pipeline_parallel", "ingest")
-"""The order they start in: the longest first, so that the lanes end together."""
+LONGEST_FIRST = ("async_vs_sync", "recovery", "routing_mismatch", "episodes", "generator", "weight_sync",
+                 "scorers", "trainer", "dp_balance", "pipeline_parallel", "ingest")
+"""The order they start in: the longest first, so that the lanes end together (a shared harness
+starts at its first benchmark's place)."""
 
 
-SHARED = {"leftovers", "weight_stall", "shared_engine"}
+SHARED = {"leftovers", "weight_stall", "shared_engine", "shared_zygote"}
 """bench/ modules that are no benchmark: the leftover-process check, weight_sync's stall part, the
-harness that runs engine benchmarks on one engine start."""
+harnesses that run several benchmarks on one engine start or one import."""
 
 ONE_ENGINE = {"episodes": "episodes", "generator": "generator", "weight_sync": "weight_stall"}
 """Smoke benchmarks, or the engine part of one, run together on one engine start, in this order
 (``bench/shared_engine.py --smoke episodes generator weight_stall``: two vLLM engine starts less,
 ~15 CPU s each); weight_sync's stall part (`bench/weight_stall.py`) runs there, its other parts in
-its own script (`ENGINE_REST`), and the test checks both reports as one. The others run their own script."""
+its own script (`SHARED_REST`), and the test checks both reports as one."""
 
-ENGINE_REST = {"weight_sync": ("--part", "bandwidth", "layouts", "lora")}
-"""The rest of a benchmark whose engine part runs on the shared engine."""
+ONE_IMPORT = {"trainer": "trainer", "dp_balance": "dp_balance", "pipeline_parallel": "pipeline_parallel"}
+"""Smoke benchmarks run on one import of torch and megatron-core (``bench/shared_zygote.py --smoke
+trainer dp_balance pipeline_parallel``: forked from one zygote, ~6 CPU s each less)."""
+
+HARNESSES = {"shared_engine": ONE_ENGINE, "shared_zygote": ONE_IMPORT}
+"""bench/ script -> the benchmarks it runs together (name -> its name there) when more than one of
+them is selected; the others run their own script."""
+
+SHARED_REST = {"weight_sync": ("--part", "bandwidth", "layouts", "lora")}
+"""The rest of a benchmark of which a shared harness runs a part."""
 
 
 def test_every_benchmark_has_a_smoke_test():
@@ -124,21 +133,22 @@ def _selected(request) -> list[str]:
 @pytest.fixture(scope="module")
 def smoke_runs(request, tmp_path_factory):
     """name -> [(the future of a smoke run, the name of its report in that run's or None: the whole)],
-    one or two runs (its own, the shared engine's); every run has ended (and left nothing) at the module's end."""
+    one or two runs (its own, a shared harness's); every run has ended (and left nothing) at the module's end."""
     from pipeline.supervise import MARKER_ENV
     from support.leftovers import leftovers
 
     selected = _selected(request)
-    together = [name for name in ONE_ENGINE if name in selected]
-    shared = set(together) if len(together) > 1 else set()
+    groups = {script: [name for name in members if name in selected] for script, members in HARNESSES.items()}
+    shared = {name: script for script, names in groups.items() if len(names) > 1 for name in names}
     jobs: dict[str, tuple[str, ...]] = {}  # run -> script and arguments, longest first
     for name in selected:
-        if name in shared and "shared_engine" not in jobs:
-            jobs["shared_engine"] = ("shared_engine", *(ONE_ENGINE[n] for n in together))
-        if name not in shared:
+        script = shared.get(name)
+        if script and script not in jobs:
+            jobs[script] = (script, *(HARNESSES[script][n] for n in groups[script]))
+        if not script:
             jobs[name] = (name,)
-        elif name in ENGINE_REST:
-            jobs[name] = (name, *ENGINE_REST[name])
+        elif name in SHARED_REST:
+            jobs[name] = (name, *SHARED_REST[name])
     if "ingest" in jobs:
         jobs["ingest"] += ("--local", str(tmp_path_factory.mktemp("ingest")))
     markers = {name: uuid.uuid4().hex for name in jobs}
@@ -146,8 +156,8 @@ def smoke_runs(request, tmp_path_factory):
     futures = {name: pool.submit(_run_smoke, job[0], {**os.environ, MARKER_ENV: markers[name]}, *job[1:])
                for name, job in jobs.items()}
     runs = {name: [(futures[name], None)] if name in jobs else [] for name in selected}
-    for name in shared:
-        runs[name].append((futures["shared_engine"], ONE_ENGINE[name]))
+    for name, script in shared.items():
+        runs[name].append((futures[script], HARNESSES[script][name]))
     yield runs
     pool.shutdown(wait=True)
     left = {pid: cmd for marker in markers.values() for pid, cmd in leftovers(marker, wait_s=5.0).items()}
