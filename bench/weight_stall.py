@@ -142,12 +142,12 @@ def add_arguments(ap) -> None:
 def sizes(args) -> None:
     """The sizes ``--smoke`` / ``--quick`` / neither choose, where no option set them. Smoke: the
     smallest model (tiny-dense, the engine benchmarks' model, so that `bench/shared_engine.py` can
-    run this part on their engine), one update, short windows, no core plan (its figures mean
+    run this part on their engine), one update, windows of 0.5 s, no core plan (its figures mean
     nothing; unpinned, it leaves a shared machine's cores free)."""
-    if args.smoke:
+    if args.smoke:  # windows of 0.5 s: a request of 4 tokens takes ~20 ms on an idle 2-core machine
         args.model = args.model or "tiny-dense"
         args.updates, args.rounds = args.updates or 1, args.rounds or 1
-        args.interval, args.batch, args.gen_tokens = 1.0, 4, 4  # the warm-up stays: first steps are slow
+        args.interval, args.batch, args.gen_tokens, args.warmup = 0.5, 4, 4, 0.5  # and until a request finished
     if args.model is None:
         from pipeline.config import ModelConfig
         args.model = ModelConfig().name
