@@ -209,8 +209,8 @@ def main() -> dict:
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="2 steps each, both runs at once (< 1 min with "
                       "a cached warm-start; checks the harness, its times mean nothing)")
-    size.add_argument("--smoke", action="store_true", help="as --quick with 1 step each of 2 groups of <= 16 tokens and no warm-start: "
-                      "the report's keys, not its figures")
+    size.add_argument("--smoke", action="store_true", help="as --quick with 1 step each of 2 groups of <= 16 "
+                      "tokens and no warm-start: the report's keys, not its figures")
     ap.add_argument("--steps", type=int, default=32, help="optimizer steps per run (full mode)")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds each run may take")
     ap.add_argument("--keep", action="store_true", help="keep the run directories")

@@ -136,7 +136,8 @@ def add_arguments(ap) -> None:
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between updates (b)")
     ap.add_argument("--batch", type=int, default=32, help="sequences decoding at once (b)")
     ap.add_argument("--gen-tokens", type=int, default=128, help="tokens per request (b)")
-    ap.add_argument("--warmup", type=float, default=3.0, help="seconds of generation before measuring, and until a first request finished (b)")
+    ap.add_argument("--warmup", type=float, default=3.0,
+                    help="seconds of generation before measuring, and until a first request finished (b)")
 
 
 def sizes(args) -> None:

@@ -11,13 +11,16 @@ it left behind (`bench/leftovers.py`) and exits 1 if it finds one.
 The selected ones run `CONCURRENT` at a time (a smoke run is mostly start-ups: one process
 importing vLLM or megatron-core after another; three at once keep both cores busy while one
 waits), longest first, each under a process marker of its own: started by the module's first test,
-each test waits for its own. generator and episodes run on one engine start
-(`bench/shared_engine.py`, `ONE_ENGINE`); the megatron-core ranks of weight_sync and
-pipeline_parallel are forked from one preloaded zygote each (`support.zygote`). The default suite
-runs all eleven: 144-152 s under `heavy-all`, ~286 CPU s (bench/results/2026-12-06-smoke.md, "Session 6"),
-over #28's 2 minutes: the module is CPU-bound on two cores, and nearly all of its CPU is start-ups'
-imports (vLLM twice per engine, megatron-core per trainer); async_vs_sync alone is two whole
-`tokenflow train` runs, ~85 CPU s.
+each test waits for its own. Shared harnesses (`HARNESSES`) run several in one process tree:
+generator, episodes and weight_sync's stall part on one engine start (`bench/shared_engine.py`,
+`ONE_ENGINE`; weight_sync's other parts run in its own script), trainer, dp_balance and
+pipeline_parallel on one import of torch and megatron-core (`bench/shared_zygote.py`,
+`ONE_IMPORT`); the megatron-core ranks of weight_sync are forked from a preloaded zygote too
+(`support.zygote`). The default suite runs all eleven: 110 s under `heavy-all`, 207 CPU s in the
+last measurement, main's tree 137-143 s and 258-276 CPU s beside it (the runs changed here: 160 ->
+130 CPU s alone; bench/results/2026-12-06-smoke.md, "Session 7 (2026-12-07)"); the module is CPU-bound on two
+cores, nearly all of its CPU start-ups' imports (vLLM twice per engine, megatron-core per
+trainer); async_vs_sync alone is two whole `tokenflow train` runs.
 Besides, the weight_sync bandwidth part at quick sizes is checked in detail (every mode moved
 every byte).
 """
@@ -229,8 +232,9 @@ def test_routing_mismatch_smoke(smoke_runs):
 
 
 def test_weight_sync_smoke(smoke_runs):
-    """38 s alone on a 2-core machine (43 CPU s): a vLLM engine, two gloo senders and nine megatron-core or
-    gloo processes forked from one zygote (`support.zygote`)."""
+    """Its stall part on the shared engine (`ONE_ENGINE`: a gloo sender beside it), the rest in its own
+    script: a gloo sender and nine megatron-core or gloo processes forked from one zygote
+    (`support.zygote`); the two reports checked as one."""
     report = _smoke(smoke_runs, "weight_sync")
     assert set(report["bandwidth"]["sets"]) == {"tiny-dense", "tiny-moe", "big"}
     assert set(report["layouts"]) >= {"tp1", "tp2xep2"} and set(report["lora"]) >= {"full", "adapters"}
@@ -241,7 +245,7 @@ def test_weight_sync_smoke(smoke_runs):
 
 def test_async_vs_sync_smoke(smoke_runs):
     """Two `tokenflow train` runs of one step at once (each a launcher, a trainer, an orchestrator and a
-    vLLM engine's two processes; 50 s alone on a 2-core machine, 85 CPU s, most of it their imports)."""
+    vLLM engine's two processes; 38 s alone on a 2-core machine, 71 CPU s, most of it their imports)."""
     report = _smoke(smoke_runs, "async_vs_sync")
     assert report["steps"] == 1 and set(report["runs"]) == {"sync", "async"}
     assert all(r["steps"] == 1 for r in report["runs"].values())
