@@ -184,8 +184,7 @@ class ResultIngest:
             for peer, gid, attempt, samples, i in entries:
                 self._check_alone(peer, gid, attempt, _group_rows(samples, i, size))
             return
-        for k, (peer, gid, attempt, *_) in enumerate(entries):  # views of the checked batch
-            self._accept(peer, gid, attempt, together.rows(k * size, (k + 1) * size))
+        self._accept_checked(entries, together)
 
     def _check_alone(self, peer: bytes, gid: int, attempt: int, group: SampleBatch) -> None:
         try:
@@ -206,6 +205,32 @@ class ResultIngest:
         self.counts["invalid_result"] += 1
         log.warning("invalid result for group %d from %r: %s", gid, peer, exc)
         self.to_ack.append((peer, gid, attempt, "invalid"))
+
+    def _accept_checked(self, entries: list[tuple[bytes, int, int, SampleBatch, int]], together: SampleBatch) -> None:
+        """Accept a checked batch's groups and submit them for scoring in one
+        `Scoring.submit_groups` (views of the batch); if a group's acceptance fails, the others
+        are accepted alone."""
+        keys, prompts = [], []
+        try:
+            for peer, gid, attempt, *_ in entries:
+                prompts.append(self.prompts.for_group(gid))
+                keys.append((gid, attempt, peer))
+        except Exception:  # noqa: BLE001 - each alone: the failing one is counted, the others go on
+            keys = []
+        if len(keys) != len(entries):
+            size = self.cfg.group_size
+            for k, (peer, gid, attempt, *_) in enumerate(entries):
+                self._accept(peer, gid, attempt, together.rows(k * size, (k + 1) * size))
+            return
+        for gid, *_ in keys:
+            self.admission.accept(gid)
+        tokens = together.num_tokens
+        self._ingested_tokens += tokens
+        self._ingested_total += tokens
+        try:
+            self.scoring.submit_groups(keys, together, prompts)
+        except Exception as exc:  # no message ends the run (checked after its handler returned)
+            self._handler_failed(entries[0][0], m.Result.KIND, exc)
 
     def _accept(self, peer: bytes, gid: int, attempt: int, group: SampleBatch) -> None:
         try:
