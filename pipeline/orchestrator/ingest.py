@@ -22,8 +22,10 @@ batch's values (`SampleBatch.check_values`), its samples against their leases an
 and the run's bounds (`RunBounds.check`) are checked in one vectorised pass each. If a batch fails
 anywhere, each of its groups is checked alone, so a bad one is named and refused (``invalid``) and
 the others, those of its own message included, go on as if each had been checked on arrival.
-Classification, checks, scoring, leases and acknowledgements are per group; the credit, the MAC,
-the counter, the role check and the layout check are per message.
+A checked batch's groups are submitted for scoring together (`Scoring.submit_groups`: an inline
+verifier scores the batch's samples in one pass, a failure in it is re-scored group by group).
+Classification, verdicts, leases, resolution and acknowledgements are per group; the credit, the
+MAC, the counter, the role check and the layout check are per message.
 
 Invariants:
 - the order of effects is the arrival order: results are checked before any other message is
@@ -43,8 +45,9 @@ generators, which answered `Work` messages of 4 groups each with `Result`s of 4 
 6 messages received, authenticated, decoded, role-checked and layout-checked (~150 us each of the
 orchestrator's main thread, where 24 one-group messages cost 24 of each), 6 batches of 32 samples
 / 33K tokens checked in place (value, group and bounds checks: 18 vectorised passes, no copy;
-24 one-group messages were concatenated, ~2.4 MB copied, and checked in 3 passes), 24 row views
-scored, one journal flush and one `Ack` per generator.
+24 one-group messages were concatenated, ~2.4 MB copied, and checked in 3 passes), 6 batches
+scored (one verifier pass each, handing back 24 row views), one journal flush and one `Ack` per
+generator.
 """
 from __future__ import annotations
 
