@@ -211,27 +211,22 @@ class ResultIngest:
 
     def _accept_checked(self, entries: list[tuple[bytes, int, int, SampleBatch, int]], together: SampleBatch) -> None:
         """Accept a checked batch's groups and submit them for scoring in one
-        `Scoring.submit_groups` (views of the batch); if a group's acceptance fails, the others
-        are accepted alone."""
-        keys, prompts = [], []
+        `Scoring.submit_groups` (views of the batch); if looking up or accepting one fails, each
+        is accepted alone (`_accept`: the failing one counted, the others go on)."""
         try:
-            for peer, gid, attempt, *_ in entries:
-                prompts.append(self.prompts.for_group(gid))
-                keys.append((gid, attempt, peer))
-        except Exception:  # noqa: BLE001 - each alone: the failing one is counted, the others go on
-            keys = []
-        if len(keys) != len(entries):
+            prompts = [self.prompts.for_group(gid) for _, gid, *_ in entries]
+            for _, gid, *_ in entries:
+                self.admission.accept(gid)
+        except Exception:  # noqa: BLE001 - found and counted group by group (accepting is idempotent)
             size = self.cfg.group_size
             for k, (peer, gid, attempt, *_) in enumerate(entries):
                 self._accept(peer, gid, attempt, together.rows(k * size, (k + 1) * size))
             return
-        for gid, *_ in keys:
-            self.admission.accept(gid)
         tokens = together.num_tokens
         self._ingested_tokens += tokens
         self._ingested_total += tokens
         try:
-            self.scoring.submit_groups(keys, together, prompts)
+            self.scoring.submit_groups([(gid, attempt, peer) for peer, gid, attempt, *_ in entries], together, prompts)
         except Exception as exc:  # no message ends the run (checked after its handler returned)
             self._handler_failed(entries[0][0], m.Result.KIND, exc)
 
