@@ -135,7 +135,7 @@ class AsyncScoring(Scoring):
             super().submit_groups(keys, batch, prompts)
             return
         try:
-            rewards = _checked(self.scorer.score_groups(batch, prompts), len(batch))
+            rewards = checked_rewards(self.scorer.score_groups(batch, prompts), len(batch))
         except Exception:  # noqa: BLE001 - found and reported per group below
             super().submit_groups(keys, batch, prompts)
             return
@@ -144,7 +144,7 @@ class AsyncScoring(Scoring):
             self.scored.append((key, batch.rows(i * size, (i + 1) * size), rewards[i * size:(i + 1) * size], None))
 
     def _score(self, group: SampleBatch, prompt: PromptItem) -> np.ndarray:
-        return _checked(self.scorer.score(group, prompt), len(group))
+        return checked_rewards(self.scorer.score(group, prompt), len(group))
 
     def completed(self) -> Iterator[tuple[Any, SampleBatch, np.ndarray | None, BaseException | None]]:
         """(key, group, rewards, error) of every finished group, removing it from pending."""
@@ -161,7 +161,7 @@ class AsyncScoring(Scoring):
             self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _checked(rewards: Any, samples: int) -> np.ndarray:
+def checked_rewards(rewards: Any, samples: int) -> np.ndarray:
     """A scorer's rewards for ``samples`` samples as float32, or ValueError naming what is wrong."""
     rewards = np.asarray(rewards, dtype=np.float32)
     if rewards.shape != (samples,):
