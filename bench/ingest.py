@@ -97,9 +97,15 @@ def run_orchestrator(groups: int, producers: int, root: Path) -> dict:
         orchestrator=OrchestratorConfig(group_size=GROUP, groups_per_step=1, max_async=10**6,
                                         metrics_interval_s=0.2)))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    orch = subprocess.Popen([sys.executable, "-m", "pipeline.apps.orchestrator", str(run)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    with open(run / "orchestrator.out", "w") as out:  # its log, named in a failure
+        orch = subprocess.Popen([sys.executable, "-m", "pipeline.apps.orchestrator", str(run)],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 120
     while not (run / ORCHESTRATOR_RENDEZVOUS).exists():
+        if orch.poll() is not None or time.monotonic() > deadline:
+            orch.kill()
+            raise RuntimeError(f"the orchestrator did not start in 120 s (exit status {orch.wait()}; "
+                               f"its log: {run}/orchestrator.out)")
         time.sleep(0.05)
     # a trainer that reports version 0 opens admission; it takes no batches
     from pipeline.protocol.links import TrainerLink
@@ -116,8 +122,11 @@ def run_orchestrator(groups: int, producers: int, root: Path) -> dict:
         m = list(read_metrics(run, "orchestrator"))
         if m and m[-1].get("count_stored", 0) >= groups:
             break
-        if time.monotonic() - t0 > 300:
-            raise RuntimeError("ingest did not finish in 300 s")
+        if time.monotonic() - t0 > 300 or orch.poll() is not None:
+            for p in (*gens, orch):
+                p.kill()
+            raise RuntimeError(f"ingest did not finish in 300 s (orchestrator exit status {orch.wait()}; "
+                               f"its log: {run}/orchestrator.out)")
         time.sleep(0.2)
     wall = time.monotonic() - t0
     for g in gens:

@@ -22,8 +22,10 @@ batch's values (`SampleBatch.check_values`), its samples against their leases an
 and the run's bounds (`RunBounds.check`) are checked in one vectorised pass each. If a batch fails
 anywhere, each of its groups is checked alone, so a bad one is named and refused (``invalid``) and
 the others, those of its own message included, go on as if each had been checked on arrival.
-Classification, checks, scoring, leases and acknowledgements are per group; the credit, the MAC,
-the counter, the role check and the layout check are per message.
+A checked batch's groups are submitted for scoring together (`Scoring.submit_groups`: an inline
+verifier scores the batch's samples in one pass, a failure in it is re-scored group by group).
+Classification, verdicts, leases, resolution and acknowledgements are per group; the credit, the
+MAC, the counter, the role check and the layout check are per message.
 
 Invariants:
 - the order of effects is the arrival order: results are checked before any other message is
@@ -43,8 +45,9 @@ generators, which answered `Work` messages of 4 groups each with `Result`s of 4 
 6 messages received, authenticated, decoded, role-checked and layout-checked (~150 us each of the
 orchestrator's main thread, where 24 one-group messages cost 24 of each), 6 batches of 32 samples
 / 33K tokens checked in place (value, group and bounds checks: 18 vectorised passes, no copy;
-24 one-group messages were concatenated, ~2.4 MB copied, and checked in 3 passes), 24 row views
-scored, one journal flush and one `Ack` per generator.
+24 one-group messages were concatenated, ~2.4 MB copied, and checked in 3 passes), 6 batches
+scored (one verifier pass each, handing back 24 row views), one journal flush and one `Ack` per
+generator.
 """
 from __future__ import annotations
 
@@ -184,8 +187,7 @@ class ResultIngest:
             for peer, gid, attempt, samples, i in entries:
                 self._check_alone(peer, gid, attempt, _group_rows(samples, i, size))
             return
-        for k, (peer, gid, attempt, *_) in enumerate(entries):  # views of the checked batch
-            self._accept(peer, gid, attempt, together.rows(k * size, (k + 1) * size))
+        self._accept_checked(entries, together)
 
     def _check_alone(self, peer: bytes, gid: int, attempt: int, group: SampleBatch) -> None:
         try:
@@ -206,6 +208,27 @@ class ResultIngest:
         self.counts["invalid_result"] += 1
         log.warning("invalid result for group %d from %r: %s", gid, peer, exc)
         self.to_ack.append((peer, gid, attempt, "invalid"))
+
+    def _accept_checked(self, entries: list[tuple[bytes, int, int, SampleBatch, int]], together: SampleBatch) -> None:
+        """Accept a checked batch's groups and submit them for scoring in one
+        `Scoring.submit_groups` (views of the batch); if looking up or accepting one fails, each
+        is accepted alone (`_accept`: the failing one counted, the others go on)."""
+        try:
+            prompts = [self.prompts.for_group(gid) for _, gid, *_ in entries]
+            for _, gid, *_ in entries:
+                self.admission.accept(gid)
+        except Exception:  # noqa: BLE001 - found and counted group by group (accepting is idempotent)
+            size = self.cfg.group_size
+            for k, (peer, gid, attempt, *_) in enumerate(entries):
+                self._accept(peer, gid, attempt, together.rows(k * size, (k + 1) * size))
+            return
+        tokens = together.num_tokens
+        self._ingested_tokens += tokens
+        self._ingested_total += tokens
+        try:
+            self.scoring.submit_groups([(gid, attempt, peer) for peer, gid, attempt, *_ in entries], together, prompts)
+        except Exception as exc:  # no message ends the run (checked after its handler returned)
+            self._handler_failed(entries[0][0], m.Result.KIND, exc)
 
     def _accept(self, peer: bytes, gid: int, attempt: int, group: SampleBatch) -> None:
         try:

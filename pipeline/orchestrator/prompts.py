@@ -137,5 +137,5 @@ def check_groups(batch: SampleBatch, leased: Sequence[tuple[int, int, PromptItem
     lens = [len(p.token_ids) for p in prompts]
     if ((c["prompt_len"] != np.repeat(lens, group_size)).any()
             or not np.array_equal(c["prompt_ids"], np.concatenate(
-                [np.tile(p.token_ids, group_size) for p in prompts]) if k else c["prompt_ids"])):
+                [p.token_ids for p in prompts for _ in range(group_size)]) if k else c["prompt_ids"])):
         raise RecordError("prompt tokens differ from the issued prompt")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -29,6 +29,14 @@ class Scorer:
     def score(self, group: SampleBatch, prompt: PromptItem) -> np.ndarray:
         raise NotImplementedError
 
+    def score_groups(self, batch: SampleBatch, prompts: Sequence[PromptItem]) -> np.ndarray:
+        """Rewards for consecutive groups of ``batch`` (``len(batch) // len(prompts)`` samples each,
+        group i answering ``prompts[i]``), in row order: what `score` gives each group (the default
+        calls it per group; a scorer may do it in one pass)."""
+        size = len(batch) // len(prompts)
+        return np.concatenate([np.asarray(self.score(batch.rows(i * size, (i + 1) * size), p), dtype=np.float32)
+                               for i, p in enumerate(prompts)])
+
 
 class VerifierScorer(Scorer):
     """Applies an exact verifier ``verify(prompt, completion_ids) -> float`` to each sample."""
@@ -37,8 +45,13 @@ class VerifierScorer(Scorer):
         self.verify = verify
 
     def score(self, group: SampleBatch, prompt: PromptItem) -> np.ndarray:
-        ids, ends = group.columns["completion_ids"], np.cumsum(group.columns["completion_len"]).tolist()
-        return np.array([self.verify(prompt, ids[a:b]) for a, b in zip([0, *ends], ends)],
+        return self.score_groups(group, [prompt])
+
+    def score_groups(self, batch: SampleBatch, prompts: Sequence[PromptItem]) -> np.ndarray:
+        """Every sample of the groups in one pass (one offset count, one array)."""
+        ids, ends = batch.columns["completion_ids"], np.cumsum(batch.columns["completion_len"]).tolist()
+        per_sample = [p for p in prompts for _ in range(len(ends) // len(prompts))]
+        return np.array([self.verify(p, ids[a:b]) for p, a, b in zip(per_sample, [0, *ends], ends)],
                         dtype=np.float32)
 
 
@@ -53,6 +66,14 @@ class Scoring(ABC):
     @abstractmethod
     def submit(self, key: Any, group: SampleBatch, prompt: PromptItem) -> None:
         """Score ``group`` (of ``prompt``); its answer comes out of `completed` under ``key``."""
+
+    def submit_groups(self, keys: Sequence[Any], batch: SampleBatch, prompts: Sequence[PromptItem]) -> None:
+        """`submit` each of ``batch``'s consecutive groups (``len(batch) // len(keys)`` samples
+        each; group i under ``keys[i]``, answering ``prompts[i]``), in order; the default submits
+        them one by one, as row views."""
+        size = len(batch) // len(keys)
+        for i, (key, prompt) in enumerate(zip(keys, prompts)):
+            self.submit(key, batch.rows(i * size, (i + 1) * size), prompt)
 
     @abstractmethod
     def completed(self) -> Iterator[tuple[Any, SampleBatch, np.ndarray | None, BaseException | None]]:
@@ -105,13 +126,25 @@ class AsyncScoring(Scoring):
         except Exception as exc:  # reported per group, like a pool's failure
             self.scored.append((key, group, None, exc))
 
+    def submit_groups(self, keys: Sequence[Any], batch: SampleBatch, prompts: Sequence[PromptItem]) -> None:
+        """Inline: the groups scored in one pass (`Scorer.score_groups`) and handed back as row
+        views with their slices of the rewards. If that pass fails (or returns a bad reward), each
+        group is scored alone, so the error is reported for the group(s) it belongs to and the
+        others are scored as if submitted alone."""
+        if self.pool is not None:
+            super().submit_groups(keys, batch, prompts)
+            return
+        try:
+            rewards = checked_rewards(self.scorer.score_groups(batch, prompts), len(batch))
+        except Exception:  # noqa: BLE001 - found and reported per group below
+            super().submit_groups(keys, batch, prompts)
+            return
+        size = len(batch) // len(keys)
+        for i, key in enumerate(keys):
+            self.scored.append((key, batch.rows(i * size, (i + 1) * size), rewards[i * size:(i + 1) * size], None))
+
     def _score(self, group: SampleBatch, prompt: PromptItem) -> np.ndarray:
-        rewards = np.asarray(self.scorer.score(group, prompt), dtype=np.float32)
-        if rewards.shape != (len(group),):
-            raise ValueError(f"scorer returned shape {rewards.shape} for {len(group)} samples")
-        if not np.isfinite(rewards).all():
-            raise ValueError("scorer returned a non-finite reward")
-        return rewards
+        return checked_rewards(self.scorer.score(group, prompt), len(group))
 
     def completed(self) -> Iterator[tuple[Any, SampleBatch, np.ndarray | None, BaseException | None]]:
         """(key, group, rewards, error) of every finished group, removing it from pending."""
@@ -126,6 +159,16 @@ class AsyncScoring(Scoring):
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def checked_rewards(rewards: Any, samples: int) -> np.ndarray:
+    """A scorer's rewards for ``samples`` samples as float32, or ValueError naming what is wrong."""
+    rewards = np.asarray(rewards, dtype=np.float32)
+    if rewards.shape != (samples,):
+        raise ValueError(f"scorer returned shape {rewards.shape} for {samples} samples")
+    if not np.isfinite(rewards).all():
+        raise ValueError("scorer returned a non-finite reward")
+    return rewards
 
 
 def keep_all(rewards: np.ndarray) -> bool:

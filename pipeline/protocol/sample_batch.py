@@ -159,11 +159,15 @@ class SampleBatch:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt plus completion tokens of all samples."""
+        """Prompt plus completion tokens of all samples (the offsets' ends once counted: a row view's are)."""
+        if self._offs is not None:
+            return int(self._offs[0][-1]) + int(self._offs[1][-1])
         return int(self.columns["prompt_len"].sum() + self.columns["completion_len"].sum())
 
     @property
     def num_completion_tokens(self) -> int:
+        if self._offs is not None:
+            return int(self._offs[1][-1])
         return int(self.columns["completion_len"].sum())
 
     def min_versions(self) -> np.ndarray:

@@ -311,38 +311,26 @@ def _first_rows(pieces: Sequence[np.ndarray], n: int) -> list[np.ndarray]:
 
 class _SealWrites:
     """A seal's data writes: each dataset's pieces written where HDF5 allocated it (``pwritev``
-    from their own memory: no gathered copy), synced and dropped from the page cache every
-    `SEAL_SYNC_BYTES`."""
+    from their own memory: no gathered copy, `journal.write_all`), synced and dropped from the page
+    cache every `SEAL_SYNC_BYTES`."""
 
     def __init__(self, fd: int):
-        from pipeline.rollout_log.journal import IOV_MAX, drop_cached
-        self.fd, self.unsynced, self.iov_max, self.drop_cached = fd, 0, IOV_MAX, drop_cached
+        from pipeline.rollout_log.journal import IOV_MAX, drop_cached, write_all
+        self.fd, self.unsynced, self.iov_max = fd, 0, IOV_MAX
+        self.drop_cached, self.write_all = drop_cached, write_all
 
     def put(self, pieces: list[np.ndarray], offset: int) -> None:
-        bufs = [memoryview(np.ascontiguousarray(p)).cast("B") for p in pieces if p.size]
+        bufs = [np.ascontiguousarray(p) for p in pieces if p.size]
         at = 0
-        while at < len(bufs):  # batches of `journal.IOV_MAX` buffers
+        while at < len(bufs):  # batches of `journal.IOV_MAX` buffers, synced every SEAL_SYNC_BYTES
             batch, at = bufs[at:at + self.iov_max], at + self.iov_max
-            offset = self._pwrite_all(batch, offset)
-            self.unsynced += sum(b.nbytes for b in batch)
+            done = self.write_all(self.fd, batch, offset)
+            offset += done
+            self.unsynced += done
             if self.unsynced >= SEAL_SYNC_BYTES:
                 os.fdatasync(self.fd)
                 self.drop_cached(self.fd)
                 self.unsynced = 0
-
-    def _pwrite_all(self, bufs: list[memoryview], offset: int) -> int:
-        """Write every byte of ``bufs`` at ``offset`` (after a short write, the rest); the end."""
-        while bufs:
-            done = os.pwritev(self.fd, bufs, offset)
-            if not done:
-                raise OSError(errno.EIO, "pwritev wrote nothing")
-            offset += done
-            while bufs and done >= bufs[0].nbytes:  # (no empty buffers: `put` leaves them out)
-                done -= bufs[0].nbytes
-                bufs = bufs[1:]
-            if done:
-                bufs = [bufs[0][done:], *bufs[1:]]
-        return offset
 
 
 def check_log_filesystem(log_dir: Path, mounts_text: str | None = None) -> str:

@@ -229,11 +229,9 @@ class JournalFile:
         self.end = self.dropped = 0  # bytes written; of them, given back to the kernel (`drop_cached`)
 
     def append(self, parts: list) -> None:
-        """Write one entry and ``fdatasync`` it (see module invariants); ``writev`` calls of at
-        most `IOV_MAX` parts each."""
+        """Write one entry (`write_all`) and ``fdatasync`` it (see module invariants)."""
         try:
-            for at in range(0, len(parts), IOV_MAX):
-                _write_all(self.fd, parts[at:at + IOV_MAX])
+            write_all(self.fd, parts)
             os.fdatasync(self.fd)
         except OSError:
             os.ftruncate(self.fd, self.end)
@@ -250,20 +248,28 @@ class JournalFile:
             self.fd = -1
 
 
-def _write_all(fd: int, parts: list) -> None:
-    """``writev`` every byte of ``parts`` (after a short write, the rest)."""
-    total = sum(memoryview(p).nbytes for p in parts)
-    done = os.writev(fd, parts)
-    while done < total:
-        rest, skip = [], done
-        for p in parts:
-            m = memoryview(p).cast("B")
-            if skip >= m.nbytes:
-                skip -= m.nbytes
-                continue
-            rest.append(m[skip:])
-            skip = 0
-        parts, total, done = rest, total - done, os.writev(fd, rest)
+def write_all(fd: int, parts: list, offset: int | None = None) -> int:
+    """Write every byte of ``parts`` (C-contiguous buffers: bytes, arrays, memoryviews) to ``fd``,
+    from their own memory: at the file position (``writev``) or, given ``offset``, at that offset
+    (``pwritev``); at most `IOV_MAX` buffers a call, a short write followed by the rest, a call that
+    writes nothing an ``OSError`` (EIO: it would never finish). Returns the bytes written. The
+    journal's entries and a seal's datasets are written with it."""
+    bufs = [b for b in (memoryview(p).cast("B") for p in parts) if b.nbytes]
+    written = 0
+    while bufs:
+        batch = bufs[:IOV_MAX]
+        done = os.writev(fd, batch) if offset is None else os.pwritev(fd, batch, offset + written)
+        if done <= 0:
+            raise OSError(errno.EIO, f"{'writev' if offset is None else 'pwritev'} wrote nothing")
+        written += done
+        k = 0
+        while k < len(batch) and done >= batch[k].nbytes:
+            done -= batch[k].nbytes
+            k += 1
+        bufs = bufs[k:]
+        if done:
+            bufs[0] = bufs[0][done:]
+    return written
 
 
 def drop_cached(fd: int, offset: int = 0, length: int = 0) -> None:

@@ -51,7 +51,7 @@ import numpy as np
 import zmq
 
 from pipeline.orchestrator.prompts import PromptItem
-from pipeline.orchestrator.scoring import Scorer, Scoring
+from pipeline.orchestrator.scoring import Scorer, Scoring, checked_rewards
 from pipeline.protocol.codec import MessageError, encode
 from pipeline.protocol.record import RecordSchema
 from pipeline.protocol.sample_batch import SampleBatch
@@ -141,7 +141,7 @@ class RemoteScoring(Scoring):
         job = _Job(key, group, set(self.services))
         if self.verifier is not None:  # rewards from the task's verifier, the rest from scorers
             try:
-                job.results["reward"] = _checked_rewards(self.verifier.score(group, prompt), len(group))
+                job.results["reward"] = checked_rewards(self.verifier.score(group, prompt), len(group))
             except Exception as exc:  # reported as the group's error, like AsyncScoring
                 job.error = f"verifier: {exc}"
         jid = next(self._ids)
@@ -359,13 +359,6 @@ class RemoteScoring(Scoring):
         if "teacher_version" in self.schema.scalar_columns():
             cols["teacher_version"] = np.full(len(job.group), job.results["teacher_version"], np.int32)
         return SampleBatch(cols, self.schema, validate=True)
-
-
-def _checked_rewards(rewards: Any, n: int) -> np.ndarray:
-    rewards = np.asarray(rewards, dtype=np.float32)
-    if rewards.shape != (n,) or not np.isfinite(rewards).all():
-        raise ValueError(f"rewards of shape {rewards.shape} for {n} samples, or non-finite")
-    return rewards
 
 
 def _bind(run_dir: Path, transport: TransportConfig) -> MessageServer:

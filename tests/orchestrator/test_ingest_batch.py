@@ -187,6 +187,42 @@ def test_a_multi_group_result_is_cut_at_arrival_and_its_bad_groups_refused_alone
             np.testing.assert_array_equal(by_group[gid].columns[name], batch.columns[name])
 
 
+def test_a_group_that_cannot_be_accepted_fails_alone_and_its_batch_is_scored_without_it(tmp_path):
+    """One `Result` of 6 valid groups, scored together once checked; accepting group 3 fails (an
+    error inside the orchestrator, not in the message): it is counted as a handler failure and
+    the 5 others are accepted one by one, scored and stored byte for byte."""
+    orch = _orchestrator(tmp_path)
+    link = GeneratorLink(tmp_path, 0, slots=GROUPS, schema=SCHEMA)
+    try:
+        items = _granted_work(orch, link, GROUPS)
+        results = [(i, synthetic_group(i, 0, SCHEMA, 16, 32)) for i in items]
+        real_accept, broken = orch.admission.accept, items[3].group_id
+
+        def accept(gid):
+            if gid == broken:
+                raise RuntimeError("admission broke")
+            real_accept(gid)
+        orch.admission.accept = accept
+        for item, batch in results:
+            link.queue_result(item, batch)
+        link.send_results()
+        _turns_until(orch, lambda: orch.counts["stored"] == GROUPS - 1)
+        assert orch.counts["handler_error"] == 1 and orch.counts["invalid_result"] == 0
+        _turns_until(orch, lambda: not orch.to_ack)
+        assert _acks(link, GROUPS - 1)["stored"] == GROUPS - 1
+    finally:
+        orch.close()
+        link.close()
+    by_group = _stored_by_group(tmp_path)
+    assert set(by_group) == {i.group_id for i in items} - {broken}
+    for item, batch in results:
+        if item.group_id != broken:
+            for name in ("completion_ids", "logprobs", "versions", "prompt_ids", "completion_len"):
+                np.testing.assert_array_equal(by_group[item.group_id].columns[name], batch.columns[name])
+            want = [float(batch.tokens("completion_ids", k)[0] == batch.prompt(k)[-1]) for k in range(len(batch))]
+            np.testing.assert_array_equal(by_group[item.group_id].columns["reward"], want)
+
+
 def test_a_result_cut_wrong_or_past_the_group_bound_is_refused_and_the_orchestrator_goes_on(tmp_path):
     """A 3-group `Result` with a bound of 2 is a bad message (an `Error`, nothing taken); one whose
     samples are not 2 groups of 4, or miss a column, refuses each of its groups as invalid; the
