@@ -16,8 +16,8 @@ generator, episodes and weight_sync's stall part on one engine start (`bench/sha
 `ONE_ENGINE`; weight_sync's other parts run in its own script), trainer, dp_balance and
 pipeline_parallel on one import of torch and megatron-core (`bench/shared_zygote.py`,
 `ONE_IMPORT`); the megatron-core ranks of weight_sync are forked from a preloaded zygote too
-(`support.zygote`). The default suite runs all eleven: 110-133 s under `heavy-all`, 207-256 CPU s,
-main's tree 143-153 s and 276-294 CPU s beside it (the runs changed here: 160 -> 130 CPU s alone;
+(`support.zygote`). The default suite runs all eleven: 107 s under `heavy-all`, 201 CPU s, main's
+tree 134 s and 260 CPU s beside it (110-133 s in two pairs on a busier machine; the runs changed: 160 -> 130 alone;
 bench/results/2026-12-06-smoke.md, "Session 7 (2026-12-07)"); the module is CPU-bound on two
 cores, nearly all of its CPU start-ups' imports (vLLM twice per engine, megatron-core per
 trainer); async_vs_sync alone is two whole `tokenflow train` runs.
