@@ -218,9 +218,8 @@ class ResultIngest:
             for _, gid, *_ in entries:
                 self.admission.accept(gid)
         except Exception:  # noqa: BLE001 - found and counted group by group (accepting is idempotent)
-            size = self.cfg.group_size
-            for k, (peer, gid, attempt, *_) in enumerate(entries):
-                self._accept(peer, gid, attempt, together.rows(k * size, (k + 1) * size))
+            for (peer, gid, attempt, *_), group in zip(entries, together.groups(len(entries))):
+                self._accept(peer, gid, attempt, group)
             return
         tokens = together.num_tokens
         self._ingested_tokens += tokens

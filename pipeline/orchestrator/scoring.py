@@ -33,9 +33,8 @@ class Scorer:
         """Rewards for consecutive groups of ``batch`` (``len(batch) // len(prompts)`` samples each,
         group i answering ``prompts[i]``), in row order: what `score` gives each group (the default
         calls it per group; a scorer may do it in one pass)."""
-        size = len(batch) // len(prompts)
-        return np.concatenate([np.asarray(self.score(batch.rows(i * size, (i + 1) * size), p), dtype=np.float32)
-                               for i, p in enumerate(prompts)])
+        return np.concatenate([np.asarray(self.score(group, p), dtype=np.float32)
+                               for group, p in zip(batch.groups(len(prompts)), prompts)])
 
 
 class VerifierScorer(Scorer):
@@ -71,9 +70,8 @@ class Scoring(ABC):
         """`submit` each of ``batch``'s consecutive groups (``len(batch) // len(keys)`` samples
         each; group i under ``keys[i]``, answering ``prompts[i]``), in order; the default submits
         them one by one, as row views."""
-        size = len(batch) // len(keys)
-        for i, (key, prompt) in enumerate(zip(keys, prompts)):
-            self.submit(key, batch.rows(i * size, (i + 1) * size), prompt)
+        for key, group, prompt in zip(keys, batch.groups(len(keys)), prompts):
+            self.submit(key, group, prompt)
 
     @abstractmethod
     def completed(self) -> Iterator[tuple[Any, SampleBatch, np.ndarray | None, BaseException | None]]:
@@ -139,9 +137,8 @@ class AsyncScoring(Scoring):
         except Exception:  # noqa: BLE001 - found and reported per group below
             super().submit_groups(keys, batch, prompts)
             return
-        size = len(batch) // len(keys)
-        for i, key in enumerate(keys):
-            self.scored.append((key, batch.rows(i * size, (i + 1) * size), rewards[i * size:(i + 1) * size], None))
+        for key, group, group_rewards in zip(keys, batch.groups(len(keys)), np.split(rewards, len(keys))):
+            self.scored.append((key, group, group_rewards, None))
 
     def _score(self, group: SampleBatch, prompt: PromptItem) -> np.ndarray:
         return checked_rewards(self.scorer.score(group, prompt), len(group))

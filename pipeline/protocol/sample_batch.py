@@ -196,6 +196,11 @@ class SampleBatch:
             cols[name] = self.columns[name][c0:c1]
         return self._derived(cols, self._p_off[start:stop + 1] - p0, self._c_off[start:stop + 1] - c0)
 
+    def groups(self, n: int) -> list["SampleBatch"]:
+        """The batch as ``n`` consecutive groups of ``len(self) // n`` rows each, as `rows` views."""
+        size = len(self) // n
+        return [self.rows(i * size, (i + 1) * size) for i in range(n)]
+
     def with_column(self, name: str, values: np.ndarray) -> "SampleBatch":
         """This batch with the scalar column ``name`` (not a length) replaced by ``values``, of
         the same rows (not validated)."""
