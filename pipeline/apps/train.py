@@ -181,7 +181,7 @@ def train(cfg: TokenflowConfig) -> int:
             if cfg.cluster.launcher == "local":  # reap the tasks (cancel_run ended them)
                 run.cancel()
             return 128 + stop.received
-    state = run.state()
+    state = "COMPLETED" if run.lingered else run.state()  # lingered: every task succeeded (cancelled after)
     trainer_result = (run.read_results().get("trainer") or [None])[0]
     if state != "COMPLETED" or not trainer_result or not trainer_result["ok"] or trainer_result.get("stopped"):
         from pipeline.launch.base import log_tail
@@ -210,7 +210,7 @@ def follow(cfg: TokenflowConfig, run, run_dir: Path, stop: StopSignals) -> None:
         trackers = TrackerMirror(run_dir, list(cfg.logger), cfg.tracking)
     state, submitted = None, time.monotonic()
     try:
-        while not stop.received and not run.done():
+        while not stop.received and not run.done() and not run.end_lingering():
             for _ in range(5 if cfg.cluster.launcher == "local" else 15):
                 if stop.received:
                     break

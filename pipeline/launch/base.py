@@ -13,11 +13,19 @@ layout, so everything after the launch reads files, not launcher internals:
 
 Invariants: `Run.wait` never blocks past its timeout; when it returns, every task of the plan
 succeeded or, for an optional component, was abandoned after its restarts (result None); otherwise it raises `TaskFailed` naming the first failed
-task with the tail of its log, or `TimeoutError` naming the run's state.
+task with the tail of its log, or `TimeoutError` naming the run's state. Nothing of a finished run
+is left holding its allocation: once every task has its final result (none of them stopped to be
+requeued, all of one attempt) and the run is still not done ``linger_s`` later (an `srun` that never
+returned after its tasks exited, a job script stuck after its step), `wait` cancels the run, says so
+in a warning, and returns the results.
+
+Example: the last task writes its result at 10:00:00; Slurm still reports RUNNING at 10:01:00
+(``linger_s`` 60): the job is cancelled and `wait` returns every task's result.
 """
 from __future__ import annotations
 
 import json
+import logging
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -28,6 +36,9 @@ from pipeline.launch.plan import JobPlan
 from pipeline.launch.task import log_path, result_path
 from pipeline.run_files import LAUNCHES_FILE, PLAN_FILE
 
+log = logging.getLogger(__name__)
+#: How long a run may stay undone after its last task's final result before `Run.wait` cancels it.
+LINGER_S = 60.0
 
 
 class TaskFailed(RuntimeError):
@@ -48,6 +59,9 @@ class Run(ABC):
         self.plan = plan
         self.run_dir = Path(run_dir)
         self.launch_index = launch_index
+        self.lingered = False
+        """`end_lingering` cancelled the run after every task had finished."""
+        self._finished_at: float | None = None
 
     @abstractmethod
     def state(self) -> str:
@@ -61,6 +75,30 @@ class Run(ABC):
     def cancel(self) -> None:
         """Stop every task of the run."""
 
+    def end_lingering(self, linger_s: float = LINGER_S) -> bool:
+        """Called while the run is not done: cancel it once its tasks have all finished (see
+        `_tasks_finished`) ``linger_s`` ago or more; True if it did (``lingered`` is set)."""
+        now = time.monotonic()
+        self._finished_at = (self._finished_at or now) if self._tasks_finished() else None
+        if self._finished_at is None or now - self._finished_at < linger_s:
+            return False
+        log.warning("every task of the run in %s has its final result, but the run is still %s %.0f s "
+                    "later: cancelling it so that it does not hold its allocation",
+                    self.run_dir, self.state(), now - self._finished_at)
+        self.cancel()
+        self.lingered, self._finished_at = True, None
+        return True
+
+    def _tasks_finished(self) -> bool:
+        """Every task has a result of one attempt that is final: it succeeded (or was abandoned) and
+        did not stop to wait for a requeue (a failed role may still be restarted in place)."""
+        try:
+            records = [r for rs in self.read_results().values() for r in rs]
+        except (OSError, ValueError):  # a result being written
+            return False
+        return (all(r is not None and (r["ok"] or r.get("abandoned")) and not r.get("stopped") for r in records)
+                and len({r.get("attempt") for r in records}) == 1)
+
     def read_results(self) -> Dict[str, List[Dict[str, Any]]]:
         """role -> the result records present, in rank order from the component's first rank (None
         where a task wrote none)."""
@@ -70,12 +108,15 @@ class Run(ABC):
             out.setdefault(role, []).append(json.loads(path.read_text()) if path.exists() else None)
         return out
 
-    def wait(self, timeout_s: float, poll_s: float = 0.5) -> Dict[str, List[Any]]:
-        """Wait until the run is done; role -> entry return values by rank, or raise naming the failure."""
+    def wait(self, timeout_s: float, poll_s: float = 0.5, linger_s: float = LINGER_S) -> Dict[str, List[Any]]:
+        """Wait until the run is done; role -> entry return values by rank, or raise naming the
+        failure. A run still undone ``linger_s`` after its tasks all finished is cancelled (module
+        invariants)."""
         deadline = time.monotonic() + timeout_s
         while not self.done():
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"run in {self.run_dir} not done after {timeout_s:g} s (state {self.state()})")
+            self.end_lingering(linger_s)
             time.sleep(poll_s)
         records = self.read_results()
         by_task = {(role, rank): records[role][rank - self.plan.components[role].first_rank]

@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Sequence
 from submitit.core.utils import FailedJobError
 from submitit.slurm.slurm import SlurmExecutor, SlurmInfoWatcher, SlurmJob
 
-from pipeline.launch.base import Launcher, Run
+from pipeline.launch.base import LINGER_S, Launcher, Run
 from pipeline.launch.plan import ComponentSpec, JobPlan, LaunchError
 from pipeline.launch.slurm_checks import check_plan, query_cluster
 from pipeline.launch.task import RoleDispatcher
@@ -160,8 +160,8 @@ class SlurmRun(Run):
         if out.returncode != 0:
             raise LaunchError(f"scancel --signal=USR2 {self.job_id} failed: {out.stderr.strip()}")
 
-    def wait(self, timeout_s: float, poll_s: float = 1.0) -> Dict[str, List[Any]]:
-        return super().wait(timeout_s, poll_s)
+    def wait(self, timeout_s: float, poll_s: float = 1.0, linger_s: float = LINGER_S) -> Dict[str, List[Any]]:
+        return super().wait(timeout_s, poll_s, linger_s)
 
 
 class SlurmLauncher(Launcher):

@@ -39,6 +39,7 @@ import gc
 import logging
 import resource
 import signal
+import threading
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -149,17 +150,20 @@ class Orchestrator(TrainerSide, GeneratorSide, ResultIngest):
                  len(state.step_rows))
 
     # -- loop -----------------------------------------------------------------------------
-    def run(self, duration_s: float | None = None) -> None:
-        """Serve until SIGTERM/SIGINT (or for ``duration_s``), then flush and close."""
+    def run(self, duration_s: float | None = None, stop: threading.Event | None = None) -> None:
+        """Serve until SIGTERM/SIGINT (or for ``duration_s``), then flush and close. ``stop``: the
+        event the process's stop signals set since before start-up (`pipeline.apps.orchestrator`):
+        a stop that arrived while the log was restored is taken now, after a whole start."""
         end = None if duration_s is None else time.monotonic() + duration_s
         # The loop allocates many short-lived containers per message and no long-lived cycles:
         # freeze what start-up built and collect young objects less often.
         gc.freeze()
         gc.set_threshold(20_000, 50, 50)
+        stop = stop or threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: setattr(self, "stopping", True))
+            signal.signal(sig, lambda *_: stop.set())
         try:
-            while not self.stopping and (end is None or time.monotonic() < end):
+            while not self.stopping and not stop.is_set() and (end is None or time.monotonic() < end):
                 self.turn()
         finally:
             self.close()

@@ -87,6 +87,31 @@ def test_components_bootstrap_their_process_groups_from_mpi_under_pmix(tmp_path)
         assert f"MPI bootstrap: {role} rank {rank} of" in (tmp_path / "logs" / f"{role}.{rank}.out").read_text()
 
 
+def test_a_job_that_lingers_after_its_tasks_finished_is_cancelled_and_its_results_returned(
+        tmp_path, monkeypatch, caplog):
+    """Slurm 22.05's `srun` of a het step under PMIx once never returned after every task had exited
+    (CI, stop 42): the job held its nodes RUNNING until a timeout. Here the job script's EXIT trap
+    holds the job the same way after srun returned; `wait` cancels it `linger_s` after the last
+    final result instead of waiting out its timeout."""
+    import pipeline.launch.slurm as slurm
+
+    def lingering(plan):
+        params = executor_parameters(plan)
+        params["setup"] = [*params["setup"], "trap 'sleep 600' EXIT"]
+        return params
+
+    executor_parameters = slurm.executor_parameters
+    monkeypatch.setattr(slurm, "executor_parameters", lingering)
+    run = SlurmLauncher().launch(plan_of({"trainer": dict(nodes=1), "generator": dict(nodes=1)}), tmp_path)
+    start = time.monotonic()
+    with caplog.at_level("WARNING", logger="pipeline.launch.base"):
+        results = run.wait(timeout_s=150, linger_s=10)
+    assert time.monotonic() - start < 120  # not the 600 s the trap holds the job
+    assert results["trainer"][0]["role"] == "trainer" and results["generator"][0]["role"] == "generator"
+    assert run.lingered and "has its final result, but the run is still RUNNING" in caplog.text
+    wait_until(lambda: run.state().startswith("CANCELLED"), 60, "the lingering job cancelled")
+
+
 def test_forced_requeue_runs_every_role_again_as_next_attempt(tmp_path):
     # attempt 0 holds (as a long training would) until requeued; attempt 1 completes.
     run = SlurmLauncher().launch(plan_of({"trainer": dict(nodes=1), "generator": dict(nodes=1)}, hold_s=150), tmp_path)

@@ -287,3 +287,42 @@ def test_a_restarted_orchestrator_counts_kept_groups_as_if_it_never_stopped(tmp_
         evicted = set(g["group_id"][g["outcome"] == GroupOutcome.EVICTED_STALE].tolist())
     assert restored["kept"] == before["kept"] == len(stored) - len(evicted), (before, restored)
     assert restored["kept"] >= 16 + restored["buffer_groups"]  # 4 consumed steps of 4 groups
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """The process has a handler for ``sig`` (its SigCgt mask in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+def test_a_stop_during_start_up_is_taken_after_it_with_the_restored_counts_written(tmp_path):
+    """Regression (CI, stop 42): the trainer's stop reached a restarted orchestrator while it was
+    still restoring the log; it died there without a metrics record, so the run's last record was
+    its killed predecessor's. A stop during start-up now ends the new life after a whole start."""
+    write_spec(tmp_path)
+    orch = start_orchestrator(tmp_path, "0")
+    gens = [start_generator(tmp_path, i) for i in range(2)]
+    try:
+        run_trainer(tmp_path, steps=2)
+    finally:
+        stop(*gens)
+        stop(orch)
+    with RolloutLog.open(tmp_path / "rollouts") as log:
+        stored = int((log.groups()["outcome"] == GroupOutcome.STORED).sum())
+    rv = tmp_path / "rendezvous" / "orchestrator.json"
+    published = rv.stat().st_mtime_ns
+    lives = len(list((tmp_path / "metrics").glob("orchestrator-*.jsonl")))
+    second = start(["pipeline.apps.orchestrator", str(tmp_path)], tmp_path / "orch1.log")
+    deadline = time.monotonic() + 30
+    while not _catches(second.pid, signal.SIGTERM):
+        assert second.poll() is None and time.monotonic() < deadline, (tmp_path / "orch1.log").read_text()
+        time.sleep(0.005)
+    second.send_signal(signal.SIGTERM)
+    assert rv.stat().st_mtime_ns == published, "the stop came after start-up: nothing was tested"
+    assert second.wait(60) == 0, (tmp_path / "orch1.log").read_text()
+    files = sorted((tmp_path / "metrics").glob("orchestrator-*.jsonl"), key=lambda p: p.stat().st_mtime_ns)
+    assert len(files) == lives + 1
+    last = [json.loads(line) for line in files[-1].read_text().splitlines()][-1]
+    assert last["count_restored_stored"] == stored > 0 and last.get("count_stored", 0) == 0
