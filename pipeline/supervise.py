@@ -253,6 +253,12 @@ class KeptProcess:
     ``start()`` launches it (and is called again for each restart); past the bound ``on_give_up``
     is called once with a message naming the process and its exit. `stop` ends it on purpose (no
     restart). Example: the orchestrator beside trainer rank 0 (`pipeline.roles.trainer`).
+
+    Restarts are forked by the watcher thread, and a parent-death signal (`die_with_parent`) follows
+    the thread that forked, not the process: so the watcher ends only after the process it started
+    has exited, never at `release` (an earlier watcher did, and the restarted orchestrator got its
+    parent-death SIGINT at the end of every run that had restarted it, while it may still have been
+    restoring the log).
     """
 
     def __init__(self, name: str, start, max_restarts: int, on_give_up, poll_s: float = 0.2) -> None:
@@ -269,11 +275,12 @@ class KeptProcess:
         self._thread.start()
 
     def _watch(self) -> None:
-        while not self._stopping.wait(self.poll_s):
+        while True:
+            stopping = self._stopping.wait(self.poll_s)
             code = self.proc.poll()
             if code is None:
                 continue
-            if self._stopping.is_set():
+            if stopping or self._stopping.is_set():
                 return
             why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             if self.restarts >= self.max_restarts:
@@ -288,9 +295,8 @@ class KeptProcess:
             own(self.proc.pid)
 
     def release(self) -> None:
-        """Stop restarting it (it is about to exit on purpose)."""
+        """Stop restarting it (it is about to exit on purpose); the watcher ends once it has."""
         self._stopping.set()
-        self._thread.join(timeout=5)
 
     def stop(self, sig: int = signal.SIGTERM, grace_s: float = 30.0) -> None:
         """Release it and end it: ``sig``, then SIGKILL after ``grace_s``."""

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from pipeline.launch import ComponentSpec, JobPlan, LocalLauncher, TaskFailed
-from pipeline.supervise import KeptProcess, MARKER_ENV, alive
+from pipeline.supervise import KeptProcess, MARKER_ENV, alive, die_with_parent
 from support.leftovers import leftovers
 
 PROBE = "pipeline.launch.probe:probe"
@@ -129,6 +129,32 @@ def test_a_kept_process_is_restarted_then_given_up_on(tmp_path):
     assert len(starts) == 3 and kept.restarts == 2
     assert given_up and "the sleeper" in given_up[0] and "SIGKILL" in given_up[0]
     kept.stop()
+
+
+def test_a_restarted_kept_process_outlives_its_release_though_it_dies_with_its_parent():
+    """Regression: a restart is forked by the watcher thread, and the parent-death signal follows
+    the forking thread; the watcher ended at `release`, so the restarted orchestrator got SIGINT
+    at the end of the run (before it was told to finish), possibly still restoring the log."""
+    starts = []
+
+    def start():
+        starts.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                       preexec_fn=lambda: die_with_parent(signal.SIGINT)))
+        return starts[-1]
+
+    kept = KeptProcess("sleeper", start, max_restarts=1, on_give_up=print, poll_s=0.05)
+    try:
+        os.kill(starts[0].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while len(starts) < 2:
+            assert time.monotonic() < deadline, "not restarted"
+            time.sleep(0.05)
+        kept.release()
+        time.sleep(1.0)
+        assert starts[1].poll() is None, f"the restarted process died at release ({starts[1].returncode})"
+    finally:
+        kept.stop()
+    assert starts[1].returncode is not None
 
 
 def test_leftovers_finds_marked_processes_wherever_they_were_reparented():
