@@ -228,16 +228,24 @@ class ResultIngest:
             self.scoring.submit_groups([(gid, attempt, peer) for peer, gid, attempt, *_ in entries], together, prompts)
         except Exception as exc:  # no message ends the run (checked after its handler returned)
             self._handler_failed(entries[0][0], m.Result.KIND, exc)
+            for _, gid, attempt, *_ in entries:
+                self.admission.reject_processing(gid, attempt)  # never scored: generated again
 
     def _accept(self, peer: bytes, gid: int, attempt: int, group: SampleBatch) -> None:
         try:
+            prompt = self.prompts.for_group(gid)
             self.admission.accept(gid)
-            tokens = group.num_tokens
-            self._ingested_tokens += tokens
-            self._ingested_total += tokens
-            self.scoring.submit((gid, attempt, peer), group, self.prompts.for_group(gid))
         except Exception as exc:  # no message ends the run (checked after its handler returned)
             self._handler_failed(peer, m.Result.KIND, exc)
+            return
+        tokens = group.num_tokens
+        self._ingested_tokens += tokens
+        self._ingested_total += tokens
+        try:
+            self.scoring.submit((gid, attempt, peer), group, prompt)
+        except Exception as exc:
+            self._handler_failed(peer, m.Result.KIND, exc)
+            self.admission.reject_processing(gid, attempt)  # never scored: generated again
 
     # -- resolution ----------------------------------------------------------------------------
     def _resolve_scored(self) -> None:

@@ -223,6 +223,39 @@ def test_a_group_that_cannot_be_accepted_fails_alone_and_its_batch_is_scored_wit
             np.testing.assert_array_equal(by_group[item.group_id].columns["reward"], want)
 
 
+def test_groups_whose_scoring_could_not_be_submitted_are_taken_again_not_held_forever(tmp_path):
+    """Accepted groups whose submission for scoring fails (an error inside the orchestrator) were
+    left "processing": never scored or resolved, a re-send refused as a duplicate, each holding an
+    admission slot for the rest of the run. They go back to admission (to be issued again as the
+    next attempt), so the generator's re-send of the unacknowledged results is taken and stored."""
+    orch = _orchestrator(tmp_path)
+    link = GeneratorLink(tmp_path, 0, slots=GROUPS, schema=SCHEMA)
+    try:
+        items = _granted_work(orch, link, GROUPS)
+        real_submit = orch.scoring.submit_groups
+
+        def submit_groups(*args):
+            orch.scoring.submit_groups = real_submit  # fails once
+            raise RuntimeError("scoring broke")
+        orch.scoring.submit_groups = submit_groups
+        for item in items:
+            link.queue_result(item, synthetic_group(item, 0, SCHEMA, 16, 32))
+        link.send_results()
+        _turns_until(orch, lambda: orch.counts["handler_error"] == 1)
+        assert not orch.admission.processing
+        assert sorted(orch.admission.reissue) == sorted((i.group_id, i.attempt + 1) for i in items)
+
+        def stored():
+            link.poll(0.01)  # the link re-sends what was not acknowledged
+            return orch.counts["stored"] == GROUPS
+        _turns_until(orch, stored)
+    finally:
+        orch.close()
+        link.close()
+    assert set(_stored_by_group(tmp_path)) == {i.group_id for i in items}
+    assert orch.counts.get("duplicate", 0) == 0
+
+
 def test_a_result_cut_wrong_or_past_the_group_bound_is_refused_and_the_orchestrator_goes_on(tmp_path):
     """A 3-group `Result` with a bound of 2 is a bad message (an `Error`, nothing taken); one whose
     samples are not 2 groups of 4, or miss a column, refuses each of its groups as invalid; the
