@@ -276,11 +276,11 @@ class KeptProcess:
 
     def _watch(self) -> None:
         while True:
-            stopping = self._stopping.wait(self.poll_s)
+            self._stopping.wait(self.poll_s)
             code = self.proc.poll()
             if code is None:
                 continue
-            if stopping or self._stopping.is_set():
+            if self._stopping.is_set():
                 return
             why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             if self.restarts >= self.max_restarts:
