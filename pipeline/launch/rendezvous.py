@@ -151,9 +151,32 @@ def bootstrap_store(boot: Dict[str, Any], timeout_s: float):
                       datetime.timedelta(seconds=timeout_s), listener)
 
 
+LOWEST_FREE_PORT = 20000
+"""`free_port` picks at random from here up to the kernel's ephemeral range (below it)."""
+
+
 def free_port(host: str = "") -> int:
-    """A TCP port that was free a moment ago on this host. Racy (another process may bind it
-    before the caller does): a server that can take a bound socket uses `listen_on` instead."""
+    """A TCP port that was free a moment ago on this host, below the kernel's ephemeral range
+    (``net.ipv4.ip_local_port_range``, 32768-60999 by default), so that no outgoing connection and no
+    ``bind(port 0)`` of another process takes it before the caller binds it (a port the kernel picks
+    for those comes from that range: a busy machine took one in between). Still racy against another
+    caller of `free_port` (a random pick of ~12,700): a server that can take a bound socket uses
+    `listen_on` instead. Where the range leaves no room below it, a port the kernel picks."""
+    import random
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    pick = random.SystemRandom()
+    for _ in range(64 if low > LOWEST_FREE_PORT else 0):
+        port = pick.randrange(LOWEST_FREE_PORT, low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

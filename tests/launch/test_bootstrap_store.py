@@ -57,3 +57,20 @@ def test_the_store_is_served_on_the_published_port_by_every_role_process_in_turn
         assert ("127.0.0.1", port) in listening(os.getpid()), "the supervisor's socket closed with its role"
     finally:
         os.close(fd)
+
+
+def test_free_port_is_below_the_ephemeral_range_so_no_outgoing_connection_takes_it():
+    """The benchmarks' lanes failed on ``EADDRINUSE``: a port `free_port` had the kernel pick (port 0,
+    from the ephemeral range) was the source port of another process's connection by the time the
+    TCPStore bound it. Ports from below the range are never handed out that way."""
+    import socket
+    from pathlib import Path
+
+    from pipeline.launch.rendezvous import LOWEST_FREE_PORT, free_port
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port("127.0.0.1") for _ in range(20)}
+    assert all(LOWEST_FREE_PORT <= p < low for p in ports), (ports, low)
+    assert len(ports) > 1  # picked at random, not one fixed port
+    with socket.socket() as s:  # and free: the caller can bind it
+        s.bind(("127.0.0.1", ports.pop()))
