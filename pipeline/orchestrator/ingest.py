@@ -59,7 +59,7 @@ import numpy as np
 
 from pipeline.orchestrator.buffer import BufferedGroup
 from pipeline.orchestrator.prompts import check_groups
-from pipeline.orchestrator.scoring import with_rewards
+from pipeline.orchestrator.scoring import SubmitFailed, with_rewards
 from pipeline.protocol import messages as m
 from pipeline.protocol.record import RecordError
 from pipeline.protocol.sample_batch import SampleBatch
@@ -227,8 +227,9 @@ class ResultIngest:
         try:
             self.scoring.submit_groups([(gid, attempt, peer) for peer, gid, attempt, *_ in entries], together, prompts)
         except Exception as exc:  # no message ends the run (checked after its handler returned)
+            submitted = exc.submitted if isinstance(exc, SubmitFailed) else 0  # those are answered
             self._handler_failed(entries[0][0], m.Result.KIND, exc)
-            for _, gid, attempt, *_ in entries:
+            for _, gid, attempt, *_ in entries[submitted:]:
                 self.admission.reject_processing(gid, attempt)  # never scored: generated again
 
     def _accept(self, peer: bytes, gid: int, attempt: int, group: SampleBatch) -> None:

@@ -59,6 +59,15 @@ def last_token_verifier(prompt: PromptItem, completion_ids: np.ndarray) -> float
     return float(completion_ids[0] == prompt.answer)
 
 
+class SubmitFailed(Exception):
+    """`Scoring.submit_groups` failed at group ``submitted`` (its ``__cause__``): the groups before it
+    were submitted and will be answered, it and those after it were not."""
+
+    def __init__(self, submitted: int, cause: BaseException):
+        super().__init__(f"submitting group {submitted} for scoring failed: {cause!r}")
+        self.submitted = submitted
+
+
 class Scoring(ABC):
     """Groups in, (key, group, rewards, error) out, never blocking the orchestrator's loop."""
 
@@ -69,9 +78,13 @@ class Scoring(ABC):
     def submit_groups(self, keys: Sequence[Any], batch: SampleBatch, prompts: Sequence[PromptItem]) -> None:
         """`submit` each of ``batch``'s consecutive groups (``len(batch) // len(keys)`` samples
         each; group i under ``keys[i]``, answering ``prompts[i]``), in order; the default submits
-        them one by one, as row views."""
-        for key, group, prompt in zip(keys, batch.groups(len(keys)), prompts):
-            self.submit(key, group, prompt)
+        them one by one, as row views. A failure raises `SubmitFailed`, naming how many were submitted
+        (any other exception: none was)."""
+        for i, (key, group, prompt) in enumerate(zip(keys, batch.groups(len(keys)), prompts)):
+            try:
+                self.submit(key, group, prompt)
+            except Exception as exc:
+                raise SubmitFailed(i, exc) from exc
 
     @abstractmethod
     def completed(self) -> Iterator[tuple[Any, SampleBatch, np.ndarray | None, BaseException | None]]:

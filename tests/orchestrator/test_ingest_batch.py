@@ -7,6 +7,7 @@ group (or one whose columns disagree with the header) refused alone, a message p
 (`pipeline/orchestrator/generator_side.py`)."""
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -15,7 +16,7 @@ from pipeline.orchestrator.bounds import RunBounds
 from pipeline.orchestrator.config import OrchestratorConfig
 from pipeline.orchestrator.generator_side import GRANT_MIN
 from pipeline.orchestrator.prompts import SyntheticPromptSource
-from pipeline.orchestrator.scoring import VerifierScorer, last_token_verifier
+from pipeline.orchestrator.scoring import Scoring, VerifierScorer, last_token_verifier
 from pipeline.orchestrator.service import Orchestrator
 from pipeline.protocol import messages as m
 from pipeline.protocol.links import GeneratorLink, TrainerLink, WorkItem, batch_arrays
@@ -254,6 +255,44 @@ def test_groups_whose_scoring_could_not_be_submitted_are_taken_again_not_held_fo
         link.close()
     assert set(_stored_by_group(tmp_path)) == {i.group_id for i in items}
     assert orch.counts.get("duplicate", 0) == 0
+
+
+def test_a_batch_whose_submission_fails_midway_takes_again_only_the_groups_not_submitted(tmp_path):
+    """Submitting one by one (`Scoring.submit_groups`'s default, which the scorer-process pool uses)
+    failed at a batch's third group: the two submitted before it are scored and stored, and only the
+    others go back to admission. Before, all went back, so the two were stored and then issued
+    again: generated a second time and answered as duplicates."""
+    orch = _orchestrator(tmp_path)
+    link = GeneratorLink(tmp_path, 0, slots=GROUPS, schema=SCHEMA)
+    try:
+        items = _granted_work(orch, link, GROUPS)
+        real_submit, calls = orch.scoring.submit, []
+
+        def submit(key, group, prompt):
+            calls.append(key[0])
+            if len(calls) == 3:
+                raise RuntimeError("scoring broke")
+            real_submit(key, group, prompt)
+        orch.scoring.submit = submit
+        orch.scoring.submit_groups = functools.partial(Scoring.submit_groups, orch.scoring)
+        for item in items:
+            link.queue_result(item, synthetic_group(item, 0, SCHEMA, 16, 32))
+        link.send_results()  # one message of the six groups
+        _turns_until(orch, lambda: orch.counts["handler_error"] == 1)
+        assert len(calls) == 3
+        assert sorted(orch.admission.reissue) == sorted((i.group_id, i.attempt + 1) for i in items
+                                                        if i.group_id not in calls[:2])
+
+        def stored():
+            link.poll(0.01)  # the link re-sends what was not acknowledged
+            return orch.counts["stored"] == GROUPS
+        _turns_until(orch, stored)
+        assert not orch.admission.reissue
+    finally:
+        orch.close()
+        link.close()
+    assert set(_stored_by_group(tmp_path)) == {i.group_id for i in items}
+    assert orch.counts.get("duplicate", 0) == 0 and orch.admission.reissued_total == 0
 
 
 def test_a_result_cut_wrong_or_past_the_group_bound_is_refused_and_the_orchestrator_goes_on(tmp_path):
