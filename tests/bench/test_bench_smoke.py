@@ -16,11 +16,10 @@ generator, episodes and weight_sync's stall part on one engine start (`bench/sha
 `ONE_ENGINE`; weight_sync's other parts run in its own script), trainer, dp_balance and
 pipeline_parallel on one import of torch and megatron-core (`bench/shared_zygote.py`,
 `ONE_IMPORT`); the megatron-core ranks of weight_sync are forked from a preloaded zygote too
-(`support.zygote`). The default suite runs all eleven: 107 s under `heavy-all`, 201 CPU s, main's
-tree 134 s and 260 CPU s beside it (110-133 s in two pairs on a busier machine; the runs changed: 160 -> 130 alone;
-bench/results/2026-12-06-smoke.md, "Session 7 (2026-12-07)"); the module is CPU-bound on two
-cores, nearly all of its CPU start-ups' imports (vLLM twice per engine, megatron-core per
-trainer); async_vs_sync alone is two whole `tokenflow train` runs.
+(`support.zygote`). The default suite runs all eleven: 117-132 s in five runs on the 2-core
+machine of 2026-12-07 (session 9), 227-254 CPU s for the same work (bench/results/2026-12-07-smoke.md);
+the module is CPU-bound on two cores, nearly all of its CPU start-ups' imports (vLLM twice per
+engine, megatron-core per trainer); async_vs_sync alone is two whole `tokenflow train` runs.
 The weight_sync bandwidth part at quick sizes is checked in detail (every mode moved every byte)
 in `tests/weights/test_weight_sync_bench.py`, not here: this module runs the smoke modes only.
 """
@@ -85,7 +84,8 @@ CONCURRENT = 3
 LONGEST_FIRST = ("async_vs_sync", "episodes", "generator", "weight_sync", "recovery", "routing_mismatch",
                  "scorers", "trainer", "dp_balance", "pipeline_parallel", "ingest")
 """The order they start in: the longest first, so that the lanes end together (a shared harness
-starts at its first benchmark's place)."""
+starts at its first benchmark's place). The shared engine's lane (three benchmarks one after the
+other on one engine, ~1 core) starts in the first wave: started third-last it ran alone at the end."""
 
 
 SHARED = {"leftovers", "weight_stall", "shared_engine", "shared_zygote"}
