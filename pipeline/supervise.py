@@ -276,12 +276,13 @@ class KeptProcess:
 
     def _watch(self) -> None:
         while True:
-            self._stopping.wait(self.poll_s)
+            if self._stopping.wait(self.poll_s):  # released: it exits on purpose, no restart; this
+                while self.proc.poll() is None:   # thread forked it, so it ends only after it (class doc)
+                    time.sleep(self.poll_s)
+                return
             code = self.proc.poll()
             if code is None:
                 continue
-            if self._stopping.is_set():
-                return
             why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             if self.restarts >= self.max_restarts:
                 self.failure = (f"the {self.name} (pid {self.proc.pid}) died ({why}) after "

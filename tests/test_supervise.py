@@ -134,7 +134,8 @@ def test_a_kept_process_is_restarted_then_given_up_on(tmp_path):
 def test_a_restarted_kept_process_outlives_its_release_though_it_dies_with_its_parent():
     """Regression: a restart is forked by the watcher thread, and the parent-death signal follows
     the forking thread; the watcher ended at `release`, so the restarted orchestrator got SIGINT
-    at the end of the run (before it was told to finish), possibly still restoring the log."""
+    at the end of the run (before it was told to finish), possibly still restoring the log. Once
+    released, the watcher waits for it at its poll interval (an earlier one spun a core meanwhile)."""
     starts = []
 
     def start():
@@ -149,9 +150,13 @@ def test_a_restarted_kept_process_outlives_its_release_though_it_dies_with_its_p
         while len(starts) < 2:
             assert time.monotonic() < deadline, "not restarted"
             time.sleep(0.05)
+        polls, poll = [], starts[1].poll
+        starts[1].poll = lambda: polls.append(1) or poll()  # the watcher's checks of the released process
         kept.release()
         time.sleep(1.0)
-        assert starts[1].poll() is None, f"the restarted process died at release ({starts[1].returncode})"
+        assert poll() is None, f"the restarted process died at release ({starts[1].returncode})"
+        # it waits at its poll interval (~20 checks in 1 s), not in a loop whose wait returns at once
+        assert len(polls) < 100, f"the released watcher spun: {len(polls)} checks in 1 s"
     finally:
         kept.stop()
     assert starts[1].returncode is not None
