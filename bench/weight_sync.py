@@ -52,6 +52,9 @@ both, run right before the adapters').
     python bench/weight_sync.py --smoke --part bandwidth layouts lora  # all but (b), which
                                                          # bench/shared_engine.py runs as weight_stall
 
+In `bench/shared_zygote.py` (``main(argv, zygote)``) (c) and (d) fork from its zygote, and the parts
+default to `SHARED_ZYGOTE_PARTS`: the report has the keys of ``--part bandwidth layouts lora``.
+
 The last line printed is one JSON object. The machine may be shared with other work: both sides of
 every ratio are measured alternately so drift hits both, but single figures vary between runs.
 """
@@ -67,18 +70,20 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # the tests' shared helpers (support.layout_check)
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the package and bench/, the tests' helpers
 
-import weight_stall  # noqa: E402
-from weight_stall import BUCKET_BYTES, TIMEOUT_S, finish_sender, model_weights, stall_sender  # noqa: E402
+from bench import weight_stall  # noqa: E402
+from bench.weight_stall import BUCKET_BYTES, TIMEOUT_S, finish_sender, model_weights, stall_sender  # noqa: E402
 
 MODES = ("packed", "single", "unbatched")
 PARTS = ("bandwidth", "stall", "layouts", "lora")
-"""(a) to (d); ``--part`` names some of them (default all)."""
+"""(a) to (d); ``--part`` names some of them (default all; given a zygote, `SHARED_ZYGOTE_PARTS`)."""
+SHARED_ZYGOTE_PARTS = ("bandwidth", "layouts", "lora")
+"""The default parts given a zygote (`bench/shared_zygote.py`): all but (b), which needs an engine."""
 
 
 def big_model_weights(layers: int, vocab: int):
@@ -317,14 +322,17 @@ def lora_sync(reps: int, done: dict) -> dict:
     return out
 
 
-def main() -> dict:
+def main(argv: list[str] | None = None, zygote=None) -> dict:
+    """The benchmark; its report (``--_sender``: a sender, which exits). ``zygote``: the
+    `support.zygote.Zygote` to fork (c) and (d)'s processes from (the parts then default to
+    `SHARED_ZYGOTE_PARTS`); None: one of this run's, started when they run."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="< 1 minute; reports only")
     size.add_argument("--smoke", action="store_true", help="every part at its smallest (one repetition, a "
                       "one-layer set, one update, short windows): the report's keys, not its figures")
-    ap.add_argument("--part", nargs="+", choices=PARTS + ("all",), default=["all"],
-                    help="the parts to run (default all)")
+    ap.add_argument("--part", nargs="+", choices=PARTS + ("all",),
+                    help="the parts to run (default all; in bench/shared_zygote.py all but stall)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per mode (a) and layout (c)")
     ap.add_argument("--big-layers", type=int, default=None, help="layers of the Qwen3-shaped random set (a); "
                     "default 20 (1.32 B parameters), --quick 6 (0.61 B)")
@@ -333,7 +341,8 @@ def main() -> dict:
     ap.add_argument("--_sender", choices=("bandwidth", "stall"), help=argparse.SUPPRESS)
     ap.add_argument("--_port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--_store-port", type=int, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    args.part = args.part or (SHARED_ZYGOTE_PARTS if zygote is not None else ["all"])
     args.part = set(PARTS) if "all" in args.part else set(args.part)
     if args.smoke:
         args.reps, args.big_layers, args.big_vocab = 1, 1, 4096
@@ -347,16 +356,13 @@ def main() -> dict:
         stall_sender("127.0.0.1", args._port, args._store_port, args.model, args.updates, pin=not args.smoke)
         sys.exit(0)
     t0 = time.monotonic()
-    done: dict = {}  # layout_check runs, by (tp, ep, lora), and "zygote": the one their processes fork from
-    if args.part & {"layouts", "lora"}:  # started here: it dies with the thread that starts it
-        from support.layout_check import start_zygote
+    with ExitStack() as own:
+        if zygote is None and args.part & {"layouts", "lora"}:  # here: it dies with the thread that starts it
+            from support.layout_check import start_zygote
 
-        done["zygote"] = start_zygote(Path(tempfile.mkdtemp(prefix="tf-weight-sync-")) / "zygote.log")
-    try:
-        return measure(args, t0, done)
-    finally:
-        if "zygote" in done:
-            done["zygote"].close()
+            log = Path(tempfile.mkdtemp(prefix="tf-weight-sync-")) / "zygote.log"
+            zygote = own.enter_context(start_zygote(log))
+        return measure(args, t0, {"zygote": zygote})  # + layout_check runs, by (tp, ep, lora)
 
 
 def measure(args, t0: float, done: dict) -> dict:

@@ -12,14 +12,14 @@ The selected ones run `CONCURRENT` at a time (a smoke run is mostly start-ups: o
 importing vLLM or megatron-core after another; three at once keep both cores busy while one
 waits), longest first, each under a process marker of its own: started by the module's first test,
 each test waits for its own. Shared harnesses (`HARNESSES`) run several in one process tree:
-generator, episodes and weight_sync's stall part on one engine start (`bench/shared_engine.py`,
-`ONE_ENGINE`; weight_sync's other parts run in its own script), trainer, dp_balance and
-pipeline_parallel on one import of torch and megatron-core (`bench/shared_zygote.py`,
-`ONE_IMPORT`); the megatron-core ranks of weight_sync are forked from a preloaded zygote too
-(`support.zygote`). The default suite runs all eleven: 117-132 s in five runs on the 2-core
-machine of 2026-12-07 (session 9), 227-254 CPU s for the same work (bench/results/2026-12-07-smoke.md);
-the module is CPU-bound on two cores, nearly all of its CPU start-ups' imports (vLLM twice per
-engine, megatron-core per trainer); async_vs_sync alone is two whole `tokenflow train` runs.
+generator, episodes, weight_sync's stall part and routing_mismatch in one process that imports
+vLLM once (`bench/shared_engine.py`, `ONE_PROCESS`: two engine starts, one for the tiny dense
+model, one for routing_mismatch's tiny MoE), trainer, dp_balance, pipeline_parallel, scorers and
+weight_sync's other parts on one import of torch, megatron-core and transformers
+(`bench/shared_zygote.py`, `ONE_IMPORT`). The module is CPU-bound on two cores, nearly all of its
+CPU start-ups' imports (vLLM twice per engine start: in the driver and in the EngineCore vLLM's CPU
+platform spawns; megatron-core per trainer); async_vs_sync alone is two whole `tokenflow train`
+runs. Its times and CPU are in bench/results/ (2026-12-07-smoke.md).
 The weight_sync bandwidth part at quick sizes is checked in detail (every mode moved every byte)
 in `tests/weights/test_weight_sync_bench.py`, not here: this module runs the smoke modes only.
 """
@@ -81,33 +81,49 @@ REPORT_KEYS = {
 CONCURRENT = 3
 """Smoke runs at once (the CI machine has two cores; the third fills a core while a run waits)."""
 
-LONGEST_FIRST = ("async_vs_sync", "episodes", "generator", "weight_sync", "recovery", "routing_mismatch",
-                 "scorers", "trainer", "dp_balance", "pipeline_parallel", "ingest")
+LONGEST_FIRST = ("async_vs_sync", "episodes", "generator", "routing_mismatch", "weight_sync", "trainer", "dp_balance",
+                 "pipeline_parallel", "scorers", "recovery", "ingest")
 """The order they start in: the longest first, so that the lanes end together (a shared harness
-starts at its first benchmark's place). The shared engine's lane (three benchmarks one after the
-other on one engine, ~1 core) starts in the first wave: started third-last it ran alone at the end."""
+starts at its first benchmark's place): the two `tokenflow train` runs, the shared engine's lane
+(two engines one after the other, ~1 core), the shared zygote's; then recovery and ingest."""
+
+
+CHAINS = {"shared_engine"}
+"""Runs that are a chain of one busy process at a time (the shared engine's: its driver's imports,
+then each engine's own process, then its benchmarks, one engine after the other): they run at the
+default priority, every other run at `NICE`, so that a chain keeps one core to itself and ends with
+the others (at equal priority the shared engine's lane got a third of the machine and ended last,
+~100 s, when the rest had ended by ~85 s)."""
+NICE = 5
+"""The priority increment of the runs that are not chains."""
 
 
 SHARED = {"leftovers", "weight_stall", "shared_engine", "shared_zygote"}
 """bench/ modules that are no benchmark: the leftover-process check, weight_sync's stall part, the
 harnesses that run several benchmarks on one engine start or one import."""
 
-ONE_ENGINE = {"episodes": "episodes", "generator": "generator", "weight_sync": "weight_stall"}
-"""Smoke benchmarks, or the engine part of one, run together on one engine start, in this order
-(``bench/shared_engine.py --smoke episodes generator weight_stall``: two vLLM engine starts less,
-~15 CPU s each); weight_sync's stall part (`bench/weight_stall.py`) runs there, its other parts in
-its own script (`SHARED_REST`), and the test checks both reports as one."""
+ONE_PROCESS = {"episodes": "episodes", "generator": "generator", "weight_sync": "weight_stall",
+               "routing_mismatch": "routing_mismatch"}
+"""Smoke benchmarks, or the engine part of one, run in one process on as few engine starts as their
+settings allow (``bench/shared_engine.py --smoke episodes generator weight_stall routing_mismatch``:
+the first three on one engine, routing_mismatch's tiny MoE on a second; one vLLM import on the
+driver's side instead of three, ~9 CPU s each); weight_sync's stall part (`bench/weight_stall.py`)
+runs there, its other parts in the shared zygote (`PARTS`)."""
 
-ONE_IMPORT = {"trainer": "trainer", "dp_balance": "dp_balance", "pipeline_parallel": "pipeline_parallel"}
-"""Smoke benchmarks run on one import of torch and megatron-core (``bench/shared_zygote.py --smoke
-trainer dp_balance pipeline_parallel``: forked from one zygote, ~6 CPU s each less)."""
+ONE_IMPORT = {"trainer": "trainer", "dp_balance": "dp_balance", "pipeline_parallel": "pipeline_parallel",
+              "weight_sync": "weight_sync", "scorers": "scorers"}
+"""Smoke benchmarks, or a part of one, run on one import of torch, megatron-core and transformers
+(``bench/shared_zygote.py --smoke trainer dp_balance pipeline_parallel weight_sync scorers``: their
+processes forked from one zygote, ~5 CPU s each less)."""
 
-HARNESSES = {"shared_engine": ONE_ENGINE, "shared_zygote": ONE_IMPORT}
+HARNESSES = {"shared_engine": ONE_PROCESS, "shared_zygote": ONE_IMPORT}
 """bench/ script -> the benchmarks it runs together (name -> its name there) when more than one of
 them is selected; the others run their own script."""
 
-SHARED_REST = {"weight_sync": ("--part", "bandwidth", "layouts", "lora")}
-"""The rest of a benchmark of which a shared harness runs a part."""
+PARTS = {"weight_sync": {"shared_engine": ("stall",), "shared_zygote": ("bandwidth", "layouts", "lora")}}
+"""A benchmark split across harnesses: the parts each runs. Parts whose harness does not run (fewer
+than two of its benchmarks selected) run in the benchmark's own script (``--part ...``); the test
+checks the reports of its runs as one."""
 
 
 def test_every_benchmark_has_a_smoke_test():
@@ -119,9 +135,13 @@ def _run_smoke(script: str, env: dict, *extra: str) -> subprocess.CompletedProce
     t0 = time.monotonic()
     from pipeline.supervise import die_with_parent
 
-    # dies with this process (a killed pytest ends its smoke runs; each benchmark ends its own children)
+    def start() -> None:
+        die_with_parent()  # a killed pytest ends its smoke runs; each benchmark ends its own children
+        if script not in CHAINS:
+            os.nice(NICE)
+
     proc = subprocess.run([sys.executable, str(BENCH / f"{script}.py"), "--smoke", *extra], capture_output=True,
-                          text=True, timeout=600, env=env, preexec_fn=die_with_parent)
+                          text=True, timeout=600, env=env, preexec_fn=start)
     print(f"bench/{script}.py --smoke {' '.join(extra)}: {time.monotonic() - t0:.1f} s", flush=True)  # shown with -s
     return proc
 
@@ -141,26 +161,26 @@ def smoke_runs(request, tmp_path_factory):
     from support.leftovers import leftovers
 
     selected = _selected(request)
-    groups = {script: [name for name in members if name in selected] for script, members in HARNESSES.items()}
-    shared = {name: script for script, names in groups.items() if len(names) > 1 for name in names}
+    used = {script: [name for name in members if name in selected] for script, members in HARNESSES.items()}
+    used = {script: names for script, names in used.items() if len(names) > 1}
     jobs: dict[str, tuple[str, ...]] = {}  # run -> script and arguments, longest first
+    runs: dict[str, list] = {name: [] for name in selected}  # name -> [(run, its report's name there or None)]
     for name in selected:
-        script = shared.get(name)
-        if script and script not in jobs:
-            jobs[script] = (script, *(HARNESSES[script][n] for n in groups[script]))
-        if not script:
-            jobs[name] = (name,)
-        elif name in SHARED_REST:
-            jobs[name] = (name, *SHARED_REST[name])
+        scripts = [script for script, names in used.items() if name in names]
+        for script in scripts:
+            jobs.setdefault(script, (script, *(HARNESSES[script][n] for n in used[script])))
+            runs[name].append((script, HARNESSES[script][name]))
+        rest = [part for script, parts in PARTS.get(name, {}).items() if script not in scripts for part in parts]
+        if not scripts or rest:
+            jobs[name] = (name, "--part", *rest) if scripts else (name,)
+            runs[name].append((name, None))
     if "ingest" in jobs:
         jobs["ingest"] += ("--local", str(tmp_path_factory.mktemp("ingest")))
     markers = {name: uuid.uuid4().hex for name in jobs}
     pool = ThreadPoolExecutor(CONCURRENT)
     futures = {name: pool.submit(_run_smoke, job[0], {**os.environ, MARKER_ENV: markers[name]}, *job[1:])
                for name, job in jobs.items()}
-    runs = {name: [(futures[name], None)] if name in jobs else [] for name in selected}
-    for name, script in shared.items():
-        runs[name].append((futures[script], HARNESSES[script][name]))
+    runs = {name: [(futures[job], part) for job, part in parts] for name, parts in runs.items()}
     yield runs
     pool.shutdown(wait=True)
     left = {pid: cmd for marker in markers.values() for pid, cmd in leftovers(marker, wait_s=5.0).items()}
@@ -232,9 +252,9 @@ def test_routing_mismatch_smoke(smoke_runs):
 
 
 def test_weight_sync_smoke(smoke_runs):
-    """Its stall part on the shared engine (`ONE_ENGINE`: a gloo sender beside it), the rest in its own
-    script: a gloo sender and nine megatron-core or gloo processes forked from one zygote
-    (`support.zygote`); the two reports checked as one."""
+    """Its stall part on the shared engine (`ONE_PROCESS`: a gloo sender beside it), the rest in the
+    shared zygote (`ONE_IMPORT`: a gloo sender and megatron-core or gloo processes forked from the
+    zygote); the two reports checked as one."""
     report = _smoke(smoke_runs, "weight_sync")
     assert set(report["bandwidth"]["sets"]) == {"tiny-dense", "tiny-moe", "big"}
     assert set(report["layouts"]) >= {"tp1", "tp2xep2"} and set(report["lora"]) >= {"full", "adapters"}
