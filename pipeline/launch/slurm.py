@@ -17,6 +17,7 @@ Worked example: components trainer(nodes=1) and generator(nodes=2) give a script
     #SBATCH --nodes=1 ... (submitit's block, component 0)
     #SBATCH hetjob
     #SBATCH --nodes=2 --ntasks-per-node=1 ... (component 1)
+    trap 'true' TERM                          (`OUTLIVE_SRUN`)
     srun ... --het-group=0,1 --kill-on-bad-exit=1 python -m submitit.core._submit RUN/submitit
 and SLURM_PROCID 0 is trainer.0, 1..2 are generator.0..1.
 
@@ -106,6 +107,16 @@ def component_directives(spec: ComponentSpec) -> List[str]:
     return opts + list(spec.extra_sbatch)
 
 
+OUTLIVE_SRUN = "trap 'true' TERM"
+"""The job script's last setup line: on SIGTERM (a cancel, a preemption) the script waits for its
+srun instead of dying at once. Slurm ends a cancelled job with SIGTERM, then SIGKILL after
+``KillWait`` to the processes it tracks; a tracker that follows parent links (proctrack/linuxproc)
+no longer finds an srun whose script died first, and an srun that does not end on SIGTERM (Slurm
+22.05's srun of a het step under PMIx, stuck after its tasks exited) then outlived the job
+(`tests/launch/test_slurm_cluster.py`). A trap that runs a command is not inherited: srun keeps
+its own SIGTERM handling."""
+
+
 def executor_parameters(plan: JobPlan) -> Dict[str, Any]:
     """submitit parameters for the whole heterogeneous job."""
     first, *rest = plan.components.values()
@@ -114,6 +125,7 @@ def executor_parameters(plan: JobPlan) -> Dict[str, Any]:
         setup.append("#SBATCH hetjob")
         setup += [f"#SBATCH {opt}" for opt in component_directives(spec)]
     setup += [f"export {k}={shlex.quote(v)}" for k, v in plan.env.items()]
+    setup.append(OUTLIVE_SRUN)
     srun_args = ["--kill-on-bad-exit=1"]
     if rest:
         srun_args.append("--het-group=" + ",".join(str(k) for k in range(len(plan.components))))

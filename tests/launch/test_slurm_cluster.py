@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -89,15 +90,21 @@ def test_components_bootstrap_their_process_groups_from_mpi_under_pmix(tmp_path)
 
 def test_a_job_that_lingers_after_its_tasks_finished_is_cancelled_and_its_results_returned(
         tmp_path, monkeypatch, caplog):
-    """Slurm 22.05's `srun` of a het step under PMIx once never returned after every task had exited
-    (CI, stop 42): the job held its nodes RUNNING until a timeout. Here the job script's EXIT trap
-    holds the job the same way after srun returned; `wait` cancels it `linger_s` after the last
-    final result instead of waiting out its timeout."""
+    """Slurm 22.05's `srun` of a het step under PMIx sometimes never returns after every task has
+    exited (CI, stops 42 and 44): the job held its nodes RUNNING until a timeout, and that srun
+    ignored the cancel's SIGTERM and outlived the job (proctrack/linuxproc lost it when its job
+    script died first). Here the job script's EXIT trap holds the job the same way after srun
+    returned, in a process that ignores SIGTERM: `wait` cancels the job `linger_s` after the last
+    final result instead of waiting out its timeout, and the holder ends with the job (the autouse
+    `no_process_left_behind` checks it too). Without the job script's `OUTLIVE_SRUN` trap the holder
+    was left running."""
     import pipeline.launch.slurm as slurm
+
+    holder = f"{sys.executable} -c 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'"
 
     def lingering(plan):
         params = executor_parameters(plan)
-        params["setup"] = [*params["setup"], "trap 'sleep 600' EXIT"]
+        params["setup"] = [*params["setup"], f"trap {shlex.quote(holder)} EXIT"]
         return params
 
     executor_parameters = slurm.executor_parameters
@@ -110,6 +117,12 @@ def test_a_job_that_lingers_after_its_tasks_finished_is_cancelled_and_its_result
     assert results["trainer"][0]["role"] == "trainer" and results["generator"][0]["role"] == "generator"
     assert run.lingered and "has its final result, but the run is still RUNNING" in caplog.text
     wait_until(lambda: run.state().startswith("CANCELLED"), 60, "the lingering job cancelled")
+
+    def holders() -> list[str]:
+        ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True, timeout=30).stdout
+        return [line for line in ps.splitlines() if "time.sleep(600)" in line and "SIG_IGN" in line]
+
+    wait_until(lambda: not holders(), 30, "the SIGTERM-ignoring holder of the cancelled job ended")
 
 
 def test_forced_requeue_runs_every_role_again_as_next_attempt(tmp_path):
