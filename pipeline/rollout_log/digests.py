@@ -9,9 +9,8 @@ Invariants:
   dataset ``digests/T/C``: the crc32 of each *block* of ``rows`` consecutive rows of the data as
   stored (its attribute ``rows``; the last block may be shorter). A block is ~`BLOCK_BYTES` of data,
   at least one row; crc32 catches every single-bit flip and every burst up to 32 bits. It is
-  zlib's crc32 (``zlib.crc32`` gives the same values), computed by zlib-ng's SIMD implementation:
-  18 GB/s against zlib's 3.0 on this project's CPU machine, where the digests had been a quarter of
-  the orchestrator's CPU in a seal (bench/results/2026-12-07-ingest.md);
+  zlib's crc32 (``zlib.crc32`` gives the same values), computed by zlib-ng's SIMD implementation,
+  several times faster than zlib's (measured in bench/results/2026-12-07-ingest.md);
 - a reader verifies every block a read touches (`verified`) and raises `BlockDamage` naming the
   dataset and the row range of the first bad block: damage costs the rows of that block, never
   the segment; a missing or malformed digest dataset counts as damage of the whole dataset.
