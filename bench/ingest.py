@@ -27,6 +27,12 @@ side by side in one run, on the same bytes, for each filesystem:
   give each acknowledged group the durability the orchestrator gives it (a raw writer that never
   syncs does less work, one that syncs per group does more). The raw writer writes each byte once;
   the orchestrator journals it and later seals it, and that difference is part of its cost;
+- ``log floor`` (reported, not a baseline): CPU time of the per-byte work every orchestrator of
+  this design does beyond the receive, with none of its per-group bookkeeping (`run_log_floor`):
+  the same messages authenticated and decoded, their token values checked, their frames journaled
+  at the same sync cadence, then sealed once as a seal writes them, with digests. The orchestrator
+  less this and the raw receive is what its own per-group work costs; (slower baseline) / (raw
+  receive + floor) is the efficiency an orchestrator with no per-group cost would reach;
 - ``ack latency``: wall time of the log writer's durable flush of one 8-sample group (what an
   acknowledgement waits for), median and p99, and the time of one seal.
 
@@ -250,6 +256,52 @@ def run_raw_h5py(n_groups: int, groups_per_flush: int, root: Path, groups_per_me
     return {"cpu_s": cpu}
 
 
+def run_log_floor(n_groups: int, groups_per_flush: int, root: Path, groups_per_message: int) -> dict:
+    """The per-byte work of any orchestrator beyond the receive, with no per-group bookkeeping: each
+    received message authenticated and decoded (`wire.decode`), its token values checked
+    (`check_token_values`), its frames as received appended to a journal file and ``fdatasync``'d
+    after every ``groups_per_flush`` groups; then every column sealed once, as a seal writes it
+    (`format.write_sealed_segment`): one ``pwritev`` of its messages' arrays where HDF5 placed the
+    dataset, digested (`digests.digest`), the file synced."""
+    from pipeline.protocol.record import check_token_values
+    from pipeline.rollout_log.digests import block_rows, digest
+
+    key = b"k" * 32
+    frames = _group_message(key, groups_per_message)
+    per_flush = max(1, round(groups_per_flush / groups_per_message))  # messages per flush
+    n_msgs = max(1, round(n_groups / groups_per_message))
+    journal, sealed = tempfile.mktemp(suffix=".journal", dir=root), tempfile.mktemp(suffix=".h5", dir=root)
+    c0 = _cpu()
+    held = []
+    fd = os.open(journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        for i in range(n_msgs):
+            cols = wire.decode(key, frames, 1 << 30).arrays
+            check_token_values(cols["prompt_ids"], cols["completion_ids"], cols["logprobs"], cols["versions"],
+                               cols["completion_len"])
+            held.append(cols)
+            os.writev(fd, frames)
+            if (i + 1) % per_flush == 0 or i + 1 == n_msgs:
+                os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    with h5py.File(sealed, "w", libver="latest") as f:
+        for name, first in held[0].items():
+            parts = [cols[name] for cols in held]
+            dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+            dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)  # as a seal: placed now, never filled,
+            d = f.create_dataset(name, shape=(len(first) * n_msgs, *first.shape[1:]), dtype=first.dtype,
+                                 dcpl=dcpl, fill_time="never")
+            os.pwritev(f.id.get_vfd_handle(), parts, d.id.get_offset())  # its rows written where they lie
+            f.create_dataset(f"{name}.digests", data=digest(parts, block_rows(first)))
+        f.flush()
+        os.fdatasync(f.id.get_vfd_handle())
+    cpu = (_cpu() - c0) * n_groups / (n_msgs * groups_per_message)
+    os.unlink(journal)
+    os.unlink(sealed)
+    return {"cpu_s": cpu}
+
+
 def run_ack_latency(n_flushes: int, root: Path) -> dict:
     """Durable flush of one group (8 x 1K-token samples + its group row), as the orchestrator
     does before acknowledging; then one seal of everything flushed."""
@@ -286,9 +338,11 @@ def measure(root: Path, groups: int, producers: int, ack_flushes: int, rounds: i
         gpm = max(1, round(orch["groups_per_message"]))  # the raw baselines' messages: as many groups
         raws = [lambda: run_raw_zmq(n, gpm), lambda: run_raw_h5py(n, gpf, root, gpm)]
         zmq_raw, h5_raw = (f() for f in (raws if r % 2 == 0 else raws[::-1]))  # rotated order
+        floor = run_log_floor(n, gpf, root, gpm)
         mtok = orch["tokens"] / 1e6
         per_round.append({"orch": orch["cpu_s"] / mtok, "zmq": zmq_raw["cpu_s"] / mtok,
-                          "h5py": h5_raw["cpu_s"] / mtok, "tokens": orch["tokens"], "groups": n,
+                          "h5py": h5_raw["cpu_s"] / mtok, "floor": floor["cpu_s"] / mtok,
+                          "tokens": orch["tokens"], "groups": n,
                           "groups_per_flush": gpf, "groups_per_message": orch["groups_per_message"],
                           "wall_tokens_per_s": orch["tokens"] / orch["wall_s"]})
         per_round[-1]["efficiency"] = max(per_round[-1]["zmq"], per_round[-1]["h5py"]) / per_round[-1]["orch"]
@@ -301,6 +355,7 @@ def measure(root: Path, groups: int, producers: int, ack_flushes: int, rounds: i
         "orchestrator_cpu_s_per_1M_tokens": round(med("orch"), 4),
         "raw_zmq_cpu_s_per_1M_tokens": round(med("zmq"), 4),
         "raw_h5py_cpu_s_per_1M_tokens": round(med("h5py"), 4),
+        "log_floor_cpu_s_per_1M_tokens": round(med("floor"), 4),
         "efficiency_vs_slower_baseline": round(med("efficiency"), 3),
         "efficiency_per_round": [round(x["efficiency"], 3) for x in per_round],
         "orchestrator_wall_tokens_per_s": round(med("wall_tokens_per_s")),
@@ -355,7 +410,7 @@ def main(a: argparse.Namespace) -> None:
         print(f"{where} ({x['fstype']}): orchestrator {x['orchestrator_cpu_s_per_1M_tokens']:.3f} s CPU"
               f" / 1M tokens ({x['groups']} groups); raw zmq {x['raw_zmq_cpu_s_per_1M_tokens']}, raw "
               f"h5py {x['raw_h5py_cpu_s_per_1M_tokens']} (synced every {x['groups_per_flush']} groups, "
-              f"{x['groups_per_message']} groups a message); "
+              f"{x['groups_per_message']} groups a message); log floor {x['log_floor_cpu_s_per_1M_tokens']}; "
               f"efficiency {x['efficiency_vs_slower_baseline']} (rounds {x['efficiency_per_round']}); ack flush median {x['ack_flush_ms_median']} ms, "
               f"p99 {x['ack_flush_ms_p99']} ms; seal of {x['seal_mb']} MB {x['seal_s']} s")
     if not netfs:
