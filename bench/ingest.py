@@ -289,10 +289,11 @@ def run_log_floor(n_groups: int, groups_per_flush: int, root: Path, groups_per_m
         for name, first in held[0].items():
             parts = [cols[name] for cols in held]
             dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-            dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)  # as a seal: placed now, never filled,
+            dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)  # as a seal: placed now, never filled
             d = f.create_dataset(name, shape=(len(first) * n_msgs, *first.shape[1:]), dtype=first.dtype,
                                  dcpl=dcpl, fill_time="never")
-            os.pwritev(f.id.get_vfd_handle(), parts, d.id.get_offset())  # its rows written where they lie
+            wrote = os.pwritev(f.id.get_vfd_handle(), parts, d.id.get_offset())  # its rows where they lie
+            assert wrote == sum(p.nbytes for p in parts), f"short write of {name}: {wrote} bytes"
             f.create_dataset(f"{name}.digests", data=digest(parts, block_rows(first)))
         f.flush()
         os.fdatasync(f.id.get_vfd_handle())
