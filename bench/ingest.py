@@ -47,8 +47,8 @@ CPU(orchestrator) >= 0.5. The network filesystem (``--netfs DIR``, default the f
 with the same keys in every mode (`MODES`: full, ``--quick``, ``--smoke``); each filesystem's
 figures are the keys `measure` returns.
 
-The raw ZeroMQ receiver and sender are this script run again (``--raw-receiver``, ``--raw-sender``);
-they are parts of the benchmark, so only the benchmark's own process checks for leftover processes
+The raw baselines and the floor are in `bench/ingest_baselines.py`; its raw ZeroMQ receiver and
+sender are that script run as processes of their own; they are parts of the benchmark, so only the benchmark's own process checks for leftover processes
 (`bench/leftovers.py`). A helper that checked too would find its sibling still running, wait for it
 while the sibling waited for it, and after 15 s kill it (the sender exited 1 or was SIGKILLed).
 """
@@ -57,7 +57,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -65,18 +64,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import h5py
 import numpy as np
-import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pipeline.protocol import wire  # noqa: E402
+from ingest_baselines import (COMPLETION, GROUP, cpu_s, group_message, run_log_floor, run_raw_h5py,  # noqa: E402
+                              run_raw_zmq)  # bench/ is this script's directory
 from pipeline.metrics import read_metrics  # noqa: E402
+from pipeline.protocol import wire  # noqa: E402
 from pipeline.run_files import ORCHESTRATOR_RENDEZVOUS  # noqa: E402
-
-COMPLETION = 1024
-PROMPT = 64
-GROUP = 8
 
 MODES = {"full": {"groups": 2400, "ack_flushes": 500, "rounds": 3},
          "quick": {"groups": 1000, "ack_flushes": 100, "rounds": 3},
@@ -85,11 +80,6 @@ MODES = {"full": {"groups": 2400, "ack_flushes": 500, "rounds": 3},
 flushes timed, and rounds of the three side-by-side measurements, per mode. The orchestrator
 ingests ~4M tokens a second here: a quick round of 200 groups was ~0.4 s, two metrics records,
 and its efficiency swung 0.21-0.54 between rounds; 1000 groups make each round's window ~2 s."""
-
-
-def _cpu() -> float:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
 
 
 def run_orchestrator(groups: int, producers: int, root: Path) -> dict:
@@ -174,142 +164,13 @@ def _exit_cpu(proc: subprocess.Popen, timeout_s: float) -> float:
         time.sleep(0.02)
 
 
-def _group_message(key: bytes, groups: int) -> list[bytes]:
-    """A `Result` of ``groups`` groups of 8 x 1K-token samples, as a generator sends them."""
-    rng = np.random.default_rng(0)
-    n, t = GROUP * groups, GROUP * groups * COMPLETION
-    cols = {"group_id": np.zeros(n, np.int64), "sample_index": np.arange(n, dtype=np.int32),
-            "prompt_id": np.zeros(n, np.int64), "attempt": np.zeros(n, np.int32),
-            "finish_reason": np.zeros(n, np.uint8), "reward": np.zeros(n, np.float32),
-            "generator_id": np.zeros(n, np.int32), "t_start": np.zeros(n), "t_end": np.zeros(n),
-            "prompt_len": np.full(n, PROMPT, np.int32), "completion_len": np.full(n, COMPLETION, np.int32),
-            "prompt_ids": rng.integers(0, 1000, n * PROMPT, dtype=np.int32),
-            "completion_ids": rng.integers(0, 1000, t, dtype=np.int32),
-            "logprobs": -rng.random(t, dtype=np.float32), "versions": np.zeros(t, np.int32)}
-    header = {"groups": [[g, 0] for g in range(groups)], "credit": None}
-    return [bytes(f) for f in wire.encode(key, "result", header, cols)]
-
-
-def raw_receiver(addr_file: str, n_msgs: int) -> None:
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.ROUTER)
-    port = s.bind_to_random_port("tcp://127.0.0.1")
-    Path(addr_file).write_text(str(port))
-    s.recv_multipart(copy=False)
-    c0 = _cpu()
-    for _ in range(n_msgs - 1):
-        s.recv_multipart(copy=False)
-    print(json.dumps({"cpu_s": _cpu() - c0}), flush=True)
-
-
-def raw_sender(port: int, n_msgs: int, groups_per_message: int) -> None:
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.connect(f"tcp://127.0.0.1:{port}")
-    frames = _group_message(b"k" * 32, groups_per_message)
-    for _ in range(n_msgs):
-        s.send_multipart(frames)
-    s.close(linger=-1)
-
-
-def run_raw_zmq(n_groups: int, groups_per_message: int) -> dict:
-    """CPU of receiving ``n_groups`` groups as messages of ``groups_per_message`` groups."""
-    n_msgs = max(2, round(n_groups / groups_per_message))
-    addr = tempfile.mktemp()
-    me = [sys.executable, __file__]
-    rx = subprocess.Popen(me + ["--raw-receiver", addr, str(n_msgs)], stdout=subprocess.PIPE, text=True)
-    while not Path(addr).exists() or not Path(addr).read_text():
-        time.sleep(0.02)
-    subprocess.run(me + ["--raw-sender", Path(addr).read_text(), str(n_msgs), str(groups_per_message)], check=True)
-    out = json.loads(rx.communicate(timeout=300)[0].strip().splitlines()[-1])
-    return {"cpu_s": out["cpu_s"] / (n_msgs - 1) * n_groups / groups_per_message}
-
-
-def run_raw_h5py(n_groups: int, groups_per_flush: int, root: Path, groups_per_message: int) -> dict:
-    """Appends of ``n_groups`` groups' columns, as messages of ``groups_per_message`` groups
-    arrive, synced after every ``groups_per_flush`` groups."""
-    frames = _group_message(b"k" * 32, groups_per_message)
-    msg = wire.decode(b"k" * 32, frames, 1 << 30)
-    cols = dict(msg.arrays)
-    per_flush = max(1, round(groups_per_flush / groups_per_message))  # messages per flush
-    path = tempfile.mktemp(suffix=".h5", dir=root)
-    c0 = _cpu()
-    with h5py.File(path, "w", libver="latest") as f:
-        ds = {k: f.create_dataset(k, shape=(0,), maxshape=(None,), dtype=v.dtype,
-                                  chunks=(65536 if len(v) > GROUP * groups_per_message else 1024,))
-              for k, v in cols.items()}
-        f.swmr_mode = True
-        fd = f.id.get_vfd_handle()
-        written = 0
-        while written < n_groups:
-            k = max(1, min(per_flush, round((n_groups - written) / groups_per_message)))
-            written += k * groups_per_message
-            for name, d in ds.items():
-                a = np.concatenate([cols[name]] * k) if k > 1 else cols[name]
-                n0 = d.shape[0]
-                d.resize((n0 + len(a),))
-                d[n0:] = a
-            f.flush()
-            os.fdatasync(fd)  # durable as an acknowledged flush of the orchestrator's log
-    cpu = (_cpu() - c0) * n_groups / written
-    os.unlink(path)
-    return {"cpu_s": cpu}
-
-
-def run_log_floor(n_groups: int, groups_per_flush: int, root: Path, groups_per_message: int) -> dict:
-    """The per-byte work of any orchestrator beyond the receive, with no per-group bookkeeping: each
-    received message authenticated and decoded (`wire.decode`), its token values checked
-    (`check_token_values`), its frames as received appended to a journal file and ``fdatasync``'d
-    after every ``groups_per_flush`` groups; then every column sealed once, as a seal writes it
-    (`format.write_sealed_segment`): one ``pwritev`` of its messages' arrays where HDF5 placed the
-    dataset, digested (`digests.digest`), the file synced."""
-    from pipeline.protocol.record import check_token_values
-    from pipeline.rollout_log.digests import block_rows, digest
-
-    key = b"k" * 32
-    frames = _group_message(key, groups_per_message)
-    per_flush = max(1, round(groups_per_flush / groups_per_message))  # messages per flush
-    n_msgs = max(1, round(n_groups / groups_per_message))
-    journal, sealed = tempfile.mktemp(suffix=".journal", dir=root), tempfile.mktemp(suffix=".h5", dir=root)
-    c0 = _cpu()
-    held = []
-    fd = os.open(journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        for i in range(n_msgs):
-            cols = wire.decode(key, frames, 1 << 30).arrays
-            check_token_values(cols["prompt_ids"], cols["completion_ids"], cols["logprobs"], cols["versions"],
-                               cols["completion_len"])
-            held.append(cols)
-            os.writev(fd, frames)
-            if (i + 1) % per_flush == 0 or i + 1 == n_msgs:
-                os.fdatasync(fd)
-    finally:
-        os.close(fd)
-    with h5py.File(sealed, "w", libver="latest") as f:
-        for name, first in held[0].items():
-            parts = [cols[name] for cols in held]
-            dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-            dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)  # as a seal: placed now, never filled
-            d = f.create_dataset(name, shape=(len(first) * n_msgs, *first.shape[1:]), dtype=first.dtype,
-                                 dcpl=dcpl, fill_time="never")
-            wrote = os.pwritev(f.id.get_vfd_handle(), parts, d.id.get_offset())  # its rows where they lie
-            assert wrote == sum(p.nbytes for p in parts), f"short write of {name}: {wrote} bytes"
-            f.create_dataset(f"{name}.digests", data=digest(parts, block_rows(first)))
-        f.flush()
-        os.fdatasync(f.id.get_vfd_handle())
-    cpu = (_cpu() - c0) * n_groups / (n_msgs * groups_per_message)
-    os.unlink(journal)
-    os.unlink(sealed)
-    return {"cpu_s": cpu}
-
-
 def run_ack_latency(n_flushes: int, root: Path) -> dict:
     """Durable flush of one group (8 x 1K-token samples + its group row), as the orchestrator
     does before acknowledging; then one seal of everything flushed."""
     from pipeline.protocol.record import RecordSchema
     from pipeline.protocol.sample_batch import SampleBatch
     from pipeline.rollout_log.writer import RolloutLogWriter
-    msg = wire.decode(b"k" * 32, _group_message(b"k" * 32, 1), 1 << 30)
+    msg = wire.decode(b"k" * 32, group_message(b"k" * 32, 1), 1 << 30)
     group = SampleBatch(dict(msg.arrays), RecordSchema(), validate=True)
     log_dir = Path(tempfile.mkdtemp(prefix="tf-acklat-", dir=root))
     lat = []
@@ -368,10 +229,10 @@ def digest_cpu_s_per_1m_tokens() -> float:
     three per-token columns (ids, logprobs, versions: 12 bytes a token), part of every seal."""
     from pipeline.rollout_log.digests import block_rows, digest
     column = np.arange(1_000_000, dtype=np.int32)
-    c0 = _cpu()
+    c0 = cpu_s()
     for _ in range(3):
         digest([column], block_rows(column))
-    return round(_cpu() - c0, 4)
+    return round(cpu_s() - c0, 4)
 
 
 def _default_netfs() -> str | None:
@@ -388,8 +249,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--producers", type=int, default=2)
     p.add_argument("--local", help="local-disk directory for the run (default: the temp dir)")
     p.add_argument("--netfs", help="network-filesystem directory (default: scripts/netfs.sh's mount)")
-    p.add_argument("--raw-receiver", nargs=2, help=argparse.SUPPRESS)
-    p.add_argument("--raw-sender", nargs=3, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -425,11 +284,5 @@ def main(a: argparse.Namespace) -> None:
 if __name__ == "__main__":
     from leftovers import no_process_left  # bench/ is this script's directory
 
-    args = parse_args()
-    if args.raw_receiver:  # a helper of a running benchmark, whose own check covers it (module docstring)
-        raw_receiver(args.raw_receiver[0], int(args.raw_receiver[1]))
-    elif args.raw_sender:
-        raw_sender(int(args.raw_sender[0]), int(args.raw_sender[1]), int(args.raw_sender[2]))
-    else:
-        with no_process_left():
-            main(args)
+    with no_process_left():
+        main(parse_args())

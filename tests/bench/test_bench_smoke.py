@@ -98,9 +98,9 @@ NICE = 5
 """The priority increment of the runs that are not chains."""
 
 
-SHARED = {"leftovers", "weight_stall", "shared_engine", "shared_zygote"}
+SHARED = {"leftovers", "weight_stall", "shared_engine", "shared_zygote", "ingest_baselines"}
 """bench/ modules that are no benchmark: the leftover-process check, weight_sync's stall part, the
-harnesses that run several benchmarks on one engine start or one import."""
+harnesses that run several benchmarks on one engine start or one import, ingest's baselines."""
 
 ONE_PROCESS = {"episodes": "episodes", "generator": "generator", "weight_sync": "weight_stall",
                "routing_mismatch": "routing_mismatch"}
