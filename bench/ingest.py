@@ -48,9 +48,10 @@ with the same keys in every mode (`MODES`: full, ``--quick``, ``--smoke``); each
 figures are the keys `measure` returns.
 
 The raw baselines and the floor are in `bench/ingest_baselines.py`; its raw ZeroMQ receiver and
-sender are that script run as processes of their own; they are parts of the benchmark, so only the benchmark's own process checks for leftover processes
-(`bench/leftovers.py`). A helper that checked too would find its sibling still running, wait for it
-while the sibling waited for it, and after 15 s kill it (the sender exited 1 or was SIGKILLed).
+sender are that script run as processes of their own. They are parts of the benchmark, so only the
+benchmark's own process checks for leftover processes (`bench/leftovers.py`). A helper that checked
+too would find its sibling still running, wait for it while the sibling waited for it, and after 15
+s kill it (the sender exited 1 or was SIGKILLed).
 """
 from __future__ import annotations
 
@@ -67,10 +68,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ingest_baselines import (COMPLETION, GROUP, cpu_s, group_message, run_log_floor, run_raw_h5py,  # noqa: E402
-                              run_raw_zmq)  # bench/ is this script's directory
+from ingest_baselines import (COMPLETION, GROUP, cpu_s, group_columns, run_log_floor,  # noqa: E402
+                              run_raw_h5py, run_raw_zmq)  # bench/ is this script's directory
 from pipeline.metrics import read_metrics  # noqa: E402
-from pipeline.protocol import wire  # noqa: E402
 from pipeline.run_files import ORCHESTRATOR_RENDEZVOUS  # noqa: E402
 
 MODES = {"full": {"groups": 2400, "ack_flushes": 500, "rounds": 3},
@@ -170,8 +170,7 @@ def run_ack_latency(n_flushes: int, root: Path) -> dict:
     from pipeline.protocol.record import RecordSchema
     from pipeline.protocol.sample_batch import SampleBatch
     from pipeline.rollout_log.writer import RolloutLogWriter
-    msg = wire.decode(b"k" * 32, group_message(b"k" * 32, 1), 1 << 30)
-    group = SampleBatch(dict(msg.arrays), RecordSchema(), validate=True)
+    group = SampleBatch(group_columns(1), RecordSchema(), validate=True)
     log_dir = Path(tempfile.mkdtemp(prefix="tf-acklat-", dir=root))
     lat = []
     with RolloutLogWriter(log_dir, RecordSchema(), "bench", {}, seal_interval_s=3600) as w:
@@ -270,7 +269,8 @@ def main(a: argparse.Namespace) -> None:
         print(f"{where} ({x['fstype']}): orchestrator {x['orchestrator_cpu_s_per_1M_tokens']:.3f} s CPU"
               f" / 1M tokens ({x['groups']} groups); raw zmq {x['raw_zmq_cpu_s_per_1M_tokens']}, raw "
               f"h5py {x['raw_h5py_cpu_s_per_1M_tokens']} (synced every {x['groups_per_flush']} groups, "
-              f"{x['groups_per_message']} groups a message); log floor {x['log_floor_cpu_s_per_1M_tokens']}; "
+              f"{x['groups_per_message']} groups a message); "
+              f"log floor {x['log_floor_cpu_s_per_1M_tokens']}; "
               f"efficiency {x['efficiency_vs_slower_baseline']} (rounds {x['efficiency_per_round']}); ack flush median {x['ack_flush_ms_median']} ms, "
               f"p99 {x['ack_flush_ms_p99']} ms; seal of {x['seal_mb']} MB {x['seal_s']} s")
     if not netfs:

@@ -33,6 +33,10 @@ COMPLETION = 1024
 PROMPT = 64
 GROUP = 8
 """Completion and prompt tokens of a sample, samples of a group."""
+KEY = b"k" * 32
+"""The key every message here is signed with."""
+MESSAGE_BYTES = 1 << 30
+"""The decode's bound on a message's bytes (far above any message here)."""
 
 
 def cpu_s() -> float:
@@ -57,6 +61,12 @@ def group_message(key: bytes, groups: int) -> list[bytes]:
     return [bytes(f) for f in wire.encode(key, "result", header, cols)]
 
 
+def group_columns(groups: int) -> dict[str, np.ndarray]:
+    """The columns of `group_message`'s `Result` of ``groups`` groups, decoded as the orchestrator
+    decodes them."""
+    return dict(wire.decode(KEY, group_message(KEY, groups), MESSAGE_BYTES).arrays)
+
+
 def raw_receiver(addr_file: str, n_msgs: int) -> None:
     ctx = zmq.Context()
     s = ctx.socket(zmq.ROUTER)
@@ -73,7 +83,7 @@ def raw_sender(port: int, n_msgs: int, groups_per_message: int) -> None:
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.connect(f"tcp://127.0.0.1:{port}")
-    frames = group_message(b"k" * 32, groups_per_message)
+    frames = group_message(KEY, groups_per_message)
     for _ in range(n_msgs):
         s.send_multipart(frames)
     s.close(linger=-1)
@@ -95,9 +105,7 @@ def run_raw_zmq(n_groups: int, groups_per_message: int) -> dict:
 def run_raw_h5py(n_groups: int, groups_per_flush: int, root: Path, groups_per_message: int) -> dict:
     """Appends of ``n_groups`` groups' columns, as messages of ``groups_per_message`` groups
     arrive, synced after every ``groups_per_flush`` groups."""
-    frames = group_message(b"k" * 32, groups_per_message)
-    msg = wire.decode(b"k" * 32, frames, 1 << 30)
-    cols = dict(msg.arrays)
+    cols = group_columns(groups_per_message)
     per_flush = max(1, round(groups_per_flush / groups_per_message))  # messages per flush
     path = tempfile.mktemp(suffix=".h5", dir=root)
     c0 = cpu_s()
@@ -133,8 +141,7 @@ def run_log_floor(n_groups: int, groups_per_flush: int, root: Path, groups_per_m
     from pipeline.protocol.record import check_token_values
     from pipeline.rollout_log.digests import block_rows, digest
 
-    key = b"k" * 32
-    frames = group_message(key, groups_per_message)
+    frames = group_message(KEY, groups_per_message)
     per_flush = max(1, round(groups_per_flush / groups_per_message))  # messages per flush
     n_msgs = max(1, round(n_groups / groups_per_message))
     journal, sealed = tempfile.mktemp(suffix=".journal", dir=root), tempfile.mktemp(suffix=".h5", dir=root)
@@ -143,7 +150,7 @@ def run_log_floor(n_groups: int, groups_per_flush: int, root: Path, groups_per_m
     fd = os.open(journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         for i in range(n_msgs):
-            cols = wire.decode(key, frames, 1 << 30).arrays
+            cols = wire.decode(KEY, frames, MESSAGE_BYTES).arrays
             check_token_values(cols["prompt_ids"], cols["completion_ids"], cols["logprobs"], cols["versions"],
                                cols["completion_len"])
             held.append(cols)

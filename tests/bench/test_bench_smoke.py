@@ -41,7 +41,8 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 INGEST_FILESYSTEM_KEYS = {
     "fstype", "dir", "tokens", "groups", "orchestrator_cpu_s_per_1M_tokens", "raw_zmq_cpu_s_per_1M_tokens",
-    "raw_h5py_cpu_s_per_1M_tokens", "log_floor_cpu_s_per_1M_tokens", "efficiency_vs_slower_baseline", "orchestrator_wall_tokens_per_s",
+    "raw_h5py_cpu_s_per_1M_tokens", "log_floor_cpu_s_per_1M_tokens", "efficiency_vs_slower_baseline",
+    "orchestrator_wall_tokens_per_s",
     "ack_flush_ms_median", "ack_flush_ms_p99", "seal_s", "seal_mb", "rounds", "groups_per_flush",
     "efficiency_per_round", "groups_per_message"}
 """bench/ingest.py: the figures of one filesystem (`measure`, plus its type)."""
