@@ -122,6 +122,7 @@ class Generator(WeightUpdateMixin):
         """End the engine and every process it started, at once: vLLM's client stands down first
         (so it takes the engine's end for no failure), then its processes get SIGKILL (nothing in
         them needs a graceful end; its workers ignore SIGTERM)."""
+        from pipeline.generator.owner_watch import release_rpc_dir
         from pipeline.supervise import end_processes
 
         if self._poster is not None:
@@ -132,6 +133,7 @@ class Generator(WeightUpdateMixin):
             self.engine = None
         end_processes(self._engine_pids, grace_s=0)
         self._engine_pids = []
+        release_rpc_dir()  # the engine's socket directory (`owner_watch`)
 
     # -- generation ---------------------------------------------------------------------------
     async def _run(self, prompt_ids: Sequence[int], params) -> tuple[Any, np.ndarray | None]:

@@ -19,6 +19,17 @@ then the worker itself. Nothing is asked of the owner when it dies. (Where vLLM 
 inside EngineCore, one rank on a GPU or on CPU (`pipeline.generator.vllm_args`), the watch runs in EngineCore: its parent is the owner, so it
 ends only itself.)
 
+The engine's local endpoints: vLLM binds the ZeroMQ sockets between the owner and EngineCore (and,
+on several ranks, its workers' queues) as Unix sockets named ``<VLLM_RPC_BASE_PATH>/<uuid4>``, the
+shared temp directory by default, unauthenticated, and left there when a process is killed (a
+test machine had ~4,000 of them). `mark_owner()` points ``RPC_DIR_ENV`` at a fresh directory of
+mode 0700 (`tempfile.mkdtemp`, prefix `RPC_DIR_PREFIX` and the owner's pid), so only the user's
+processes can reach the engine's sockets; it is removed when the engine is shut down
+(`release_rpc_dir`, `pipeline.generator.engine.Generator.shutdown`), when the owner exits
+normally (atexit), or, once the owner is gone, by the watch below before it ends the engine. A
+path the user set (not one of ours) is kept. Not covered: a role that fails ends its engine with
+its process tree and leaves through ``os._exit``, and leaves the directory behind.
+
 Invariants:
 - only processes carrying the owner's token are ended, i.e. descendants of the owner started after
   it called `mark_owner()`; never the owner, never a process outside its tree (a subreaper that
@@ -40,9 +51,12 @@ tracker 4100 started exits once 4152, the last holder of its pipe, is gone.
 """
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -57,6 +71,12 @@ KEEP_ENVIRON_ENV = "SPT_NOENV"
 hides ``OWNER_ENV`` and the tests' ``MARKER_ENV`` from every reader of ``/proc``."""
 POLL_S = 0.5
 """How often a watch looks at its owner."""
+RPC_DIR_ENV = "VLLM_RPC_BASE_PATH"
+"""vLLM's directory for its engine's Unix sockets (module docstring); inherited by its processes."""
+RPC_DIR_PREFIX = "tf-engine-"
+"""An owner's socket directory is ``<temp dir>/tf-engine-<owner pid>-<random>`` (short: a socket's
+path, ``<directory>/<uuid4>``, must fit the 107 bytes of a Unix socket address)."""
+SOCKET_PATH_MAX = 107
 
 _watching: int | None = None  # the pid whose watch thread runs (a forked child must start its own)
 
@@ -67,7 +87,38 @@ def mark_owner() -> str:
     token = f"{pid}:{start_time(pid)}"
     os.environ[OWNER_ENV] = token
     os.environ[KEEP_ENVIRON_ENV] = "1"
+    current = os.environ.get(RPC_DIR_ENV)
+    if current is None or _owned_rpc_dir(current, None):  # the user's own choice is kept
+        if current is None or not _owned_rpc_dir(current, pid) or not os.path.isdir(current):
+            path = tempfile.mkdtemp(prefix=f"{RPC_DIR_PREFIX}{pid}-")  # mode 0700
+            if len(os.fsencode(path)) + 37 > SOCKET_PATH_MAX:  # "/" and a uuid4 follow
+                os.rmdir(path)
+                raise ValueError(f"vLLM's engine sockets would not fit a Unix socket address "
+                                 f"({SOCKET_PATH_MAX} bytes) under the temp directory "
+                                 f"{tempfile.gettempdir()!r}: set TMPDIR to a shorter path")
+            os.environ[RPC_DIR_ENV] = path
+            atexit.register(_remove_rpc_dir, path, pid)
     return token
+
+
+def release_rpc_dir() -> None:
+    """Remove this owner's socket directory (its engines are shut down); the next `mark_owner`
+    makes a new one."""
+    path = os.environ.get(RPC_DIR_ENV)
+    if path is not None and _owned_rpc_dir(path, os.getpid()):
+        del os.environ[RPC_DIR_ENV]
+        _remove_rpc_dir(path, os.getpid())
+
+
+def _owned_rpc_dir(path: str, pid: int | None) -> bool:
+    """Whether ``path`` is a socket directory of ours (of owner ``pid``, any owner if None)."""
+    name = os.path.basename(path.rstrip("/"))
+    return name.startswith(RPC_DIR_PREFIX if pid is None else f"{RPC_DIR_PREFIX}{pid}-")
+
+
+def _remove_rpc_dir(path: str, pid: int) -> None:
+    if _owned_rpc_dir(path, pid):  # never another owner's, never a path the user chose
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _owner_alive(pid: int, started: int) -> bool:
@@ -89,6 +140,7 @@ def _end_when_gone(pid: int, started: int, token: str) -> None:
     engine_core = parent != pid and _carries(parent, token)
     print(f"tokenflow: engine owner {pid} is gone; ending engine process {os.getpid()}"
           + (f" and its parent {parent}" if engine_core else ""), file=sys.stderr, flush=True)
+    _remove_rpc_dir(os.environ.get(RPC_DIR_ENV, ""), pid)  # the dead owner's sockets
     if engine_core:
         os.kill(parent, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)

@@ -17,10 +17,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -42,7 +45,8 @@ OWNER = textwrap.dedent("""
         done = await gen.complete([0, 17, 30, 41], lambda segment: 7)
         assert len(done.token_ids) == 8, done.token_ids
         with open(sys.argv[2] + ".tmp", "w") as f:
-            json.dump({"owner": os.getpid(), "engine": descendants(os.getpid())}, f)
+            json.dump({"owner": os.getpid(), "engine": descendants(os.getpid()),
+                       "rpc": os.environ["VLLM_RPC_BASE_PATH"]}, f)
         os.replace(sys.argv[2] + ".tmp", sys.argv[2])
         await asyncio.sleep(600)
 
@@ -67,17 +71,18 @@ WORKER = ("import sys, time, pipeline.generator.worker_extension\n"  # vLLM impo
           "open(sys.argv[1], 'w').close()\ntime.sleep(120)")
 SPAWN = textwrap.dedent("""
     import json, os, subprocess, sys, time
-    from pipeline.generator.owner_watch import OWNER_ENV, mark_owner
+    from pipeline.generator.owner_watch import OWNER_ENV, RPC_DIR_ENV, mark_owner
 
     mode, out, child_argv = sys.argv[1], sys.argv[2], sys.argv[3:]
     if mode == "owner":
         mark_owner()
+        open(os.path.join(os.environ[RPC_DIR_ENV], "socket"), "w").close()  # as vLLM binds one there
     env = dict(os.environ)
     if mode.startswith("token="):  # the child alone gets an owner's token
         env[OWNER_ENV] = mode[len("token="):]
     child = subprocess.Popen([sys.executable, *child_argv], env=env)
     with open(out + ".tmp", "w") as f:
-        json.dump({"me": os.getpid(), "child": child.pid}, f)
+        json.dump({"me": os.getpid(), "child": child.pid, "rpc": os.environ.get(RPC_DIR_ENV)}, f)
     os.replace(out + ".tmp", out)
     child.wait()
     time.sleep(120)  # outlives its child: only a kill ends it
@@ -107,13 +112,52 @@ def test_the_watch_ends_the_worker_and_its_engine_core_parent_when_the_owner_is_
         core = json.loads(core_json.read_text())
         tree += [core["me"], core["child"]]
         assert all(alive(p) for p in tree)
+        rpc = Path(json.loads((tmp_path / "owner.json").read_text())["rpc"])
+        assert core["rpc"] == str(rpc) and (rpc / "socket").exists()  # the engine's sockets: inherited place
+        assert stat.S_IMODE(rpc.stat().st_mode) == 0o700 and rpc.stat().st_uid == os.getuid()
         owner.kill()
         owner.wait(timeout=10)
         wait_for(lambda: not any(alive(p) for p in tree[1:]), 10,
                  f"core {core['me']} and worker {core['child']} ended after the owner")
+        assert not rpc.exists(), "the dead owner's socket directory was left behind"
     finally:
         _kill_all(tree)
         owner.wait(timeout=10)
+
+
+def test_an_owner_keeps_its_socket_directory_until_released_and_a_user_chosen_one_untouched(
+        tmp_path, monkeypatch):
+    """`mark_owner` makes one private directory per owner for vLLM's sockets (a new one in a child
+    that inherited its parent's), reuses it for a later engine, and `release_rpc_dir` removes it;
+    a directory the user chose is used as it is and never removed."""
+    from pipeline.generator.owner_watch import KEEP_ENVIRON_ENV, OWNER_ENV, RPC_DIR_ENV, mark_owner, release_rpc_dir
+
+    monkeypatch.delenv(OWNER_ENV, raising=False)  # restored after the test, as RPC_DIR_ENV is
+    monkeypatch.delenv(KEEP_ENVIRON_ENV, raising=False)
+    parents = tmp_path / f"tf-engine-{os.getpid() + 1}-x"  # another owner's, inherited
+    parents.mkdir()
+    monkeypatch.setenv(RPC_DIR_ENV, str(parents))
+    mark_owner()
+    mine = Path(os.environ[RPC_DIR_ENV])
+    assert mine != parents and mine.name.startswith(f"tf-engine-{os.getpid()}-")
+    assert stat.S_IMODE(mine.stat().st_mode) == 0o700
+    mark_owner()  # a second engine of the same owner
+    assert os.environ[RPC_DIR_ENV] == str(mine)
+    release_rpc_dir()
+    assert not mine.exists() and RPC_DIR_ENV not in os.environ and parents.is_dir()
+    users = tmp_path / "sockets"
+    users.mkdir()
+    monkeypatch.setenv(RPC_DIR_ENV, str(users))
+    mark_owner()
+    release_rpc_dir()
+    assert os.environ[RPC_DIR_ENV] == str(users) and users.is_dir()
+    monkeypatch.delenv(RPC_DIR_ENV)
+    deep = tmp_path / ("d" * 80)  # its sockets' paths would pass a Unix socket address's 107 bytes
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    with pytest.raises(ValueError, match="set TMPDIR to a shorter path"):
+        mark_owner()
+    assert not list(deep.iterdir())
 
 
 def test_the_watch_never_ends_a_parent_outside_the_owner_tree(tmp_path):
@@ -162,6 +206,9 @@ def test_engine_processes_end_when_their_owner_and_its_supervisor_are_sigkilled(
         vllm = [t for t in titles.values() if "VLLM::" in t]
         assert len(vllm) == 1 and "VLLM::EngineCore" in vllm[0], \
             f"a one-rank CPU engine is one process, EngineCore running its worker: {titles}"
+        rpc = Path(pids["rpc"])  # vLLM's sockets to EngineCore: in the owner's private directory
+        assert stat.S_IMODE(rpc.stat().st_mode) == 0o700 and any(stat.S_ISSOCK(p.stat().st_mode)
+                                                                 for p in rpc.iterdir()), list(rpc.iterdir())
         for p in (p for p, t in titles.items() if "VLLM::" in t):  # a group's SIGTERM ends no worker
             os.kill(p, signal.SIGTERM)
             assert alive(p) and _ignored(p, signal.SIGTERM), f"{titles[p]} took a SIGTERM its owner did not send"
@@ -174,6 +221,7 @@ def test_engine_processes_end_when_their_owner_and_its_supervisor_are_sigkilled(
         survivors = {p: titles[p] for p in engine if alive(p)}
         print(f"\nengine processes {titles} gone {time.monotonic() - t0:.1f} s after their owner's SIGKILL")
         assert not survivors, f"engine processes outlived their SIGKILLed owner by 15 s: {survivors}"
+        assert not rpc.exists(), f"the dead owner's socket directory {rpc} was left behind"
         left = leftovers(os.environ[MARKER_ENV], wait_s=0.0)
         assert not left, f"processes of this test left behind: {left}"
     finally:
