@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{role:<15} pool + process {r['remote_samples_per_s']:8.1f} samples/s   in process "
               f"{r['in_process_samples_per_s']:8.1f} samples/s   ratio {r['ratio']:.2f}   errors {r['errors']}",
               flush=True)
+    shutil.rmtree(work, ignore_errors=True)  # the reward model and the pools' run directories (kept on a failure)
     return {"benchmark": "scorers", "groups": n_groups, "group_size": 8, "completion_tokens": a.completion,
             "roles": results}
 

@@ -64,6 +64,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -361,6 +362,7 @@ def main(argv: list[str] | None = None, zygote=None) -> dict:
             from support.layout_check import start_zygote
 
             log = Path(tempfile.mkdtemp(prefix="tf-weight-sync-")) / "zygote.log"
+            own.callback(shutil.rmtree, log.parent, ignore_errors=True)  # after the zygote's close
             zygote = own.enter_context(start_zygote(log))
         return measure(args, t0, {"zygote": zygote})  # + layout_check runs, by (tp, ep, lora)
 

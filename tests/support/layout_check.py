@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -79,9 +80,12 @@ def run(model_dir: str, tp: int = 1, ep: int = 1, receivers: int = 1, bucket_mb:
         forks.kill_left(list(workers))
         if own:
             forks.close()
-    return {"tp": tp, "ep": ep, "pp": pp,
-            "trainer": [json.loads((out / f"trainer{i}.json").read_text()) for i in range(world)],
-            "receivers": [json.loads((out / f"receiver{i}.json").read_text()) for i in range(receivers)]}
+    result = {"tp": tp, "ep": ep, "pp": pp,
+              "trainer": [json.loads((out / f"trainer{i}.json").read_text()) for i in range(world)],
+              "receivers": [json.loads((out / f"receiver{i}.json").read_text()) for i in range(receivers)]}
+    if outdir is None:  # a directory of its own (a benchmark's): gone once read; a failure keeps it
+        shutil.rmtree(out, ignore_errors=True)
+    return result
 
 
 def serve_role(role: str, index: int, a: dict) -> None:
