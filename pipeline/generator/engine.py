@@ -73,7 +73,7 @@ class Generator(WeightUpdateMixin):
     async def start(self) -> "Generator":
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from pipeline.generator.owner_watch import mark_owner
+        from pipeline.generator.owner_watch import mark_owner, private_engine_temp
         from pipeline.supervise import descendants, is_resource_tracker
 
         t0 = time.monotonic()
@@ -82,7 +82,7 @@ class Generator(WeightUpdateMixin):
         mark_owner()  # the engine's processes end when this one dies, SIGKILL included
         args = engine_args(self.config)
         vllm_config = args.create_engine_config()
-        with engine_process_env(vllm_config):
+        with engine_process_env(vllm_config), private_engine_temp():
             self.engine = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=args.disable_log_stats)
         self._engine_pids = [p for p in descendants(os.getpid())  # the tracker ends with this process
                              if p not in before and not is_resource_tracker(p)]

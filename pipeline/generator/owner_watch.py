@@ -27,7 +27,10 @@ mode 0700 (`tempfile.mkdtemp`, prefix `RPC_DIR_PREFIX` and the owner's pid), so 
 processes can reach the engine's sockets; it is removed when the engine is shut down
 (`release_rpc_dir`, `pipeline.generator.engine.Generator.shutdown`), when the owner exits
 normally (atexit), or, once the owner is gone, by the watch below before it ends the engine. A
-path the user set (not one of ours) is kept. Not covered: a role that fails ends its engine with
+path the user set (not one of ours) is kept. While an engine starts (`private_engine_temp`), its
+processes get that directory as ``TMPDIR`` too, so the temp files vLLM leaves when killed (a
+one-rank engine's ``vllm_dist_<uuid>`` file store, ~600 found in a test machine's ``/tmp``) go with
+it; torch inductor's cache stays where it was. Not covered: a role that fails ends its engine with
 its process tree and leaves through ``os._exit``, and leaves the directory behind.
 
 Invariants:
@@ -52,14 +55,18 @@ tracker 4100 started exits once 4152, the last holder of its pipe, is gone.
 from __future__ import annotations
 
 import atexit
+import getpass
 import os
+import re
 import shutil
 import signal
 import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from pipeline.supervise import alive, start_time
 
@@ -108,6 +115,35 @@ def release_rpc_dir() -> None:
     if path is not None and _owned_rpc_dir(path, os.getpid()):
         del os.environ[RPC_DIR_ENV]
         _remove_rpc_dir(path, os.getpid())
+
+
+@contextmanager
+def private_engine_temp() -> Iterator[None]:
+    """While an engine of this owner starts (vLLM spawns its processes meanwhile): ``TMPDIR`` is
+    the owner's socket directory, ``TORCHINDUCTOR_CACHE_DIR`` pinned to the place inductor would
+    use by default (``torchinductor_<user>`` in the temp directory), so a compiled engine still
+    finds its cache. The owner's own environment is restored after; nothing changes without a
+    socket directory of this owner (`mark_owner`)."""
+    path = os.environ.get(RPC_DIR_ENV)
+    if path is None or not _owned_rpc_dir(path, os.getpid()):
+        yield
+        return
+    saved = {name: os.environ.get(name) for name in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR")}
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (a container): inductor's own fallback name
+        user = f"uid_{os.getuid()}"
+    user = re.sub(r'[\\/:*?"<>|]', "_", user)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{user}"))
+    os.environ["TMPDIR"] = path
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _owned_rpc_dir(path: str, pid: int | None) -> bool:

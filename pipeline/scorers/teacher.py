@@ -60,7 +60,7 @@ class TeacherScorer:
             extra = {"enable_chunked_prefill": False,
                      "max_num_batched_tokens": max(max_model_len, _CPU_BATCHED_TOKENS)}
         from pipeline.generator.vllm_args import EXTENSION
-        from pipeline.generator.owner_watch import mark_owner
+        from pipeline.generator.owner_watch import mark_owner, private_engine_temp
 
         self.max_model_len = max_model_len
         self.checkpoint, self.run_dir, self.snapshot_wait_s = Path(checkpoint), run_dir, snapshot_wait_s
@@ -68,9 +68,10 @@ class TeacherScorer:
         self.follower = None  # a lagged teacher's WeightFollower (set by the role)
         self.refreshes: dict[str, int] = {"channel": 0, "checkpoint": 0, "initial": 0}
         mark_owner()  # the engine's processes end when this one dies, SIGKILL included
-        self.llm = LLM(model=str(checkpoint), dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
-                       enable_prefix_caching=False, seed=0, disable_log_stats=True,
-                       worker_extension_cls=EXTENSION, **extra)
+        with private_engine_temp():  # their temp files go with the engine's socket directory
+            self.llm = LLM(model=str(checkpoint), dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
+                           enable_prefix_caching=False, seed=0, disable_log_stats=True,
+                           worker_extension_cls=EXTENSION, **extra)
 
     def use_version(self, version: int) -> int:
         """Hold policy snapshot ``version`` (load it unless held; a newer one held is kept);

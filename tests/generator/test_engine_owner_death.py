@@ -130,7 +130,8 @@ def test_an_owner_keeps_its_socket_directory_until_released_and_a_user_chosen_on
     """`mark_owner` makes one private directory per owner for vLLM's sockets (a new one in a child
     that inherited its parent's), reuses it for a later engine, and `release_rpc_dir` removes it;
     a directory the user chose is used as it is and never removed."""
-    from pipeline.generator.owner_watch import KEEP_ENVIRON_ENV, OWNER_ENV, RPC_DIR_ENV, mark_owner, release_rpc_dir
+    from pipeline.generator.owner_watch import (KEEP_ENVIRON_ENV, OWNER_ENV, RPC_DIR_ENV, mark_owner,
+                                                private_engine_temp, release_rpc_dir)
 
     monkeypatch.delenv(OWNER_ENV, raising=False)  # restored after the test, as RPC_DIR_ENV is
     monkeypatch.delenv(KEEP_ENVIRON_ENV, raising=False)
@@ -143,12 +144,20 @@ def test_an_owner_keeps_its_socket_directory_until_released_and_a_user_chosen_on
     assert stat.S_IMODE(mine.stat().st_mode) == 0o700
     mark_owner()  # a second engine of the same owner
     assert os.environ[RPC_DIR_ENV] == str(mine)
+    monkeypatch.setenv("TMPDIR", "/var/tmp")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    with private_engine_temp():  # what the engine's processes inherit while it starts
+        assert os.environ["TMPDIR"] == str(mine)
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(os.path.join(tempfile.gettempdir(), "torchinductor_"))
+    assert os.environ["TMPDIR"] == "/var/tmp" and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
     release_rpc_dir()
     assert not mine.exists() and RPC_DIR_ENV not in os.environ and parents.is_dir()
     users = tmp_path / "sockets"
     users.mkdir()
     monkeypatch.setenv(RPC_DIR_ENV, str(users))
     mark_owner()
+    with private_engine_temp():
+        assert os.environ["TMPDIR"] == "/var/tmp"  # not ours: the engine's temp files stay where they were
     release_rpc_dir()
     assert os.environ[RPC_DIR_ENV] == str(users) and users.is_dir()
     monkeypatch.delenv(RPC_DIR_ENV)
@@ -206,9 +215,10 @@ def test_engine_processes_end_when_their_owner_and_its_supervisor_are_sigkilled(
         vllm = [t for t in titles.values() if "VLLM::" in t]
         assert len(vllm) == 1 and "VLLM::EngineCore" in vllm[0], \
             f"a one-rank CPU engine is one process, EngineCore running its worker: {titles}"
-        rpc = Path(pids["rpc"])  # vLLM's sockets to EngineCore: in the owner's private directory
+        rpc = Path(pids["rpc"])  # vLLM's sockets to EngineCore and its file store: in the owner's directory
         assert stat.S_IMODE(rpc.stat().st_mode) == 0o700 and any(stat.S_ISSOCK(p.stat().st_mode)
                                                                  for p in rpc.iterdir()), list(rpc.iterdir())
+        assert any(p.name.startswith("vllm_dist_") for p in rpc.iterdir()), list(rpc.iterdir())
         for p in (p for p, t in titles.items() if "VLLM::" in t):  # a group's SIGTERM ends no worker
             os.kill(p, signal.SIGTERM)
             assert alive(p) and _ignored(p, signal.SIGTERM), f"{titles[p]} took a SIGTERM its owner did not send"
