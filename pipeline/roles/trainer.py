@@ -358,6 +358,9 @@ class TrainerRole:
 
 
 def main(task) -> dict:
+    from megatron_patches import skip_wandb_import
+
+    skip_wandb_import()  # before megatron-core's first import
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
     role = TrainerRole(task)
     try:

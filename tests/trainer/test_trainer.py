@@ -256,6 +256,19 @@ def test_cpu_patches_idempotent():
     assert device == "cpu" and "cuda_rng" in first
 
 
+def test_a_trainer_process_skips_megatrons_wandb_import_and_leaves_no_temp_dirs(tmp_path):
+    """A trainer rank (`pipeline.roles.trainer.main`) imports megatron-core without W&B: none of
+    wandb's temp directories is left when it ends through ``os._exit``, as a role does."""
+    code = ("import os; from megatron_patches import skip_wandb_import; skip_wandb_import(); "
+            "import megatron.core.timers as t; import sys; print(t.wandb, sys.modules['wandb']); os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=REPO, env=dict(os.environ, PYTHONWARNINGS="ignore", TMPDIR=str(tmp_path)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["None", "None"]
+    left = [p.name for p in tmp_path.iterdir() if "wandb" in p.name]  # torch's inductor cache may be there
+    assert not left, f"wandb's temp directories: {left}"  # with wandb imported: *wandb-media, *wandb-artifacts
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_logprobs_match_transformers_and_export_round_trips(kind, checkpoints, tmp_path):
