@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -92,13 +93,14 @@ def raw_sender(port: int, n_msgs: int, groups_per_message: int) -> None:
 def run_raw_zmq(n_groups: int, groups_per_message: int) -> dict:
     """CPU of receiving ``n_groups`` groups as messages of ``groups_per_message`` groups."""
     n_msgs = max(2, round(n_groups / groups_per_message))
-    addr = tempfile.mktemp()
     me = [sys.executable, __file__]
-    rx = subprocess.Popen(me + ["--raw-receiver", addr, str(n_msgs)], stdout=subprocess.PIPE, text=True)
-    while not Path(addr).exists() or not Path(addr).read_text():
-        time.sleep(0.02)
-    subprocess.run(me + ["--raw-sender", Path(addr).read_text(), str(n_msgs), str(groups_per_message)], check=True)
-    out = json.loads(rx.communicate(timeout=300)[0].strip().splitlines()[-1])
+    with tempfile.TemporaryDirectory(prefix="tf-raw-zmq-") as work:  # the receiver's port, in a file
+        addr = Path(work) / "port"
+        rx = subprocess.Popen(me + ["--raw-receiver", str(addr), str(n_msgs)], stdout=subprocess.PIPE, text=True)
+        while not addr.exists() or not addr.read_text():
+            time.sleep(0.02)
+        subprocess.run(me + ["--raw-sender", addr.read_text(), str(n_msgs), str(groups_per_message)], check=True)
+        out = json.loads(rx.communicate(timeout=300)[0].strip().splitlines()[-1])
     return {"cpu_s": out["cpu_s"] / (n_msgs - 1) * n_groups / groups_per_message}
 
 
@@ -107,7 +109,8 @@ def run_raw_h5py(n_groups: int, groups_per_flush: int, root: Path, groups_per_me
     arrive, synced after every ``groups_per_flush`` groups."""
     cols = group_columns(groups_per_message)
     per_flush = max(1, round(groups_per_flush / groups_per_message))  # messages per flush
-    path = tempfile.mktemp(suffix=".h5", dir=root)
+    work = Path(tempfile.mkdtemp(prefix="tf-raw-h5py-", dir=root))  # ours alone (no mktemp race)
+    path = work / "raw.h5"
     c0 = cpu_s()
     with h5py.File(path, "w", libver="latest") as f:
         ds = {k: f.create_dataset(k, shape=(0,), maxshape=(None,), dtype=v.dtype,
@@ -127,7 +130,7 @@ def run_raw_h5py(n_groups: int, groups_per_flush: int, root: Path, groups_per_me
             f.flush()
             os.fdatasync(fd)  # durable as an acknowledged flush of the orchestrator's log
     cpu = (cpu_s() - c0) * n_groups / written
-    os.unlink(path)
+    shutil.rmtree(work)
     return {"cpu_s": cpu}
 
 
@@ -144,7 +147,8 @@ def run_log_floor(n_groups: int, groups_per_flush: int, root: Path, groups_per_m
     frames = group_message(KEY, groups_per_message)
     per_flush = max(1, round(groups_per_flush / groups_per_message))  # messages per flush
     n_msgs = max(1, round(n_groups / groups_per_message))
-    journal, sealed = tempfile.mktemp(suffix=".journal", dir=root), tempfile.mktemp(suffix=".h5", dir=root)
+    work = Path(tempfile.mkdtemp(prefix="tf-log-floor-", dir=root))  # ours alone (no mktemp race)
+    journal, sealed = work / "floor.journal", work / "floor.h5"
     c0 = cpu_s()
     held = []
     fd = os.open(journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -172,8 +176,7 @@ def run_log_floor(n_groups: int, groups_per_flush: int, root: Path, groups_per_m
         f.flush()
         os.fdatasync(f.id.get_vfd_handle())
     cpu = (cpu_s() - c0) * n_groups / (n_msgs * groups_per_message)
-    os.unlink(journal)
-    os.unlink(sealed)
+    shutil.rmtree(work)
     return {"cpu_s": cpu}
 
 
