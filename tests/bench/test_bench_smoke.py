@@ -6,7 +6,8 @@ the keys of the full mode's, pinned here (`REPORT_KEYS`): a benchmark whose harn
 report lost or renamed a field, fails here. Adding a field to a report: add it here too. The
 figures themselves mean nothing at these sizes and are only checked to be well-formed (finite,
 positive where they count something); no timing is asserted. Each benchmark checks for processes
-it left behind (`bench/leftovers.py`) and exits 1 if it finds one.
+it left behind (`bench/leftovers.py`) and exits 1 if it finds one; at the module's end nothing new
+may be left in the temp directory (but `TEMP_CACHES`).
 
 The selected ones run `CONCURRENT` at a time (a smoke run is mostly start-ups: one process
 importing vLLM or megatron-core after another; three at once keep both cores busy while one
@@ -30,6 +31,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -154,13 +156,19 @@ def _selected(request) -> list[str]:
     return [name for name in LONGEST_FIRST if f"test_{name}_smoke" in tests]
 
 
+TEMP_CACHES = ("torchinductor_",)
+"""Entries of the temp directory a smoke run may add: caches meant to stay (torch inductor's)."""
+
+
 @pytest.fixture(scope="module")
 def smoke_runs(request, tmp_path_factory):
     """name -> [(the future of a smoke run, the name of its report in that run's or None: the whole)],
-    one or two runs (its own, a shared harness's); every run has ended (and left nothing) at the module's end."""
+    one or two runs (its own, a shared harness's); every run has ended at the module's end, and
+    left no process and nothing in the temp directory but `TEMP_CACHES`."""
     from pipeline.supervise import MARKER_ENV
     from support.leftovers import leftovers
 
+    temp_before = set(os.listdir(tempfile.gettempdir()))
     selected = _selected(request)
     used = {script: [name for name in members if name in selected] for script, members in HARNESSES.items()}
     used = {script: names for script, names in used.items() if len(names) > 1}
@@ -186,6 +194,9 @@ def smoke_runs(request, tmp_path_factory):
     pool.shutdown(wait=True)
     left = {pid: cmd for marker in markers.values() for pid, cmd in leftovers(marker, wait_s=5.0).items()}
     assert not left, f"smoke benchmarks left processes behind (killed now): {left}"
+    litter = sorted(name for name in set(os.listdir(tempfile.gettempdir())) - temp_before
+                    if not name.startswith(TEMP_CACHES))
+    assert not litter, f"smoke benchmarks left these in {tempfile.gettempdir()}: {litter}"
 
 
 def _smoke(smoke_runs, name: str) -> dict:
