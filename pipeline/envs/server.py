@@ -14,7 +14,9 @@ Invariants:
   closes the episode (a late answer to a closed episode is dropped);
 - a frame that fails authentication or parsing, or that is not a well-formed request record, is
   answered with ``error`` naming the problem and serving goes on; nothing is unpickled;
-- the process ends when its parent does (parent-death signal), so a killed generator leaves none.
+- the process ends when its parent does (parent-death signal), so a killed generator leaves none;
+  on that signal it removes its socket, and the pool's directory once it is empty: the last
+  process of a killed owner's pool leaves nothing in the temp directory.
 
 Worked example: a client sends ``reset {env: "calculator", text: "37*48="}`` -> ``ok``; then
 ``step {text: "calc 37*48"}`` -> ``step {observation: "...=1776...", reward: 0.0, done: false}``;
@@ -107,9 +109,32 @@ def serve(address: str, secret: bytes) -> None:
                          name=f"env-{request.KIND}").start()
 
 
+def _leave_on_sigterm(address: str) -> None:
+    """On SIGTERM: end; once the owner is gone (the parent-death signal: this process has another
+    parent now, and nobody restarts it or removes the pool), first remove this process's socket
+    and, if it is the pool's last, the directory. While the owner lives, its pool restarts the
+    process on the same address, so both stay."""
+    import signal
+
+    path, owner = address[len("ipc://"):], os.getppid()
+
+    def leave(signum: int, _frame) -> None:
+        if os.getppid() != owner:
+            for remove, target in ((os.unlink, path), (os.rmdir, os.path.dirname(path))):
+                try:
+                    remove(target)
+                except OSError:  # gone already; the directory: another process's socket is still in it
+                    pass
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, leave)
+
+
 def main() -> None:
     from pipeline.supervise import die_with_parent
 
+    if len(sys.argv) == 2:
+        _leave_on_sigterm(sys.argv[1])  # before the parent-death signal can arrive
     die_with_parent()
     if len(sys.argv) != 2 or SECRET_ENV not in os.environ:
         raise SystemExit(f"usage: {SECRET_ENV}=HEX python -m pipeline.envs.server ADDRESS")

@@ -105,14 +105,17 @@ def test_bad_frames_and_unknown_environments_get_errors_naming_them(pool):
 def test_environment_processes_end_with_a_killed_owner(tmp_path):
     owner = subprocess.Popen(
         [sys.executable, "-c", "import sys, time\nfrom pipeline.envs.remote import EnvironmentPool\n"
-         "p = EnvironmentPool(2, 1.0, 3)\nprint(*[k.proc.pid for k in p.kept], flush=True)\ntime.sleep(120)"],
+         "p = EnvironmentPool(2, 1.0, 3)\nprint(p.dir, *[k.proc.pid for k in p.kept], flush=True)\n"
+         "time.sleep(120)"],
         stdout=subprocess.PIPE, text=True)
     try:
-        pids = [int(x) for x in owner.stdout.readline().split()]
-        assert len(pids) == 2 and all(alive(p) for p in pids)
+        where, *pids = owner.stdout.readline().split()
+        pids = [int(x) for x in pids]
+        assert len(pids) == 2 and all(alive(p) for p in pids) and os.path.isdir(where)
         owner.send_signal(signal.SIGKILL)
         owner.wait(timeout=30)
         wait_for(lambda: not any(alive(p) for p in pids), 15, "the environment processes ended")
+        wait_for(lambda: not os.path.exists(where), 5, f"the pool's socket directory {where} removed")
     finally:
         owner.kill()
         owner.wait()
