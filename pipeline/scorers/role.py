@@ -163,6 +163,8 @@ def serve(run_dir: Path, cfg: ScorersConfig, service: str, rank: int,
     finally:
         scoring.shutdown(wait=False, cancel_futures=True)
         client.close()
+        if service == "teacher":
+            scorer.close()
         if follower is not None:
             metrics.log("scorer", service=service, rank=rank, samples=samples, requests=requests,
                         busy_s=busy_s, **_teacher_state(scorer))

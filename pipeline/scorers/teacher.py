@@ -127,6 +127,13 @@ class TeacherScorer:
         finally:
             shutil.rmtree(where, ignore_errors=True)
 
+    def close(self) -> None:
+        """The role is ending: its engine's socket directory goes now (`owner_watch`; the engine's
+        processes end with the role's process tree, which leaves through ``os._exit``)."""
+        from pipeline.generator.owner_watch import release_rpc_dir
+
+        release_rpc_dir()
+
     def __call__(self, batch: SampleBatch) -> dict[str, np.ndarray]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt

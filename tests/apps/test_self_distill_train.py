@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,16 +22,20 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine]
 LAG, EVERY, STEPS = 2, 3, 12
 
 
-def test_lagged_self_distillation_run_keeps_the_teacher_in_its_window(tmp_path):
+def test_lagged_self_distillation_run_keeps_the_teacher_in_its_window(tmp_path, request):
     run = tmp_path / "sd"
     cmd = [sys.executable, "-m", "pipeline.cli", "train", "run.name=sd", f"hydra.run.dir={run}",
            f"run.steps={STEPS}", f"run.checkpoint_every={EVERY}", "run.eval_every=0", "run.progress=false",
            "logger=[]", "run.timeout_s=300", "orchestrator.groups_per_step=4",
            "orchestrator.group_size=8", "scorers.teacher=lagged", f"scorers.teacher_lag={LAG}",
            "trainer.loss.distill_coef=0.5"]
-    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                         timeout=1200)
+    temp = Path(tempfile.mkdtemp(prefix="tf-sd-"))  # the run's temp directory (short: socket paths live
+    request.addfinalizer(lambda: shutil.rmtree(temp, ignore_errors=True))  # in it); its engines' must go
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(temp)})
     assert out.returncode == 0, f"train failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+    left = sorted(p.name for p in temp.iterdir() if p.name.startswith("tf-engine-"))
+    assert not left, f"engine socket directories left by the generator and the teacher: {left}"
     steps = [m for m in read_metrics(run, "train_step")]
     assert len(steps) == STEPS and all(math.isfinite(m["teacher_kl"]) for m in steps)
     print("teacher_kl per step:", " ".join(f"{m['teacher_kl']:.3f}" for m in steps))
