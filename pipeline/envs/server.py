@@ -109,17 +109,28 @@ def serve(address: str, secret: bytes) -> None:
                          name=f"env-{request.KIND}").start()
 
 
+OWNER_EXIT_S = 0.5
+"""How long a SIGTERM waits for the owner to be gone: the parent-death signal comes when the owner's
+thread that started this process exits, which may be before the owner's other threads have."""
+
+
 def _leave_on_sigterm(address: str) -> None:
-    """On SIGTERM: end; once the owner is gone (the parent-death signal: this process has another
-    parent now, and nobody restarts it or removes the pool), first remove this process's socket
-    and, if it is the pool's last, the directory. While the owner lives, its pool restarts the
-    process on the same address, so both stay."""
+    """On SIGTERM: end; if the owner is gone (the parent-death signal: nobody restarts this process
+    or removes the pool), first remove this process's socket and, if it is the pool's last, the
+    directory. While the owner lives (a stop signal to the process group), its pool may restart
+    the process on the same address, so both stay."""
     import signal
+    import time
+
+    from pipeline.supervise import alive
 
     path, owner = address[len("ipc://"):], os.getppid()
 
     def leave(signum: int, _frame) -> None:
-        if os.getppid() != owner:
+        deadline = time.monotonic() + OWNER_EXIT_S
+        while alive(owner) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not alive(owner):
             for remove, target in ((os.unlink, path), (os.rmdir, os.path.dirname(path))):
                 try:
                     remove(target)
