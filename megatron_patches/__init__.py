@@ -375,18 +375,6 @@ def select_patches(device: str, sequence_parallel: bool, norm: str = TORCH_NORM)
     return [name for name, _, condition in _PATCHES if wanted[condition]]
 
 
-def skip_wandb_import() -> None:
-    """Call before megatron-core is imported, in a process that never uses W&B (a trainer rank:
-    tokenflow's trackers run in the launcher). megatron-core's timers import ``wandb`` when it is
-    installed (it is: an optional tracker of ours): ~0.6 CPU s per process, and two temp
-    directories (``*wandb-media``, ``*wandb-artifacts``) that a process ending through
-    ``os._exit``, as a role does, leaves in the temp directory. With ``sys.modules["wandb"] = None``
-    its ``import wandb`` raises ImportError and megatron-core goes on as without W&B."""
-    import sys
-
-    sys.modules.setdefault("wandb", None)
-
-
 def apply_patches(device: str | None = None, sequence_parallel: bool = True, norm: str = TORCH_NORM) -> list[str]:
     """Apply the patches ``select_patches`` names for this machine and layout; return every
     patch applied in this process so far. Idempotent: a patch is applied at most once.

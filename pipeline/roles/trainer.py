@@ -357,9 +357,17 @@ class TrainerRole:
         log.warning("the final evaluation did not finish within %.0fs", self.cfg.run.timeout_s)
 
 
-def main(task) -> dict:
-    from megatron_patches import skip_wandb_import
+def skip_wandb_import() -> None:
+    """Called before megatron-core is imported, in a trainer rank (which never uses W&B: tokenflow's
+    trackers run in the launcher). megatron-core's timers import ``wandb`` when it is installed (it
+    is: an optional tracker of ours): ~0.6 CPU s per process, and two temp directories
+    (``*wandb-media``, ``*wandb-artifacts``) that a process ending through ``os._exit``, as a role
+    does, leaves behind. With ``sys.modules["wandb"] = None`` its ``import wandb`` raises
+    ImportError and megatron-core goes on as without W&B."""
+    sys.modules.setdefault("wandb", None)
 
+
+def main(task) -> dict:
     skip_wandb_import()  # before megatron-core's first import
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
     role = TrainerRole(task)

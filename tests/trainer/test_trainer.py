@@ -259,7 +259,7 @@ def test_cpu_patches_idempotent():
 def test_a_trainer_process_skips_megatrons_wandb_import_and_leaves_no_temp_dirs(tmp_path):
     """A trainer rank (`pipeline.roles.trainer.main`) imports megatron-core without W&B: none of
     wandb's temp directories is left when it ends through ``os._exit``, as a role does."""
-    code = ("import os; from megatron_patches import skip_wandb_import; skip_wandb_import(); "
+    code = ("import os; from pipeline.roles.trainer import skip_wandb_import; skip_wandb_import(); "
             "import megatron.core.timers as t; import sys; print(t.wandb, sys.modules['wandb']); os._exit(0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=REPO, env=dict(os.environ, PYTHONWARNINGS="ignore", TMPDIR=str(tmp_path)))
