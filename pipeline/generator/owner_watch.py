@@ -98,15 +98,22 @@ def mark_owner() -> str:
     current = os.environ.get(RPC_DIR_ENV)
     if current is None or _owned_rpc_dir(current, None):  # the user's own choice is kept
         if current is None or not _owned_rpc_dir(current, pid) or not os.path.isdir(current):
-            path = tempfile.mkdtemp(prefix=f"{RPC_DIR_PREFIX}{pid}-")  # mode 0700
-            if len(os.fsencode(path)) + 37 > SOCKET_PATH_MAX:  # "/" and a uuid4 follow
-                os.rmdir(path)
-                raise ValueError(f"vLLM's engine sockets would not fit a Unix socket address "
-                                 f"({SOCKET_PATH_MAX} bytes) under the temp directory "
-                                 f"{tempfile.gettempdir()!r}: set TMPDIR to a shorter path")
+            path = _new_rpc_dir(pid)
             os.environ[RPC_DIR_ENV] = path
             atexit.register(_remove_rpc_dir, path, pid)
     return token
+
+
+def _new_rpc_dir(pid: int) -> str:
+    """A fresh directory of mode 0700 for owner ``pid``'s sockets: in the temp directory, or in
+    ``/tmp`` where the temp directory is too deep for a socket's path (``<directory>/<uuid4>``)."""
+    for base in dict.fromkeys((tempfile.gettempdir(), "/tmp")):
+        longest = len(os.fsencode(base)) + len(f"/{RPC_DIR_PREFIX}{pid}-12345678/") + 36
+        if longest <= SOCKET_PATH_MAX and os.path.isdir(base):
+            return tempfile.mkdtemp(prefix=f"{RPC_DIR_PREFIX}{pid}-", dir=base)
+    raise ValueError(f"vLLM's engine sockets would not fit a Unix socket address ({SOCKET_PATH_MAX} "
+                     f"bytes) under the temp directory {tempfile.gettempdir()!r}, and there is no "
+                     "/tmp: set TMPDIR to a shorter path")
 
 
 def release_rpc_dir() -> None:
