@@ -22,13 +22,12 @@ ends only itself.)
 The engine's local endpoints: vLLM binds the ZeroMQ sockets between the owner and EngineCore (and,
 on several ranks, its workers' queues) as Unix sockets named ``<VLLM_RPC_BASE_PATH>/<uuid4>``, the
 shared temp directory by default, unauthenticated, and left there when a process is killed (a
-test machine had ~4,000 of them). `mark_owner()` points ``RPC_DIR_ENV`` at a fresh directory of
-mode 0700 (`tempfile.mkdtemp`, prefix `RPC_DIR_PREFIX` and the owner's pid), so only the user's
+test machine had thousands). `mark_owner()` points ``RPC_DIR_ENV`` at a fresh directory of mode
+0700 (`tempfile.mkdtemp`, prefix `RPC_DIR_PREFIX` and the owner's pid), so only the user's
 processes can reach the engine's sockets; it is removed when the engine is shut down
-(`release_rpc_dir`: `pipeline.generator.engine.Generator.shutdown`, a teacher scorer's `close`
-at its role's end), when the owner exits
-normally (atexit), or, once the owner is gone, by the watch below before it ends the engine. A
-path the user set (not one of ours) is kept. While an engine starts (`private_engine_temp`), its
+(`release_rpc_dir`: `pipeline.generator.engine.Generator.shutdown`, a teacher scorer's `close` at
+its role's end), when the owner exits normally (atexit), or, once the owner is gone, by the watch
+below before it ends the engine. A path the user set (not one of ours) is kept. While an engine starts (`private_engine_temp`), its
 processes get that directory as ``TMPDIR`` too, so the temp files vLLM leaves when killed (a
 one-rank engine's ``vllm_dist_<uuid>`` file store, ~600 found in a test machine's ``/tmp``) go with
 it; torch inductor's cache stays where it was. Not covered: a role that fails ends its engine with
