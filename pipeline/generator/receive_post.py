@@ -14,9 +14,9 @@ Invariants (imports neither vLLM nor torch):
 - the worker's listener is a daemon thread of the worker process with one ZeroMQ REP socket on a
   Unix socket inside a fresh directory of mode 0700 (`tempfile.mkdtemp`), started once
   (`ReceivePostListener.address`): no other user can connect (an abstract socket has no
-  permissions: any local user could trigger a receive); it is made inside the engine's socket
-  directory (``VLLM_RPC_BASE_PATH``, `pipeline.generator.owner_watch`) where there is one, so it
-  goes with that directory when a killed worker could not remove it at exit;
+  permissions: any local user could trigger a receive); it is removed at exit, and is made in the
+  worker's temp directory, which is the engine's own (``TMPDIR`` while the engine starts,
+  `pipeline.generator.owner_watch.private_engine_temp`), so a killed worker's goes with it;
 - a request is a `ReceivePost` record, the answer a `ReceivePostAnswer`
   (`pipeline.protocol.weight_stream`, packed by `pipeline.protocol.codec`: no pickle); a malformed request gets an error
   answer;
@@ -30,7 +30,6 @@ Invariants (imports neither vLLM nor torch):
 from __future__ import annotations
 
 import atexit
-import os
 import shutil
 import tempfile
 import threading
@@ -47,9 +46,7 @@ class ReceivePostListener:
         import zmq
 
         self._start = start
-        from pipeline.generator.owner_watch import RPC_DIR_ENV
-
-        directory = tempfile.mkdtemp(prefix="receive-post-", dir=os.environ.get(RPC_DIR_ENV))  # 0700, ours
+        directory = tempfile.mkdtemp(prefix="tokenflow-receive-post-")  # mode 0700, ours
         atexit.register(shutil.rmtree, directory, ignore_errors=True)
         self.address = f"ipc://{directory}/socket"
         self._socket = zmq.Context.instance().socket(zmq.REP)

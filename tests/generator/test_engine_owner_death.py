@@ -46,7 +46,8 @@ OWNER = textwrap.dedent("""
         assert len(done.token_ids) == 8, done.token_ids
         with open(sys.argv[2] + ".tmp", "w") as f:
             json.dump({"owner": os.getpid(), "engine": descendants(os.getpid()),
-                       "rpc": os.environ["VLLM_RPC_BASE_PATH"]}, f)
+                       "rpc": os.environ["VLLM_RPC_BASE_PATH"],
+                       "post": (await gen.engine.collective_rpc("receive_post_address"))[0]}, f)
         os.replace(sys.argv[2] + ".tmp", sys.argv[2])
         await asyncio.sleep(600)
 
@@ -222,6 +223,7 @@ def test_engine_processes_end_when_their_owner_and_its_supervisor_are_sigkilled(
         assert stat.S_IMODE(rpc.stat().st_mode) == 0o700 and any(stat.S_ISSOCK(p.stat().st_mode)
                                                                  for p in rpc.iterdir()), list(rpc.iterdir())
         assert any(p.name.startswith("vllm_dist_") for p in rpc.iterdir()), list(rpc.iterdir())
+        assert pids["post"].startswith(f"ipc://{rpc}/"), pids["post"]  # the worker's temp dir is the engine's
         for p in (p for p, t in titles.items() if "VLLM::" in t):  # a group's SIGTERM ends no worker
             os.kill(p, signal.SIGTERM)
             assert alive(p) and _ignored(p, signal.SIGTERM), f"{titles[p]} took a SIGTERM its owner did not send"
