@@ -27,11 +27,12 @@ test machine had thousands). `mark_owner()` points ``RPC_DIR_ENV`` at a fresh di
 processes can reach the engine's sockets; it is removed when the engine is shut down
 (`release_rpc_dir`: `pipeline.generator.engine.Generator.shutdown`, a teacher scorer's `close` at
 its role's end), when the owner exits normally (atexit), or, once the owner is gone, by the watch
-below before it ends the engine. A path the user set (not one of ours) is kept. While an engine starts (`private_engine_temp`), its
-processes get that directory as ``TMPDIR`` too, so the temp files vLLM leaves when killed (a
-one-rank engine's ``vllm_dist_<uuid>`` file store, ~600 found in a test machine's ``/tmp``) go with
-it; torch inductor's cache stays where it was. Not covered: a role that fails ends its engine with
-its process tree and leaves through ``os._exit``, and leaves the directory behind.
+below before it ends the engine. A path the user set (not one of ours) is kept. While an engine
+starts (`private_engine_temp`), its processes get that directory as ``TMPDIR`` too, so the temp
+files vLLM leaves when killed (a one-rank engine's ``vllm_dist_<uuid>`` file store, ~600 found in
+a test machine's ``/tmp``) go with it; torch inductor's cache stays where it was. Not covered: a
+role that fails ends its engine with its process tree and leaves through ``os._exit``, and leaves
+the directory behind.
 
 Invariants:
 - only processes carrying the owner's token are ended, i.e. descendants of the owner started after
@@ -84,6 +85,7 @@ RPC_DIR_PREFIX = "tf-engine-"
 """An owner's socket directory is ``<temp dir>/tf-engine-<owner pid>-<random>`` (short: a socket's
 path, ``<directory>/<uuid4>``, must fit the 107 bytes of a Unix socket address)."""
 SOCKET_PATH_MAX = 107
+"""Longest path of a Unix socket address (``sun_path`` less its terminating NUL)."""
 
 _watching: int | None = None  # the pid whose watch thread runs (a forked child must start its own)
 
@@ -95,11 +97,12 @@ def mark_owner() -> str:
     os.environ[OWNER_ENV] = token
     os.environ[KEEP_ENVIRON_ENV] = "1"
     current = os.environ.get(RPC_DIR_ENV)
-    if current is None or _owned_rpc_dir(current, None):  # the user's own choice is kept
-        if current is None or not _owned_rpc_dir(current, pid) or not os.path.isdir(current):
-            path = _new_rpc_dir(pid)
-            os.environ[RPC_DIR_ENV] = path
-            atexit.register(_remove_rpc_dir, path, pid)
+    users = current is not None and not _owned_rpc_dir(current, None)  # the user's own choice: kept
+    mine = current is not None and _owned_rpc_dir(current, pid) and os.path.isdir(current)
+    if not users and not mine:  # none yet, released, or a parent owner's (inherited)
+        path = _new_rpc_dir(pid)
+        os.environ[RPC_DIR_ENV] = path
+        atexit.register(_remove_rpc_dir, path, pid)
     return token
 
 
@@ -107,7 +110,8 @@ def _new_rpc_dir(pid: int) -> str:
     """A fresh directory of mode 0700 for owner ``pid``'s sockets: in the temp directory, or in
     ``/tmp`` where the temp directory is too deep for a socket's path (``<directory>/<uuid4>``)."""
     for base in dict.fromkeys((tempfile.gettempdir(), "/tmp")):
-        longest = len(os.fsencode(base)) + len(f"/{RPC_DIR_PREFIX}{pid}-12345678/") + 36
+        # <base>/<prefix><pid>-<mkdtemp's 8 characters>/<uuid4, 36 characters>
+        longest = len(os.fsencode(base)) + len(f"/{RPC_DIR_PREFIX}{pid}-") + 8 + 1 + 36
         if longest <= SOCKET_PATH_MAX and os.path.isdir(base):
             return tempfile.mkdtemp(prefix=f"{RPC_DIR_PREFIX}{pid}-", dir=base)
     raise ValueError(f"vLLM's engine sockets would not fit a Unix socket address ({SOCKET_PATH_MAX} "
