@@ -30,9 +30,9 @@ its role's end), when the owner exits normally (atexit), or, once the owner is g
 below before it ends the engine. A path the user set (not one of ours) is kept. While an engine
 starts (`private_engine_temp`), its processes get that directory as ``TMPDIR`` too, so the temp
 files vLLM leaves when killed (a one-rank engine's ``vllm_dist_<uuid>`` file store, ~600 found in
-a test machine's ``/tmp``) go with it; torch inductor's cache stays where it was. Not covered: a
-role that fails ends its engine with its process tree and leaves through ``os._exit``, and leaves
-the directory behind.
+a test machine's ``/tmp``) go with it; torch inductor's cache stays where it was (its precompiled
+headers through a link, `private_engine_temp`). Not covered: a role that fails ends its engine
+with its process tree and leaves through ``os._exit``, and leaves the directory behind.
 
 Invariants:
 - only processes carrying the owner's token are ended, i.e. descendants of the owner started after
@@ -133,8 +133,13 @@ def private_engine_temp() -> Iterator[None]:
     """While an engine of this owner starts (vLLM spawns its processes meanwhile): ``TMPDIR`` is
     the owner's socket directory, ``TORCHINDUCTOR_CACHE_DIR`` pinned to the place inductor would
     use by default (``torchinductor_<user>`` in the temp directory), so a compiled engine still
-    finds its cache. The owner's own environment is restored after; nothing changes without a
-    socket directory of this owner (`mark_owner`)."""
+    finds its cache. Inductor keeps its precompiled headers under that default place whatever
+    ``TORCHINDUCTOR_CACHE_DIR`` says (it takes the temp directory at import), so the owner's
+    directory gets a link of that name to it: a vLLM CPU engine precompiles one header at its
+    start (~5 CPU s of ``cc1plus``), found there by every later engine instead of compiled again
+    by each (removing the directory removes the link, never what it points to). The owner's own
+    environment is restored after; nothing changes without a socket directory of this owner
+    (`mark_owner`)."""
     path = os.environ.get(RPC_DIR_ENV)
     if path is None or not _owned_rpc_dir(path, os.getpid()):
         yield
@@ -144,8 +149,12 @@ def private_engine_temp() -> Iterator[None]:
         user = getpass.getuser()
     except (KeyError, OSError):  # no passwd entry (a container): inductor's own fallback name
         user = f"uid_{os.getuid()}"
-    user = re.sub(r'[\\/:*?"<>|]', "_", user)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{user}"))
+    inductor = os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor)
+    os.makedirs(inductor, exist_ok=True)
+    link = os.path.join(path, os.path.basename(inductor))  # inductor's default place seen from the new TMPDIR
+    if not os.path.islink(link):
+        os.symlink(inductor, link)
     os.environ["TMPDIR"] = path
     try:
         yield

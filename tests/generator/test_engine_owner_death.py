@@ -150,10 +150,14 @@ def test_an_owner_keeps_its_socket_directory_until_released_and_a_user_chosen_on
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     with private_engine_temp():  # what the engine's processes inherit while it starts
         assert os.environ["TMPDIR"] == str(mine)
-        assert os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(os.path.join(tempfile.gettempdir(), "torchinductor_"))
+        inductor = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        assert inductor.startswith(os.path.join(tempfile.gettempdir(), "torchinductor_"))
+        link = mine / os.path.basename(inductor)  # inductor's default place under the engine's TMPDIR
+        assert link.is_symlink() and os.readlink(link) == inductor
     assert os.environ["TMPDIR"] == "/var/tmp" and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
     release_rpc_dir()
     assert not mine.exists() and RPC_DIR_ENV not in os.environ and parents.is_dir()
+    assert os.path.isdir(inductor)  # the link went with the directory, the cache stayed
     users = tmp_path / "sockets"
     users.mkdir()
     monkeypatch.setenv(RPC_DIR_ENV, str(users))
@@ -224,6 +228,8 @@ def test_engine_processes_end_when_their_owner_and_its_supervisor_are_sigkilled(
                                                                  for p in rpc.iterdir()), list(rpc.iterdir())
         assert any(p.name.startswith("vllm_dist_") for p in rpc.iterdir()), list(rpc.iterdir())
         assert pids["post"].startswith(f"ipc://{rpc}/"), pids["post"]  # the worker's temp dir is the engine's
+        inductor = [p for p in rpc.iterdir() if p.name.startswith("torchinductor_")]  # its precompiled header:
+        assert inductor and all(p.is_symlink() for p in inductor), inductor  # found in the shared cache
         for p in (p for p, t in titles.items() if "VLLM::" in t):  # a group's SIGTERM ends no worker
             os.kill(p, signal.SIGTERM)
             assert alive(p) and _ignored(p, signal.SIGTERM), f"{titles[p]} took a SIGTERM its owner did not send"
