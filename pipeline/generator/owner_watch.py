@@ -31,8 +31,9 @@ below before it ends the engine. A path the user set (not one of ours) is kept. 
 starts (`private_engine_temp`), its processes get that directory as ``TMPDIR`` too, so the temp
 files vLLM leaves when killed (a one-rank engine's ``vllm_dist_<uuid>`` file store, ~600 found in
 a test machine's ``/tmp``) go with it; torch inductor's cache stays where it was (its precompiled
-headers through a link, `private_engine_temp`). Not covered: a role that fails ends its engine
-with its process tree and leaves through ``os._exit``, and leaves the directory behind.
+headers through a link, `private_engine_temp`). A role that fails ends its engine with its process
+tree and leaves through ``os._exit``, past atexit: it releases the directory first
+(`pipeline.launch.task`).
 
 Invariants:
 - only processes carrying the owner's token are ended, i.e. descendants of the owner started after

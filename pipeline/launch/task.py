@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Tuple
 
+from pipeline.generator.owner_watch import release_rpc_dir
 from pipeline.launch.gpus import task_gpu_env
 from pipeline.launch.plan import JobPlan, LaunchError
 from pipeline.launch.rendezvous import DIST_ENV, Rendezvous, mpi_bootstrap, under_mpi
@@ -303,6 +304,7 @@ def _run_role(plan: JobPlan, run_dir: Path, where: Tuple[int, str, int], attempt
                                     "error": traceback.format_exc()})
         traceback.print_exc()
         end_tree(spare=own_resource_trackers())  # it ends with this process (shared memory cleaned)
+        release_rpc_dir()  # its engine's socket directory too: no atexit past os._exit
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)  # a failed role's library threads (vLLM, ZeroMQ) could hold the interpreter's exit

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -13,7 +14,8 @@ from pipeline.launch import (ComponentSpec, JobPlan, LaunchError, LocalLauncher,
                              TaskFailed)
 from pipeline.launch.slurm import executor_parameters, fold_states
 from pipeline.launch.slurm_checks import SlurmNode, SlurmPartition, check_plan, parse_time_min
-from pipeline.launch.task import locate
+from pipeline.launch.supervisor import ROLE_PROCESS_ENV
+from pipeline.launch.task import locate, result_path
 
 PROBE = "pipeline.launch.probe:probe"
 
@@ -144,6 +146,37 @@ def test_local_launcher_stops_the_run_when_a_role_fails(tmp_path):
     with pytest.raises(TaskFailed, match=r"task generator\.[01] failed: RuntimeError: probe: role generator was told to fail"):
         run.wait(timeout_s=120)
     assert run.state() == "FAILED" and run.done()
+
+
+ENGINE_OWNER_ROLE = """
+import os, sys
+from pathlib import Path
+from pipeline.launch import ComponentSpec, JobPlan
+from pipeline.launch.task import run_task
+
+def role(task):
+    from pipeline.generator.owner_watch import RPC_DIR_ENV, mark_owner
+    mark_owner()  # what a role does right before it builds a vLLM engine
+    print("socket directory", os.environ[RPC_DIR_ENV], flush=True)
+    raise RuntimeError("the role fails")
+
+run_task(JobPlan(name="t", components={"generator": ComponentSpec(entry="__main__:role")}), Path(sys.argv[1]), 0,
+         os.environ)
+"""
+
+
+def test_a_role_that_fails_leaves_no_engine_socket_directory(tmp_path):
+    """A failed role process leaves through ``os._exit`` (no atexit): the private directory of its
+    engine's sockets (`pipeline.generator.owner_watch.mark_owner`) is removed on the way."""
+    script = tmp_path / "role.py"
+    script.write_text(ENGINE_OWNER_ROLE)
+    result_path(tmp_path / "run", "generator", 0).parent.mkdir(parents=True)  # as its supervisor makes it
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, ROLE_PROCESS_ENV: "0", "TOKENFLOW_GLOBAL_RANK": "0"})
+    assert out.returncode == 1 and "the role fails" in out.stderr, out.stdout + out.stderr
+    made = [line.split()[-1] for line in out.stdout.splitlines() if line.startswith("socket directory")]
+    assert made and "tf-engine-" in made[0], out.stdout
+    assert not os.path.exists(made[0]), f"the failed role left its engine's socket directory {made[0]}"
 
 
 def test_checkpoint_signal_sets_stop_requested_and_children_survive_it(tmp_path):
