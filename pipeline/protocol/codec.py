@@ -192,6 +192,9 @@ def _check(tp: Any, value: Any, where: str) -> Any:
     elif dataclasses.is_dataclass(tp):
         return tp(**_record(tp, value, where + "."))
     elif origin is list and isinstance(value, list):
+        exact = _exact_types(args[0])
+        if exact is not None and all(type(v) in exact for v in value):  # scalars: no call per element
+            return list(value)
         return [_check(args[0], v, f"{where}[{i}]") for i, v in enumerate(value)]
     elif origin is dict and isinstance(value, dict):
         return {_check(args[0], k, where): _check(args[1], v, f"{where}[{k!r}]") for k, v in value.items()}
@@ -204,12 +207,30 @@ def _check(tp: Any, value: Any, where: str) -> Any:
     raise _Bad(f"{where}: expected {_name(tp)}, got {type(value).__name__}")
 
 
+def _exact_types(tp: Any) -> frozenset | None:
+    """The exact Python types a value of ``tp`` may have when ``tp`` is a scalar `_check` passes
+    through unchanged (``int``, ``str``, ``bool``, ``bytes``, ``None``, or a union of them), else
+    None; looked up once per type. (``float`` is not: `_check` converts an int to it.)"""
+    try:
+        return _EXACT[tp]
+    except KeyError:
+        origin, args = _parts(tp)
+        arms = args if origin in (Union, types.UnionType) else (tp,)
+        ok = all(arm in (int, str, bool, bytes, type(None)) for arm in arms)
+        _EXACT[tp] = found = frozenset(arms) if ok else None
+        return found
+
+
 def _name(tp: Any) -> str:
+    origin, args = _parts(tp)
+    if origin in (Union, types.UnionType):  # "int | str" for Union[int, str] too, not "Union"
+        return " | ".join("None" if arm is type(None) else _name(arm) for arm in args)
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
 _HINTS: dict[type, dict[str, Any]] = {}
 _PARTS: dict[Any, tuple[Any, tuple]] = {}
+_EXACT: dict[Any, frozenset | None] = {}
 _FIELDS: dict[type, dict[str, dataclasses.Field]] = {}
 
 

@@ -59,6 +59,8 @@ def test_the_worked_example_of_the_module_docstring():
     ("hello", {"generator_id": True}, None, "generator_id: expected int, got bool"),
     ("hello", {"generator_id": 1, "x": 2}, None, "unknown field(s) x"),
     ("result", {"groups": [[1, "x"]]}, None, "groups[0][1]: expected int, got str"),
+    ("result", {"groups": [[1, 0], [2, True]]}, None, "groups[1][1]: expected int, got bool"),
+    ("ack", {"groups": [[1, 0, "stored"], [2, 0, 1.5]]}, None, "groups[1][2]: expected int | str, got float"),
     ("result", {"group_id": 1, "attempt": 0}, None, "unknown field(s) attempt, group_id"),
     ("result", {"groups": []}, None, "groups must be one or more [group_id, attempt]"),
     ("result", {"groups": [[1, 0, 2]]}, None, "groups must be one or more [group_id, attempt]"),
