@@ -1,6 +1,6 @@
 """The two steps around `srun` in slurm/train.sbatch (a heterogeneous job submitted by hand).
 
-    python -m pipeline.apps.batch prepare [--run-dir RUN | OVERRIDES...]   -> prints "RUN_DIR LAUNCH_INDEX"
+    python -m pipeline.apps.batch prepare [--run-dir RUN | OVERRIDES...]   -> prints "RUN_DIR LAUNCH_INDEX STOP_GRACE_S"
     srun --het-group=0,1 python -m pipeline.apps.launch_task RUN_DIR LAUNCH_INDEX        (the same dispatcher as submitit's)
     python -m pipeline.apps.batch finish RUN_DIR                            -> requeue, done, or failed
 
@@ -22,6 +22,7 @@ gets the job requeued (`scontrol requeue`); a completed run gets its plot and CO
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -110,7 +111,8 @@ def main(argv: List[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["prepare"]:
         run_dir = prepare(argv[1:])
-        print(run_dir, _record_launch(run_dir, os.environ.get("SLURM_JOB_ID", "none")))
+        grace = math.ceil(JobPlan.from_json((run_dir / PLAN_FILE).read_text()).stop_grace_s)  # whole seconds
+        print(run_dir, _record_launch(run_dir, os.environ.get("SLURM_JOB_ID", "none")), grace)
         return 0
     if argv[:1] == ["finish"] and len(argv) == 2:
         return finish(Path(argv[1]).resolve())

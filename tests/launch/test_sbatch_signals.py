@@ -19,7 +19,10 @@ def test_sigterm_to_the_batch_step_ends_the_run_as_cancel_does(tmp_path):
     """About 20 s: two probe roles hold until stopped; `scancel --batch --signal=TERM` signals only
     the batch shell. Found at merge: the batch shell outlived the cancel long enough for
     `batch finish` to read the stopped roles as a checkpoint stop and requeue the job (a second
-    attempt ran and completed); the trap now marks the run cancelled and the shell never requeues."""
+    attempt ran and completed); the trap now marks the run cancelled and the shell never requeues.
+    Found in CI: the trap's cancel also signalled srun, which then SIGKILLed the tasks at once ("srun:
+    forcing job termination"), before a loaded machine had run the generator's stop; the trap now
+    signals the tasks first and cancels once srun has returned (or after the stop grace)."""
     job_id = submit_probe_batch(tmp_path, "tf-sbatch-term", hold_s=200, TOKENFLOW_PYTHON=sys.executable)
     try:
         wait_until(lambda: len(list((tmp_path / "probe").glob("*.attempt-0.json"))) == 2, 60, "both roles started")
