@@ -48,11 +48,13 @@ def _record_launch(run_dir: Path, job_id: str) -> int:
     return len(lines)
 
 
-def prepare(argv: List[str]) -> Path:
+def prepare(argv: List[str]) -> tuple[Path, JobPlan]:
+    """The run directory and its validated job plan (written there unless ``--run-dir`` reuses it)."""
     if argv[:1] == ["--run-dir"]:
         run_dir = Path(argv[1]).resolve()
-        JobPlan.from_json((run_dir / PLAN_FILE).read_text()).validate()
-        return run_dir
+        plan = JobPlan.from_json((run_dir / PLAN_FILE).read_text())
+        plan.validate()
+        return run_dir, plan
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf, open_dict
 
@@ -75,7 +77,7 @@ def prepare(argv: List[str]) -> Path:
     plan.validate()
     (run_dir / PLAN_FILE).parent.mkdir(parents=True, exist_ok=True)
     (run_dir / PLAN_FILE).write_text(plan.to_json())
-    return run_dir
+    return run_dir, plan
 
 
 def finish(run_dir: Path) -> int:
@@ -110,9 +112,9 @@ def finish(run_dir: Path) -> int:
 def main(argv: List[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["prepare"]:
-        run_dir = prepare(argv[1:])
-        grace = math.ceil(JobPlan.from_json((run_dir / PLAN_FILE).read_text()).stop_grace_s)  # whole seconds
-        print(run_dir, _record_launch(run_dir, os.environ.get("SLURM_JOB_ID", "none")), grace)
+        run_dir, plan = prepare(argv[1:])
+        print(run_dir, _record_launch(run_dir, os.environ.get("SLURM_JOB_ID", "none")),
+              math.ceil(plan.stop_grace_s))  # whole seconds, for the script's countdown
         return 0
     if argv[:1] == ["finish"] and len(argv) == 2:
         return finish(Path(argv[1]).resolve())

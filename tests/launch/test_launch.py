@@ -268,8 +268,8 @@ def test_batch_prepare_reuses_the_launch_index_of_a_requeued_job(tmp_path):
 def test_batch_prepare_composes_the_config_and_plan_like_tokenflow_train(tmp_path):
     from pipeline.apps.batch import prepare
 
-    run_dir = prepare(["cluster=slurm", "run.name=hand", f"hydra.run.dir={tmp_path}/hand", "cluster.generators=3",
-                       "cluster.generator.nodes=3", "cluster.generator.partition=gen"])
+    run_dir, _ = prepare(["cluster=slurm", "run.name=hand", f"hydra.run.dir={tmp_path}/hand", "cluster.generators=3",
+                          "cluster.generator.nodes=3", "cluster.generator.partition=gen"])
     assert run_dir == (tmp_path / "hand").resolve() and (run_dir / "config.yaml").exists()
     plan = JobPlan.from_json((run_dir / "launch/plan.json").read_text())
     assert list(plan.components) == ["trainer", "generator"]
